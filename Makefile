@@ -1,0 +1,44 @@
+# Two entry points: `make up` runs the farm on this machine, `make test` runs the test suite.
+# Both bootstrap what they need (system packages, .venv, Python packages) and are idempotent.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: up test bootstrap system lint bench clean
+
+up: bootstrap
+	$(VENV)/bin/prorl-farm up
+
+test: bootstrap
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bootstrap: system $(STAMP)
+
+# redis-server for the private Redis and the tests; bubblewrap for sandboxes.
+system:
+	@if ! command -v redis-server >/dev/null || ! command -v bwrap >/dev/null; then \
+		echo "installing redis-server and bubblewrap"; \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			redis-server bubblewrap; \
+	fi
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+lint: bootstrap
+	$(VENV)/bin/ruff check prorl_farm api workers tests bench
+
+bench: bootstrap
+	$(PY) bench/pipeline.py
+
+clean:
+	rm -rf $(VENV) .prorl .pytest_cache

@@ -1,0 +1,45 @@
+"""The farm's HTTP API (v1): Flask app factory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from celery import Celery
+from flask import Flask
+
+from prorl_farm.celery_app import create_celery_app
+from prorl_farm.config import Settings, load_settings
+from prorl_farm.handlers.registry import HandlerRegistry
+from prorl_farm.jobs.store import JobStore
+
+
+@dataclass
+class FarmServices:
+    """What request handlers need, stored in ``app.extensions["prorl"]``."""
+
+    settings: Settings
+    store: JobStore
+    registry: HandlerRegistry
+    celery: Celery
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """Build the API. ``settings`` defaults to the PRORL_* environment (tests pass their own)."""
+    from api import batches, errors, handlers, health, jobs, openapi
+
+    settings = settings or load_settings()
+    if not settings.redis_url:
+        raise SystemExit("PRORL_REDIS_URL must be set for the API")
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False
+    app.extensions["prorl"] = FarmServices(
+        settings=settings,
+        store=JobStore.from_settings(settings),
+        registry=HandlerRegistry(),
+        celery=create_celery_app(settings),
+    )
+    for module in (jobs, batches, handlers, health, openapi):
+        app.register_blueprint(module.bp)
+    errors.register_error_handlers(app)
+    return app

@@ -1,0 +1,73 @@
+"""Map errors to HTTP: ``{"error": {"code", "message", "details"}}``, 4xx for caller mistakes."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from flask import Flask, jsonify
+from marshmallow import ValidationError
+from werkzeug.exceptions import HTTPException
+
+from prorl_farm.errors import NotFound
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, details=None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.details = status, code, message, details
+
+
+def _flatten(messages, prefix: str = "") -> list[str]:
+    """{"instances": {0: {"run_s": ["Not a valid number."]}}} -> ["instances.0.run_s: ..."]."""
+    if isinstance(messages, dict):
+        out = []
+        for key, value in messages.items():
+            name = prefix if key == "_schema" else f"{prefix}.{key}" if prefix else str(key)
+            out += _flatten(value, name)
+        return out
+    if isinstance(messages, list) and all(isinstance(m, str) for m in messages):
+        return [f"{prefix or 'body'}: {' '.join(messages)}"]
+    if isinstance(messages, list):
+        return [x for m in messages for x in _flatten(m, prefix)]
+    return [f"{prefix or 'body'}: {messages}"]
+
+
+def error_response(status: int, code: str, message: str, details=None):
+    return jsonify({"error": {"code": code, "message": message, "details": details or {}}}), status
+
+
+def validation_error(messages, code: str = "invalid_request"):
+    lines = _flatten(messages)
+    return ApiError(400, code, "; ".join(lines[:10]), messages)
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def _api_error(e: ApiError):
+        return error_response(e.status, e.code, e.message, e.details)
+
+    @app.errorhandler(ValidationError)
+    def _validation(e: ValidationError):
+        err = validation_error(e.normalized_messages())
+        return error_response(err.status, err.code, err.message, err.details)
+
+    @app.errorhandler(NotFound)
+    def _not_found(e: NotFound):
+        return error_response(404, "not_found", str(e))
+
+    @app.errorhandler(HTTPException)
+    def _http(e: HTTPException):
+        code = (e.name or "error").lower().replace(" ", "_")
+        return error_response(e.code or 500, code, e.description or e.name)
+
+    @app.errorhandler(redis.exceptions.ConnectionError)
+    def _redis_down(e: Exception):
+        return error_response(503, "redis_unavailable", f"job store unreachable: {e}")
+
+    @app.errorhandler(Exception)
+    def _internal(e: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "internal_error", f"{type(e).__name__}: {e}")

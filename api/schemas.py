@@ -1,0 +1,122 @@
+"""Marshmallow schemas for API v1 requests and responses."""
+
+from __future__ import annotations
+
+from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
+
+ID_RE = r"^[A-Za-z0-9_.\-]{1,128}$"
+CURSOR_RE = r"^\d+-\d+$"
+
+
+class SamplingSchema(Schema):
+    """Sampling parameters shared by every job of a request (passed to LLM backends)."""
+
+    class Meta:
+        unknown = RAISE
+
+    temperature = fields.Float(validate=validate.Range(min=0, max=10), allow_nan=False)
+    top_p = fields.Float(validate=validate.Range(min=0, max=1, min_inclusive=False))
+    top_k = fields.Integer(strict=True, validate=validate.Range(min=-1))
+    min_p = fields.Float(validate=validate.Range(min=0, max=1))
+    max_tokens = fields.Integer(strict=True, validate=validate.Range(min=1, max=1_000_000))
+    max_turns = fields.Integer(strict=True, validate=validate.Range(min=1, max=10_000))
+    seed = fields.Integer(strict=True)
+    stop_token_ids = fields.List(fields.Integer(strict=True, validate=validate.Range(min=0)))
+    repetition_penalty = fields.Float(validate=validate.Range(min=0, min_inclusive=False))
+    presence_penalty = fields.Float(validate=validate.Range(min=-2, max=2))
+    frequency_penalty = fields.Float(validate=validate.Range(min=-2, max=2))
+
+
+class SubmitSchema(Schema):
+    """POST /v1/jobs: one ``instance`` or a list of ``instances``, each run ``n`` times."""
+
+    class Meta:
+        unknown = RAISE
+
+    handler = fields.String(required=True, validate=validate.Length(min=1, max=128))
+    instance = fields.Raw(metadata={"description": "a single task instance"})
+    instances = fields.List(fields.Raw(), validate=validate.Length(min=1),
+                            metadata={"description": "task instances (objects)"})
+    n = fields.Integer(load_default=1, strict=True, validate=validate.Range(min=1, max=4096),
+                       metadata={"description": "samples per instance"})
+    sampling = fields.Nested(SamplingSchema, load_default=dict)
+    deadline_s = fields.Float(load_default=None, allow_none=True, allow_nan=False,
+                              validate=validate.Range(min=0, min_inclusive=False,
+                                                      max=30 * 24 * 3600),
+                              metadata={"description": "seconds from submit until each "
+                                        "job fails with timeout"})
+    batch_id = fields.String(load_default=None, allow_none=True, validate=validate.Regexp(
+        ID_RE, error="1-128 characters from A-Z a-z 0-9 _ . -"),
+        metadata={"description": "add to this batch (created if new)"})
+
+    @validates_schema
+    def _one_of_instance_instances(self, data, **_):
+        if ("instance" in data) == ("instances" in data):
+            raise ValidationError("give exactly one of 'instance' or 'instances'", "instances")
+
+
+class SubmitResponseSchema(Schema):
+    batch_id = fields.String()
+    job_ids = fields.List(fields.String())
+
+
+class ResultsQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    cursor = fields.String(load_default="0-0", validate=validate.Regexp(
+        CURSOR_RE, error="a stream id like '0-0' or one returned as 'cursor'"))
+    limit = fields.Integer(load_default=100, validate=validate.Range(min=1, max=1000))
+    wait = fields.Float(load_default=0.0, allow_nan=False, validate=validate.Range(min=0))
+
+
+class FailureSchema(Schema):
+    kind = fields.String()
+    message = fields.String()
+
+
+class JobSchema(Schema):
+    id = fields.String()
+    batch_id = fields.String()
+    handler = fields.String()
+    state = fields.String(metadata={"enum": ["queued", "init", "run", "eval", "done",
+                                             "failed", "cancelled"]})
+    stage = fields.String(allow_none=True)
+    phase = fields.String()
+    node = fields.String(allow_none=True)
+    instance_index = fields.Integer()
+    sample_index = fields.Integer()
+    requeues = fields.Integer()
+    created_at = fields.Float()
+    deadline_at = fields.Float(allow_none=True)
+    finished_at = fields.Float(allow_none=True)
+    timings = fields.Dict()
+    failure = fields.Nested(FailureSchema, allow_none=True)
+    reward = fields.Float(allow_none=True, metadata={"description": "null unless done"})
+    filtered = fields.Boolean()
+    result = fields.Raw(allow_none=True)
+    instance = fields.Raw()
+    sampling = fields.Dict()
+
+
+class BatchSchema(Schema):
+    batch_id = fields.String()
+    total = fields.Integer()
+    counts = fields.Dict(keys=fields.String(), values=fields.Integer())
+    finished = fields.Integer()
+    complete = fields.Boolean()
+    created_at = fields.Float()
+
+
+class ResultsSchema(Schema):
+    results = fields.List(fields.Nested(JobSchema))
+    cursor = fields.String()
+
+
+class CancelResponseSchema(Schema):
+    cancelled = fields.Integer(metadata={"description": "jobs this request cancelled"})
+    job = fields.Nested(JobSchema)
+
+
+class ErrorSchema(Schema):
+    error = fields.Dict(metadata={"description": "{code, message, details}"})

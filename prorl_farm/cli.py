@@ -1,0 +1,65 @@
+"""The `prorl-farm` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from prorl_farm.config import STAGES, load_settings
+
+
+def _cmd_up(args) -> int:
+    from prorl_farm.supervisor import Supervisor
+
+    return Supervisor(load_settings()).run()
+
+
+def _cmd_worker(args) -> int:
+    from prorl_farm.worker import worker_main
+
+    worker_main(args.stage, args.celery_args)
+    return 0
+
+
+def _cmd_api(args) -> int:
+    s = load_settings()
+    if not s.redis_url:
+        print("PRORL_REDIS_URL must be set for the API", file=sys.stderr)
+        return 2
+    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "gthread",
+            "--workers", str(s.api_workers), "--threads", str(s.api_threads),
+            "--bind", f"{s.api_host}:{s.api_port}",
+            # gthread workers heartbeat on their own; long-polls may hold a thread for max_wait_s.
+            "--timeout", str(int(s.max_wait_s) + 30), "--graceful-timeout", "5",
+            "api.wsgi:app"]
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prorl-farm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run the whole farm on this machine (private Redis unless "
+                        "PRORL_REDIS_URL is set)")
+    up.set_defaults(func=_cmd_up)
+    w = sub.add_parser("worker", help="run one stage's worker pool in the foreground")
+    w.add_argument("stage", choices=STAGES)
+    w.add_argument("celery_args", nargs=argparse.REMAINDER,
+                   help="extra arguments passed to `celery worker`")
+    w.set_defaults(func=_cmd_worker)
+    a = sub.add_parser("api", help="serve the HTTP API with gunicorn")
+    a.set_defaults(func=_cmd_api)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("PRORL_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""Trainer-side SDK."""
+
+from prorl_farm.client.farm import FarmClient, FarmHTTPError
+
+__all__ = ["FarmClient", "FarmHTTPError"]

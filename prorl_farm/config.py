@@ -1,0 +1,134 @@
+"""All settings, read once from PRORL_* environment variables.
+
+Every duration is in seconds and says so in its name (``*_S``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+
+from prorl_farm.errors import ConfigError
+
+STAGES = ("init", "run", "eval")
+POOL_TYPES = ("threads", "prefork", "solo", "gevent", "eventlet")
+
+
+def _short_hostname() -> str:
+    return socket.gethostname().split(".")[0] or "localhost"
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How one stage's worker pool runs."""
+
+    pool: str = "threads"
+    concurrency: int = 8
+    prefetch_multiplier: int = 1
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Farm-wide settings; build with :func:`load_settings`."""
+
+    # None: `prorl-farm up` starts a private redis-server of its own.
+    redis_url: str | None = None
+    node: str = field(default_factory=_short_hostname)
+    home: str = ".prorl"
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    api_workers: int = 2
+    api_threads: int = 16
+    flower_port: int = 5555
+    init: PoolSettings = PoolSettings(concurrency=8, prefetch_multiplier=1, timeout_s=600.0)
+    run: PoolSettings = PoolSettings(concurrency=64, prefetch_multiplier=1, timeout_s=3600.0)
+    eval: PoolSettings = PoolSettings(concurrency=8, prefetch_multiplier=1, timeout_s=600.0)
+    # Finished jobs, batch counters and result streams expire this long after the last change.
+    result_ttl_s: float = 7 * 24 * 3600.0
+    # Liveness: how often each worker process heartbeats its jobs and checks for aborts,
+    # and how old a heartbeat may get before the reaper declares the worker dead.
+    heartbeat_interval_s: float = 0.5
+    heartbeat_stale_s: float = 30.0
+    reap_interval_s: float = 2.0
+    # A job whose worker died starts again at INIT at most this many times, then fails worker_lost.
+    max_requeues: int = 1
+    # API limits.
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_jobs_per_request: int = 10_000
+    max_wait_s: float = 60.0
+
+    def pool(self, stage: str) -> PoolSettings:
+        if stage not in STAGES:
+            raise ConfigError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        return getattr(self, stage)
+
+    @property
+    def visibility_timeout_s(self) -> float:
+        """Redis transport visibility timeout: above the longest stage plus generous queue wait.
+
+        An unacked message older than this is redelivered even while its task still runs;
+        stage claims make that redelivery a no-op, but it should stay rare.
+        """
+        return 2 * max(self.pool(s).timeout_s for s in STAGES) + 3600.0
+
+
+def _env(environ, name: str, cast, default):
+    raw = environ.get(f"PRORL_{name}")
+    if raw is None or raw == "":
+        return default
+    try:
+        value = cast(raw)
+    except ValueError as e:
+        raise ConfigError(f"PRORL_{name}={raw!r}: not a valid {cast.__name__}") from e
+    if isinstance(value, (int, float)) and value < 0:
+        raise ConfigError(f"PRORL_{name}={raw!r}: must not be negative")
+    return value
+
+
+def _pool_from_env(environ, stage: str, base: PoolSettings) -> PoolSettings:
+    up = stage.upper()
+    pool = _env(environ, f"{up}_POOL", str, base.pool)
+    if pool not in POOL_TYPES:
+        raise ConfigError(f"PRORL_{up}_POOL={pool!r}: expected one of {POOL_TYPES}")
+    concurrency = _env(environ, f"{up}_CONCURRENCY", int, base.concurrency)
+    if concurrency < 1:
+        raise ConfigError(f"PRORL_{up}_CONCURRENCY must be at least 1")
+    return PoolSettings(
+        pool=pool,
+        concurrency=concurrency,
+        prefetch_multiplier=max(1, _env(environ, f"{up}_PREFETCH", int, base.prefetch_multiplier)),
+        timeout_s=_env(environ, f"{up}_TIMEOUT_S", float, base.timeout_s),
+    )
+
+
+def load_settings(environ=None, **overrides) -> Settings:
+    """Defaults, then PRORL_* environment variables, then explicit overrides."""
+    environ = os.environ if environ is None else environ
+    d = Settings()
+    values = dict(
+        redis_url=_env(environ, "REDIS_URL", str, None),
+        node=_env(environ, "NODE", str, d.node),
+        home=_env(environ, "HOME", str, d.home),
+        api_host=_env(environ, "API_HOST", str, d.api_host),
+        api_port=_env(environ, "API_PORT", int, d.api_port),
+        api_workers=_env(environ, "API_WORKERS", int, d.api_workers),
+        api_threads=_env(environ, "API_THREADS", int, d.api_threads),
+        flower_port=_env(environ, "FLOWER_PORT", int, d.flower_port),
+        result_ttl_s=_env(environ, "RESULT_TTL_S", float, d.result_ttl_s),
+        heartbeat_interval_s=_env(environ, "HEARTBEAT_INTERVAL_S", float, d.heartbeat_interval_s),
+        heartbeat_stale_s=_env(environ, "HEARTBEAT_STALE_S", float, d.heartbeat_stale_s),
+        reap_interval_s=_env(environ, "REAP_INTERVAL_S", float, d.reap_interval_s),
+        max_requeues=_env(environ, "MAX_REQUEUES", int, d.max_requeues),
+        max_body_bytes=_env(environ, "MAX_BODY_BYTES", int, d.max_body_bytes),
+        max_jobs_per_request=_env(environ, "MAX_JOBS_PER_REQUEST", int, d.max_jobs_per_request),
+        max_wait_s=_env(environ, "MAX_WAIT_S", float, d.max_wait_s),
+    )
+    for stage in STAGES:
+        values[stage] = _pool_from_env(environ, stage, getattr(d, stage))
+    if "." in values["node"] or ":" in values["node"]:
+        raise ConfigError(f"PRORL_NODE={values['node']!r}: must not contain '.' or ':'")
+    values.update(overrides)
+    return dataclasses.replace(d, **values)

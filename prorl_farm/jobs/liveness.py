@@ -1,0 +1,135 @@
+"""Liveness: each worker process heartbeats the jobs it holds, aborts those that ended
+elsewhere, enforces stage deadlines, and (in pool main processes) runs the reaper sweep.
+
+One thread per process does it all, with one Redis script call per tick for every job
+the process holds, so the cost does not grow with the number of threads in the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from prorl_farm.config import Settings
+from prorl_farm.handlers.base import JobContext
+from prorl_farm.jobs import keys
+from prorl_farm.jobs.states import FailureKind, JobState
+from prorl_farm.jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+
+# Returns the (job, token) pairs of messages this process reserved but may not run yet.
+ReservedSource = Callable[[], Iterable[tuple[str, str]]]
+# requeue(job_id, token): publish a reaped job to the init queue again.
+Requeue = Callable[[str, str], None]
+
+
+class Reaper:
+    """Recovers jobs whose worker died, and fails jobs past their deadline.
+
+    Any pool's process may run a sweep; a short Redis lock lets one do so per interval.
+    """
+
+    def __init__(self, store: JobStore, settings: Settings, requeue: Requeue):
+        self.store = store
+        self.settings = settings
+        self.requeue = requeue
+
+    def sweep(self, force: bool = False) -> dict[str, int]:
+        interval_ms = max(1, int(self.settings.reap_interval_s * 1000))
+        if not force and not self.store.r.set(keys.REAPER_LOCK, "1", nx=True, px=interval_ms):
+            return {}
+        counts = {"timeout": self.store.expire_deadlines()}
+        cutoff = self.store.server_time() - self.settings.heartbeat_stale_s
+        stale = self.store.r.zrangebyscore(keys.ACTIVE, "-inf", cutoff, start=0, num=1000)
+        for job_id in stale:
+            self._reap(counts, job_id, "active", cutoff, "", "worker stopped heartbeating")
+        live = self.store.live_pools(self.settings.heartbeat_stale_s)
+        for queue in self.store.r.smembers(keys.QUEUES):
+            if queue == "init":
+                continue  # global: any node's INIT pool takes it
+            stage, _, node = queue.partition(".")
+            if f"{stage}:{node}" in live:
+                continue
+            waiting = self.store.r.zrangebyscore(keys.queued(queue), "-inf", cutoff,
+                                                 start=0, num=1000)
+            for job_id in waiting:
+                self._reap(counts, job_id, "queued", cutoff, queue,
+                           f"no live {stage} pool on node {node}")
+        if any(counts.values()):
+            log.warning("reaper: %s", counts)
+        return counts
+
+    def _reap(self, counts: dict, job_id: str, mode: str, cutoff: float, queue: str,
+              why: str) -> None:
+        outcome, token = self.store.reap(job_id, mode, cutoff, queue, why)
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if outcome == "requeue":
+            self.requeue(job_id, token)
+
+
+class Liveness:
+    """The per-process heartbeat/abort/deadline thread."""
+
+    def __init__(self, store: JobStore, settings: Settings, stage: str,
+                 reserved: ReservedSource | None = None, reaper: Reaper | None = None):
+        self.store = store
+        self.settings = settings
+        self.stage = stage
+        self.reserved = reserved
+        self.reaper = reaper
+        self._running: dict[tuple[str, str], JobContext] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def track(self, ctx: JobContext) -> None:
+        with self._lock:
+            self._running[(ctx.job_id, ctx.token)] = ctx
+
+    def untrack(self, ctx: JobContext) -> None:
+        with self._lock:
+            self._running.pop((ctx.job_id, ctx.token), None)
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name=f"liveness-{self.stage}",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_interval_s):
+            try:
+                self.tick()
+            except Exception:
+                log.warning("liveness tick failed", exc_info=True)
+
+    def tick(self) -> None:
+        with self._lock:
+            running = dict(self._running)
+        held = set(running)
+        if self.reserved is not None:
+            held.update(self.reserved())
+        for pair in self.store.heartbeat(held):
+            ctx = running.get(pair)
+            if ctx is not None:
+                ctx.abort("job ended or moved on elsewhere")
+        for ctx in running.values():
+            if ctx.remaining_s <= 0 and not ctx.abort_event.is_set():
+                self._expire(ctx)
+        self.store.pool_beat(self.stage, self.settings.node)
+        if self.reaper is not None:
+            self.reaper.sweep()
+
+    def _expire(self, ctx: JobContext) -> None:
+        """A stage that does not stop by itself at its deadline still ends the job on time."""
+        res = self.store.finish(ctx.job_id, JobState.FAILED, FailureKind.TIMEOUT.value,
+                                f"{ctx.stage} stage passed its deadline", token=ctx.token)
+        ctx.abort("deadline passed" if res.changed else "job ended elsewhere")

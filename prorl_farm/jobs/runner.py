@@ -1,0 +1,158 @@
+"""The stage runner: the one place a stage is claimed, run, timed, failed or handed on.
+
+Celery's threads pool ignores time limits and revoke(terminate=True), so deadlines and
+cancellation of running work are enforced here and by :mod:`prorl_farm.jobs.liveness`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import traceback
+from collections.abc import Callable
+
+from prorl_farm.celery_app import queue_for
+from prorl_farm.config import Settings
+from prorl_farm.errors import (
+    BackendUnavailable,
+    InvalidInstance,
+    JobAborted,
+    NotFound,
+    StageTimeout,
+)
+from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.handlers.registry import HandlerRegistry
+from prorl_farm.jobs.liveness import Liveness
+from prorl_farm.jobs.states import NEXT_STAGE, TERMINAL_STATES, FailureKind, JobState
+from prorl_farm.jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+
+# publish(stage, job_id, token, queue): put the stage's message on its queue.
+Publisher = Callable[[str, str, str, str], None]
+
+
+def build_context(raw: dict, stage: str, token: str, node: str, stage_timeout_s: float
+                  ) -> JobContext:
+    """The context for a claimed stage; its deadline is the earlier of stage and job limits."""
+    started = float(raw[f"t_{stage}_start"])
+    limit_s = stage_timeout_s
+    if raw.get("deadline_at"):
+        limit_s = min(limit_s, float(raw["deadline_at"]) - started)
+    return JobContext(
+        job_id=raw["id"], batch_id=raw["batch_id"], stage=stage, token=token, node=node,
+        instance=json.loads(raw["instance"]), sampling=json.loads(raw.get("sampling") or "{}"),
+        instance_index=int(raw.get("instance_index", 0)),
+        sample_index=int(raw.get("sample_index", 0)),
+        state=json.loads(raw["hstate"]) if raw.get("hstate") else {},
+        result=json.loads(raw["result"]) if raw.get("result") else None,
+        deadline_monotonic=time.monotonic() + limit_s,
+    )
+
+
+def _reward_of(output) -> tuple[float, dict]:
+    """Split EVAL's output into a finite reward and the extra fields to keep."""
+    extra: dict = {}
+    if isinstance(output, dict):
+        extra = {k: v for k, v in output.items() if k != "reward"}
+        output = output.get("reward")
+    is_number = isinstance(output, (int, float)) and not isinstance(output, bool)
+    if not is_number or not math.isfinite(output):
+        raise TypeError(f"eval must return a finite number as reward, got {output!r}")
+    return float(output), extra
+
+
+class StageRunner:
+    """Runs one stage of one job, start to finish, inside a worker process."""
+
+    def __init__(self, settings: Settings, store: JobStore, registry: HandlerRegistry,
+                 liveness: Liveness, publish: Publisher, worker_name: str):
+        self.settings = settings
+        self.store = store
+        self.registry = registry
+        self.liveness = liveness
+        self.publish = publish
+        self.worker_name = worker_name
+
+    def __call__(self, stage: str, job_id: str, token: str) -> str:
+        outcome, raw = self.store.claim(job_id, stage, token, self.worker_name)
+        if outcome != "ok":
+            # A redelivery, a cancelled job's message, or a job past its deadline.
+            log.info("%s %s: not run (%s)", stage, job_id, outcome)
+            return outcome
+        ctx = build_context(raw, stage, token, self.settings.node,
+                            self.settings.pool(stage).timeout_s)
+        handler: AgentHandler | None = None
+        self.liveness.track(ctx)
+        try:
+            handler = self.registry.get(raw["handler"])
+            output = getattr(handler, stage)(ctx)
+            ctx.check()
+            return self._complete(ctx, output)
+        except JobAborted:
+            log.info("%s %s: aborted (%s)", stage, job_id, ctx.abort_reason)
+            return "aborted"
+        except StageTimeout as e:
+            return self._fail(ctx, handler, FailureKind.TIMEOUT, str(e))
+        except (InvalidInstance, NotFound) as e:
+            return self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))
+        except BackendUnavailable as e:
+            return self._fail(ctx, handler, FailureKind.BACKEND_UNAVAILABLE, str(e))
+        except Exception as e:
+            log.warning("%s %s failed: %s", stage, job_id, e, exc_info=True)
+            tb = "".join(traceback.format_exception_only(type(e), e)).strip()
+            return self._fail(ctx, handler, FailureKind(f"{stage}_error"), tb)
+        finally:
+            self.liveness.untrack(ctx)
+            if handler is not None and self._is_terminal(ctx):
+                self._cleanup(handler, ctx)
+
+    def _complete(self, ctx: JobContext, output) -> str:
+        nxt = NEXT_STAGE[ctx.stage]
+        if nxt is None:
+            reward, extra = _reward_of(output)
+            result = dict(ctx.result or {})
+            if extra:
+                result["eval"] = extra
+            done = self.store.finish(
+                ctx.job_id, JobState.DONE, token=ctx.token,
+                fields={"reward": repr(reward), "result": json.dumps(result)},
+            )
+            return "done" if done.changed else "stale"
+        field = "hstate" if ctx.stage == "init" else "result"
+        queue = queue_for(nxt, self.settings.node)
+        new_token = self.store.advance(ctx.job_id, ctx.stage, ctx.token, nxt, queue,
+                                       self.settings.node, field, json.dumps(output or {}))
+        if new_token is None:
+            return "stale"
+        self.publish(nxt, ctx.job_id, new_token, queue)
+        self.store.handed_off(ctx.job_id, new_token)
+        return f"-> {nxt}"
+
+    def _fail(self, ctx: JobContext, handler: AgentHandler | None, kind: FailureKind,
+              message: str) -> str:
+        res = self.store.finish(ctx.job_id, JobState.FAILED, kind.value, message,
+                                token=ctx.token)
+        if res.changed and handler is not None:
+            try:
+                handler.on_failure(ctx, kind.value, message)
+            except Exception:
+                log.exception("on_failure hook of %s failed", handler.name)
+        return f"failed: {kind.value}" if res.changed else "stale"
+
+    def _is_terminal(self, ctx: JobContext) -> bool:
+        try:
+            state = self.store.state_of(ctx.job_id)
+        except Exception:
+            log.warning("cannot read state of %s; skipping cleanup", ctx.job_id, exc_info=True)
+            return False
+        return state is None or JobState(state) in TERMINAL_STATES
+
+    @staticmethod
+    def _cleanup(handler: AgentHandler, ctx: JobContext) -> None:
+        try:
+            handler.cleanup(ctx)
+        except Exception:
+            log.exception("cleanup of %s for job %s failed", handler.name, ctx.job_id)

@@ -1,0 +1,228 @@
+"""`prorl-farm up`: run the whole farm on one machine and keep it running.
+
+Starts a private redis-server (unless PRORL_REDIS_URL is set), the API under gunicorn,
+the INIT/RUN/EVAL pools and Flower; restarts a part that dies; on SIGINT/SIGTERM stops
+every process it started (each runs in its own process group, and is told to die with
+the supervisor should the supervisor itself be killed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from prorl_farm.config import STAGES, Settings
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 10.0
+MAX_BACKOFF_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: own process group, SIGTERM when the parent dies."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    restart: bool = True
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    env: dict = field(default_factory=dict)
+
+    def start(self, base_env: dict) -> None:
+        logf = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - owned by the child
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                env={**base_env, **self.env}, preexec_fn=_die_with_parent,
+            )
+        finally:
+            logf.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def group_empty(self) -> bool:
+        if self.proc is None:
+            return True
+        self.proc.poll()
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
+    client = redis.Redis.from_url(url)
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+        finally:
+            client.close()
+
+
+class Supervisor:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.home = Path(settings.home).resolve()
+        self.logs = self.home / "logs"
+        self.children: list[Child] = []
+        self.redis: Child | None = None
+        self._stopping = False
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, *args]
+
+    def _plan(self, redis_url: str) -> None:
+        s = self.settings
+        cli = self._python("-m", "prorl_farm.cli")
+        self.children = [Child(f"worker-{st}", cli + ["worker", st], self.logs / f"{st}.log")
+                         for st in STAGES]
+        self.children.append(Child("api", cli + ["api"], self.logs / "api.log"))
+        self.children.append(Child(
+            "flower",
+            self._python("-m", "celery", "-A", "prorl_farm.celery_app", "--broker", redis_url,
+                         "flower", f"--port={s.flower_port}", f"--address={s.api_host}"),
+            self.logs / "flower.log", env={"FLOWER_UNAUTHENTICATED_API": "1"}))
+
+    def _start_redis(self) -> str:
+        if not shutil.which("redis-server"):
+            raise SystemExit("redis-server not found: install it (apt-get install redis-server) "
+                             "or set PRORL_REDIS_URL")
+        data = self.home / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.redis = Child("redis", [
+            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+            "--save", "", "--appendonly", "no", "--daemonize", "no",
+        ], self.logs / "redis.log", restart=False)
+        self.redis.start(dict(os.environ))
+        url = f"redis://127.0.0.1:{port}/0"
+        wait_for_redis(url)
+        return url
+
+    def run(self) -> int:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            url = self.settings.redis_url or self._start_redis()
+            env = dict(os.environ, PRORL_REDIS_URL=url)
+            self._plan(url)
+            for child in self.children:
+                child.start(env)
+            self._announce(url)
+            return self._monitor(env)
+        finally:
+            self.stop()
+
+    def _announce(self, url: str) -> None:
+        s = self.settings
+        lines = [
+            "prorl-farm is up",
+            f"  API     http://{s.api_host}:{s.api_port}   (GET /readyz, /openapi.json)",
+            f"  Flower  http://{s.api_host}:{s.flower_port}",
+            f"  Redis   {url}" + ("   (private)" if self.redis else ""),
+            "  pools   " + ", ".join(f"{st}: {s.pool(st).pool} x{s.pool(st).concurrency}"
+                                      for st in STAGES),
+            f"  node    {s.node}",
+            f"  logs    {self.logs}/",
+            "Ctrl-C stops everything.",
+        ]
+        print("\n".join(lines), flush=True)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._stopping = True
+
+    def _monitor(self, env: dict) -> int:
+        while not self._stopping:
+            if self.redis is not None and not self.redis.alive():
+                log.error("private redis-server exited; stopping the farm")
+                print("redis-server exited; stopping", file=sys.stderr, flush=True)
+                return 1
+            now = time.monotonic()
+            for child in self.children:
+                if child.alive() or not child.restart:
+                    continue
+                if child.next_start == 0.0:
+                    backoff = min(MAX_BACKOFF_S, 2.0 ** min(child.restarts, 5))
+                    child.next_start = now + (0.5 if child.restarts == 0 else backoff)
+                    code = child.proc.returncode if child.proc else None
+                    print(f"{child.name} exited ({code}); restarting", file=sys.stderr,
+                          flush=True)
+                elif now >= child.next_start:
+                    child.signal_group(signal.SIGKILL)  # leftovers of the dead process group
+                    child.restarts += 1
+                    child.next_start = 0.0
+                    child.start(env)
+            time.sleep(0.2)
+        return 0
+
+    def stop(self) -> None:
+        """Stop every child: SIGTERM its group, SIGKILL what is left after the grace period."""
+        groups = [c for c in self.children if c.proc is not None]
+        for child in groups:
+            child.signal_group(signal.SIGTERM)
+        self._reap(groups)
+        if self.redis is not None:
+            self.redis.signal_group(signal.SIGTERM)
+            self._reap([self.redis])
+        self.children = []
+        self.redis = None
+
+    @staticmethod
+    def _reap(children: list[Child]) -> None:
+        end = time.monotonic() + GRACE_S
+        while time.monotonic() < end and not all(c.group_empty() for c in children):
+            time.sleep(0.1)
+        for child in children:
+            if not child.group_empty():
+                child.signal_group(signal.SIGKILL)
+            if child.proc is not None:
+                try:
+                    child.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    log.error("%s (pid %d) did not exit after SIGKILL", child.name,
+                              child.proc.pid)

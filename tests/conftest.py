@@ -1,0 +1,81 @@
+"""Fixtures: a real redis-server per session, real worker pools, the API app."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import redis
+
+from prorl_farm.config import load_settings
+from tests.farm import Pools, RedisServer, farm_env
+
+CI = bool(os.environ.get("CI"))
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def r(redis_server):
+    """A client on the test Redis, with every farm key removed before and after the test.
+
+    Only ``prorl:*`` keys: kombu's own bindings must survive for workers that stay up.
+    """
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    _clear(client)
+    yield client
+    _clear(client)
+    client.close()
+
+
+def _clear(client) -> None:
+    keys = list(client.scan_iter("prorl:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+def make_pools(redis_server, tmp_path, **overrides) -> Pools:
+    pools = Pools(farm_env(redis_server.url, **overrides), tmp_path)
+    return pools
+
+
+@pytest.fixture
+def settings(redis_server):
+    env = farm_env(redis_server.url)
+    return load_settings(env)
+
+
+@pytest.fixture
+def app(settings):
+    from api import create_app
+
+    return create_app(settings)
+
+
+@pytest.fixture
+def client(app, r):
+    return app.test_client()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes():
+    """Every test must leave no child process of the test runner behind."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    leaked = []
+    for p in me.children(recursive=True):
+        if p.pid in before:
+            continue
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                leaked.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    assert not leaked, f"processes left behind: {leaked}"

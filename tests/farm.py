@@ -1,0 +1,133 @@
+"""Test helpers: a real redis-server and real worker pool processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("init", "run", "eval")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
+    end = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class RedisServer:
+    """A private redis-server on a free port, data in ``tmp``."""
+
+    def __init__(self, tmp: Path):
+        if not shutil.which("redis-server"):
+            raise RuntimeError("redis-server is not installed (make test installs it)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(tmp),
+             "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        wait_until(lambda: self._ping(client), 10, what="redis-server")
+        client.close()
+
+    @staticmethod
+    def _ping(client) -> bool:
+        try:
+            return client.ping()
+        except redis.exceptions.ConnectionError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+class Pools:
+    """The three worker pools as real `prorl-farm worker <stage>` processes."""
+
+    def __init__(self, env: dict, log_dir: Path):
+        self.env = env
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.r = redis.Redis.from_url(env["PRORL_REDIS_URL"], decode_responses=True)
+
+    def start(self, *stages: str, wait: bool = True) -> None:
+        for stage in stages or STAGES:
+            log = open(self.log_dir / f"{stage}.log", "ab")  # noqa: SIM115
+            self.procs[stage] = subprocess.Popen(
+                [sys.executable, "-m", "prorl_farm.cli", "worker", stage],
+                env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+            log.close()
+        if wait:
+            for stage in stages or STAGES:
+                self.wait_ready(stage)
+
+    def wait_ready(self, stage: str, after: float | None = None) -> None:
+        node = self.env["PRORL_NODE"]
+        after = time.time() if after is None else after
+        wait_until(lambda: (self.r.zscore("prorl:pools", f"{stage}:{node}") or 0) >= after, 30,
+                   what=f"{stage} pool heartbeat")
+
+    def kill(self, stage: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(stage)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for stage in list(self.procs):
+            proc = self.procs[stage]
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for stage in list(self.procs):
+            proc = self.procs.pop(stage)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+        self.r.close()
+
+
+def farm_env(redis_url: str, **overrides) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
+    env.update({
+        "PRORL_REDIS_URL": redis_url,
+        "PRORL_NODE": "testnode",
+        "PRORL_HEARTBEAT_INTERVAL_S": "0.2",
+        "PRORL_HEARTBEAT_STALE_S": "3",
+        "PRORL_REAP_INTERVAL_S": "0.5",
+        "PRORL_INIT_CONCURRENCY": "16",
+        "PRORL_RUN_CONCURRENCY": "32",
+        "PRORL_EVAL_CONCURRENCY": "16",
+        "PRORL_LOG_LEVEL": "WARNING",
+        "PYTHONPATH": str(ROOT),
+    })
+    env.update({f"PRORL_{k.upper()}": str(v) for k, v in overrides.items()})
+    return env

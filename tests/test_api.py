@@ -1,0 +1,141 @@
+"""API v1 against a real Redis (no workers): validation, 4xx errors, nothing enqueued."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+GOOD = {"handler": "synthetic", "instances": [{"run_s": 0.1}], "n": 2}
+
+
+def _snapshot(r):
+    """Everything a submission could have written: every key, and the init queue's length."""
+    return sorted(r.keys("*")), r.llen("init")
+
+
+BAD_REQUESTS = [
+    # (id, body or raw bytes, content type, expected status, field or code that must be named)
+    ("not-json", b"{nope", "application/json", 400, "invalid_json"),
+    ("wrong-content-type", b"handler=synthetic", "application/x-www-form-urlencoded", 415,
+     "unsupported_media_type"),
+    ("array-body", [GOOD], None, 400, "body"),
+    ("missing-handler", {"instances": [{}]}, None, 400, "handler"),
+    ("unknown-handler", {**GOOD, "handler": "nope"}, None, 400, "handler"),
+    ("missing-instances", {"handler": "synthetic"}, None, 400, "instances"),
+    ("both-instance-and-instances", {**GOOD, "instance": {}}, None, 400, "instances"),
+    ("instances-not-list", {**GOOD, "instances": {"run_s": 1}}, None, 400, "instances"),
+    ("empty-instances", {**GOOD, "instances": []}, None, 400, "instances"),
+    ("instance-not-object", {**GOOD, "instances": [{"run_s": 1}, 7]}, None, 400, "instances.1"),
+    ("instance-wrong-type", {**GOOD, "instances": [{"run_s": "slow"}]}, None, 400,
+     "instances.0.run_s"),
+    ("instance-unknown-field", {**GOOD, "instances": [{"run_secs": 1}]}, None, 400,
+     "instances.0.run_secs"),
+    ("instance-bad-enum", {**GOOD, "instances": [{"fail_stage": "train"}]}, None, 400,
+     "instances.0.fail_stage"),
+    ("n-zero", {**GOOD, "n": 0}, None, 400, "n"),
+    ("n-string", {**GOOD, "n": "2"}, None, 400, "n"),
+    ("n-too-many-jobs", {**GOOD, "instances": [{}] * 100, "n": 200}, None, 400, "n"),
+    ("sampling-wrong-type", {**GOOD, "sampling": {"temperature": "hot"}}, None, 400,
+     "sampling.temperature"),
+    ("sampling-unknown-field", {**GOOD, "sampling": {"temprature": 1.0}}, None, 400,
+     "sampling.temprature"),
+    ("deadline-negative", {**GOOD, "deadline_s": -1}, None, 400, "deadline_s"),
+    ("batch-id-bad-chars", {**GOOD, "batch_id": "a/b"}, None, 400, "batch_id"),
+    ("unknown-top-level-field", {**GOOD, "priority": 3}, None, 400, "priority"),
+]
+
+
+@pytest.mark.parametrize("name,body,ctype,status,named", BAD_REQUESTS,
+                         ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_submit_is_rejected_and_enqueues_nothing(client, r, name, body, ctype, status,
+                                                     named):
+    before = _snapshot(r)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = client.post("/v1/jobs", data=data, content_type=ctype or "application/json")
+    assert resp.status_code == status, resp.get_json()
+    err = resp.get_json()["error"]
+    assert set(err) == {"code", "message", "details"}
+    assert named in err["code"] or named in err["message"], err
+    assert _snapshot(r) == before
+
+
+def test_oversized_body_is_413_and_enqueues_nothing(app, client, r):
+    app.config["MAX_CONTENT_LENGTH"] = 10_000
+    before = _snapshot(r)
+    body = {**GOOD, "instances": [{"run_s": 0.1}] * 2000}
+    resp = client.post("/v1/jobs", json=body)
+    assert resp.status_code == 413
+    assert resp.get_json()["error"]["code"] == "request_entity_too_large"
+    assert _snapshot(r) == before
+
+
+def test_one_bad_instance_rejects_the_whole_request(client, r):
+    before = _snapshot(r)
+    body = {**GOOD, "instances": [{"run_s": 0.1}] * 5 + [{"reward": "high"}]}
+    resp = client.post("/v1/jobs", json=body)
+    assert resp.status_code == 400
+    assert resp.get_json()["error"]["details"] == {
+        "instances": {"5": {"reward": ["Not a valid number."]}}}
+    assert _snapshot(r) == before
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs/nope", "/v1/batches/nope",
+                                  "/v1/batches/nope/results"])
+def test_unknown_ids_are_404(client, path):
+    resp = client.get(path)
+    assert resp.status_code == 404
+    assert resp.get_json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs/nope/cancel", "/v1/batches/nope/cancel"])
+def test_cancel_unknown_is_404(client, path):
+    assert client.post(path).status_code == 404
+
+
+def test_submit_writes_jobs_and_init_messages(client, r):
+    resp = client.post("/v1/jobs", json={**GOOD, "batch_id": "b1", "deadline_s": 60})
+    assert resp.status_code == 202
+    body = resp.get_json()
+    assert body["batch_id"] == "b1" and len(body["job_ids"]) == 2
+    assert r.llen("init") == 2  # one Celery message each, nobody consuming
+    job = client.get(f"/v1/jobs/{body['job_ids'][0]}").get_json()
+    assert job["state"] == "queued" and job["stage"] == "init" and job["phase"] == "waiting"
+    assert job["instance"]["run_s"] == 0.1 and job["reward"] is None
+    assert job["deadline_at"] - job["created_at"] == pytest.approx(60, abs=1)
+    summary = client.get("/v1/batches/b1").get_json()
+    assert summary["total"] == 2 and summary["counts"]["queued"] == 2
+    # The same batch id again adds to the batch.
+    client.post("/v1/jobs", json={**GOOD, "n": 1, "batch_id": "b1"})
+    assert client.get("/v1/batches/b1").get_json()["total"] == 3
+    r.delete("init")
+
+
+def test_bad_results_query_is_400(client, r):
+    batch = client.post("/v1/jobs", json=GOOD).get_json()["batch_id"]
+    r.delete("init")
+    for query, field in (("cursor=abc", "cursor"), ("limit=0", "limit"), ("wait=-1", "wait"),
+                         ("limit=x", "limit"), ("colour=red", "colour")):
+        resp = client.get(f"/v1/batches/{batch}/results?{query}")
+        assert resp.status_code == 400, query
+        assert field in resp.get_json()["error"]["message"]
+
+
+def test_handlers_openapi_health(client):
+    handlers = client.get("/v1/handlers").get_json()["handlers"]
+    synthetic = next(h for h in handlers if h["name"] == "synthetic")
+    assert "run_s" in synthetic["instance_schema"]["properties"]
+    doc = client.get("/openapi.json").get_json()
+    assert doc["openapi"].startswith("3.")
+    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/batches/{batch_id}/results"} <= set(doc["paths"])
+    assert "Submit" in doc["components"]["schemas"]
+    assert client.get("/healthz").status_code == 200
+    ready = client.get("/readyz")
+    assert ready.status_code == 503  # no pools are running in this test
+    assert ready.get_json()["missing_stages"] == ["init", "run", "eval"]
+
+
+def test_wrong_method_is_json_405(client):
+    resp = client.delete("/v1/jobs")
+    assert resp.status_code == 405
+    assert resp.get_json()["error"]["code"] == "method_not_allowed"

@@ -1,0 +1,144 @@
+"""Cancellation, stage time limits and dead workers, each with pools of its own."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+from api import create_app
+from prorl_farm.config import load_settings
+from tests.conftest import make_pools
+from tests.farm import farm_env, wait_until
+
+pytestmark = pytest.mark.slow
+
+TERMINAL = {"done", "failed", "cancelled"}
+
+
+@pytest.fixture
+def farm(redis_server, tmp_path, r):
+    """Start pools with per-test settings: ``farm(**overrides) -> (pools, client)``."""
+    started = []
+
+    def start(**overrides):
+        pools = make_pools(redis_server, tmp_path, **overrides)
+        pools.start()
+        started.append(pools)
+        app = create_app(load_settings(farm_env(redis_server.url, **overrides)))
+        return pools, app.test_client()
+
+    yield start
+    for pools in started:
+        pools.stop()
+
+
+def submit(client, instances, n=1, **kw):
+    resp = client.post("/v1/jobs", json={"handler": "synthetic", "instances": instances, "n": n,
+                                         **kw})
+    assert resp.status_code == 202, resp.get_json()
+    return resp.get_json()
+
+
+def job(client, job_id):
+    return client.get(f"/v1/jobs/{job_id}").get_json()
+
+
+def wait_batch(client, batch_id, timeout_s=60):
+    return wait_until(
+        lambda: (s := client.get(f"/v1/batches/{batch_id}").get_json())["complete"] and s,
+        timeout_s, 0.1, f"batch {batch_id}")
+
+
+def test_cancel_queued_job_never_starts(farm, r):
+    pools, client = farm(init_concurrency=1)
+    blocker = submit(client, [{"init_s": 3}])["job_ids"][0]
+    wait_until(lambda: job(client, blocker)["phase"] == "active", 20, what="blocker in init")
+    target = submit(client, [{"init_s": 0}])["job_ids"][0]
+    resp = client.post(f"/v1/jobs/{target}/cancel").get_json()
+    assert resp["cancelled"] == 1 and resp["job"]["state"] == "cancelled"
+    assert resp["job"]["failure"]["kind"] == "cancelled" and resp["job"]["reward"] is None
+    # Cancelling again is harmless and changes nothing.
+    assert client.post(f"/v1/jobs/{target}/cancel").get_json()["cancelled"] == 0
+    wait_until(lambda: job(client, blocker)["state"] == "done", 30, what="blocker done")
+    time.sleep(0.5)
+    raw = r.hgetall(f"prorl:job:{target}")
+    assert "t_init_start" not in raw and raw["state"] == "cancelled"
+
+
+def test_cancel_running_job_stops_its_stage(farm):
+    # One RUN slot: if the cancelled stage kept running, the next job could not start.
+    pools, client = farm(run_concurrency=1)
+    for mode in ("sleep", "compute"):
+        running = submit(client, [{"run_s": 60, "mode": mode}])["job_ids"][0]
+        wait_until(lambda r=running: (j := job(client, r))["stage"] == "run"
+                   and j["phase"] == "active", 20, what="job running")
+        assert client.post(f"/v1/jobs/{running}/cancel").get_json()["cancelled"] == 1
+        after = submit(client, [{"run_s": 0.01}])["job_ids"][0]
+        wait_until(lambda a=after: job(client, a)["state"] == "done", 15,
+                   what="next job through the single RUN slot")
+        j = job(client, running)
+        assert j["state"] == "cancelled" and j["timings"]["run"]["active_s"] < 5
+
+
+def test_cancel_batch(farm):
+    pools, client = farm(run_concurrency=4)
+    sub = submit(client, [{"run_s": 60}], n=12)
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()
+               ["counts"]["run"] == 12, 20, what="all jobs in run")
+    resp = client.post(f"/v1/batches/{sub['batch_id']}/cancel").get_json()
+    assert resp["cancelled"] == 12
+    summary = wait_batch(client, sub["batch_id"], 5)
+    assert summary["counts"]["cancelled"] == 12
+
+
+def test_stage_time_limit_fails_with_timeout(farm):
+    pools, client = farm(run_timeout_s=1)
+    sub = submit(client, [{"run_s": 20}, {"run_s": 5, "mode": "compute"}])
+    wait_batch(client, sub["batch_id"], timeout_s=30)
+    for job_id in sub["job_ids"]:
+        j = job(client, job_id)
+        assert j["failure"]["kind"] == "timeout", j
+        assert "run stage passed its deadline" in j["failure"]["message"]
+
+
+def test_sigkill_of_run_pool_mid_batch_leaves_no_job_stuck(farm, r):
+    pools, client = farm(run_concurrency=8, max_requeues=1)
+    sub = submit(client, [{"init_s": 0.05, "run_s": 2.0, "eval_s": 0.05}], n=40)
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()
+               ["counts"]["run"] >= 16, 30, what="jobs in run")
+    run_pid = pools.procs["run"].pid
+    pools.kill("run", signal.SIGKILL)
+    assert not psutil.pid_exists(run_pid) or psutil.Process(run_pid).status() == "zombie"
+    time.sleep(1.0)
+    restarted_at = time.time()
+    pools.start("run", wait=False)
+    pools.wait_ready("run", after=restarted_at)
+    summary = wait_batch(client, sub["batch_id"], timeout_s=120)
+    assert summary["counts"]["done"] + summary["counts"]["failed"] == 40
+    jobs = [job(client, i) for i in sub["job_ids"]]
+    assert {j["state"] for j in jobs} <= {"done", "failed"}
+    failed = [j for j in jobs if j["state"] == "failed"]
+    assert all(j["failure"]["kind"] == "worker_lost" for j in failed), failed
+    # The jobs the dead pool held were recovered by starting again at INIT.
+    assert sum(j["requeues"] for j in jobs) >= 8
+    assert all(j["reward"] == 1.0 for j in jobs if j["state"] == "done")
+    assert r.zcard("prorl:active") == 0
+
+
+def test_worker_lost_after_requeues_run_out(farm):
+    pools, client = farm(max_requeues=0)
+    sub = submit(client, [{"run_s": 30}], n=3)
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()
+               ["counts"]["run"] == 3, 20, what="jobs in run")
+    wait_until(lambda: all(job(client, i)["phase"] == "active" for i in sub["job_ids"]), 20,
+               what="jobs active")
+    pools.kill("run", signal.SIGKILL)
+    summary = wait_batch(client, sub["batch_id"], timeout_s=30)
+    assert summary["counts"]["failed"] == 3
+    for job_id in sub["job_ids"]:
+        j = job(client, job_id)
+        assert j["failure"]["kind"] == "worker_lost" and j["reward"] is None
+        assert "heartbeat" in j["failure"]["message"]

@@ -1,0 +1,1 @@
+"""Worker pools, one package per stage."""

@@ -1,0 +1,1 @@
+"""The RUN pool."""
