@@ -36,7 +36,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["prorl"] = FarmServices(
         settings=settings,
         store=JobStore.from_settings(settings),
-        registry=HandlerRegistry(),
+        registry=HandlerRegistry(settings.handlers),
         celery=create_celery_app(settings),
     )
     for module in (jobs, batches, handlers, health, openapi):

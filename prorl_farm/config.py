@@ -59,6 +59,8 @@ class Settings:
     max_body_bytes: int = 16 * 1024 * 1024
     max_jobs_per_request: int = 10_000
     max_wait_s: float = 60.0
+    # Extra handlers without packaging: "name=module:Class,other=module:Class".
+    handlers: str = ""
 
     def pool(self, stage: str) -> PoolSettings:
         if stage not in STAGES:
@@ -125,6 +127,7 @@ def load_settings(environ=None, **overrides) -> Settings:
         max_body_bytes=_env(environ, "MAX_BODY_BYTES", int, d.max_body_bytes),
         max_jobs_per_request=_env(environ, "MAX_JOBS_PER_REQUEST", int, d.max_jobs_per_request),
         max_wait_s=_env(environ, "MAX_WAIT_S", float, d.max_wait_s),
+        handlers=_env(environ, "HANDLERS", str, d.handlers),
     )
     for stage in STAGES:
         values[stage] = _pool_from_env(environ, stage, getattr(d, stage))

@@ -36,8 +36,9 @@ class WorkerFarm:
         self.liveness = Liveness(self.store, settings, stage,
                                  reserved=_reserved_requests if main_process else None,
                                  reaper=reaper)
-        self.runner = StageRunner(settings, self.store, HandlerRegistry(), self.liveness,
-                                  self.publish, f"{socket.gethostname()}:{os.getpid()}")
+        worker_name = f"{socket.gethostname()}:{os.getpid()}"
+        self.runner = StageRunner(settings, self.store, HandlerRegistry(settings.handlers),
+                                  self.liveness, self.publish, worker_name)
 
     def publish(self, stage: str, job_id: str, token: str, queue: str) -> None:
         # The token doubles as the Celery task id, so the API can revoke it by job state.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from importlib.metadata import entry_points
 
 from prorl_farm.errors import NotFound
@@ -27,13 +26,12 @@ def _load(target: str) -> type[AgentHandler]:
 class HandlerRegistry:
     """Name -> handler instance. A plug-in that fails to load is logged and skipped."""
 
-    def __init__(self, extra: str | None = None, use_entry_points: bool = True):
+    def __init__(self, extra: str = "", use_entry_points: bool = True):
         self._targets: dict[str, str] = dict(BUILTIN)
         if use_entry_points:
             for ep in entry_points(group=ENTRY_POINT_GROUP):
                 self._targets[ep.name] = ep.value
         # PRORL_HANDLERS="name=module:Class,other=module:Class" (no packaging needed).
-        extra = os.environ.get("PRORL_HANDLERS", "") if extra is None else extra
         for item in filter(None, (x.strip() for x in extra.split(","))):
             name, _, target = item.partition("=")
             self._targets[name.strip()] = target.strip()

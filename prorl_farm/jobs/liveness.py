@@ -80,6 +80,7 @@ class Liveness:
         self.reserved = reserved
         self.reaper = reaper
         self._running: dict[tuple[str, str], JobContext] = {}
+        self._handed_off: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,6 +92,14 @@ class Liveness:
     def untrack(self, ctx: JobContext) -> None:
         with self._lock:
             self._running.pop((ctx.job_id, ctx.token), None)
+
+    def handed_off(self, job_id: str, new_token: str) -> None:
+        """Note a published hand-off; the next tick drops this worker's heartbeat of the job.
+
+        Batched off the hot path: until then the job only carries a fresh heartbeat.
+        """
+        with self._lock:
+            self._handed_off.append((job_id, new_token))
 
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -114,6 +123,8 @@ class Liveness:
     def tick(self) -> None:
         with self._lock:
             running = dict(self._running)
+            handed_off, self._handed_off = self._handed_off, []
+        self.store.handed_off(handed_off)
         held = set(running)
         if self.reserved is not None:
             held.update(self.reserved())

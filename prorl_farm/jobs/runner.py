@@ -25,10 +25,12 @@ from prorl_farm.errors import (
 from prorl_farm.handlers.base import AgentHandler, JobContext
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.liveness import Liveness
-from prorl_farm.jobs.states import NEXT_STAGE, TERMINAL_STATES, FailureKind, JobState
+from prorl_farm.jobs.states import NEXT_STAGE, FailureKind, JobState
 from prorl_farm.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
+
+HANDED_OFF = "handed off"
 
 # publish(stage, job_id, token, queue): put the stage's message on its queue.
 Publisher = Callable[[str, str, str, str], None]
@@ -85,29 +87,33 @@ class StageRunner:
         ctx = build_context(raw, stage, token, self.settings.node,
                             self.settings.pool(stage).timeout_s)
         handler: AgentHandler | None = None
+        outcome = "error"
         self.liveness.track(ctx)
         try:
             handler = self.registry.get(raw["handler"])
             output = getattr(handler, stage)(ctx)
             ctx.check()
-            return self._complete(ctx, output)
+            outcome = self._complete(ctx, output)
         except JobAborted:
             log.info("%s %s: aborted (%s)", stage, job_id, ctx.abort_reason)
-            return "aborted"
+            outcome = "aborted"
         except StageTimeout as e:
-            return self._fail(ctx, handler, FailureKind.TIMEOUT, str(e))
+            outcome = self._fail(ctx, handler, FailureKind.TIMEOUT, str(e))
         except (InvalidInstance, NotFound) as e:
-            return self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))
+            outcome = self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))
         except BackendUnavailable as e:
-            return self._fail(ctx, handler, FailureKind.BACKEND_UNAVAILABLE, str(e))
+            outcome = self._fail(ctx, handler, FailureKind.BACKEND_UNAVAILABLE, str(e))
         except Exception as e:
             log.warning("%s %s failed: %s", stage, job_id, e, exc_info=True)
             tb = "".join(traceback.format_exception_only(type(e), e)).strip()
-            return self._fail(ctx, handler, FailureKind(f"{stage}_error"), tb)
+            outcome = self._fail(ctx, handler, FailureKind(f"{stage}_error"), tb)
         finally:
             self.liveness.untrack(ctx)
-            if handler is not None and self._is_terminal(ctx):
+            # Unless the job went on to its next stage, this attempt is over (done, failed,
+            # cancelled, or superseded by a requeue): release what it holds.
+            if handler is not None and outcome != HANDED_OFF:
                 self._cleanup(handler, ctx)
+        return outcome
 
     def _complete(self, ctx: JobContext, output) -> str:
         nxt = NEXT_STAGE[ctx.stage]
@@ -128,8 +134,8 @@ class StageRunner:
         if new_token is None:
             return "stale"
         self.publish(nxt, ctx.job_id, new_token, queue)
-        self.store.handed_off(ctx.job_id, new_token)
-        return f"-> {nxt}"
+        self.liveness.handed_off(ctx.job_id, new_token)
+        return HANDED_OFF
 
     def _fail(self, ctx: JobContext, handler: AgentHandler | None, kind: FailureKind,
               message: str) -> str:
@@ -141,14 +147,6 @@ class StageRunner:
             except Exception:
                 log.exception("on_failure hook of %s failed", handler.name)
         return f"failed: {kind.value}" if res.changed else "stale"
-
-    def _is_terminal(self, ctx: JobContext) -> bool:
-        try:
-            state = self.store.state_of(ctx.job_id)
-        except Exception:
-            log.warning("cannot read state of %s; skipping cleanup", ctx.job_id, exc_info=True)
-            return False
-        return state is None or JobState(state) in TERMINAL_STATES
 
     @staticmethod
     def _cleanup(handler: AgentHandler, ctx: JobContext) -> None:

@@ -96,12 +96,13 @@ redis.call('SADD', P .. 'queues', queue)
 return 'ok'
 """
 
-# After the publish: drop the previous worker's heartbeat unless the next stage already
-# claimed the job. ARGV: prefix, job, new_token.
+# After the publish: drop the previous worker's heartbeat of each job unless the next stage
+# already claimed it. ARGV: prefix, then job/new_token pairs.
 HANDED_OFF = r"""
-local jk = jkey(ARGV[2])
-local j = redis.call('HMGET', jk, 'token', 'phase')
-if j[1] == ARGV[3] and j[2] == 'waiting' then redis.call('ZREM', P .. 'active', ARGV[2]) end
+for i = 2, #ARGV, 2 do
+  local j = redis.call('HMGET', jkey(ARGV[i]), 'token', 'phase')
+  if j[1] == ARGV[i + 1] and j[2] == 'waiting' then redis.call('ZREM', P .. 'active', ARGV[i]) end
+end
 return 1
 """
 

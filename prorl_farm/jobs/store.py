@@ -132,8 +132,11 @@ class JobStore:
                          node, field, value)
         return new_token if out == "ok" else None
 
-    def handed_off(self, job_id: str, new_token: str) -> None:
-        self._call("HANDED_OFF", job_id, new_token)
+    def handed_off(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """The messages for these (job, new token) pairs are published: stop heartbeating."""
+        flat = [x for pair in pairs for x in pair]
+        if flat:
+            self._call("HANDED_OFF", *flat)
 
     def finish(self, job_id: str, state: JobState, kind: str = "", message: str = "",
                token: str = "", fields: dict | None = None) -> Finished:

@@ -1,0 +1,92 @@
+"""The job store's atomic transitions against a real Redis, without workers."""
+
+from __future__ import annotations
+
+import threading
+
+from prorl_farm.jobs.states import JobState
+from prorl_farm.jobs.store import JobStore
+
+
+def make(settings, r, n=1, **kw):
+    store = JobStore.from_settings(settings)
+    jobs = store.create_jobs("b", "synthetic", [{}], n, {}, kw.get("deadline_s"))
+    return store, jobs
+
+
+def counts(r):
+    return {k: int(v) for k, v in r.hgetall("prorl:batch:b:counts").items() if int(v)}
+
+
+def test_only_one_of_many_concurrent_claims_wins(settings, r):
+    store, [job] = make(settings, r)
+    wins = []
+
+    def claim(i):
+        outcome, _ = store.claim(job.job_id, "init", job.token, f"w{i}")
+        wins.append(outcome)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins) == ["ok"] + ["stale"] * 31
+    assert counts(r) == {"init": 1}
+
+
+def test_transitions_keep_counts_exact_and_terminal_is_final(settings, r):
+    store, [job] = make(settings, r)
+    assert store.claim(job.job_id, "run", job.token, "w")[0] == "stale"  # wrong stage
+    assert store.claim(job.job_id, "init", "other", "w")[0] == "stale"  # wrong token
+    assert store.claim(job.job_id, "init", job.token, "w")[0] == "ok"
+    assert store.advance(job.job_id, "init", "other", "run", "run.n", "n", "hstate", "{}") is None
+    token = store.advance(job.job_id, "init", job.token, "run", "run.n", "n", "hstate", "{}")
+    assert token and counts(r) == {"run": 1}
+    assert r.zscore("prorl:queued:run.n", job.job_id) is not None
+    store.handed_off([(job.job_id, token)])
+    assert r.zscore("prorl:active", job.job_id) is None
+    assert store.claim(job.job_id, "init", job.token, "w")[0] == "stale"  # redelivered INIT
+    assert store.finish(job.job_id, JobState.CANCELLED, "cancelled", "x").changed
+    assert counts(r) == {"cancelled": 1}
+    # Terminal is final: no claim, no second finish, no resurrection.
+    assert store.claim(job.job_id, "run", token, "w")[0] == "terminal"
+    assert not store.finish(job.job_id, JobState.DONE).changed
+    assert store.reap(job.job_id, "active", 1e12, "", "x")[0] == "gone"
+    assert counts(r) == {"cancelled": 1}
+    assert [e[1]["state"] for e in r.xrange("prorl:batch:b:stream")] == ["cancelled"]
+    assert r.ttl(f"prorl:job:{job.job_id}") > 0
+
+
+def test_heartbeat_reports_jobs_to_abort(settings, r):
+    store, jobs = make(settings, r, n=3)
+    a, b, c = jobs
+    for j in jobs:
+        store.claim(j.job_id, "init", j.token, "w")
+    store.finish(b.job_id, JobState.CANCELLED, "cancelled", "x")
+    aborts = store.heartbeat([(a.job_id, a.token), (b.job_id, b.token), (c.job_id, "old")])
+    assert sorted(aborts) == sorted([(b.job_id, b.token), (c.job_id, "old")])
+
+
+def test_reap_requeues_then_fails_worker_lost(settings, r):
+    store, [job] = make(settings, r)
+    store.claim(job.job_id, "init", job.token, "w")
+    future = store.server_time() + 10
+    assert store.reap(job.job_id, "active", 0, "", "x")[0] == "alive"  # fresh heartbeat
+    outcome, token = store.reap(job.job_id, "active", future, "", "worker died")
+    assert outcome == "requeue" and counts(r) == {"queued": 1}
+    assert store.claim(job.job_id, "init", token, "w")[0] == "ok"
+    assert store.reap(job.job_id, "active", future, "", "worker died")[0] == "failed"
+    raw = store.get_raw(job.job_id)
+    assert raw["failure_kind"] == "worker_lost" and raw["requeues"] == "1"
+    assert counts(r) == {"failed": 1}
+
+
+def test_deadline_expiry(settings, r):
+    store, [job] = make(settings, r, deadline_s=0.001)
+    import time
+
+    time.sleep(0.01)
+    assert store.expire_deadlines() == 1
+    assert store.get_raw(job.job_id)["failure_kind"] == "timeout"
+    assert store.expire_deadlines() == 0
