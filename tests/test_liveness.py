@@ -142,3 +142,19 @@ def test_worker_lost_after_requeues_run_out(farm):
         j = job(client, job_id)
         assert j["failure"]["kind"] == "worker_lost" and j["reward"] is None
         assert "heartbeat" in j["failure"]["message"]
+
+
+def test_jobs_waiting_on_a_dead_nodes_queue_are_reaped(farm, r):
+    # One RUN slot and no restart: the jobs queued behind it wait on run.testnode, whose
+    # pool went silent, so the reaper must end them (re-queue once, then worker_lost).
+    pools, client = farm(run_concurrency=1, max_requeues=1)
+    sub = submit(client, [{"run_s": 30}], n=6)
+    wait_until(lambda: r.zcard("prorl:queued:run.testnode") >= 5, 20, what="jobs queued on run")
+    pools.kill("run", signal.SIGKILL)
+    summary = wait_batch(client, sub["batch_id"], timeout_s=60)
+    assert summary["counts"]["failed"] == 6
+    jobs = [job(client, i) for i in sub["job_ids"]]
+    assert {j["failure"]["kind"] for j in jobs} == {"worker_lost"}
+    assert any("no live run pool on node testnode" in j["failure"]["message"] for j in jobs)
+    assert all(j["requeues"] == 1 for j in jobs)
+    assert r.zcard("prorl:queued:run.testnode") == 0 and r.zcard("prorl:active") == 0
