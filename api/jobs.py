@@ -9,6 +9,7 @@ from flask import Blueprint
 from api.errors import ApiError, validation_error
 from api.schemas import SubmitSchema
 from api.services import json_body, services
+from prorl_farm.celery_app import TASK_NAMES
 from prorl_farm.errors import InvalidInstance, NotFound
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
@@ -53,9 +54,10 @@ def submit():
     jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
                                  req["sampling"], req["deadline_s"])
     try:
-        for job in jobs:
-            svc.celery.send_task("prorl.init", args=[job.job_id, job.token], queue="init",
-                                 task_id=job.token)
+        with svc.celery.producer_or_acquire() as producer:
+            for job in jobs:
+                svc.celery.send_task(TASK_NAMES["init"], args=[job.job_id, job.token],
+                                     queue="init", task_id=job.token, producer=producer)
     except Exception as e:
         # The broker failed mid-way: take back every job of this request, sent or not.
         log.exception("publishing batch %s failed; cancelling its new jobs", batch_id)

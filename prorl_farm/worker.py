@@ -52,10 +52,15 @@ def _reserved_requests():
     """(job, token) of every message this worker holds: reserved, running or prefetched."""
     from celery.worker import state
 
-    for request in list(state.reserved_requests):
-        args = request.args or ()
-        if len(args) == 2:
-            yield str(args[0]), str(request.id)
+    for _ in range(5):
+        try:
+            requests = list(state.reserved_requests)
+            break
+        except RuntimeError:  # the consumer thread changed the set while we copied it
+            continue
+    else:
+        requests = []
+    return [(str(rq.args[0]), str(rq.id)) for rq in requests if len(rq.args or ()) == 2]
 
 
 _farm: WorkerFarm | None = None

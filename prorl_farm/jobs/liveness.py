@@ -67,6 +67,7 @@ class Reaper:
         counts[outcome] = counts.get(outcome, 0) + 1
         if outcome == "requeue":
             self.requeue(job_id, token)
+            self.store.handed_off([(job_id, token)])
 
 
 class Liveness:

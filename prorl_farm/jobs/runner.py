@@ -133,7 +133,13 @@ class StageRunner:
                                        self.settings.node, field, json.dumps(output or {}))
         if new_token is None:
             return "stale"
-        self.publish(nxt, ctx.job_id, new_token, queue)
+        try:
+            self.publish(nxt, ctx.job_id, new_token, queue)
+        except Exception:
+            # The job keeps this worker's last heartbeat, which goes stale now that the stage
+            # is over: the reaper re-queues it (or fails it worker_lost).
+            log.exception("%s %s: publishing to %s failed", ctx.stage, ctx.job_id, queue)
+            return "publish failed"
         self.liveness.handed_off(ctx.job_id, new_token)
         return HANDED_OFF
 

@@ -142,7 +142,8 @@ return abort
 # Recover a job whose worker died. ARGV: prefix, job, mode ('active' | 'queued'),
 # cutoff (epoch s: a heartbeat older than this is dead), queue (for 'queued'),
 # max_requeues, new_token, ttl_s, message.
-# Returns 'alive' | 'gone' | 'moved' | 'requeue' (caller publishes to init) | 'failed'.
+# Returns 'alive' | 'gone' | 'moved' | 'requeue' (caller publishes to init, then calls
+# HANDED_OFF) | 'failed'.
 REAP = r"""
 local id, mode, cutoff, queue = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local maxrq, new, ttl, msg = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8]), ARGV[9]
@@ -169,7 +170,8 @@ if n < maxrq then
   redis.call('HSET', jk, 'stage', 'init', 'phase', 'waiting', 'token', new, 'queue', 'init',
     'requeues', n + 1, 't_init_queued', fmt(now), 'last_requeue_reason', msg)
   set_state(jk, j[1], 'queued', j[5])
-  redis.call('ZREM', P .. 'active', id)
+  -- The job keeps its stale heartbeat until the caller has published the new INIT message
+  -- (HANDED_OFF): should the publish fail, the next sweep finds it again.
   redis.call('ZADD', P .. 'queued:init', now, id)
   return 'requeue'
 end

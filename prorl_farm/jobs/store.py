@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -84,7 +83,7 @@ class JobStore:
         deadline_s: float | None,
     ) -> list[NewJob]:
         """Write every job of one request atomically (MULTI/EXEC), all waiting for INIT."""
-        now = time.time()
+        now = self.server_time()
         deadline_at = f"{now + deadline_s:.6f}" if deadline_s else ""
         sampling_json = json.dumps(sampling)
         jobs: list[NewJob] = []
