@@ -70,16 +70,16 @@ def wait_for(pred, timeout_s, what):
         time.sleep(0.02)
 
 
-def farm_env(url: str, pools: dict) -> dict:
+def farm_env(url: str, pools: dict, events: bool = True) -> dict:
     env = dict(os.environ, PRORL_REDIS_URL=url, PRORL_NODE="bench", PRORL_LOG_LEVEL="WARNING",
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=str(ROOT), PRORL_TASK_EVENTS="1" if events else "0")
     for stage, n in pools.items():
         env[f"PRORL_{stage.upper()}_CONCURRENCY"] = str(n)
     return env
 
 
-def start_farm(procs, url, pools, tmp) -> None:
-    env = farm_env(url, pools)
+def start_farm(procs, url, pools, tmp, events: bool = True) -> None:
+    env = farm_env(url, pools, events)
     r = redis.Redis.from_url(url)
     t0 = time.time()
     for stage in pools:
@@ -169,21 +169,23 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
-def bench_overhead_farm(url, tmp, n_jobs, n_latency) -> dict:
+def bench_overhead_farm(url, tmp, n_jobs, n_latency, events: bool) -> dict:
     from api import create_app
 
     procs = Processes()
     pools = {"init": 8, "run": 8, "eval": 8}
+    tag = "ev" if events else "noev"
     try:
-        start_farm(procs, url, pools, tmp)
+        start_farm(procs, url, pools, tmp, events)
         zero = {"init_s": 0, "run_s": 0, "eval_s": 0}
-        jobs = farm_run(url, [zero] * n_jobs, "bench-overhead")
+        jobs = farm_run(url, [zero] * n_jobs, f"bench-overhead-{tag}")
         client = create_app(load_settings(farm_env(url, pools))).test_client()
         lat = []
         for i in range(n_latency):
             jid = client.post("/v1/jobs", json={"handler": "synthetic", "instance": zero,
-                                                "batch_id": f"lat{i}"}).get_json()["job_ids"][0]
-            page = client.get(f"/v1/batches/lat{i}/results?wait=10").get_json()
+                                                "batch_id": f"lat{tag}{i}"}
+                              ).get_json()["job_ids"][0]
+            page = client.get(f"/v1/batches/lat{tag}{i}/results?wait=10").get_json()
             lat.append(page["results"][0]["timings"]["total_s"])
             assert page["results"][0]["id"] == jid
     finally:
@@ -251,7 +253,8 @@ def main() -> None:
             wait_for_redis(url)
             pools = bench_stage_pools(url, tmp, args.jobs)
             mono = bench_mono(url, tmp, args.mono_jobs)
-            farm = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs)
+            farm = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs, True)
+            quiet = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs, False)
             bare = bench_overhead_bare(url, tmp, args.overhead_jobs, args.latency_jobs)
         finally:
             server.terminate()
@@ -278,13 +281,17 @@ def main() -> None:
         "",
         "| overhead (all stages 0 s) | jobs/s | latency p50 (ms) | latency p99 (ms) |",
         "|---|---|---|---|",
-        f"| farm (API submit, job store, 3 pools) | {farm['rate']:.1f} | {farm['p50_ms']:.1f} | "
-        f"{farm['p99_ms']:.1f} |",
+        f"| farm (API submit, job store, 3 pools), task events on (default) | "
+        f"{farm['rate']:.1f} | {farm['p50_ms']:.1f} | {farm['p99_ms']:.1f} |",
+        f"| farm, task events off (PRORL_TASK_EVENTS=0) | {quiet['rate']:.1f} | "
+        f"{quiet['p50_ms']:.1f} | {quiet['p99_ms']:.1f} |",
         f"| bare 3-hop Celery chain | {bare['rate']:.1f} | {bare['p50_ms']:.1f} | "
         f"{bare['p99_ms']:.1f} |",
         "",
-        f"Farm / bare: throughput **{farm['rate'] / bare['rate']:.2f}x**, "
-        f"p50 latency **{farm['p50_ms'] / bare['p50_ms']:.2f}x**.",
+        f"Farm / bare: throughput **{farm['rate'] / bare['rate']:.2f}x** "
+        f"({quiet['rate'] / bare['rate']:.2f}x without events), "
+        f"p50 latency **{farm['p50_ms'] / bare['p50_ms']:.2f}x** "
+        f"({quiet['p50_ms'] / bare['p50_ms']:.2f}x without events).",
         "",
     ]
     print("\n".join(lines))

@@ -41,7 +41,7 @@ def create_celery_app(settings: Settings | None = None, include: list[str] | Non
         task_default_queue="init",
         task_create_missing_queues=True,
         # Flower shows tasks only when workers send events.
-        worker_send_task_events=True,
+        worker_send_task_events=settings.task_events,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )

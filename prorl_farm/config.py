@@ -59,6 +59,9 @@ class Settings:
     max_body_bytes: int = 16 * 1024 * 1024
     max_jobs_per_request: int = 10_000
     max_wait_s: float = 60.0
+    # Celery task events (task-received/started/succeeded): Flower shows tasks only with them;
+    # they cost three extra publishes per stage.
+    task_events: bool = True
     # Extra handlers without packaging: "name=module:Class,other=module:Class".
     handlers: str = ""
 
@@ -75,6 +78,14 @@ class Settings:
         stage claims make that redelivery a no-op, but it should stay rare.
         """
         return 2 * max(self.pool(s).timeout_s for s in STAGES) + 3600.0
+
+
+def _bool(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
 
 
 def _env(environ, name: str, cast, default):
@@ -128,6 +139,7 @@ def load_settings(environ=None, **overrides) -> Settings:
         max_jobs_per_request=_env(environ, "MAX_JOBS_PER_REQUEST", int, d.max_jobs_per_request),
         max_wait_s=_env(environ, "MAX_WAIT_S", float, d.max_wait_s),
         handlers=_env(environ, "HANDLERS", str, d.handlers),
+        task_events=_env(environ, "TASK_EVENTS", _bool, d.task_events),
     )
     for stage in STAGES:
         values[stage] = _pool_from_env(environ, stage, getattr(d, stage))

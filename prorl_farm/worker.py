@@ -118,7 +118,7 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     argv = [
         "worker", "-Q", queue_for(stage, settings.node), "-P", pool.pool,
         "-c", str(pool.concurrency), "-n", f"{stage}-{os.getpid()}@{settings.node}",
-        "--without-gossip", "--without-mingle", "--without-heartbeat", "-E",
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
         "-l", os.environ.get("PRORL_LOG_LEVEL", "INFO"),
-    ]
+    ] + (["-E"] if settings.task_events else [])
     _app.worker_main(argv + list(extra_argv or []))
