@@ -11,6 +11,7 @@ from prorl_farm.celery_app import create_celery_app
 from prorl_farm.config import Settings, load_settings
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.llm.registry import BackendRegistry
 
 
 @dataclass
@@ -21,11 +22,12 @@ class FarmServices:
     store: JobStore
     registry: HandlerRegistry
     celery: Celery
+    backends: BackendRegistry
 
 
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the API. ``settings`` defaults to the PRORL_* environment (tests pass their own)."""
-    from api import batches, errors, handlers, health, jobs, openapi
+    from api import backends, batches, errors, handlers, health, jobs, openapi
 
     settings = settings or load_settings()
     if not settings.redis_url:
@@ -33,13 +35,15 @@ def create_app(settings: Settings | None = None) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
+    store = JobStore.from_settings(settings, settings.api_threads + 8)
     app.extensions["prorl"] = FarmServices(
         settings=settings,
-        store=JobStore.from_settings(settings),
+        store=store,
         registry=HandlerRegistry(settings.handlers),
         celery=create_celery_app(settings),
+        backends=BackendRegistry(store.r),
     )
-    for module in (jobs, batches, handlers, health, openapi):
+    for module in (jobs, batches, handlers, health, openapi, backends):
         app.register_blueprint(module.bp)
     errors.register_error_handlers(app)
     return app

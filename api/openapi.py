@@ -14,7 +14,8 @@ bp = Blueprint("openapi", __name__)
 _plugin = MarshmallowPlugin()
 _spec = APISpec(title="prorl-farm", version=__version__, openapi_version="3.0.3",
                 plugins=[_plugin])
-for _name in ("Submit", "SubmitResponse", "Job", "Batch", "Results", "CancelResponse", "Error"):
+for _name in ("Submit", "SubmitResponse", "Job", "Batch", "Results", "CancelResponse", "Error",
+              "BackendRegister", "BackendResume", "Backend"):
     _spec.components.schema(_name, schema=getattr(s, f"{_name}Schema"))
 
 
@@ -58,6 +59,17 @@ _spec.path("/v1/batches/{batch_id}/results", operations={"get": _op(
 _spec.path("/v1/batches/{batch_id}/cancel", operations={
     "post": _op("Cancel a batch", params=[_path_param("batch_id")])})
 _spec.path("/v1/handlers", operations={"get": _op("List handlers")})
+_spec.path("/v1/backends", operations={
+    "post": _op("Register an LLM backend", 201, "BackendRegister", "Backend"),
+    "get": _op("List backends with in-flight counts, health, latency, policy version")})
+_spec.path("/v1/backends/{backend_id}", operations={
+    "get": _op("Get a backend", out="Backend", params=[_path_param("backend_id")]),
+    "delete": _op("Unregister a backend", params=[_path_param("backend_id")])})
+_spec.path("/v1/backends/{backend_id}/drain", operations={
+    "post": _op("Drain: no new jobs", out="Backend", params=[_path_param("backend_id")])})
+_spec.path("/v1/backends/{backend_id}/resume", operations={
+    "post": _op("Resume with a new policy version", body="BackendResume", out="Backend",
+                params=[_path_param("backend_id")])})
 for _p, _summary in (("/healthz", "Process up"), ("/readyz", "Redis and pools ready"),
                      ("/metrics", "Prometheus metrics")):
     _spec.path(_p, operations={"get": _op(_summary)})

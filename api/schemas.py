@@ -120,3 +120,50 @@ class CancelResponseSchema(Schema):
 
 class ErrorSchema(Schema):
     error = fields.Dict(metadata={"description": "{code, message, details}"})
+
+
+class BackendRegisterSchema(Schema):
+    """POST /v1/backends."""
+
+    class Meta:
+        unknown = RAISE
+
+    url = fields.Url(required=True, schemes={"http", "https"}, require_tld=False)
+    kind = fields.String(required=True, validate=validate.OneOf(["vllm", "sglang"]))
+    model = fields.String(required=True, validate=validate.Length(min=1, max=512))
+    tokenizer = fields.String(required=True, validate=validate.Length(min=1, max=4096),
+                              metadata={"description": "local path of the tokenizer, as "
+                                        "the workers see it"})
+    capacity = fields.Integer(load_default=1, strict=True,
+                              validate=validate.Range(min=1, max=100_000))
+    policy_version = fields.String(load_default="0", validate=validate.Length(min=1, max=128))
+    logprobs_mode = fields.String(load_default="", validate=validate.OneOf(
+        ["", "raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]))
+
+
+class BackendResumeSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    policy_version = fields.String(required=True, validate=validate.Length(min=1, max=128))
+
+
+class BackendSchema(Schema):
+    id = fields.String()
+    url = fields.String()
+    kind = fields.String()
+    model = fields.String()
+    tokenizer = fields.String()
+    capacity = fields.Integer()
+    policy_version = fields.String()
+    logprobs_mode = fields.String()
+    healthy = fields.Boolean()
+    drained = fields.Boolean()
+    in_heap = fields.Boolean()
+    in_flight = fields.Integer()
+    load = fields.Float(allow_none=True)
+    latency_ms = fields.Float(allow_none=True)
+    jobs_total = fields.Integer()
+    requests_total = fields.Integer()
+    last_error = fields.String(allow_none=True)
+    registered_at = fields.Float()

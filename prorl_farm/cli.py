@@ -13,7 +13,21 @@ from prorl_farm.config import STAGES, load_settings
 def _cmd_up(args) -> int:
     from prorl_farm.supervisor import Supervisor
 
-    return Supervisor(load_settings()).run()
+    return Supervisor(load_settings(), dev_model=args.dev_model).run()
+
+
+def _cmd_serve_model(args) -> int:
+    from prorl_farm.llm.devserver import serve
+
+    serve(args.model, args.host, args.port, args.name)
+    return 0
+
+
+def _cmd_tiny_model(args) -> int:
+    from prorl_farm.llm.tiny import build_tiny_model
+
+    print(build_tiny_model(args.out, seed=args.seed))
+    return 0
 
 
 def _cmd_worker(args) -> int:
@@ -43,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run the whole farm on this machine (private Redis unless "
                         "PRORL_REDIS_URL is set)")
+    up.add_argument("--dev-model", metavar="DIR",
+                    help="also serve this local Hugging Face model on the CPU (serve-model) and "
+                    "register it as a backend")
     up.set_defaults(func=_cmd_up)
     w = sub.add_parser("worker", help="run one stage's worker pool in the foreground")
     w.add_argument("stage", choices=STAGES)
@@ -51,6 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=_cmd_worker)
     a = sub.add_parser("api", help="serve the HTTP API with gunicorn")
     a.set_defaults(func=_cmd_api)
+    sm = sub.add_parser("serve-model", help="serve a local causal LM on the CPU with vLLM and "
+                        "SGLang routes (development and tests)")
+    sm.add_argument("--model", required=True, metavar="DIR")
+    sm.add_argument("--host", default="127.0.0.1")
+    sm.add_argument("--port", type=int, default=8100)
+    sm.add_argument("--name", help="model name to report (default: the directory name)")
+    sm.set_defaults(func=_cmd_serve_model)
+    tm = sub.add_parser("tiny-model", help="build a tiny random model and tokenizer offline")
+    tm.add_argument("out", metavar="DIR")
+    tm.add_argument("--seed", type=int, default=0)
+    tm.set_defaults(func=_cmd_tiny_model)
     return p
 
 

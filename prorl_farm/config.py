@@ -62,6 +62,12 @@ class Settings:
     # Celery task events (task-received/started/succeeded): Flower shows tasks only with them;
     # they cost three extra publishes per stage.
     task_events: bool = True
+    # LLM backends: per-request timeout, retries on one backend, fail-overs to others per job;
+    # audit=True logs every acquire's heap snapshot (tests, debugging).
+    llm_request_timeout_s: float = 600.0
+    llm_retries: int = 2
+    llm_max_failovers: int = 1
+    backend_audit: bool = False
     # Extra handlers without packaging: "name=module:Class,other=module:Class".
     handlers: str = ""
 
@@ -140,6 +146,11 @@ def load_settings(environ=None, **overrides) -> Settings:
         max_wait_s=_env(environ, "MAX_WAIT_S", float, d.max_wait_s),
         handlers=_env(environ, "HANDLERS", str, d.handlers),
         task_events=_env(environ, "TASK_EVENTS", _bool, d.task_events),
+        llm_request_timeout_s=_env(environ, "LLM_REQUEST_TIMEOUT_S", float,
+                                   d.llm_request_timeout_s),
+        llm_retries=_env(environ, "LLM_RETRIES", int, d.llm_retries),
+        llm_max_failovers=_env(environ, "LLM_MAX_FAILOVERS", int, d.llm_max_failovers),
+        backend_audit=_env(environ, "BACKEND_AUDIT", _bool, d.backend_audit),
     )
     for stage in STAGES:
         values[stage] = _pool_from_env(environ, stage, getattr(d, stage))

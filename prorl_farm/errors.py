@@ -41,3 +41,11 @@ class StageError(FarmError, RuntimeError):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+class BackendError(FarmError, ConnectionError):
+    """An LLM backend failed a request (unreachable, 5xx, timeout): worth a retry elsewhere."""
+
+
+class BackendRequestError(FarmError, ValueError):
+    """An LLM backend rejected the request itself (4xx): retrying elsewhere will not help."""

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,8 +105,11 @@ def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, dev_model: str | None = None):
         self.settings = settings
+        self.dev_model = str(Path(dev_model).resolve()) if dev_model else None
+        self.dev_model_port = free_port() if dev_model else None
+        self.dev_backend_id: str | None = None
         self.home = Path(settings.home).resolve()
         self.logs = self.home / "logs"
         self.children: list[Child] = []
@@ -126,6 +130,11 @@ class Supervisor:
             self._python("-m", "celery", "-A", "prorl_farm.celery_app", "--broker", redis_url,
                          "flower", f"--port={s.flower_port}", f"--address={s.api_host}"),
             self.logs / "flower.log", env={"FLOWER_UNAUTHENTICATED_API": "1"}))
+        if self.dev_model:
+            self.children.append(Child(
+                "dev-model", cli + ["serve-model", "--model", self.dev_model,
+                                    "--port", str(self.dev_model_port)],
+                self.logs / "dev-model.log"))
 
     def _start_redis(self) -> str:
         if not shutil.which("redis-server"):
@@ -153,10 +162,33 @@ class Supervisor:
             self._plan(url)
             for child in self.children:
                 child.start(env)
+            if self.dev_model:
+                self._register_dev_model(url)
             self._announce(url)
             return self._monitor(env)
         finally:
             self.stop()
+
+    def _register_dev_model(self, redis_url: str) -> None:
+        from prorl_farm.llm.registry import BackendRegistry, BackendSpec
+
+        base = f"http://127.0.0.1:{self.dev_model_port}"
+        end = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > end:
+                raise SystemExit(f"dev model did not come up; see {self.logs}/dev-model.log")
+            time.sleep(0.2)
+        registry = BackendRegistry(redis.Redis.from_url(redis_url, decode_responses=True))
+        self.dev_backend_id = registry.register(BackendSpec(
+            url=base, kind="vllm", model=Path(self.dev_model).name, tokenizer=self.dev_model,
+            capacity=4, logprobs_mode="raw_logprobs"))
+        self._registry = registry
 
     def _announce(self, url: str) -> None:
         s = self.settings
@@ -168,6 +200,8 @@ class Supervisor:
             "  pools   " + ", ".join(f"{st}: {s.pool(st).pool} x{s.pool(st).concurrency}"
                                       for st in STAGES),
             f"  node    {s.node}",
+        ] + ([f"  model   {self.dev_model} on http://127.0.0.1:{self.dev_model_port} "
+              f"(backend {self.dev_backend_id})"] if self.dev_model else []) + [
             f"  logs    {self.logs}/",
             "Ctrl-C stops everything.",
         ]
@@ -202,6 +236,12 @@ class Supervisor:
 
     def stop(self) -> None:
         """Stop every child: SIGTERM its group, SIGKILL what is left after the grace period."""
+        if self.dev_backend_id is not None:
+            try:
+                self._registry.unregister(self.dev_backend_id)
+            except Exception:
+                log.warning("could not unregister the dev model backend", exc_info=True)
+            self.dev_backend_id = None
         groups = [c for c in self.children if c.proc is not None]
         for child in groups:
             child.signal_group(signal.SIGTERM)

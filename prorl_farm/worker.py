@@ -20,6 +20,7 @@ from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.liveness import Liveness, Reaper
 from prorl_farm.jobs.runner import StageRunner
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.llm.registry import BackendRegistry
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +32,17 @@ class WorkerFarm:
         self.app = app
         self.settings = settings
         self.stage = stage
-        self.store = JobStore.from_settings(settings)
-        reaper = Reaper(self.store, settings, self.requeue) if main_process else None
+        # One connection per pool thread at most, plus the liveness and probe threads.
+        self.store = JobStore.from_settings(settings, settings.pool(stage).concurrency + 8)
+        reaper = (Reaper(self.store, settings, self.requeue,
+                         BackendRegistry(self.store.r)) if main_process else None)
         self.liveness = Liveness(self.store, settings, stage,
                                  reserved=_reserved_requests if main_process else None,
                                  reaper=reaper)
         worker_name = f"{socket.gethostname()}:{os.getpid()}"
+        self.backends = BackendRegistry(self.store.r, audit=settings.backend_audit)
         self.runner = StageRunner(settings, self.store, HandlerRegistry(settings.handlers),
-                                  self.liveness, self.publish, worker_name)
+                                  self.liveness, self.publish, worker_name, self.backends)
 
     def publish(self, stage: str, job_id: str, token: str, queue: str) -> None:
         # The token doubles as the Celery task id, so the API can revoke it by job state.

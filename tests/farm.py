@@ -30,6 +30,7 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str 
         if value:
             return value
         if time.monotonic() > end:
+            what = what() if callable(what) else what
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
 

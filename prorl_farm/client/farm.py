@@ -80,6 +80,29 @@ class FarmClient:
                 seen += 1
                 yield job
 
+    # -- LLM backends ---------------------------------------------------------------------
+
+    def register_backend(self, url: str, kind: str, model: str, tokenizer: str,
+                         capacity: int = 1, policy_version: str = "0",
+                         logprobs_mode: str = "") -> dict:
+        return self._call("POST", "/v1/backends", json={
+            "url": url, "kind": kind, "model": model, "tokenizer": tokenizer,
+            "capacity": capacity, "policy_version": policy_version,
+            "logprobs_mode": logprobs_mode})
+
+    def backends(self) -> list[dict]:
+        return self._call("GET", "/v1/backends")["backends"]
+
+    def unregister_backend(self, backend_id: str) -> dict:
+        return self._call("DELETE", f"/v1/backends/{backend_id}")
+
+    def drain_backend(self, backend_id: str) -> dict:
+        return self._call("POST", f"/v1/backends/{backend_id}/drain")
+
+    def resume_backend(self, backend_id: str, policy_version: str) -> dict:
+        return self._call("POST", f"/v1/backends/{backend_id}/resume",
+                          json={"policy_version": policy_version})
+
     def handlers(self) -> list[dict]:
         return self._call("GET", "/v1/handlers")["handlers"]
 

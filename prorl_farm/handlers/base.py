@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,14 +41,37 @@ class JobContext:
     deadline_monotonic: float = float("inf")
     abort_event: threading.Event = field(default_factory=threading.Event)
     abort_reason: str = ""
+    # The farm's services for handlers: the LLM backend registry, the settings.
+    backends: Any = None
+    settings: Any = None
+    _abort_callbacks: list = field(default_factory=list, repr=False)
 
     @property
     def remaining_s(self) -> float:
         return self.deadline_monotonic - time.monotonic()
 
     def abort(self, reason: str) -> None:
+        """Called from the liveness thread: flag the job and interrupt blocking I/O."""
         self.abort_reason = reason
         self.abort_event.set()
+        for callback in list(self._abort_callbacks):
+            try:
+                callback()
+            except Exception:  # an interrupt that fails must not stop the others
+                logging.getLogger(__name__).warning("abort callback failed", exc_info=True)
+
+    def on_abort(self, callback) -> Callable[[], None]:
+        """Run ``callback`` (e.g. close an in-flight request's socket) if the job is aborted;
+        returns a function that unregisters it. Runs at once if already aborted."""
+        self._abort_callbacks.append(callback)
+        if self.abort_event.is_set():
+            callback()
+
+        def remove() -> None:
+            if callback in self._abort_callbacks:
+                self._abort_callbacks.remove(callback)
+
+        return remove
 
     def check(self) -> None:
         """Raise JobAborted if the job was cancelled or ended elsewhere, StageTimeout if late."""

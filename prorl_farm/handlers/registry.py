@@ -12,7 +12,10 @@ from prorl_farm.handlers.base import AgentHandler
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "prorl_farm.handlers"
-BUILTIN = {"synthetic": "prorl_farm.handlers.synthetic:SyntheticHandler"}
+BUILTIN = {
+    "synthetic": "prorl_farm.handlers.synthetic:SyntheticHandler",
+    "chat": "prorl_farm.handlers.chat:ChatHandler",
+}
 
 
 def _load(target: str) -> type[AgentHandler]:

@@ -8,6 +8,7 @@ from marshmallow import RAISE, Schema, fields, validate
 
 from prorl_farm.config import STAGES
 from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.llm.session import BackendSession
 
 _seconds = dict(load_default=0.0, validate=validate.Range(min=0, max=24 * 3600))
 
@@ -24,6 +25,12 @@ class SyntheticInstance(Schema):
                                validate=validate.OneOf(STAGES))
     # "sleep": wait (I/O-bound stages); "compute": spin the CPU, checking for aborts.
     mode = fields.String(load_default="sleep", validate=validate.OneOf(["sleep", "compute"]))
+    # RUN pins the job to an LLM backend and makes this many requests to it (each asking
+    # for ``llm_tokens`` tokens of a fixed token prompt); run_s is spent between them.
+    llm_turns = fields.Integer(load_default=0, strict=True, validate=validate.Range(min=0,
+                                                                                   max=1000))
+    llm_tokens = fields.Integer(load_default=4, strict=True, validate=validate.Range(min=1,
+                                                                                    max=4096))
 
 
 class SyntheticFailure(RuntimeError):
@@ -55,8 +62,26 @@ class SyntheticHandler(AgentHandler):
         return {"sandbox": f"synthetic-{ctx.job_id}", "node": ctx.node}
 
     def run(self, ctx: JobContext) -> dict:
-        self._work(ctx, ctx.instance.get("run_s", 0.0))
-        return {"sandbox": ctx.state.get("sandbox"), "turns": 1}
+        turns = ctx.instance.get("llm_turns", 0)
+        if not turns:
+            self._work(ctx, ctx.instance.get("run_s", 0.0))
+            return {"sandbox": ctx.state.get("sandbox"), "turns": 1}
+        s = ctx.settings
+        session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
+                                 request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
+        prompt = [1, 2, 3]
+        backends, versions = [], []
+        for _ in range(turns):
+            ctx.sleep(ctx.instance.get("run_s", 0.0) / turns)
+            t = session.generate(prompt, {"max_tokens": ctx.instance.get("llm_tokens", 4)})
+            prompt = prompt + t.generation.token_ids
+            backends.append(t.backend.id)
+            versions.append(t.backend.policy_version)
+        if ctx.instance.get("fail_stage") == "run":
+            raise SyntheticFailure("synthetic failure in run")
+        return {"sandbox": ctx.state.get("sandbox"), "turns": turns, "backends": backends,
+                "policy_versions": versions, "failovers": session.failovers,
+                "tokens": len(prompt) - 3}
 
     def eval(self, ctx: JobContext) -> dict:
         self._work(ctx, ctx.instance.get("eval_s", 0.0))

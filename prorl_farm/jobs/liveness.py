@@ -31,10 +31,12 @@ class Reaper:
     Any pool's process may run a sweep; a short Redis lock lets one do so per interval.
     """
 
-    def __init__(self, store: JobStore, settings: Settings, requeue: Requeue):
+    def __init__(self, store: JobStore, settings: Settings, requeue: Requeue, backends=None):
         self.store = store
         self.settings = settings
         self.requeue = requeue
+        self.backends = backends  # a BackendRegistry whose failed backends it probes
+        self._prober: threading.Thread | None = None
 
     def sweep(self, force: bool = False) -> dict[str, int]:
         interval_ms = max(1, int(self.settings.reap_interval_s * 1000))
@@ -57,9 +59,23 @@ class Reaper:
             for job_id in waiting:
                 self._reap(counts, job_id, "queued", cutoff, queue,
                            f"no live {stage} pool on node {node}")
+        self._probe_backends()
         if any(counts.values()):
             log.warning("reaper: %s", counts)
         return counts
+
+    def _probe_backends(self) -> None:
+        """Probe failed backends off the liveness thread, so a slow probe delays nothing."""
+        if self.backends is None or (self._prober is not None and self._prober.is_alive()):
+            return
+        self._prober = threading.Thread(target=self._probe, name="backend-probe", daemon=True)
+        self._prober.start()
+
+    def _probe(self) -> None:
+        try:
+            self.backends.probe_unhealthy()
+        except Exception:
+            log.warning("backend probe failed", exc_info=True)
 
     def _reap(self, counts: dict, job_id: str, mode: str, cutoff: float, queue: str,
               why: str) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from prorl_farm.celery_app import queue_for
 from prorl_farm.config import Settings
 from prorl_farm.errors import (
+    BackendError,
     BackendUnavailable,
     InvalidInstance,
     JobAborted,
@@ -70,8 +71,9 @@ class StageRunner:
     """Runs one stage of one job, start to finish, inside a worker process."""
 
     def __init__(self, settings: Settings, store: JobStore, registry: HandlerRegistry,
-                 liveness: Liveness, publish: Publisher, worker_name: str):
+                 liveness: Liveness, publish: Publisher, worker_name: str, backends=None):
         self.settings = settings
+        self.backends = backends
         self.store = store
         self.registry = registry
         self.liveness = liveness
@@ -86,6 +88,7 @@ class StageRunner:
             return outcome
         ctx = build_context(raw, stage, token, self.settings.node,
                             self.settings.pool(stage).timeout_s)
+        ctx.backends, ctx.settings = self.backends, self.settings
         handler: AgentHandler | None = None
         outcome = "error"
         self.liveness.track(ctx)
@@ -101,7 +104,7 @@ class StageRunner:
             outcome = self._fail(ctx, handler, FailureKind.TIMEOUT, str(e))
         except (InvalidInstance, NotFound) as e:
             outcome = self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))
-        except BackendUnavailable as e:
+        except (BackendUnavailable, BackendError) as e:
             outcome = self._fail(ctx, handler, FailureKind.BACKEND_UNAVAILABLE, str(e))
         except Exception as e:
             log.warning("%s %s failed: %s", stage, job_id, e, exc_info=True)

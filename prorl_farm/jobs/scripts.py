@@ -10,6 +10,8 @@ token queue node worker requeues created_at deadline_at finished_at failure_kind
 failure_message hstate result reward`` and ``t_<stage>_{queued,start,end}``.
 """
 
+from prorl_farm.llm.scripts import RELEASE_FN
+
 PRELUDE = r"""
 local P = ARGV[1]
 local TERMINAL = {done = true, failed = true, cancelled = true}
@@ -19,6 +21,7 @@ local function now_s()
 end
 local function fmt(x) return string.format('%.6f', x) end
 local function jkey(id) return P .. 'job:' .. id end
+""" + RELEASE_FN + r"""
 
 -- Move a job to another state, keeping its batch's per-state counters exact.
 local function set_state(jk, old, new, batch)
@@ -39,6 +42,7 @@ local function finish(id, jk, state, kind, msg, ttl, now)
     redis.call('HSET', jk, 'failure_kind', kind, 'failure_message', msg)
   end
   set_state(jk, old, state, batch)
+  release_backend(id)
   local bk = P .. 'batch:' .. batch
   redis.call('XADD', bk .. ':stream', '*', 'job', id, 'state', state)
   redis.call('ZREM', P .. 'active', id)
@@ -91,6 +95,7 @@ local now = now_s()
 redis.call('HSET', jk, 't_' .. from .. '_end', fmt(now), 'stage', to, 'phase', 'waiting',
   'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now), 'node', node, field, value)
 set_state(jk, j[1], to, j[4])
+release_backend(id)  -- a backend slot is held within a stage, never across a hand-off
 redis.call('ZADD', P .. 'queued:' .. queue, now, id)
 redis.call('SADD', P .. 'queues', queue)
 return 'ok'
@@ -170,6 +175,7 @@ if n < maxrq then
   redis.call('HSET', jk, 'stage', 'init', 'phase', 'waiting', 'token', new, 'queue', 'init',
     'requeues', n + 1, 't_init_queued', fmt(now), 'last_requeue_reason', msg)
   set_state(jk, j[1], 'queued', j[5])
+  release_backend(id)
   -- The job keeps its stale heartbeat until the caller has published the new INIT message
   -- (HANDED_OFF): should the publish fail, the next sweep finds it again.
   redis.call('ZADD', P .. 'queued:init', now, id)

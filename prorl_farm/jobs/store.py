@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from prorl_farm.config import Settings
 from prorl_farm.errors import NotFound
@@ -19,6 +21,20 @@ from prorl_farm.jobs.states import ALL_STATES, JobState
 log = logging.getLogger(__name__)
 
 CURSOR_RE = re.compile(r"^\d+-\d+$")
+
+
+def connect(settings: Settings, max_connections: int = 64) -> redis.Redis:
+    """A Redis client for a process with many threads: callers wait for a free connection
+    (never fail for want of one), and transient connection errors are retried."""
+    if not settings.redis_url:
+        raise ValueError("PRORL_REDIS_URL is not set")
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=max_connections, timeout=30,
+        decode_responses=True, health_check_interval=30)
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+    return redis.Redis(connection_pool=pool, retry=retry,
+                       retry_on_error=[redis.exceptions.ConnectionError,
+                                       redis.exceptions.TimeoutError])
 
 
 def new_id() -> str:
@@ -56,13 +72,8 @@ class JobStore:
         }
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> JobStore:
-        if not settings.redis_url:
-            raise ValueError("PRORL_REDIS_URL is not set")
-        client = redis.Redis.from_url(
-            settings.redis_url, decode_responses=True, health_check_interval=30
-        )
-        return cls(client, settings)
+    def from_settings(cls, settings: Settings, max_connections: int = 64) -> JobStore:
+        return cls(connect(settings, max_connections), settings)
 
     def _call(self, name: str, *args):
         return self._scripts[name](args=[keys.PREFIX, *args])

@@ -1,0 +1,139 @@
+"""Token-in/token-out trajectories.
+
+The prompt is rendered with the model's chat template once. After that, the context only
+grows: the IDs the backend sampled are appended exactly as they came back, then the tokens
+of new messages (tool observations, user turns) and the template's glue between turns.
+Nothing already in context is ever re-tokenised, so the trajectory holds exactly the IDs
+the policy saw and sampled, and the logprobs the backend returned for them.
+
+The glue for new messages is found by rendering a small probe conversation whose assistant
+turn is a placeholder, with and without the new messages, and taking the text the template
+puts after the placeholder; that works for any chat template, not one model family.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+PLACEHOLDER = "\u2063PRORL\u2063PLACEHOLDER\u2063"
+PROBE_HISTORY = [{"role": "user", "content": "x"}]
+
+
+class TokenMismatch(AssertionError):
+    """The prompt about to be sent is not prompt_ids + response_ids[:offset]."""
+
+
+class ChatTokens:
+    """A tokenizer's chat template, seen as token deltas."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        ended = self._render(PROBE_HISTORY + [{"role": "assistant", "content": PLACEHOLDER}])
+        if PLACEHOLDER not in ended:
+            raise ValueError("the chat template drops assistant content; cannot find turn glue")
+        # What the template writes after an assistant message when it is the last one.
+        self.assistant_end = ended[ended.index(PLACEHOLDER) + len(PLACEHOLDER):]
+
+    def _render(self, messages, add_generation_prompt=False, tools=None) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The initial prompt with the generation prompt, rendered once."""
+        ids = self.tok.apply_chat_template(messages, tools=tools, tokenize=True,
+                                           add_generation_prompt=True, return_dict=False)
+        return list(ids)
+
+    def continuation_ids(self, new_messages: list[dict], sampled: list[int],
+                         finish_reason: str) -> list[int]:
+        """Tokens that follow an assistant turn ending in ``sampled``: the rest of the
+        assistant turn's closing glue, the new messages, and the next generation prompt."""
+        probe = PROBE_HISTORY + [{"role": "assistant", "content": PLACEHOLDER}]
+        full = self._render(probe + new_messages, add_generation_prompt=True)
+        after = full[full.index(PLACEHOLDER) + len(PLACEHOLDER):]
+        if sampled and finish_reason == "stop":
+            # Stopped on a token the template writes next (its end-of-turn token): the model
+            # sampled it already, so keep only what follows it.
+            stop_text = self.tok.decode([sampled[-1]], skip_special_tokens=False)
+            if stop_text and after.startswith(stop_text):
+                after = after[len(stop_text):]
+        return self.encode_text(after)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+@functools.lru_cache(maxsize=16)
+def load_chat_tokens(path: str) -> ChatTokens:
+    """Load a tokenizer from a local path (never a hub), once per process."""
+    from transformers import AutoTokenizer
+
+    return ChatTokens(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
+@dataclass
+class Trajectory:
+    """The trajectory fields of DESIGN.md, built turn by turn."""
+
+    chat: ChatTokens
+    prompt_ids: list[int]
+    messages: list[dict]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, chat: ChatTokens, messages: list[dict], tools: list[dict] | None = None
+              ) -> Trajectory:
+        return cls(chat, chat.prompt_ids(messages, tools), [dict(m) for m in messages])
+
+    def context(self) -> list[int]:
+        """The token prompt for the next turn: prompt_ids + response_ids."""
+        return self.prompt_ids + self.response_ids
+
+    def add_generation(self, sent: list[int], token_ids: list[int], logprobs: list[float],
+                       finish_reason: str, backend: str, policy_version: str,
+                       logprobs_mode: str) -> None:
+        """Append what the backend sampled for prompt ``sent``, exactly as returned."""
+        offset = len(self.response_ids)
+        if sent != self.prompt_ids + self.response_ids[:offset]:
+            raise TokenMismatch(f"turn {len(self.turns)}: the prompt sent is not "
+                                f"prompt_ids + response_ids[:{offset}]")
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} logprobs")
+        self.response_ids += token_ids
+        self.response_mask += [1] * len(token_ids)
+        self.response_logprobs += [float(x) for x in logprobs]
+        self.turns.append({"offset": offset, "prompt_len": len(sent),
+                           "generated": len(token_ids), "finish_reason": finish_reason,
+                           "backend": backend, "policy_version": policy_version,
+                           "logprobs_mode": logprobs_mode, "prefix_checked": True})
+        self.messages.append({"role": "assistant", "content": self.chat.decode(token_ids)})
+
+    def add_messages(self, new_messages: list[dict]) -> None:
+        """Append observations (tool results, user turns) and the next generation prompt."""
+        last = self.turns[-1] if self.turns else None
+        sampled = self.response_ids[last["offset"]:] if last else []
+        ids = self.chat.continuation_ids(new_messages, sampled,
+                                         last["finish_reason"] if last else "stop")
+        self.response_ids += ids
+        self.response_mask += [0] * len(ids)
+        self.response_logprobs += [0.0] * len(ids)
+        self.messages += [dict(m) for m in new_messages]
+
+    def last_text(self) -> str:
+        for m in reversed(self.messages):
+            if m["role"] == "assistant":
+                return m["content"]
+        return ""
+
+    def to_dict(self) -> dict:
+        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
+                "response_mask": self.response_mask,
+                "response_logprobs": self.response_logprobs, "turns": self.turns,
+                "messages": self.messages}

@@ -1,0 +1,92 @@
+"""``chat``: a multi-turn conversation with the policy, token-in/token-out.
+
+An instance gives the opening messages and, optionally, scripted observations: after each
+assistant turn the next observation is appended (as a user or tool message) and the policy
+answers again. EVAL rewards 1.0 when the final answer contains ``answer``. No sandbox: the
+handler exists to run exact multi-turn trajectories against LLM backends (math, chat RL,
+and the farm's own tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+from marshmallow import RAISE, Schema, fields, validate
+
+from prorl_farm.agent.trajectory import Trajectory, load_chat_tokens
+from prorl_farm.errors import BackendUnavailable
+from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.llm.session import BackendSession
+
+
+class Message(Schema):
+    class Meta:
+        unknown = RAISE
+
+    role = fields.String(required=True, validate=validate.OneOf(
+        ["system", "user", "assistant", "tool"]))
+    content = fields.String(required=True)
+
+
+class ChatInstance(Schema):
+    class Meta:
+        unknown = RAISE
+
+    messages = fields.List(fields.Nested(Message), required=True,
+                           validate=validate.Length(min=1))
+    observations = fields.List(fields.String(), load_default=list)
+    observation_role = fields.String(load_default="user",
+                                     validate=validate.OneOf(["user", "tool"]))
+    answer = fields.String(load_default=None, allow_none=True)
+    max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
+                               validate=validate.Range(min=1, max=1000))
+
+
+def turn_seed(ctx: JobContext, turn: int) -> int | None:
+    """A distinct, reproducible seed per (instance, sample, turn) from the request's seed, so
+    the n samples of a group differ while a rerun of the batch repeats them."""
+    seed = ctx.sampling.get("seed")
+    if seed is None:
+        return None
+    mixed = (seed * 1_000_003 + ctx.instance_index * 10_007 + ctx.sample_index * 101 + turn)
+    return mixed % (2**31 - 1)
+
+
+class ChatHandler(AgentHandler):
+    name = "chat"
+    description = "Multi-turn chat with scripted observations; reward 1 if the answer appears."
+    instance_schema = ChatInstance
+
+    def init(self, ctx: JobContext) -> dict:
+        return {}
+
+    def run(self, ctx: JobContext) -> dict:
+        inst = ctx.instance
+        s = ctx.settings
+        session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
+                                 request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
+        first = session.backend()
+        traj = Trajectory.start(load_chat_tokens(first.tokenizer), inst["messages"])
+        observations = inst.get("observations") or []
+        max_turns = inst.get("max_turns") or len(observations) + 1
+        for turn in range(max_turns):
+            sent = traj.context()
+            sampling = dict(ctx.sampling, seed=turn_seed(ctx, turn))
+            t = session.generate(sent, sampling)
+            if t.backend.tokenizer != first.tokenizer:
+                raise BackendUnavailable(f"fail-over backend {t.backend.id} uses another "
+                                         f"tokenizer ({t.backend.tokenizer})")
+            g = t.generation
+            traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason, t.backend.id,
+                                t.backend.policy_version, t.backend.logprobs_mode)
+            if turn >= len(observations) or g.finish_reason != "stop" or turn + 1 == max_turns:
+                break
+            traj.add_messages([{"role": inst["observation_role"],
+                                "content": observations[turn]}])
+        out = traj.to_dict()
+        out["failovers"] = session.failovers
+        return out
+
+    def eval(self, ctx: JobContext) -> dict:
+        answer = ctx.instance.get("answer")
+        final = next((m["content"] for m in reversed(ctx.result["messages"])
+                      if m["role"] == "assistant"), "")
+        return {"reward": 1.0 if answer and answer.strip() in final else 0.0}

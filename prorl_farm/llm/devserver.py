@@ -1,0 +1,312 @@
+"""`prorl-farm serve-model`: a CPU development server for any local Hugging Face causal LM.
+
+It speaks the routes the farm uses of vLLM (``POST /v1/completions`` with token-ID prompts,
+``GET /v1/models``, ``GET /health``) and of SGLang (``POST /generate``,
+``GET /get_model_info``), token IDs in and out, so the whole farm can be developed and
+tested without a GPU. Logprobs are raw: ``log_softmax`` of the model's logits before
+temperature, top-k and top-p (vLLM's default ``raw_logprobs``); sampling applies them.
+Requests run one at a time; a client that disconnects aborts its generation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import secrets
+import select
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_token: int | None
+    prompt_len: int
+
+
+class DevModel:
+    """A local causal LM with KV-cache sampling that records raw logprobs."""
+
+    def __init__(self, model_dir: str | Path, name: str | None = None, threads: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if threads:
+            torch.set_num_threads(threads)
+        self.torch = torch
+        self.dir = Path(model_dir)
+        self.name = name or self.dir.name
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.dir))
+        self.model = AutoModelForCausalLM.from_pretrained(str(self.dir), dtype=torch.float32)
+        self.model.eval()
+        cfg = self.model.config
+        self.max_len = int(getattr(cfg, "max_position_embeddings", 4096))
+        self.vocab_size = int(cfg.vocab_size)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # transformers 5 takes the KV cache as `cache`; 4.x as `past_key_values`.
+        self._cache_kw = ("cache" if "cache" in inspect.signature(self.model.forward).parameters
+                          else "past_key_values")
+        self.lock = threading.Lock()
+
+    def _forward(self, ids, cache):
+        kwargs = {"input_ids": ids, "use_cache": True}
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        out = self.model(**kwargs)
+        new_cache = getattr(out, "cache", None)
+        if new_cache is None:
+            new_cache = out.past_key_values
+        return out.logits[0, -1].float(), new_cache
+
+    def _pick(self, logits, temperature: float, top_p: float, top_k: int, gen) -> int:
+        torch = self.torch
+        if temperature <= 0:
+            return int(torch.argmax(logits))
+        scaled = logits / temperature
+        if 0 < top_k < scaled.numel():
+            kth = torch.topk(scaled, top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if 0 < top_p < 1:
+            sorted_logits, order = torch.sort(scaled, descending=True)
+            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_logits, -1) > top_p  # keep the first over top_p
+            scaled = scaled.scatter(0, order[drop], float("-inf"))
+        probs = torch.softmax(scaled, -1)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    def sample(self, prompt: list[int], max_tokens: int, temperature: float = 1.0,
+               top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+               stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+               aborted=lambda: False) -> Sampled:
+        torch = self.torch
+        if not prompt:
+            raise BadRequest("prompt must not be empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt):
+            raise BadRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt) + max_tokens > self.max_len:
+            raise BadRequest(f"This model's maximum context length is {self.max_len} tokens; "
+                             f"the prompt has {len(prompt)} and max_tokens is {max_tokens}")
+        stops = set(stop_token_ids or []) | (set() if ignore_eos else self.eos_ids)
+        gen = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        with self.lock, torch.no_grad():
+            logits, cache = self._forward(torch.tensor([prompt]), None)
+            for step in range(max_tokens):
+                raw = torch.log_softmax(logits, -1)
+                token = self._pick(logits, temperature, top_p, top_k, gen)
+                out_ids.append(token)
+                logprobs.append(float(raw[token]))
+                if token in stops:
+                    return Sampled(out_ids, logprobs, "stop", token, len(prompt))
+                if step % 8 == 7 and aborted():
+                    return Sampled(out_ids, logprobs, "abort", None, len(prompt))
+                if step + 1 < max_tokens:
+                    logits, cache = self._forward(torch.tensor([[token]]), cache)
+        return Sampled(out_ids, logprobs, "length", None, len(prompt))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _int_list(value, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in value):
+        raise BadRequest(f"{name} must be a list of token ids")
+    return value
+
+
+def _number(body: dict, name: str, default, cast=float):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name} must be a number")
+    return cast(value)
+
+
+class DevHandler(BaseHTTPRequestHandler):
+    server_version = "prorl-dev-model/1"
+    protocol_version = "HTTP/1.1"
+    model: DevModel  # set on the subclass made by make_server
+
+    def log_message(self, fmt, *args):  # route through logging, not stderr
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str) -> None:
+        kind = "BadRequestError" if status == 400 else "NotFoundError"
+        self._send(status, {"object": "error", "message": message, "type": kind,
+                            "code": status, "error": {"message": message}})
+
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"invalid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object")
+        return body
+
+    def _client_gone(self) -> bool:
+        """True once the client closed its connection (it gave up on this request)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def do_GET(self):
+        m = self.model
+        if self.path == "/health":
+            self._send(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{
+                "id": m.name, "object": "model", "owned_by": "prorl-farm",
+                "max_model_len": m.max_len, "root": str(m.dir)}]})
+        elif self.path == "/get_model_info":
+            self._send(200, {"model_path": str(m.dir), "tokenizer_path": str(m.dir),
+                             "is_generation": True})
+        else:
+            self._error(404, f"no route {self.path}")
+
+    def do_POST(self):
+        try:
+            body = self._body()
+            if self.path == "/v1/completions":
+                self._send(200, self._completions(body))
+            elif self.path == "/generate":
+                self._send(200, self._generate(body))
+            else:
+                self._error(404, f"no route {self.path}")
+        except BadRequest as e:
+            self._error(400, str(e))
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("client went away")
+
+    # -- vLLM -----------------------------------------------------------------------------
+
+    def _completions(self, body: dict) -> dict:
+        m = self.model
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompts = [m.tokenizer.encode(prompt, add_special_tokens=False)]
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompts = [_int_list(p, "prompt") for p in prompt]
+        else:
+            prompts = [_int_list(prompt, "prompt")]
+        if body.get("n", 1) != 1:
+            raise BadRequest("this development server supports n=1 only")
+        want_logprobs = body.get("logprobs") is not None
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        skip = body.get("skip_special_tokens", True)
+        choices, usage_p, usage_c = [], 0, 0
+        for index, p in enumerate(prompts):
+            s = m.sample(
+                p, max_tokens=int(_number(body, "max_tokens", 16, int)),
+                temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+                top_k=int(_number(body, "top_k", -1, int)),
+                seed=body.get("seed"), stop_token_ids=body.get("stop_token_ids"),
+                ignore_eos=bool(body.get("ignore_eos")), aborted=self._client_gone)
+            choice = {"index": index, "text": m.decode(s.token_ids, skip),
+                      "finish_reason": s.finish_reason, "stop_reason": s.stop_token,
+                      "logprobs": None}
+            if want_logprobs:
+                tokens = ([f"token_id:{t}" for t in s.token_ids] if as_ids
+                          else m.tokenizer.convert_ids_to_tokens(s.token_ids))
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": s.logprobs,
+                                      "top_logprobs": None, "text_offset": []}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = s.token_ids
+                choice["prompt_token_ids"] = p
+            choices.append(choice)
+            usage_p, usage_c = usage_p + len(p), usage_c + len(s.token_ids)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": m.name, "choices": choices,
+                "usage": {"prompt_tokens": usage_p, "completion_tokens": usage_c,
+                          "total_tokens": usage_p + usage_c}}
+
+    # -- SGLang ---------------------------------------------------------------------------
+
+    def _generate(self, body: dict) -> dict:
+        m = self.model
+        if "input_ids" in body:
+            prompt = _int_list(body["input_ids"], "input_ids")
+        elif isinstance(body.get("text"), str):
+            prompt = m.tokenizer.encode(body["text"], add_special_tokens=False)
+        else:
+            raise BadRequest("give input_ids (a list of token ids) or text")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params must be an object")
+        s = m.sample(
+            prompt, max_tokens=int(_number(sp, "max_new_tokens", 128, int)),
+            temperature=_number(sp, "temperature", 1.0), top_p=_number(sp, "top_p", 1.0),
+            top_k=int(_number(sp, "top_k", -1, int)),
+            seed=sp.get("sampling_seed", sp.get("seed")),
+            stop_token_ids=sp.get("stop_token_ids"), ignore_eos=bool(sp.get("ignore_eos")),
+            aborted=self._client_gone)
+        if s.finish_reason == "stop":
+            finish = {"type": "stop", "matched": s.stop_token}
+        elif s.finish_reason == "length":
+            finish = {"type": "length", "length": len(s.token_ids)}
+        else:
+            finish = {"type": "abort", "message": "client disconnected"}
+        meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(prompt),
+                "completion_tokens": len(s.token_ids)}
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[lp, t, None]
+                                             for lp, t in zip(s.logprobs, s.token_ids)]
+        return {"text": m.decode(s.token_ids, sp.get("skip_special_tokens", True)),
+                "output_ids": s.token_ids, "meta_info": meta}
+
+
+def make_server(model: DevModel, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    handler = type("BoundDevHandler", (DevHandler,), {"model": model})
+    # A listen backlog like real inference servers': farms open many connections at once.
+    server_cls = type("DevServer", (ThreadingHTTPServer,), {"request_queue_size": 1024})
+    server = server_cls((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve(model_dir: str, host: str, port: int, name: str | None = None) -> None:
+    model = DevModel(model_dir, name)
+    server = make_server(model, host, port)
+    log.info("serving %s on http://%s:%d (vLLM and SGLang routes)", model.name, host,
+             server.server_address[1])
+    print(f"dev model {model.name} on http://{host}:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()

@@ -1,0 +1,209 @@
+"""The backend registry and its min-heap: register, list, drain/resume, acquire/release."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass
+
+import redis
+
+from prorl_farm.errors import NotFound
+from prorl_farm.jobs.keys import PREFIX
+from prorl_farm.llm import keys, scripts
+
+log = logging.getLogger(__name__)
+
+KINDS = ("vllm", "sglang")
+# What a backend's logprobs mean unless its registration says otherwise: vLLM's default
+# --logprobs-mode, and SGLang's default (temperature-scaled unless the server runs with
+# SGLANG_RETURN_ORIGINAL_LOGPROB=1).
+DEFAULT_LOGPROBS_MODE = {"vllm": "raw_logprobs", "sglang": "processed_logprobs"}
+HEALTH_PATH = "/health"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    url: str
+    kind: str
+    model: str
+    tokenizer: str
+    capacity: int = 1
+    policy_version: str = "0"
+    logprobs_mode: str = ""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What a worker needs to talk to a backend, read fresh for every turn."""
+
+    id: str
+    url: str
+    kind: str
+    model: str
+    tokenizer: str
+    policy_version: str
+    logprobs_mode: str
+
+
+class BackendRegistry:
+    def __init__(self, client: redis.Redis, audit: bool = False):
+        self.r = client
+        self.audit = audit
+        self._s = {name: client.register_script(scripts.PRELUDE + getattr(scripts, name))
+                   for name in ("ACQUIRE", "RELEASE", "UPDATE", "RECORD_LATENCY")}
+
+    def _call(self, name: str, *args):
+        return self._s[name](args=[PREFIX, *args])
+
+    # -- registration ---------------------------------------------------------------------
+
+    def register(self, spec: BackendSpec) -> str:
+        backend_id = uuid.uuid4().hex[:12]
+        fields = asdict(spec)
+        fields["logprobs_mode"] = spec.logprobs_mode or DEFAULT_LOGPROBS_MODE[spec.kind]
+        fields.update(id=backend_id, healthy=1, drained=0, registered_at=f"{time.time():.3f}",
+                      jobs_total=0, requests_total=0, last_error="")
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.backend(backend_id), mapping=fields)
+        pipe.sadd(keys.ALL, backend_id)
+        pipe.hset(keys.INFLIGHT, backend_id, 0)
+        pipe.execute()
+        self._update(backend_id)
+        log.info("registered %s backend %s at %s (capacity %d)", spec.kind, backend_id,
+                 spec.url, spec.capacity)
+        return backend_id
+
+    def unregister(self, backend_id: str) -> None:
+        """Remove a backend; jobs pinned to it fail over at their next turn."""
+        self._require(backend_id)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zrem(keys.HEAP, backend_id)
+        pipe.delete(keys.backend(backend_id))
+        pipe.srem(keys.ALL, backend_id)
+        pipe.hdel(keys.INFLIGHT, backend_id)
+        pipe.execute()
+
+    def _update(self, backend_id: str, **fields) -> bool:
+        """Set fields and re-place the backend in (or out of) the heap; False if unknown."""
+        flat = [x for kv in fields.items() for x in (kv[0], str(kv[1]))]
+        return self._call("UPDATE", backend_id, *flat) >= 0
+
+    def drain(self, backend_id: str) -> dict:
+        """No new jobs; jobs already pinned finish (e.g. before a weight sync)."""
+        if not self._update(backend_id, drained=1):
+            raise NotFound(f"backend {backend_id!r} not found")
+        return self.get(backend_id)
+
+    def resume(self, backend_id: str, policy_version: str) -> dict:
+        """Take new jobs again, sampling under ``policy_version`` from now on."""
+        if not self._update(backend_id, drained=0, policy_version=policy_version):
+            raise NotFound(f"backend {backend_id!r} not found")
+        return self.get(backend_id)
+
+    def mark_unhealthy(self, backend_id: str, error: str) -> None:
+        if self._update(backend_id, healthy=0, last_error=error[:500]):
+            log.warning("backend %s left the heap: %s", backend_id, error)
+
+    def mark_healthy(self, backend_id: str) -> None:
+        if self._update(backend_id, healthy=1, last_error=""):
+            log.info("backend %s is healthy again", backend_id)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def _require(self, backend_id: str) -> None:
+        if not self.r.exists(keys.backend(backend_id)):
+            raise NotFound(f"backend {backend_id!r} not found")
+
+    def get(self, backend_id: str) -> dict:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.backend(backend_id))
+        pipe.hget(keys.INFLIGHT, backend_id)
+        pipe.zscore(keys.HEAP, backend_id)
+        raw, inflight, score = pipe.execute()
+        if not raw:
+            raise NotFound(f"backend {backend_id!r} not found")
+        return self._render(raw, inflight, score)
+
+    @staticmethod
+    def _render(raw: dict, inflight, score) -> dict:
+        return {
+            "id": raw["id"], "url": raw["url"], "kind": raw["kind"], "model": raw["model"],
+            "tokenizer": raw["tokenizer"], "capacity": int(raw["capacity"]),
+            "policy_version": raw["policy_version"], "logprobs_mode": raw["logprobs_mode"],
+            "healthy": raw["healthy"] == "1", "drained": raw["drained"] == "1",
+            "in_heap": score is not None, "in_flight": int(inflight or 0),
+            "load": float(score) if score is not None else None,
+            "latency_ms": float(raw["latency_ms"]) if raw.get("latency_ms") else None,
+            "jobs_total": int(raw.get("jobs_total", 0)),
+            "requests_total": int(raw.get("requests_total", 0)),
+            "last_error": raw.get("last_error") or None,
+            "registered_at": float(raw["registered_at"]),
+        }
+
+    def list(self) -> list[dict]:
+        ids = sorted(self.r.smembers(keys.ALL))
+        out = []
+        for backend_id in ids:
+            try:
+                out.append(self.get(backend_id))
+            except NotFound:
+                continue  # unregistered while we listed
+        return out
+
+    def backend(self, backend_id: str) -> Backend | None:
+        """The fields a worker needs for one request, or None if unregistered."""
+        vals = self.r.hmget(keys.backend(backend_id), "url", "kind", "model", "tokenizer",
+                            "policy_version", "logprobs_mode")
+        if vals[0] is None:
+            return None
+        return Backend(backend_id, *vals)
+
+    def in_flight(self) -> dict[str, int]:
+        return {k: int(v) for k, v in self.r.hgetall(keys.INFLIGHT).items()}
+
+    # -- the heap -------------------------------------------------------------------------
+
+    def acquire(self, job_id: str, exclude: str = "") -> str | None:
+        """The backend this job is pinned to, pinning it to the least-loaded one if needed."""
+        out = self._call("ACQUIRE", job_id, exclude, "1" if self.audit else "")
+        return out[0] if out else None
+
+    def release(self, job_id: str) -> str | None:
+        return self._call("RELEASE", job_id) or None
+
+    def record_latency(self, backend_id: str, latency_ms: float) -> None:
+        self._call("RECORD_LATENCY", backend_id, f"{latency_ms:.3f}")
+
+    def audit_log(self) -> list[dict]:
+        """Acquire audit records: chosen backend, its capacity, and the heap just after."""
+        out = []
+        for row in self.r.lrange(keys.AUDIT, 0, -1):
+            snap = json.loads(row)
+            chosen, cap, flat = snap[0], float(snap[1]), snap[2:]
+            out.append({"chosen": chosen, "capacity": cap,
+                        "scores": {flat[i]: float(flat[i + 1]) for i in range(0, len(flat), 2)}})
+        return out
+
+    # -- health ---------------------------------------------------------------------------
+
+    def probe_unhealthy(self, timeout_s: float = 1.0) -> list[str]:
+        """Probe every unhealthy backend's health route; return those back in the heap."""
+        recovered = []
+        for b in self.list():
+            if b["healthy"]:
+                continue
+            try:
+                with urllib.request.urlopen(b["url"].rstrip("/") + HEALTH_PATH,
+                                            timeout=timeout_s) as resp:
+                    ok = resp.status == 200
+            except (urllib.error.URLError, OSError, ValueError):
+                ok = False
+            if ok:
+                self.mark_healthy(b["id"])
+                recovered.append(b["id"])
+        return recovered

@@ -1,0 +1,123 @@
+"""A scripted policy server: the test double for a GPU LLM server.
+
+It speaks the same routes as vLLM (/v1/completions) and SGLang (/generate), token IDs in
+and out, and answers with a deterministic function of the prompt. It records which job
+(X-Prorl-Job) each request came from, can be slowed down, made to fail, or killed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter, defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def scripted_tokens(prompt: list[int], n: int) -> list[int]:
+    return [10 + (len(prompt) + i) % 50 for i in range(n)]
+
+
+class PolicyServer:
+    def __init__(self, delay_s: float = 0.0, port: int = 0):
+        self.delay_s = delay_s
+        self.fail = False  # answer 500
+        self.requests: list[tuple[str, int]] = []  # (job, prompt length)
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.disconnects = 0
+        self._lock = threading.Lock()
+        self._port = port
+        self.start()
+
+    def start(self) -> None:
+        handler = type("Handler", (_Handler,), {"owner": self})
+        server_cls = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 1024})
+        self.httpd = server_cls(("127.0.0.1", self._port), handler)
+        self.httpd.daemon_threads = True
+        self._port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def kill(self) -> None:
+        """Stop answering at once: connections are refused from now on."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def jobs(self) -> dict[str, int]:
+        with self._lock:
+            return dict(Counter(job for job, _ in self.requests))
+
+    def record(self, job: str, prompt_len: int) -> None:
+        with self._lock:
+            self.requests.append((job, prompt_len))
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def done(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: PolicyServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health" and not self.owner.fail:
+            self._send(200, {"ok": True})
+        else:
+            self._send(503 if self.path == "/health" else 404, {"error": "no"})
+
+    def do_POST(self):
+        owner = self.owner
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body.get("prompt") or body.get("input_ids")
+        owner.record(self.headers.get("X-Prorl-Job", ""), len(prompt))
+        try:
+            if owner.fail:
+                self._send(500, {"error": "scripted failure"})
+                return
+            end = time.monotonic() + owner.delay_s
+            while time.monotonic() < end:
+                time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+            if self.path == "/v1/completions":
+                ids = scripted_tokens(prompt, body.get("max_tokens", 16))
+                self._send(200, {"choices": [{
+                    "index": 0, "text": "", "token_ids": ids, "finish_reason": "length",
+                    "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
+                                 "token_logprobs": [-0.5] * len(ids)}}]})
+            else:
+                ids = scripted_tokens(prompt, body["sampling_params"].get("max_new_tokens", 16))
+                self._send(200, {"text": "", "output_ids": ids, "meta_info": {
+                    "finish_reason": {"type": "length"},
+                    "output_token_logprobs": [[-0.5, t, None] for t in ids]}})
+        except (BrokenPipeError, ConnectionResetError):
+            with owner._lock:
+                owner.disconnects += 1
+        finally:
+            owner.done()
+
+
+def per_job_servers(servers: dict[str, PolicyServer]) -> dict[str, set[str]]:
+    """job -> names of the servers that saw its requests."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for name, server in servers.items():
+        for job in server.jobs():
+            out[job].add(name)
+    return out

@@ -1,0 +1,273 @@
+"""LLM backends: the min-heap under concurrency, sticky routing, fail-over, drain/resume,
+health probes — against real Redis, real worker pools and scripted policy servers."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from api import create_app
+from prorl_farm.config import load_settings
+from prorl_farm.llm.registry import BackendRegistry, BackendSpec
+from tests.conftest import make_pools
+from tests.farm import farm_env, wait_until
+from tests.policy_server import PolicyServer, per_job_servers
+
+EPS = 1e-9
+
+
+def spec(url: str, capacity: int = 1, kind: str = "vllm", version: str = "0") -> BackendSpec:
+    return BackendSpec(url=url, kind=kind, model="m", tokenizer="/nonexistent", capacity=capacity,
+                       policy_version=version)
+
+
+def check_audit(records: list[dict]) -> None:
+    """At every acquire the chosen backend was the least loaded: after taking one more job
+    its load exceeds the minimum by at most one job of its capacity."""
+    assert records, "no acquire was audited"
+    for rec in records:
+        scores = rec["scores"]
+        chosen = scores[rec["chosen"]]
+        assert chosen - min(scores.values()) <= 1 / rec["capacity"] + EPS, rec
+
+
+@pytest.fixture
+def registry(r):
+    return BackendRegistry(r, audit=True)
+
+
+def test_heap_under_concurrent_acquire_and_release(registry, r):
+    ids = [registry.register(spec(f"http://127.0.0.1:{9000 + i}", cap))
+           for i, cap in enumerate((1, 2, 1))]
+    negative = []
+
+    def worker(w: int) -> None:
+        rnd = random.Random(w)
+        for j in range(10):
+            job = f"job-{w}-{j}"
+            assert registry.acquire(job) in ids
+            assert registry.acquire(job) == registry.acquire(job)  # sticky
+            time.sleep(rnd.random() * 0.005)
+            if any(v < 0 for v in registry.in_flight().values()):
+                negative.append(job)
+            registry.release(job)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not negative
+    assert registry.in_flight() == {i: 0 for i in ids}
+    assert r.hlen("prorl:backends:assign") == 0
+    check_audit(registry.audit_log())
+    # Capacity-weighted: the capacity-2 backend took about half of all jobs.
+    totals = {b["id"]: b["jobs_total"] for b in registry.list()}
+    assert totals[ids[1]] > totals[ids[0]] and totals[ids[1]] > totals[ids[2]]
+
+
+def test_drain_unhealthy_unregister_leave_the_heap(registry, r):
+    a, b = (registry.register(spec(f"http://127.0.0.1:{9100 + i}")) for i in range(2))
+    registry.drain(a)
+    assert {registry.acquire(f"j{i}") for i in range(5)} == {b}
+    registry.resume(a, "7")
+    assert registry.get(a)["policy_version"] == "7" and registry.get(a)["in_heap"]
+    registry.mark_unhealthy(b, "boom")
+    assert registry.acquire("k") == a and not registry.get(b)["in_heap"]
+    registry.unregister(a)
+    assert registry.acquire("k2") is None  # b unhealthy, a gone
+    # Jobs pinned to an unregistered backend release cleanly (no negative or stale count).
+    registry.release("k")
+    registry.mark_healthy(b)
+    assert registry.acquire("j0") == b  # was pinned to b all along (sticky)
+    for i in range(5):
+        registry.release(f"j{i}")
+    assert registry.in_flight() == {b: 0}
+
+
+def test_terminal_transitions_release_the_slot(settings, r):
+    from prorl_farm.jobs.states import JobState
+    from prorl_farm.jobs.store import JobStore
+
+    store = JobStore.from_settings(settings)
+    registry = BackendRegistry(r)
+    bid = registry.register(spec("http://127.0.0.1:9200", capacity=4))
+    jobs = store.create_jobs("b", "synthetic", [{}], 3, {}, None)
+    for j in jobs:
+        store.claim(j.job_id, "init", j.token, "w")
+        registry.acquire(j.job_id)
+    assert registry.in_flight()[bid] == 3
+    store.finish(jobs[0].job_id, JobState.CANCELLED, "cancelled", "x")
+    store.advance(jobs[1].job_id, "init", jobs[1].token, "run", "run.n", "n", "hstate", "{}")
+    store.reap(jobs[2].job_id, "active", store.server_time() + 1, "", "dead")
+    assert registry.in_flight()[bid] == 0
+    assert registry.get(bid)["load"] == 0.0
+
+
+def test_backend_api(client, r):
+    bad = [({"url": "ftp://x", "kind": "vllm", "model": "m", "tokenizer": "t"}, "url"),
+           ({"url": "http://x:1", "kind": "tgi", "model": "m", "tokenizer": "t"}, "kind"),
+           ({"url": "http://x:1", "kind": "vllm", "model": "m"}, "tokenizer"),
+           ({"url": "http://x:1", "kind": "vllm", "model": "m", "tokenizer": "t",
+             "capacity": 0}, "capacity")]
+    for body, field in bad:
+        resp = client.post("/v1/backends", json=body)
+        assert resp.status_code == 400 and field in resp.get_json()["error"]["message"]
+    assert r.scard("prorl:backends:all") == 0
+    made = client.post("/v1/backends", json={"url": "http://127.0.0.1:9300", "kind": "sglang",
+                                              "model": "m", "tokenizer": "/t", "capacity": 3})
+    assert made.status_code == 201
+    b = made.get_json()
+    assert b["logprobs_mode"] == "processed_logprobs" and b["in_heap"] and b["in_flight"] == 0
+    assert [x["id"] for x in client.get("/v1/backends").get_json()["backends"]] == [b["id"]]
+    drained = client.post(f"/v1/backends/{b['id']}/drain").get_json()
+    assert drained["drained"] and not drained["in_heap"]
+    assert client.post(f"/v1/backends/{b['id']}/resume", json={}).status_code == 400
+    resumed = client.post(f"/v1/backends/{b['id']}/resume", json={"policy_version": "3"})
+    assert resumed.get_json()["policy_version"] == "3" and resumed.get_json()["in_heap"]
+    assert client.delete(f"/v1/backends/{b['id']}").status_code == 200
+    assert client.get(f"/v1/backends/{b['id']}").status_code == 404
+    assert client.post("/v1/backends/nope/drain").status_code == 404
+
+
+# -- through real worker pools ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm_pools(redis_server, tmp_path_factory):
+    overrides = dict(run_concurrency=300, backend_audit=1, llm_retries=0,
+                     llm_request_timeout_s=5)
+    pools = make_pools(redis_server, tmp_path_factory.mktemp("llm"), **overrides)
+    pools.start()
+    client = create_app(load_settings(farm_env(redis_server.url, **overrides))).test_client()
+    yield pools, client
+    pools.stop()
+
+
+@pytest.fixture
+def servers():
+    made: dict[str, PolicyServer] = {}
+    yield made
+    for s in made.values():
+        try:
+            s.kill()
+        except OSError:
+            pass
+
+
+def submit(client, instances, n=1):
+    resp = client.post("/v1/jobs", json={"handler": "synthetic", "instances": instances, "n": n})
+    assert resp.status_code == 202, resp.get_json()
+    return resp.get_json()
+
+
+def finish(client, sub, timeout_s=120):
+    summary = f"/v1/batches/{sub['batch_id']}"
+    wait_until(lambda: client.get(summary).get_json()["complete"], timeout_s, 0.2,
+               lambda: f"batch {client.get(summary).get_json()}")
+    return [client.get(f"/v1/jobs/{i}").get_json() for i in sub["job_ids"]]
+
+
+def register(client, servers, name, capacity=1, kind="vllm", delay_s=0.0):
+    servers[name] = PolicyServer(delay_s=delay_s)
+    resp = client.post("/v1/backends", json={"url": servers[name].url, "kind": kind,
+                                             "model": "m", "tokenizer": "/t",
+                                             "capacity": capacity})
+    return resp.get_json()["id"]
+
+
+def test_300_concurrent_jobs_on_3_backends(llm_pools, servers, r):
+    pools, client = llm_pools
+    ids = {register(client, servers, "a", 1): "a", register(client, servers, "b", 2, "sglang"): "b",
+           register(client, servers, "c", 1): "c"}
+    sub = submit(client, [{"run_s": 0.6, "llm_turns": 3}], n=300)
+    jobs = finish(client, sub)
+    assert [j["failure"] for j in jobs if j["failure"]] == []
+    audit = BackendRegistry(r).audit_log()
+    check_audit(audit)
+    assert len(audit) == 300
+    assert BackendRegistry(r).in_flight() == {b: 0 for b in ids}
+    # Sticky: every turn of a job went to one backend, as the servers saw it.
+    seen = per_job_servers(servers)
+    assert set(seen) == set(sub["job_ids"])
+    multi = {j["id"]: (seen[j["id"]], j["result"]) for j in jobs if len(seen[j["id"]]) != 1}
+    assert not multi
+    for j in jobs:
+        assert {ids[b] for b in j["result"]["backends"]} == seen[j["id"]]
+    # They really ran at once: some acquire saw dozens of jobs pinned to one backend.
+    assert max(a["scores"][a["chosen"]] * a["capacity"] for a in audit) >= 30
+
+
+def test_dead_backend_mid_batch_fails_over_or_fails_cleanly(llm_pools, servers, r):
+    pools, client = llm_pools
+    for name in "abc":
+        register(client, servers, name, 1, delay_s=0.05)
+    sub = submit(client, [{"run_s": 1.0, "llm_turns": 6}], n=60)
+    wait_until(lambda: sum(len(s.requests) for s in servers.values()) > 100, 30, what="progress")
+    servers["b"].kill()
+    jobs = finish(client, sub)
+    states = {(j["state"], (j["failure"] or {}).get("kind")) for j in jobs}
+    assert states <= {("done", None), ("failed", "backend_unavailable")}
+    moved = [j for j in jobs if j["state"] == "done" and j["result"]["failovers"]]
+    assert moved, "jobs pinned to the dead backend should have failed over"
+    backends = {b["url"]: b for b in BackendRegistry(r).list()}
+    dead = backends[servers["b"].url]
+    assert not dead["healthy"] and not dead["in_heap"] and dead["last_error"]
+    assert BackendRegistry(r).in_flight() == {b["id"]: 0 for b in backends.values()}
+
+
+def test_unregister_mid_batch(llm_pools, servers, r):
+    pools, client = llm_pools
+    a = register(client, servers, "a", 1, delay_s=0.05)
+    register(client, servers, "b", 1, delay_s=0.05)
+    sub = submit(client, [{"run_s": 1.0, "llm_turns": 5}], n=30)
+    wait_until(lambda: len(servers["a"].requests) > 20, 30, what="progress on a")
+    assert client.delete(f"/v1/backends/{a}").status_code == 200
+    jobs = finish(client, sub)
+    assert [j["state"] for j in jobs] == ["done"] * 30
+    assert r.hget("prorl:backends:inflight", a) is None
+    assert BackendRegistry(r).in_flight() == {b["id"]: 0 for b in BackendRegistry(r).list()}
+
+
+def test_drain_and_resume_with_policy_version(llm_pools, servers, r):
+    pools, client = llm_pools
+    a = register(client, servers, "a")
+    b = register(client, servers, "b")
+    client.post(f"/v1/backends/{a}/drain")
+    jobs = finish(client, submit(client, [{"llm_turns": 2}], n=20))
+    assert servers["a"].requests == []
+    assert all(j["result"]["backends"] == [b, b] for j in jobs)
+    client.post(f"/v1/backends/{a}/resume", json={"policy_version": "v2"})
+    client.post(f"/v1/backends/{b}/drain")
+    jobs = finish(client, submit(client, [{"llm_turns": 2}], n=10))
+    assert all(j["result"]["policy_versions"] == ["v2", "v2"] for j in jobs)
+    assert len(servers["a"].requests) == 20
+
+
+def test_failed_backend_returns_after_a_probe(llm_pools, servers, r):
+    pools, client = llm_pools
+    a = register(client, servers, "a")
+    servers["a"].fail = True
+    jobs = finish(client, submit(client, [{"llm_turns": 1}]))
+    assert jobs[0]["failure"]["kind"] == "backend_unavailable"
+    assert not client.get(f"/v1/backends/{a}").get_json()["in_heap"]
+    servers["a"].fail = False
+    wait_until(lambda: client.get(f"/v1/backends/{a}").get_json()["in_heap"], 20, 0.2,
+               "probe to bring the backend back")
+    assert finish(client, submit(client, [{"llm_turns": 1}]))[0]["state"] == "done"
+
+
+def test_cancel_aborts_the_in_flight_request(llm_pools, servers, r):
+    pools, client = llm_pools
+    a = register(client, servers, "slow", delay_s=30)
+    sub = submit(client, [{"llm_turns": 1}])
+    job_id = sub["job_ids"][0]
+    wait_until(lambda: servers["slow"].in_flight == 1, 20, what="request in flight")
+    client.post(f"/v1/jobs/{job_id}/cancel")
+    assert client.get(f"/v1/jobs/{job_id}").get_json()["state"] == "cancelled"
+    assert BackendRegistry(r).in_flight()[a] == 0
+    # The worker dropped the connection: the server's write fails when it answers.
+    wait_until(lambda: r.zscore("prorl:active", job_id) is None, 5, what="slot freed")
