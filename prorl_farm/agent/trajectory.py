@@ -13,7 +13,7 @@ puts after the placeholder; that works for any chat template, not one model fami
 
 from __future__ import annotations
 
-import functools
+import threading
 from dataclasses import dataclass, field
 
 PLACEHOLDER = "\u2063PRORL\u2063PLACEHOLDER\u2063"
@@ -56,23 +56,35 @@ class ChatTokens:
         full = self._render(probe + new_messages, add_generation_prompt=True)
         after = full[full.index(PLACEHOLDER) + len(PLACEHOLDER):]
         if sampled and finish_reason == "stop":
-            # Stopped on a token the template writes next (its end-of-turn token): the model
-            # sampled it already, so keep only what follows it.
-            stop_text = self.tok.decode([sampled[-1]], skip_special_tokens=False)
-            if stop_text and after.startswith(stop_text):
-                after = after[len(stop_text):]
+            # The model stopped on the template's end-of-turn marker (one special token or
+            # several plain ones): it sampled that part of the glue already, so drop it.
+            tail = self.tok.decode(sampled[-16:], skip_special_tokens=False)
+            for k in range(min(len(self.assistant_end), len(after), len(tail)), 0, -1):
+                if tail.endswith(after[:k]):
+                    after = after[k:]
+                    break
         return self.encode_text(after)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-@functools.lru_cache(maxsize=16)
-def load_chat_tokens(path: str) -> ChatTokens:
-    """Load a tokenizer from a local path (never a hub), once per process."""
-    from transformers import AutoTokenizer
+_tokenizers: dict[str, ChatTokens] = {}
+_tokenizers_lock = threading.Lock()
 
-    return ChatTokens(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+def load_chat_tokens(path: str) -> ChatTokens:
+    """Load a tokenizer from a local path (never a hub), once per process.
+
+    Under a lock: transformers' lazy imports are not safe to race from many pool threads.
+    """
+    with _tokenizers_lock:
+        if path not in _tokenizers:
+            from transformers import AutoTokenizer
+
+            _tokenizers[path] = ChatTokens(AutoTokenizer.from_pretrained(path,
+                                                                         local_files_only=True))
+        return _tokenizers[path]
 
 
 @dataclass

@@ -38,6 +38,9 @@ class ChatInstance(Schema):
     answer = fields.String(load_default=None, allow_none=True)
     max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
                                validate=validate.Range(min=1, max=1000))
+    # A turn cut off at max_tokens ends the episode unless this is set; then the template's
+    # glue closes the turn (mask 0) and the conversation goes on.
+    continue_on_length = fields.Boolean(load_default=False)
 
 
 def turn_seed(ctx: JobContext, turn: int) -> int | None:
@@ -77,7 +80,9 @@ class ChatHandler(AgentHandler):
             g = t.generation
             traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason, t.backend.id,
                                 t.backend.policy_version, t.backend.logprobs_mode)
-            if turn >= len(observations) or g.finish_reason != "stop" or turn + 1 == max_turns:
+            stopped = g.finish_reason == "stop" or (
+                g.finish_reason == "length" and inst.get("continue_on_length"))
+            if turn >= len(observations) or not stopped or turn + 1 == max_turns:
                 break
             traj.add_messages([{"role": inst["observation_role"],
                                 "content": observations[turn]}])
