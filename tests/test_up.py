@@ -79,3 +79,38 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_up_with_a_dev_model_serves_token_exact_chat_jobs(tmp_path, tiny_model):
+    api_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
+    env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
+               PRORL_FLOWER_PORT=str(free_port()), PRORL_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up", "--dev-model",
+                             str(tiny_model)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        farm = FarmClient(f"http://127.0.0.1:{api_port}")
+        wait_until(lambda: farm.ready() and farm.backends(), 90, 0.25, "farm and dev model")
+        [backend] = farm.backends()
+        assert backend["kind"] == "vllm" and backend["tokenizer"] == str(tiny_model)
+        assert backend["healthy"] and backend["in_heap"]
+        sub = farm.submit("chat", [{"messages": [{"role": "user", "content": "hello"}]}], n=2,
+                          sampling={"max_tokens": 8, "temperature": 1.0})
+        jobs = list(farm.iter_results(sub["batch_id"], timeout_s=60))
+        assert [j["state"] for j in jobs] == ["done", "done"]
+        for j in (farm.job(x["id"]) for x in jobs):
+            t = j["result"]
+            assert len(t["response_ids"]) == sum(t["response_mask"]) == 8
+            assert t["turns"][0]["backend"] == backend["id"]
+        everything = _descendants(proc.pid)
+        assert any("serve-model" in _cmd(p) for p in everything)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "model   " in out
+        assert _alive(everything) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
