@@ -7,11 +7,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
+UP_ARGS ?=
 
 .PHONY: up test bootstrap system lint bench clean
 
 up: bootstrap
-	$(VENV)/bin/prorl-farm up
+	$(VENV)/bin/prorl-farm up $(UP_ARGS)
 
 test: bootstrap
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -39,6 +40,7 @@ lint: bootstrap
 
 bench: bootstrap
 	$(PY) bench/pipeline.py
+	$(PY) bench/backends.py
 
 clean:
 	rm -rf $(VENV) .prorl .pytest_cache
