@@ -47,9 +47,17 @@ def job(client, job_id):
 
 
 def wait_batch(client, batch_id, timeout_s=60):
+    def stuck() -> str:
+        summary = client.get(f"/v1/batches/{batch_id}").get_json()
+        ids = client.application.extensions["prorl"].store.batch_job_ids(batch_id)
+        raws = client.application.extensions["prorl"].store.get_many_raw(ids)
+        left = [{k: v for k, v in raw.items() if k not in ("instance", "sampling")}
+                for raw in raws if raw["state"] not in TERMINAL]
+        return f"batch {summary}; unfinished: {left[:3]}"
+
     return wait_until(
         lambda: (s := client.get(f"/v1/batches/{batch_id}").get_json())["complete"] and s,
-        timeout_s, 0.1, f"batch {batch_id}")
+        timeout_s, 0.1, stuck)
 
 
 def test_cancel_queued_job_never_starts(farm, r):

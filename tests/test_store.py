@@ -90,3 +90,32 @@ def test_deadline_expiry(settings, r):
     assert store.expire_deadlines() == 1
     assert store.get_raw(job.job_id)["failure_kind"] == "timeout"
     assert store.expire_deadlines() == 0
+
+
+def test_reaper_finds_a_message_lost_in_transit(settings, r):
+    """A job whose message vanished (popped by a worker that died before recording it) is
+    re-queued once a newer job from the same queue has been claimed."""
+    import dataclasses
+
+    from prorl_farm.jobs.liveness import Reaper
+
+    store, (lost, newer) = make(settings, r, n=2)
+    settings = dataclasses.replace(settings, heartbeat_stale_s=0.5)
+    store.settings = settings
+    requeued = []
+    reaper = Reaper(store, settings, lambda job, token: requeued.append(job))
+    for job in (lost, newer):
+        store.claim(job.job_id, "init", job.token, "w")
+        token = store.advance(job.job_id, "init", job.token, "run", "run.n", "n", "hstate", "{}")
+        store.handed_off([(job.job_id, token)])
+        if job is newer:
+            assert store.claim(job.job_id, "run", token, "w")[0] == "ok"
+            store.finish(job.job_id, JobState.DONE, token=token)
+    import time
+
+    time.sleep(0.6)
+    store.pool_beat("run", "n")  # the node's RUN pool is alive: only the message is gone
+    counts = reaper.sweep(force=True)
+    assert requeued == [lost.job_id] and counts["requeue"] == 1
+    raw = store.get_raw(lost.job_id)
+    assert raw["state"] == "queued" and raw["last_requeue_reason"] == "its message was lost"

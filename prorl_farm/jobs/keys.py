@@ -33,6 +33,8 @@ def queued(queue: str) -> str:
     return f"{PREFIX}queued:{queue}"
 
 
+# Hash: queue -> the newest enqueue time of a job claimed from it (for lost-message checks).
+CLAIMED = f"{PREFIX}claimed"
 # Set: names of every queue a job was ever put on (the reaper walks these).
 QUEUES = f"{PREFIX}queues"
 # Sorted set: job -> last heartbeat of the worker that holds it (reserved or running).

@@ -7,6 +7,8 @@ the process holds, so the cost does not grow with the number of threads in the p
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -23,6 +25,43 @@ log = logging.getLogger(__name__)
 ReservedSource = Callable[[], Iterable[tuple[str, str]]]
 # requeue(job_id, token): publish a reaped job to the init queue again.
 Requeue = Callable[[str, str], None]
+
+
+# kombu's Redis transport keeps messages that workers reserved (acks late) in these keys
+# until acked; a worker that dies leaves its reserved messages there.
+KOMBU_UNACKED = "unacked"
+KOMBU_UNACKED_INDEX = "unacked_index"
+
+
+def _message_args(raw: dict) -> list:
+    """The task args of a raw kombu message (Celery protocol 2: body = [args, kwargs, ...])."""
+    body = raw.get("body", "")
+    if raw.get("properties", {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    decoded = json.loads(body)
+    return decoded[0] if isinstance(decoded, list) and decoded else []
+
+
+def orphaned_messages(r, cutoff: float, limit: int = 100_000) -> list[tuple[str, str]]:
+    """(job, token) of farm messages reserved by a worker before ``cutoff`` and never acked.
+
+    A live worker heartbeats every message it holds, so the reap script tells orphans (job
+    still waiting for that token, no fresh heartbeat) from messages merely held a long time.
+    """
+    tags = r.zrangebyscore(KOMBU_UNACKED_INDEX, "-inf", cutoff, start=0, num=limit)
+    if not tags:
+        return []
+    out = []
+    for value in r.hmget(KOMBU_UNACKED, tags):
+        if value is None:
+            continue
+        try:
+            args = _message_args(json.loads(value)[0])
+        except (ValueError, TypeError, KeyError, IndexError):
+            continue  # not a message of ours
+        if len(args) == 2 and all(isinstance(a, str) for a in args):
+            out.append((args[0], args[1]))
+    return out
 
 
 class Reaper:
@@ -59,10 +98,39 @@ class Reaper:
             for job_id in waiting:
                 self._reap(counts, job_id, "queued", cutoff, queue,
                            f"no live {stage} pool on node {node}")
+        for job_id, token in orphaned_messages(self.store.r, cutoff):
+            self._reap(counts, job_id, "orphan", cutoff, token,
+                       "its message was taken by a worker that died")
+        self._reap_lost(counts, cutoff)
         self._probe_backends()
         if any(counts.values()):
             log.warning("reaper: %s", counts)
         return counts
+
+    def _reap_lost(self, counts: dict, cutoff: float) -> None:
+        """Jobs whose message vanished: kombu can drop a message when a worker dies between
+        popping it and recording it as unacked. Queues are FIFO, so a job still waiting
+        behind a newer job that was already claimed, held by no live worker and absent from
+        the unacked messages, has lost its message. As a last resort, nothing waits longer
+        than the visibility timeout."""
+        r = self.store.r
+        claimed = r.hgetall(keys.CLAIMED)
+        unacked_tokens: set[str] | None = None
+        for queue in r.smembers(keys.QUEUES):
+            limit = cutoff - self.settings.visibility_timeout_s
+            if queue in claimed:
+                limit = max(limit, min(cutoff, float(claimed[queue])))
+            ids = r.zrangebyscore(keys.queued(queue), "-inf", f"({limit}", start=0, num=1000)
+            if not ids:
+                continue
+            if unacked_tokens is None:
+                unacked_tokens = {token for _, token in orphaned_messages(r, float("inf"))}
+            tokens = r.pipeline(transaction=False)
+            for job_id in ids:
+                tokens.hget(keys.job(job_id), "token")
+            for job_id, token in zip(ids, tokens.execute()):
+                if token not in unacked_tokens:
+                    self._reap(counts, job_id, "queued", cutoff, queue, "its message was lost")
 
     def _probe_backends(self) -> None:
         """Probe failed backends off the liveness thread, so a slow probe delays nothing."""

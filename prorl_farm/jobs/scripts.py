@@ -75,7 +75,17 @@ end
 redis.call('HSET', jk, 'phase', 'active', 'worker', worker, 't_' .. stage .. '_start', fmt(now))
 set_state(jk, j[1], stage, j[6])
 redis.call('ZADD', P .. 'active', now, id)
-if j[7] then redis.call('ZREM', P .. 'queued:' .. j[7], id) end
+if j[7] then
+  -- Queues are FIFO: remember the newest enqueue time claimed from this queue, so that the
+  -- reaper can tell a message lost in transit (older, unclaimed, held by no one).
+  local qk = P .. 'queued:' .. j[7]
+  local t = redis.call('ZSCORE', qk, id)
+  local last = redis.call('HGET', P .. 'claimed', j[7])
+  if t and (not last or tonumber(t) > tonumber(last)) then
+    redis.call('HSET', P .. 'claimed', j[7], t)
+  end
+  redis.call('ZREM', qk, id)
+end
 return {'ok', redis.call('HGETALL', jk)}
 """
 
@@ -144,8 +154,9 @@ end
 return abort
 """
 
-# Recover a job whose worker died. ARGV: prefix, job, mode ('active' | 'queued'),
-# cutoff (epoch s: a heartbeat older than this is dead), queue (for 'queued'),
+# Recover a job whose worker died. ARGV: prefix, job, mode ('active' | 'queued' | 'orphan'),
+# cutoff (epoch s: a heartbeat older than this is dead), queue (for 'queued'; for 'orphan'
+# the token of the orphaned message),
 # max_requeues, new_token, ttl_s, message.
 # Returns 'alive' | 'gone' | 'moved' | 'requeue' (caller publishes to init, then calls
 # HANDED_OFF) | 'failed'.
@@ -163,6 +174,9 @@ local beat = redis.call('ZSCORE', P .. 'active', id)
 if beat and tonumber(beat) >= cutoff then return 'alive' end
 if mode == 'active' then
   if not beat then return 'alive' end
+elseif mode == 'orphan' then
+  -- ARGV[5] is the token of a message a dead worker had reserved
+  if j[2] ~= 'waiting' or redis.call('HGET', jk, 'token') ~= queue then return 'moved' end
 elseif j[2] ~= 'waiting' or j[3] ~= queue then
   redis.call('ZREM', P .. 'queued:' .. queue, id)
   return 'moved'
