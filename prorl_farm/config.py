@@ -68,6 +68,11 @@ class Settings:
     llm_retries: int = 2
     llm_max_failovers: int = 1
     backend_audit: bool = False
+    # Sandboxes: runtime (auto = bwrap where installed, else local), where their files live
+    # (keep it short: Unix socket paths are limited to 107 bytes), live sandboxes per node.
+    sandbox_runtime: str = "auto"
+    sandbox_dir: str = "/tmp/prorl-sandboxes"
+    sandbox_max: int = 64
     # Extra handlers without packaging: "name=module:Class,other=module:Class".
     handlers: str = ""
 
@@ -151,6 +156,9 @@ def load_settings(environ=None, **overrides) -> Settings:
         llm_retries=_env(environ, "LLM_RETRIES", int, d.llm_retries),
         llm_max_failovers=_env(environ, "LLM_MAX_FAILOVERS", int, d.llm_max_failovers),
         backend_audit=_env(environ, "BACKEND_AUDIT", _bool, d.backend_audit),
+        sandbox_runtime=_env(environ, "SANDBOX_RUNTIME", str, d.sandbox_runtime),
+        sandbox_dir=_env(environ, "SANDBOX_DIR", str, d.sandbox_dir),
+        sandbox_max=_env(environ, "SANDBOX_MAX", int, d.sandbox_max),
     )
     for stage in STAGES:
         values[stage] = _pool_from_env(environ, stage, getattr(d, stage))

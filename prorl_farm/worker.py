@@ -41,8 +41,12 @@ class WorkerFarm:
                                  reaper=reaper)
         worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.backends = BackendRegistry(self.store.r, audit=settings.backend_audit)
+        self.sandboxes = _sandbox_manager(self.store.r, settings)
+        if main_process and self.sandboxes is not None:
+            self.liveness.janitor = self.sandboxes.janitor
         self.runner = StageRunner(settings, self.store, HandlerRegistry(settings.handlers),
-                                  self.liveness, self.publish, worker_name, self.backends)
+                                  self.liveness, self.publish, worker_name, self.backends,
+                                  self.sandboxes)
 
     def publish(self, stage: str, job_id: str, token: str, queue: str) -> None:
         # The token doubles as the Celery task id, so the API can revoke it by job state.
@@ -50,6 +54,18 @@ class WorkerFarm:
 
     def requeue(self, job_id: str, token: str) -> None:
         self.publish("init", job_id, token, "init")
+
+
+def _sandbox_manager(r, settings: Settings):
+    """This node's SandboxManager, or None (logged) if its runtime cannot run here."""
+    from prorl_farm.sandbox.manager import SandboxManager
+
+    try:
+        return SandboxManager(r, settings.node, settings.sandbox_runtime, settings.sandbox_dir,
+                              settings.sandbox_max)
+    except Exception:
+        log.exception("sandboxes are unavailable on this node")
+        return None
 
 
 def _reserved_requests():

@@ -35,14 +35,17 @@ class JobContext:
     sampling: dict
     instance_index: int = 0
     sample_index: int = 0
+    requeues: int = 0  # how many times this job started over (a new attempt, new sandbox)
     state: dict = field(default_factory=dict)
     result: dict | None = None
     # time.monotonic() after which the stage must stop (job deadline or stage time limit).
     deadline_monotonic: float = float("inf")
     abort_event: threading.Event = field(default_factory=threading.Event)
     abort_reason: str = ""
-    # The farm's services for handlers: the LLM backend registry, the settings.
+    # The farm's services for handlers: the LLM backend registry, this node's sandboxes
+    # (a SandboxManager), the settings.
     backends: Any = None
+    sandboxes: Any = None
     settings: Any = None
     _abort_callbacks: list = field(default_factory=list, repr=False)
 

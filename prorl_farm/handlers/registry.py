@@ -15,6 +15,7 @@ ENTRY_POINT_GROUP = "prorl_farm.handlers"
 BUILTIN = {
     "synthetic": "prorl_farm.handlers.synthetic:SyntheticHandler",
     "chat": "prorl_farm.handlers.chat:ChatHandler",
+    "shell": "prorl_farm.handlers.shell:ShellHandler",
 }
 
 

@@ -154,6 +154,9 @@ class Reaper:
             self.store.handed_off([(job_id, token)])
 
 
+JANITOR_EVERY = 10
+
+
 class Liveness:
     """The per-process heartbeat/abort/deadline thread."""
 
@@ -164,6 +167,10 @@ class Liveness:
         self.stage = stage
         self.reserved = reserved
         self.reaper = reaper
+        # The node's sandbox janitor (main pool processes): called every JANITOR_EVERY ticks,
+        # by one process per node at a time.
+        self.janitor: Callable[[], int] | None = None
+        self._ticks = 0
         self._running: dict[tuple[str, str], JobContext] = {}
         self._handed_off: list[tuple[str, str]] = []
         self._lock = threading.Lock()
@@ -223,6 +230,12 @@ class Liveness:
         self.store.pool_beat(self.stage, self.settings.node)
         if self.reaper is not None:
             self.reaper.sweep()
+        self._ticks += 1
+        if self.janitor is not None and self._ticks % JANITOR_EVERY == 0:
+            lock = f"{keys.PREFIX}janitor:{self.settings.node}"
+            ms = int(self.settings.heartbeat_interval_s * JANITOR_EVERY * 1000)
+            if self.store.r.set(lock, self.stage, nx=True, px=max(ms, 1)):
+                self.janitor()
 
     def _expire(self, ctx: JobContext) -> None:
         """A stage that does not stop by itself at its deadline still ends the job on time."""

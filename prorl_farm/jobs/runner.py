@@ -49,6 +49,7 @@ def build_context(raw: dict, stage: str, token: str, node: str, stage_timeout_s:
         instance=json.loads(raw["instance"]), sampling=json.loads(raw.get("sampling") or "{}"),
         instance_index=int(raw.get("instance_index", 0)),
         sample_index=int(raw.get("sample_index", 0)),
+        requeues=int(raw.get("requeues", 0)),
         state=json.loads(raw["hstate"]) if raw.get("hstate") else {},
         result=json.loads(raw["result"]) if raw.get("result") else None,
         deadline_monotonic=time.monotonic() + limit_s,
@@ -71,9 +72,11 @@ class StageRunner:
     """Runs one stage of one job, start to finish, inside a worker process."""
 
     def __init__(self, settings: Settings, store: JobStore, registry: HandlerRegistry,
-                 liveness: Liveness, publish: Publisher, worker_name: str, backends=None):
+                 liveness: Liveness, publish: Publisher, worker_name: str, backends=None,
+                 sandboxes=None):
         self.settings = settings
         self.backends = backends
+        self.sandboxes = sandboxes
         self.store = store
         self.registry = registry
         self.liveness = liveness
@@ -88,7 +91,7 @@ class StageRunner:
             return outcome
         ctx = build_context(raw, stage, token, self.settings.node,
                             self.settings.pool(stage).timeout_s)
-        ctx.backends, ctx.settings = self.backends, self.settings
+        ctx.backends, ctx.sandboxes, ctx.settings = self.backends, self.sandboxes, self.settings
         handler: AgentHandler | None = None
         outcome = "error"
         self.liveness.track(ctx)
@@ -157,9 +160,13 @@ class StageRunner:
                 log.exception("on_failure hook of %s failed", handler.name)
         return f"failed: {kind.value}" if res.changed else "stale"
 
-    @staticmethod
-    def _cleanup(handler: AgentHandler, ctx: JobContext) -> None:
+    def _cleanup(self, handler: AgentHandler, ctx: JobContext) -> None:
         try:
             handler.cleanup(ctx)
         except Exception:
             log.exception("cleanup of %s for job %s failed", handler.name, ctx.job_id)
+        if self.sandboxes is not None:
+            try:
+                self.sandboxes.stop_for_job(ctx.job_id)
+            except Exception:
+                log.exception("stopping the sandboxes of job %s failed", ctx.job_id)

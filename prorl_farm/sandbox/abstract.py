@@ -53,7 +53,7 @@ class Sandbox:
     workspace: str  # on the host
     socket: str  # the tool server's Unix socket, on the host
     ip: str  # its own loopback address
-    uid: int = -1  # the unprivileged uid it runs as (-1: the farm's own)
+    cgroup: str = ""  # its pids cgroup, where the farm may create one
     workdir: str = ""  # the workspace as seen inside
     meta: dict = field(default_factory=dict)
 
@@ -70,9 +70,15 @@ class Runtime(ABC):
 
     name: str = ""
 
+    def _track(self, sandbox_id: str, proc) -> None:
+        """Keep the Popen of a sandbox this process started, to wait for it at stop."""
+        if not hasattr(self, "_procs"):
+            self._procs = {}
+        self._procs[sandbox_id] = proc
+
     @abstractmethod
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
-              ip: str, uid: int) -> Sandbox:
+              ip: str, cgroup: Path | None) -> Sandbox:
         """Start the tool server inside a new sandbox; return once its socket exists."""
 
     def stop(self, sandbox: Sandbox, grace_s: float = 2.0) -> None:
@@ -83,12 +89,20 @@ class Runtime(ABC):
         while time.monotonic() < end and pid_alive(sandbox.pid):
             time.sleep(0.02)
         kill_group(sandbox.pid, signal.SIGKILL)
+        if sandbox.cgroup:
+            from prorl_farm.sandbox import cgroups
+
+            cgroups.kill_all_and_remove(Path(sandbox.cgroup))
         for pid in processes_of(sandbox.id):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        reap(sandbox.pid)
+        proc = getattr(self, "_procs", {}).pop(sandbox.id, None)
+        if proc is not None:
+            proc.wait(timeout=10)
+        else:
+            reap(sandbox.pid)
 
     def alive(self, sandbox: Sandbox) -> bool:
         """True while the sandbox's main process runs."""

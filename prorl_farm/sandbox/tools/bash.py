@@ -33,6 +33,12 @@ QUIET_ENV = {
 }
 
 
+# Job-control chatter of an interactive shell ("[1] 4242" when a job goes to the
+# background, "[1]+  Done  sleep 1" when it ends): not the command's output.
+_JOB_NOTICE = re.compile(r"^\[\d+\](?: \d+|[+-]? +(?:Done|Exit \d+|Killed|Terminated|Stopped"
+                         r"|Running)(?: .*)?)\n", re.MULTILINE)
+
+
 class _Output:
     """Collects command output, keeping head and tail within the caps."""
 
@@ -62,7 +68,8 @@ class _Output:
             tail = body[-TAIL_BYTES:]
             omitted = self.dropped + len(body) - len(tail)
             out = self.head + f"\n[... {omitted} bytes omitted ...]\n".encode() + tail
-        return out.decode("utf-8", errors="replace").replace("\r\n", "\n"), self.head is not None
+        text = out.decode("utf-8", errors="replace").replace("\r\n", "\n")
+        return _JOB_NOTICE.sub("", text), self.head is not None
 
 
 # Commands that cannot leave bash waiting for more input skip the `bash -n` check (a process

@@ -1,0 +1,77 @@
+"""``shell``: files in a fresh sandbox, commands in its bash, a check command for the reward.
+
+INIT starts the sandbox with the instance's files and runs its ``setup`` commands; RUN runs
+``commands`` one by one in the same shell; EVAL runs ``check``: exit status 0 is reward 1.0.
+A scripted stand-in for an agent (the same sandbox and tools an agent loop uses), for
+environment checks, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from marshmallow import RAISE, Schema, fields, validate
+
+from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.sandbox.abstract import SandboxSpec
+from prorl_farm.sandbox.client import ToolClient
+
+
+class ShellInstance(Schema):
+    class Meta:
+        unknown = RAISE
+
+    files = fields.Dict(keys=fields.String(), values=fields.String(), load_default=dict)
+    setup = fields.List(fields.String(), load_default=list)
+    commands = fields.List(fields.String(), load_default=list)
+    check = fields.String(load_default="true")
+    command_timeout_s = fields.Float(load_default=60.0, validate=validate.Range(min=0.1,
+                                                                                max=86400))
+    network = fields.Boolean(load_default=False)
+
+
+class ShellHandler(AgentHandler):
+    name = "shell"
+    description = "Run commands in a sandbox; reward 1 if the check command exits 0."
+    instance_schema = ShellInstance
+
+    def _client(self, ctx: JobContext) -> ToolClient:
+        return ToolClient(ctx.state["sandbox"]["socket"])
+
+    def _bash(self, ctx: JobContext, client: ToolClient, command: str) -> dict:
+        ctx.check()
+        timeout = min(ctx.instance["command_timeout_s"], max(0.1, ctx.remaining_s))
+        return client.call("bash", abort_hook=ctx.on_abort, command=command, timeout_s=timeout)
+
+    def init(self, ctx: JobContext) -> dict:
+        spec = SandboxSpec(workspace_files=ctx.instance["files"], network=ctx.instance["network"])
+        sandbox = ctx.sandboxes.start(spec, ctx.job_id, ctx.requeues, ctx)
+        ctx.state = {"sandbox": sandbox.to_dict()}
+        client = self._client(ctx)
+        try:
+            for command in ctx.instance["setup"]:
+                out = self._bash(ctx, client, command)
+                if out["exit_code"] != 0:
+                    raise RuntimeError(f"setup command failed ({out['exit_code']}): {command}\n"
+                                       f"{out['output'][-2000:]}")
+        finally:
+            client.close()
+        return ctx.state
+
+    def run(self, ctx: JobContext) -> dict:
+        client = self._client(ctx)
+        steps = []
+        try:
+            for command in ctx.instance["commands"]:
+                out = self._bash(ctx, client, command)
+                steps.append({"command": command, **out})
+        finally:
+            client.close()
+        return {"steps": steps}
+
+    def eval(self, ctx: JobContext) -> dict:
+        client = self._client(ctx)
+        try:
+            out = self._bash(ctx, client, ctx.instance["check"])
+        finally:
+            client.close()
+        return {"reward": 1.0 if out["exit_code"] == 0 else 0.0,
+                "check_exit_code": out["exit_code"], "check_output": out["output"][-4000:]}

@@ -1,0 +1,192 @@
+"""SandboxManager: a node's sandboxes — slots (loopback IPs), the node cap, start and
+stop on every way a job ends, and the janitor for what is left over."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from prorl_farm.errors import JobAborted, StageTimeout
+from prorl_farm.jobs import keys as job_keys
+from prorl_farm.jobs.states import TERMINAL_STATES, JobState
+from prorl_farm.sandbox import cgroups
+from prorl_farm.sandbox.abstract import Runtime, Sandbox, SandboxError, SandboxSpec, processes_of
+
+log = logging.getLogger(__name__)
+
+# Per node, hash: slot -> sandbox id. A slot gives a sandbox its own loopback IP.
+SLOTS = job_keys.PREFIX + "sandbox-slots:{node}"
+# Per node, hash: sandbox id -> JSON record (the Sandbox, its job, the job's requeue count).
+RECORDS = job_keys.PREFIX + "sandboxes:{node}"
+
+# ARGV: slots key, records key, max slots, sandbox id, hint. Returns a free slot, or -1 when
+# the node is at its cap.
+ALLOC = r"""
+local slots, cap, id, hint = KEYS[1], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+if redis.call('HLEN', slots) >= cap then return -1 end
+for i = 0, cap - 1 do
+  local s = (hint + i) % cap
+  if redis.call('HSETNX', slots, s, id) == 1 then return s end
+end
+return -1
+"""
+FREE = r"""
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+def slot_ip(slot: int) -> str:
+    """127.16.0.2 upwards; never .0, .1 or .255 in the last octet."""
+    return f"127.{16 + slot // 62_500}.{(slot // 250) % 250}.{slot % 250 + 2}"
+
+
+def make_runtime(name: str, sandbox_root: Path) -> Runtime:
+    if name == "auto":
+        name = "bwrap" if shutil.which("bwrap") else "local"
+    if name == "local":
+        from prorl_farm.sandbox.local import LocalRuntime
+
+        return LocalRuntime()
+    if name == "bwrap":
+        from prorl_farm.sandbox.bwrap import BwrapRuntime
+
+        return BwrapRuntime(sandbox_root)
+    if name == "apptainer":
+        from prorl_farm.sandbox.apptainer import ApptainerRuntime
+
+        return ApptainerRuntime(sandbox_root)
+    if name == "docker":
+        from prorl_farm.sandbox.docker import DockerRuntime
+
+        return DockerRuntime(sandbox_root)
+    raise SandboxError(f"unknown sandbox runtime {name!r}")
+
+
+class SandboxManager:
+    def __init__(self, r: redis.Redis, node: str, runtime: str = "auto",
+                 root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64):
+        self.r = r
+        self.node = node
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o711)
+        self.runtime = make_runtime(runtime, self.root)
+        self.max_sandboxes = max_sandboxes
+        self.slots_key = SLOTS.format(node=node)
+        self.records_key = RECORDS.format(node=node)
+        self._alloc = r.register_script(ALLOC)
+        self._free = r.register_script(FREE)
+
+    # -- start / stop ---------------------------------------------------------------------
+
+    def _slot(self, sandbox_id: str, ctx=None) -> int:
+        """A free slot; waits (does not fail) while the node is at its cap."""
+        while True:
+            slot = self._alloc(keys=[self.slots_key],
+                               args=[self.max_sandboxes, sandbox_id,
+                                     uuid.uuid4().int % self.max_sandboxes])
+            if slot >= 0:
+                return int(slot)
+            if ctx is not None:
+                ctx.sleep(0.2)  # raises on cancel or deadline
+            else:
+                time.sleep(0.2)
+
+    def start(self, spec: SandboxSpec, job_id: str = "", requeues: int = 0, ctx=None) -> Sandbox:
+        sandbox_id = uuid.uuid4().hex[:12]
+        slot = self._slot(sandbox_id, ctx)
+        base = self.root / sandbox_id
+        cgroup = None
+        workspace, run_dir = base / "workspace", base / "run"
+        try:
+            workspace.mkdir(parents=True)
+            run_dir.mkdir()
+            for rel, text in spec.workspace_files.items():
+                target = (workspace / rel).resolve()
+                if not str(target).startswith(str(workspace.resolve()) + os.sep):
+                    raise SandboxError(f"workspace file {rel!r} escapes the workspace")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text)
+            cgroup = cgroups.create(sandbox_id, spec.limits.processes)
+            sandbox = self.runtime.start(spec, sandbox_id, workspace, run_dir / "tools.sock",
+                                         slot_ip(slot), cgroup)
+        except BaseException:
+            if cgroup is not None:
+                cgroups.kill_all_and_remove(cgroup)
+            self._release(sandbox_id, slot, base)
+            raise
+        sandbox.node = self.node
+        sandbox.meta = {"slot": slot, "job_id": job_id, "requeues": requeues}
+        self.r.hset(self.records_key, sandbox_id, json.dumps(sandbox.to_dict()))
+        if ctx is not None:
+            try:
+                ctx.check()
+            except (JobAborted, StageTimeout):
+                self.stop(sandbox)
+                raise
+        return sandbox
+
+    def stop(self, sandbox: Sandbox | dict) -> None:
+        """Stop it and free everything it held: processes, files, slot, record. Idempotent."""
+        if isinstance(sandbox, dict):
+            sandbox = Sandbox.from_dict(sandbox)
+        try:
+            self.runtime.stop(sandbox)
+        finally:
+            self._release(sandbox.id, sandbox.meta.get("slot"), self.root / sandbox.id)
+
+    def _release(self, sandbox_id: str, slot, base: Path) -> None:
+        shutil.rmtree(base, ignore_errors=True)
+        if slot is not None:
+            self._free(keys=[self.slots_key], args=[slot, sandbox_id])
+        self.r.hdel(self.records_key, sandbox_id)
+
+    def stop_for_job(self, job_id: str) -> int:
+        """Stop every sandbox of this node that belongs to ``job_id``."""
+        n = 0
+        for sandbox in self.records():
+            if sandbox.meta.get("job_id") == job_id:
+                self.stop(sandbox)
+                n += 1
+        return n
+
+    # -- inventory ------------------------------------------------------------------------
+
+    def records(self) -> list[Sandbox]:
+        return [Sandbox.from_dict(json.loads(v)) for v in self.r.hvals(self.records_key)]
+
+    def janitor(self) -> int:
+        """Stop sandboxes whose job is terminal, unknown or on a later attempt, and those
+        whose processes are gone; free slots nobody holds. Returns how many it stopped."""
+        stopped = 0
+        records = self.records()
+        for sandbox in records:
+            job_id = sandbox.meta.get("job_id")
+            if job_id:
+                state, requeues = self.r.hmget(job_keys.job(job_id), "state", "requeues")
+                stale = (state is None or JobState(state) in TERMINAL_STATES
+                         or int(requeues or 0) != sandbox.meta.get("requeues", 0))
+            else:
+                stale = False
+            if stale or not self.runtime.alive(sandbox):
+                log.info("janitor: stopping sandbox %s of job %s", sandbox.id, job_id)
+                self.stop(sandbox)
+                stopped += 1
+        for slot, owner in self.r.hgetall(self.slots_key).items():
+            if self.r.hexists(self.records_key, owner):
+                continue
+            # A slot whose start is still in progress has no record yet, but has its
+            # directory or processes: free only slots with neither (their starter died).
+            if not (self.root / owner).exists() and not processes_of(owner):
+                self._free(keys=[self.slots_key], args=[slot, owner])
+        return stopped

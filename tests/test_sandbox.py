@@ -1,0 +1,315 @@
+"""Sandboxes and the in-sandbox tool server: the same tool suite on every runtime, isolation
+under bubblewrap, and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from prorl_farm.sandbox.abstract import Limits, SandboxError, SandboxSpec, processes_of
+from prorl_farm.sandbox.client import ToolCallError, ToolClient
+from prorl_farm.sandbox.manager import SandboxManager
+from tests.farm import ROOT
+
+RUNTIMES = ["local", "bwrap"]
+
+
+def leftovers(manager: SandboxManager, ids) -> dict:
+    """Everything a stopped sandbox could leave: processes, files, slots, records, cgroups."""
+    cgroups = [p for p in Path("/sys/fs/cgroup/pids").glob("prorl-*")] if Path(
+        "/sys/fs/cgroup/pids").exists() else []
+    return {
+        "processes": {i: processes_of(i) for i in ids if processes_of(i)},
+        "dirs": [p.name for p in manager.root.iterdir() if p.name in set(ids)],
+        "slots": manager.r.hgetall(manager.slots_key),
+        "records": manager.r.hkeys(manager.records_key),
+        "cgroups": [c.name for c in cgroups if c.name.removeprefix("prorl-") in set(ids)],
+    }
+
+
+def no_leftovers(manager, ids) -> None:
+    assert leftovers(manager, ids) == {"processes": {}, "dirs": [], "slots": {}, "records": [],
+                                       "cgroups": []}
+
+
+@pytest.fixture
+def manager_for(r, tmp_path):
+    made = []
+
+    def make(runtime: str, **kw) -> SandboxManager:
+        if runtime == "bwrap" and not shutil.which("bwrap"):
+            pytest.skip("bubblewrap is not installed")
+        m = SandboxManager(r, "sbx-node", runtime, root=str(Path("/tmp") / f"prs-{os.getpid()}"),
+                           **kw)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        for sandbox in m.records():
+            m.stop(sandbox)
+
+
+@pytest.fixture(params=RUNTIMES)
+def sandbox(request, manager_for):
+    manager = manager_for(request.param)
+    sb = manager.start(SandboxSpec(workspace_files={"src/app.py": "def f():\n    return 1\n"}))
+    client = ToolClient(sb.socket)
+    yield sb, client
+    client.close()
+    manager.stop(sb)
+    no_leftovers(manager, [sb.id])
+
+
+# -- the tool suite, on every runtime -----------------------------------------------------
+
+
+def test_bash_exit_codes_and_persistence(sandbox):
+    sb, c = sandbox
+    assert c.bash("true")["exit_code"] == 0
+    assert c.bash("exit_code_test() { return 7; }; exit_code_test")["exit_code"] == 7
+    assert c.bash("ls /nonexistent")["exit_code"] == 2
+    c.bash("cd src && export GREETING=hello && say() { echo \"$GREETING $1\"; }")
+    out = c.bash("pwd; say world; echo $PRORL_SANDBOX_IP")
+    assert out["output"].split("\n")[:3] == [f"{sb.workdir}/src", "hello world", sb.ip]
+    syntax = c.bash("echo 'unclosed")
+    assert syntax["exit_code"] == 2 and syntax.get("syntax_error")
+    assert c.bash("echo still here")["output"] == "still here\n"
+
+
+def test_bash_timeout_returns_partial_output_then_the_session_works(sandbox):
+    sb, c = sandbox
+    c.bash("export KEEP=1")
+    t0 = time.monotonic()
+    out = c.bash("echo before; sleep 60; echo after", timeout_s=1)
+    assert out["timed_out"] and out["output"].startswith("before") and "after" not in out["output"]
+    assert time.monotonic() - t0 < 10
+    quiet = c.bash("sleep 60", timeout_s=30, no_output_timeout_s=1)
+    assert quiet["timed_out"] and quiet["timeout_reason"] == "no output"
+    stubborn = c.bash("trap '' INT; sleep 60", timeout_s=1)
+    assert stubborn["timed_out"] and stubborn["exit_code"] != 0
+    assert c.bash("echo $KEEP")["output"] == "1\n"  # same session, state kept
+
+
+def test_interactive_commands_do_not_hang(sandbox):
+    sb, c = sandbox
+    t0 = time.monotonic()
+    assert c.bash("read answer; echo got:$answer")["output"] == "got:\n"
+    assert c.bash("python3")["exit_code"] == 0  # the REPL reads EOF and exits
+    assert c.bash("cat")["exit_code"] == 0
+    assert c.bash("git log 2>/dev/null | head -1; true")["exit_code"] == 0
+    assert time.monotonic() - t0 < 10
+
+
+def test_background_processes_and_big_output(sandbox):
+    sb, c = sandbox
+    assert c.bash("sleep 300 & echo started")["output"] == "started\n"
+    out = c.bash("head -c 200000000 /dev/zero | tr '\\0' 'x'; echo; echo done", timeout_s=120)
+    assert out["exit_code"] == 0 and out["truncated"]
+    assert out["output_bytes"] >= 200_000_000
+    assert len(out["output"]) < 100_000 and out["output"].endswith("done\n")
+    assert c.call("ping")["pong"]
+    assert c.bash("jobs | wc -l")["output"].strip() == "1"  # the background sleep
+
+
+def test_ipython(sandbox):
+    sb, c = sandbox
+    assert c.ipython("1 + 1")["results"] == ["2"]
+    out = c.ipython("x = 21\nprint('hi')\nx * 2")
+    assert out["stdout"] == "hi\n" and out["results"] == ["42"]
+    err = c.ipython("1 / 0")["error"]
+    assert err["ename"] == "ZeroDivisionError" and "1 / 0" in err["traceback"]
+    slow = c.ipython("import time\ntime.sleep(60)", timeout_s=1)
+    assert slow["timed_out"] and slow["error"]["ename"] == "KeyboardInterrupt"
+    assert c.ipython("x")["results"] == ["21"]  # the kernel kept its state
+
+
+def test_file_tools(sandbox):
+    sb, c = sandbox
+    view = c.call("view", path="src/app.py")
+    assert view["content"] == "     1\tdef f():\n     2\t    return 1"
+    assert c.call("view", path="src/app.py", start_line=2, end_line=2)["content"].strip() == \
+        "2\t    return 1"
+    assert "src/app.py" in c.call("view", path=".")["entries"]
+    c.call("create", path="notes/a.txt", content="x\nx\n")
+    with pytest.raises(ToolCallError, match="exists"):
+        c.call("create", path="notes/a.txt", content="y")
+    with pytest.raises(ToolCallError, match="occurs 2 times"):
+        c.call("str_replace", path="notes/a.txt", old_str="x", new_str="y")
+    with pytest.raises(ToolCallError, match="not found"):
+        c.call("str_replace", path="notes/a.txt", old_str="zzz", new_str="y")
+    c.call("str_replace", path="src/app.py", old_str="return 1", new_str="return 2")
+    c.call("insert", path="src/app.py", line=0, text="# header")
+    assert c.bash("cat src/app.py")["output"] == "# header\ndef f():\n    return 2\n"
+    c.call("undo", path="src/app.py")
+    c.call("undo", path="src/app.py")
+    assert c.bash("cat src/app.py")["output"] == "def f():\n    return 1\n"
+    with pytest.raises(ToolCallError, match="no edit"):
+        c.call("undo", path="src/app.py")
+    for escape in ("../../etc/passwd", "/etc/passwd"):
+        with pytest.raises(ToolCallError, match="outside the workspace"):
+            c.call("view", path=escape)
+    c.bash("ln -s /etc link")
+    with pytest.raises(ToolCallError, match="outside the workspace"):
+        c.call("create", path="link/evil", content="x")
+    with pytest.raises(ToolCallError, match="bad_request"):
+        c.call("no_such_tool")
+
+
+# -- isolation under bubblewrap -----------------------------------------------------------
+
+
+@pytest.fixture
+def bwrap_box(manager_for, redis_server):
+    manager = manager_for("bwrap")
+    limits = Limits(address_space_bytes=2 * 1024**3, processes=64)
+    sb = manager.start(SandboxSpec(limits=limits))
+    client = ToolClient(sb.socket)
+    yield manager, sb, client
+    client.close()
+    manager.stop(sb)
+    no_leftovers(manager, [sb.id])
+
+
+def test_bwrap_network_is_only_its_own_loopback(bwrap_box, redis_server):
+    manager, sb, c = bwrap_box
+    # The host's Redis is on 127.0.0.1 outside: unreachable from the sandbox.
+    host = c.bash(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', "
+                  f"{redis_server.port}), 2)\"")
+    assert host["exit_code"] != 0 and "refused" in host["output"].lower()
+    serve = c.bash("python3 -m http.server 8000 --bind $PRORL_SANDBOX_IP >/dev/null 2>&1 & "
+                   "sleep 1; python3 -c \"import urllib.request, os; print(urllib.request."
+                   "urlopen(f'http://{os.environ[\\\"PRORL_SANDBOX_IP\\\"]}:8000/').status)\"")
+    assert serve["output"].strip().endswith("200"), serve
+    outside = subprocess.run([sys.executable, "-c", "import socket; socket.create_connection("
+                              f"('{sb.ip}', 8000), 1)"], capture_output=True)
+    assert outside.returncode != 0  # and the host cannot reach into the sandbox
+
+
+def test_bwrap_filesystem_is_read_only_outside_the_workspace(bwrap_box):
+    manager, sb, c = bwrap_box
+    secret = Path("/root/prorl-test-secret")
+    secret.write_text("top secret")
+    try:
+        for path in ("/usr/evil", "/etc/evil", f"{ROOT}/evil"):
+            out = c.bash(f"touch {path}")
+            assert out["exit_code"] != 0 and "Read-only" in out["output"], out
+        out = c.bash(f"cat {secret}; ls /root")
+        assert "top secret" not in out["output"]
+        assert c.bash("touch ok && ls")["output"] == "ok\n"
+        others = c.bash(f"ls {manager.root} | wc -l")["output"].strip()
+        assert others == "0"  # other sandboxes' files are hidden
+    finally:
+        secret.unlink()
+
+
+def test_bwrap_contains_fork_bomb_and_memory_hog(bwrap_box, manager_for):
+    manager, sb, c = bwrap_box
+    hog = c.bash("python3 -c \"x = bytearray(8 * 1024**3)\"")
+    assert hog["exit_code"] != 0 and "MemoryError" in hog["output"]
+    bomb = c.bash("bomb() { bomb | bomb & }; bomb; sleep 2; echo survived", timeout_s=20)
+    assert "survived" in bomb["output"] or bomb["timed_out"]
+    assert c.call("ping")["pong"]  # the tool server is fine
+    # The host is fine too: another sandbox starts and works.
+    other = manager.start(SandboxSpec())
+    other_client = ToolClient(other.socket)
+    try:
+        assert other_client.bash("echo ok")["output"] == "ok\n"
+    finally:
+        other_client.close()
+        manager.stop(other)
+
+
+def test_bwrap_as_a_non_root_user(tmp_path, redis_server):
+    if not shutil.which("bwrap") or not shutil.which("runuser"):
+        pytest.skip("needs bwrap and runuser")
+    if os.geteuid() != 0:
+        pytest.skip("already not root: the other tests cover it")
+    system_python = "/usr/bin/python3"
+    if not os.path.exists(system_python) or subprocess.run(
+            [system_python, "-c", "import sys; assert sys.version_info[:2] == (3, 11)"]
+    ).returncode != 0:
+        pytest.skip("needs a system Python 3.11 that user nobody can run")
+    site = next(p for p in sys.path if p.endswith("site-packages") and ".venv" in p)
+    root = Path(tempfile.mkdtemp(prefix="prorl-nobody-", dir="/tmp"))
+    os.chmod(root, 0o777)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{site}", "HOME": str(root)}
+    try:
+        proc = subprocess.run(
+            [shutil.which("runuser"), "-u", "nobody", "--", system_python,
+             str(ROOT / "tests" / "nonroot_probe.py"), redis_server.url, str(root / "sb")],
+            env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PROBE OK" in proc.stdout, proc.stdout
+
+
+# -- nothing leaks --------------------------------------------------------------------------
+
+
+def test_100_sandboxes_leave_nothing_behind(manager_for):
+    manager = manager_for("bwrap")
+    ids, errors = [], []
+    for i in range(100):
+        sb = manager.start(SandboxSpec())
+        ids.append(sb.id)
+        client = ToolClient(sb.socket)
+        if i % 4 == 0:
+            # Killed mid-command: the call in flight fails cleanly, the sandbox goes away.
+            def call(client=client):
+                try:
+                    client.bash("sleep 300 & sleep 200", timeout_s=500)
+                except SandboxError as e:
+                    errors.append(e)
+
+            t = threading.Thread(target=call)
+            t.start()
+            time.sleep(0.05)
+            manager.stop(sb)
+            t.join(10)
+            assert not t.is_alive()
+        else:
+            assert client.bash(f"echo {i}")["output"] == f"{i}\n"
+            manager.stop(sb)
+        client.close()
+    assert len(errors) == 25
+    no_leftovers(manager, ids)
+    assert not list(manager.root.iterdir())
+
+
+def test_node_cap_makes_start_wait_and_janitor_cleans(manager_for, r):
+    from prorl_farm.config import load_settings
+    from prorl_farm.jobs.states import JobState
+    from prorl_farm.jobs.store import JobStore
+    from tests.farm import farm_env
+
+    manager = manager_for("local", max_sandboxes=2)
+    store = JobStore.from_settings(load_settings(farm_env(
+        r.connection_pool.connection_kwargs and f"redis://127.0.0.1:"
+        f"{r.connection_pool.connection_kwargs['port']}/0")))
+    jobs = store.create_jobs("b", "shell", [{}], 3, {}, None)
+    a = manager.start(SandboxSpec(), jobs[0].job_id)
+    b = manager.start(SandboxSpec(), jobs[1].job_id)
+    started = []
+    t = threading.Thread(target=lambda: started.append(manager.start(SandboxSpec(),
+                                                                     jobs[2].job_id)))
+    t.start()
+    time.sleep(1.0)
+    assert not started  # waiting, not failing, at the cap
+    store.finish(jobs[0].job_id, JobState.CANCELLED, "cancelled", "x")
+    assert manager.janitor() == 1  # a's job ended: its sandbox goes
+    t.join(10)
+    assert started and not processes_of(a.id)
+    store.r.hset(f"prorl:job:{jobs[1].job_id}", "requeues", 1)  # b's job started over
+    assert manager.janitor() == 1 and not processes_of(b.id)
+    manager.stop(started[0])
+    no_leftovers(manager, [a.id, b.id, started[0].id])
