@@ -35,6 +35,20 @@ def leftovers(manager: SandboxManager, ids) -> dict:
     }
 
 
+def any_sandbox_processes() -> list[int]:
+    """Every process on the machine that carries a sandbox id in its environment."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if b"PRORL_SANDBOX_ID=" in f.read():
+                        out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
 def no_leftovers(manager, ids) -> None:
     assert leftovers(manager, ids) == {"processes": {}, "dirs": [], "slots": {}, "records": [],
                                        "cgroups": []}
@@ -313,3 +327,66 @@ def test_node_cap_makes_start_wait_and_janitor_cleans(manager_for, r):
     assert manager.janitor() == 1 and not processes_of(b.id)
     manager.stop(started[0])
     no_leftovers(manager, [a.id, b.id, started[0].id])
+
+
+# -- through the farm ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shell_farm(redis_server, tmp_path_factory):
+    from api import create_app
+    from prorl_farm.config import load_settings
+    from tests.conftest import make_pools
+    from tests.farm import farm_env
+
+    overrides = dict(sandbox_dir=f"/tmp/prs-farm-{os.getpid()}", run_concurrency=4)
+    pools = make_pools(redis_server, tmp_path_factory.mktemp("shell"), **overrides)
+    pools.start()
+    client = create_app(load_settings(farm_env(redis_server.url, **overrides))).test_client()
+    yield pools, client
+    pools.stop()
+
+
+def _jobs(client, instances):
+    from tests.farm import wait_until
+
+    resp = client.post("/v1/jobs", json={"handler": "shell", "instances": instances})
+    assert resp.status_code == 202, resp.get_json()
+    sub = resp.get_json()
+    return sub, lambda: wait_until(
+        lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"], 60, 0.1,
+        "shell batch")
+
+
+def test_shell_jobs_run_in_sandboxes_stopped_however_they_end(shell_farm, r):
+    from tests.farm import wait_until
+
+    pools, client = shell_farm
+    instances = [
+        {"files": {"sol.py": "print(6 * 7)\n"}, "setup": ["test -f sol.py"],
+         "commands": ["python3 sol.py > out.txt", "echo $PRORL_SANDBOX_IP"],
+         "check": "grep -qx 42 out.txt"},
+        {"files": {"sol.py": "print(41)\n"}, "commands": ["python3 sol.py > out.txt"],
+         "check": "grep -qx 42 out.txt"},
+        {"setup": ["exit 3"]},
+        {"commands": ["sleep 120"]},
+    ]
+    sub, finished = _jobs(client, instances)
+    slow = sub["job_ids"][3]
+    wait_until(lambda: client.get(f"/v1/jobs/{slow}").get_json()["stage"] == "run", 30)
+    time.sleep(0.5)
+    client.post(f"/v1/jobs/{slow}/cancel")
+    finished()
+    ok, wrong, broken, cancelled = (client.get(f"/v1/jobs/{i}").get_json() for i in
+                                    sub["job_ids"])
+    assert ok["state"] == "done" and ok["reward"] == 1.0
+    assert ok["result"]["steps"][1]["output"].strip().startswith("127.16.")
+    assert wrong["state"] == "done" and wrong["reward"] == 0.0
+    assert broken["failure"]["kind"] == "init_error" and "exit 3" in broken["failure"]["message"]
+    assert cancelled["state"] == "cancelled"
+    # However each ended, its sandbox is gone: no processes, records or slots.
+    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode")
+               and not r.hlen("prorl:sandbox-slots:testnode"), 10, 0.1, "sandboxes stopped")
+    assert any_sandbox_processes() == []
+    root = Path(f"/tmp/prs-farm-{os.getpid()}")
+    assert not list(root.iterdir())

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from api import create_app
-from prorl_farm.agent.trajectory import ChatTokens, Trajectory, TokenMismatch
+from prorl_farm.agent.trajectory import ChatTokens, TokenMismatch, Trajectory
 from prorl_farm.config import load_settings
 from prorl_farm.handlers.chat import turn_seed
 from tests.conftest import make_pools
@@ -19,13 +19,15 @@ pytestmark = pytest.mark.slow
 
 LLAMA3_LIKE = (
     "{{ '<|begin_of_text|>' }}{% for m in messages %}"
-    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content']"
+    " + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 DEFAULT_SYSTEM = (
     "{% if messages[0]['role'] != 'system' %}{{ '[SYS]You are helpful.[/SYS]' }}{% endif %}"
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '[assistant]' + m['content'] + '</s>' }}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ '[assistant]' + m['content'] + '</s>' }}"
     "{% else %}{{ '[' + m['role'] + ']' + m['content'] + '[/' + m['role'] + ']' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}"
 )

@@ -71,9 +71,14 @@ class Runtime(ABC):
     name: str = ""
 
     def _track(self, sandbox_id: str, proc) -> None:
-        """Keep the Popen of a sandbox this process started, to wait for it at stop."""
+        """Keep the Popen of a sandbox this process started, to wait for it at stop. A
+        sandbox stopped by another process (the EVAL pool, the janitor) is collected here at
+        the next start, so no zombie stays behind."""
         if not hasattr(self, "_procs"):
             self._procs = {}
+        for other, p in list(self._procs.items()):
+            if p.poll() is not None:
+                del self._procs[other]
         self._procs[sandbox_id] = proc
 
     @abstractmethod

@@ -7,7 +7,7 @@ import threading
 
 from prorl_farm.errors import FarmError, JobAborted
 from prorl_farm.sandbox.abstract import SandboxError
-from prorl_farm.sandbox.protocol import ProtocolError, recv_frame, send_frame
+from prorl_farm.sandbox.protocol import FrameReader, ProtocolError, send_frame
 
 
 class ToolCallError(FarmError, RuntimeError):
@@ -25,6 +25,7 @@ class ToolClient:
         self.socket_path = socket_path
         self.connect_timeout_s = connect_timeout_s
         self._sock: socket.socket | None = None
+        self._reader: FrameReader | None = None
         self._lock = threading.Lock()
 
     def _connect(self) -> socket.socket:
@@ -43,7 +44,8 @@ class ToolClient:
         with self._lock:
             if self._sock is None:
                 self._sock = self._connect()
-            sock = self._sock
+                self._reader = FrameReader(self._sock)
+            sock, reader = self._sock, self._reader
             aborted = False
 
             def interrupt() -> None:
@@ -57,7 +59,7 @@ class ToolClient:
             remove = abort_hook(interrupt) if abort_hook else None
             try:
                 send_frame(sock, {"tool": tool, "args": args})
-                reply = recv_frame(sock)
+                reply = reader.read()
             except (OSError, ProtocolError) as e:
                 self.close_locked()
                 if aborted:

@@ -23,19 +23,26 @@ def send_frame(sock: socket.socket, obj) -> None:
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise ProtocolError("connection closed")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+class FrameReader:
+    """Reads frames from one connection with a buffer: a small message costs one recv."""
 
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = bytearray()
 
-def recv_frame(sock: socket.socket):
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if n > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {n} bytes is over the limit")
-    return json.loads(_recv_exact(sock, n))
+    def _fill(self, n: int) -> None:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(max(65536, min(n - len(self.buf), 1 << 20)))
+            if not chunk:
+                raise ProtocolError("connection closed")
+            self.buf += chunk
+
+    def read(self):
+        self._fill(_HEADER.size)
+        (n,) = _HEADER.unpack_from(self.buf)
+        if n > MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame of {n} bytes is over the limit")
+        self._fill(_HEADER.size + n)
+        data = bytes(self.buf[_HEADER.size:_HEADER.size + n])
+        del self.buf[:_HEADER.size + n]
+        return json.loads(data)

@@ -17,7 +17,7 @@ import socketserver
 import sys
 import threading
 
-from prorl_farm.sandbox.protocol import ProtocolError, recv_frame, send_frame
+from prorl_farm.sandbox.protocol import FrameReader, ProtocolError, send_frame
 from prorl_farm.sandbox.tools import ToolError
 from prorl_farm.sandbox.tools.bash import BashSession
 from prorl_farm.sandbox.tools.files import FileEditor
@@ -73,9 +73,10 @@ def reply_for(tools: Tools, request) -> dict:
 def make_server(socket_path: str, tools: Tools) -> socketserver.ThreadingUnixStreamServer:
     class Handler(socketserver.BaseRequestHandler):
         def handle(self):
+            reader = FrameReader(self.request)
             while True:
                 try:
-                    request = recv_frame(self.request)
+                    request = reader.read()
                 except (ProtocolError, OSError, ValueError):
                     return
                 try:
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        server.serve_forever()
+        server.serve_forever(poll_interval=0.05)
     finally:
         tools.close()
         server.server_close()

@@ -1,0 +1,197 @@
+"""Tool-server benchmark: bash round trips through the sandbox's Unix socket against the
+usual alternatives, IPython, sandbox start/stop, memory per idle sandbox.
+
+  python bench/tools.py [--n 300] [--record]
+
+Baselines measured in the same run: a bare in-process ptyprocess shell (the floor: same
+bash, no socket, no sandbox), a tmux session driven by send-keys and capture-pane polled
+every 10 ms (the common approach), and a fresh ``bash -c`` per command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from prorl_farm.sandbox.abstract import SandboxSpec, processes_of  # noqa: E402
+from prorl_farm.sandbox.client import ToolClient  # noqa: E402
+from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
+from prorl_farm.sandbox.tools.bash import BashSession  # noqa: E402
+from prorl_farm.supervisor import free_port, wait_for_redis  # noqa: E402
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+def timed(fn, n: int, warmup: int = 10) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(1000 * (time.perf_counter() - t0))
+    return out
+
+
+def bench_floor(n: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as d:
+        shell = BashSession(d)
+        shell.start()
+        try:
+            return timed(lambda: shell.run("echo hi"), n)
+        finally:
+            shell.close()
+
+
+def bench_bash_c(n: int) -> list[float]:
+    return timed(lambda: subprocess.run(["bash", "-c", "echo hi"], capture_output=True), n)
+
+
+def bench_tmux(n: int, poll_s: float = 0.01) -> list[float] | None:
+    if not shutil.which("tmux"):
+        return None
+    name = f"prorl-bench-{os.getpid()}"
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "200", "-y", "50",
+                    "bash --norc --noprofile"], check=True)
+    counter = [0]
+
+    def once() -> None:
+        counter[0] += 1
+        marker = f"__DONE_{counter[0]}__"
+        subprocess.run(["tmux", "send-keys", "-t", name, f"echo hi; echo {marker}", "Enter"],
+                       check=True)
+        while True:
+            time.sleep(poll_s)
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", name],
+                                    capture_output=True, text=True).stdout
+            if f"\n{marker}" in screen:
+                subprocess.run(["tmux", "clear-history", "-t", name])
+                subprocess.run(["tmux", "send-keys", "-t", name, "clear", "Enter"])
+                return
+
+    try:
+        return timed(once, n, warmup=3)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name])
+
+
+def pss_kib(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
+def bench_runtime(r, runtime: str, n: int, starts: int) -> dict:
+    manager = SandboxManager(r, f"bench-{runtime}", runtime,
+                             root=f"/tmp/prorl-bench-{os.getpid()}")
+    start_ms, stop_ms = [], []
+    for _ in range(starts):
+        t0 = time.perf_counter()
+        sb = manager.start(SandboxSpec())
+        start_ms.append(1000 * (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        manager.stop(sb)
+        stop_ms.append(1000 * (time.perf_counter() - t0))
+    sb = manager.start(SandboxSpec())
+    client = ToolClient(sb.socket)
+    try:
+        time.sleep(0.5)
+        idle_kib = pss_kib(processes_of(sb.id))
+        bash = timed(lambda: client.bash("echo hi"), n)
+        client.ipython("1+1")  # start the kernel
+        ipy = timed(lambda: client.ipython("1+1"), max(20, n // 5), warmup=3)
+    finally:
+        client.close()
+        manager.stop(sb)
+    return {"bash": bash, "ipython": ipy, "start": start_ms, "stop": stop_ms,
+            "idle_mib": idle_kib / 1024}
+
+
+def machine() -> str:
+    return (f"{platform.node()}: {platform.system()} {platform.machine()}, "
+            f"{os.cpu_count()} cores, Python {platform.python_version()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--tmux-n", type=int, default=50)
+    ap.add_argument("--starts", type=int, default=20)
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as d:
+        port = free_port()
+        server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
+                                   "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
+        try:
+            wait_for_redis(f"redis://127.0.0.1:{port}/0")
+            r = redis.Redis(port=port, decode_responses=True)
+            floor = bench_floor(args.n)
+            runtimes = {rt: bench_runtime(r, rt, args.n, args.starts)
+                        for rt in ("local", "bwrap") if rt == "local" or shutil.which("bwrap")}
+            bash_c = bench_bash_c(args.n)
+            tmux = bench_tmux(args.tmux_n)
+        finally:
+            server.terminate()
+            server.wait()
+
+    f50 = pct(floor, 50)
+    rows = [("in-process ptyprocess shell (floor)", floor)]
+    rows += [(f"tool server over its socket, {rt} sandbox", res["bash"])
+             for rt, res in runtimes.items()]
+    rows += [("fresh `bash -c` per command", bash_c)]
+    if tmux:
+        rows.append(("tmux send-keys + capture-pane, polled every 10 ms", tmux))
+    lines = [f"### tools — {datetime.date.today().isoformat()} — {machine()}", "",
+             "`echo hi` round trip:", "",
+             "| method | p50 (ms) | p99 (ms) | p50 / floor |", "|---|---|---|---|"]
+    for label, xs in rows:
+        lines.append(f"| {label} | {pct(xs, 50):.3f} | {pct(xs, 99):.3f} | "
+                     f"{pct(xs, 50) / f50:.2f} |")
+    best = min(pct(res["bash"], 50) for res in runtimes.values())
+    worst = max(pct(res["bash"], 50) for res in runtimes.values())
+    lines += [""]
+    if tmux:
+        lines.append(f"Tool server vs tmux polling: **{pct(tmux, 50) / worst:.0f}x** faster "
+                     f"(p50); vs `bash -c`: **{pct(bash_c, 50) / worst:.1f}x**; "
+                     f"socket + sandbox cost over the floor: {worst / f50:.2f}x "
+                     f"(best {best / f50:.2f}x).")
+    lines += ["", "| runtime | start p50 (ms) | stop p50 (ms) | IPython `1+1` p50 (ms) | "
+              "idle sandbox PSS (MiB) |", "|---|---|---|---|---|"]
+    for rt, res in runtimes.items():
+        lines.append(f"| {rt} | {statistics.median(res['start']):.0f} | "
+                     f"{statistics.median(res['stop']):.0f} | {pct(res['ipython'], 50):.2f} | "
+                     f"{res['idle_mib']:.1f} |")
+    lines.append("")
+    print("\n".join(lines))
+    if args.record:
+        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
