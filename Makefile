@@ -19,13 +19,15 @@ test: bootstrap
 
 bootstrap: system $(STAMP)
 
-# redis-server for the private Redis and the tests; bubblewrap for sandboxes.
+# redis-server for the private Redis and the tests; bubblewrap for sandboxes; tmux for
+# the tool benchmark's baseline.
 system:
-	@if ! command -v redis-server >/dev/null || ! command -v bwrap >/dev/null; then \
-		echo "installing redis-server and bubblewrap"; \
+	@if ! command -v redis-server >/dev/null || ! command -v bwrap >/dev/null \
+			|| ! command -v tmux >/dev/null; then \
+		echo "installing redis-server, bubblewrap and tmux"; \
 		$(SUDO) apt-get update -q && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-			redis-server bubblewrap; \
+			redis-server bubblewrap tmux; \
 	fi
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
@@ -41,6 +43,7 @@ lint: bootstrap
 bench: bootstrap
 	$(PY) bench/pipeline.py
 	$(PY) bench/backends.py
+	$(PY) bench/tools.py
 
 clean:
 	rm -rf $(VENV) .prorl .pytest_cache

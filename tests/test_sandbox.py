@@ -390,3 +390,67 @@ def test_shell_jobs_run_in_sandboxes_stopped_however_they_end(shell_farm, r):
     assert any_sandbox_processes() == []
     root = Path(f"/tmp/prs-farm-{os.getpid()}")
     assert not list(root.iterdir())
+
+
+# -- command lines of the runtimes that cannot run here -------------------------------------
+
+
+def test_apptainer_command_line(tmp_path):
+    from prorl_farm.sandbox.apptainer import apptainer_argv
+
+    spec = SandboxSpec(image="/images/task.sif", env={"TASK": "1"})
+    argv = apptainer_argv("apptainer", spec, "abc123", tmp_path / "ws", tmp_path / "run",
+                          "127.16.0.2", "/usr/bin/python3")
+    assert argv[:2] == ["apptainer", "exec"]
+    for flag in ("--contain", "--cleanenv", "--no-home", "--writable-tmpfs", "--pid", "--net"):
+        assert flag in argv
+    assert argv[argv.index("--network") + 1] == "none"
+    assert f"{tmp_path / 'ws'}:/workspace" in argv and "--pwd" in argv
+    assert "PRORL_SANDBOX_ID=abc123" in argv and "PRORL_SANDBOX_IP=127.16.0.2" in argv
+    assert "TASK=1" in argv
+    image_at = argv.index("/images/task.sif")
+    assert argv[image_at + 1:image_at + 4] == ["/usr/bin/python3", "-m",
+                                               "prorl_farm.sandbox.server"]
+    networked = apptainer_argv("singularity", SandboxSpec(image="/d", network=True), "x",
+                               tmp_path, tmp_path, "127.16.0.3", "python3")
+    assert "--net" not in networked
+    with pytest.raises(SandboxError, match="image"):
+        apptainer_argv("apptainer", SandboxSpec(), "x", tmp_path, tmp_path, "ip", "python3")
+
+
+@pytest.mark.skipif(not (shutil.which("apptainer") or shutil.which("singularity")),
+                    reason="apptainer/singularity not on PATH")
+def test_apptainer_runtime_for_real(manager_for):  # pragma: no cover - HPC hosts only
+    image = os.environ.get("PRORL_TEST_APPTAINER_IMAGE")
+    if not image:
+        pytest.skip("set PRORL_TEST_APPTAINER_IMAGE to a .sif with python3")
+    manager = manager_for("apptainer")
+    sb = manager.start(SandboxSpec(image=image))
+    client = ToolClient(sb.socket)
+    try:
+        assert client.bash("echo hi")["output"] == "hi\n"
+    finally:
+        client.close()
+        manager.stop(sb)
+    no_leftovers(manager, [sb.id])
+
+
+def test_docker_and_bwrap_command_lines(tmp_path):
+    from prorl_farm.sandbox.bwrap import bwrap_argv
+    from prorl_farm.sandbox.docker import docker_argv
+
+    spec = SandboxSpec(image="python:3.11")
+    argv = docker_argv("docker", spec, "abc", tmp_path / "ws", tmp_path / "run", "127.16.0.2",
+                       "/usr/bin/python3")
+    assert argv[:3] == ["docker", "run", "--rm"]
+    assert argv[argv.index("--network") + 1] == "none"
+    assert argv[argv.index("--pids-limit") + 1] == str(spec.limits.processes)
+    assert "PRORL_SANDBOX_ID=abc" in argv
+    b = bwrap_argv(SandboxSpec(), "abc", tmp_path / "ws", tmp_path / "run", "127.16.0.2",
+                   tmp_path / "root")
+    for flag in ("--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                 "--unshare-net", "--die-with-parent", "--new-session", "--clearenv"):
+        assert flag in b
+    assert b[b.index("--bind") + 1:b.index("--bind") + 3] == [str(tmp_path / "ws"), "/workspace"]
+    assert "--unshare-net" not in bwrap_argv(SandboxSpec(network=True), "abc", tmp_path,
+                                              tmp_path, "ip", tmp_path)
