@@ -17,26 +17,17 @@ import argparse
 import datetime
 import itertools
 import json
-import os
-import platform
 import random
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import redis
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import machine, private_redis, record  # noqa: E402
 
 from prorl_farm.llm.registry import BackendRegistry, BackendSpec  # noqa: E402
-from prorl_farm.supervisor import free_port, wait_for_redis  # noqa: E402
 
 BACKENDS = [("fast-a", 0.05, 4), ("fast-b", 0.05, 4), ("slow", 0.15, 4)]  # name, s/request, cap
 
@@ -134,11 +125,6 @@ def bench_acquire(r: redis.Redis, registry: BackendRegistry, in_flight: int, n: 
     return {"ping": ping, "acquire": acquire, "release": release, "sticky": sticky}
 
 
-def machine() -> str:
-    return (f"{platform.node()}: {platform.system()} {platform.machine()}, "
-            f"{os.cpu_count()} cores, Python {platform.python_version()}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=240)
@@ -148,13 +134,8 @@ def main() -> None:
     args = ap.parse_args()
 
     servers = [SlotServer(s, c) for _, s, c in BACKENDS]
-    with tempfile.TemporaryDirectory() as d:
-        port = free_port()
-        proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
-                                 "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
-        try:
-            wait_for_redis(url)
+    try:
+        with private_redis() as url:
             r = redis.Redis.from_url(url, decode_responses=True)
             registry = BackendRegistry(r)
             for server, (name, _, cap) in zip(servers, BACKENDS):
@@ -166,11 +147,9 @@ def main() -> None:
                                                else None, args.jobs, args.turns,
                                                args.job_threads)
             costs = bench_acquire(r, registry, 1000, 5000)
-        finally:
-            proc.terminate()
-            proc.wait()
-            for s in servers:
-                s.close()
+    finally:
+        for s in servers:
+            s.close()
 
     rate = sum(c / s for _, s, c in BACKENDS)  # requests per second, all backends busy
     ideal = args.jobs * args.turns / rate
@@ -202,8 +181,7 @@ def main() -> None:
     lines.append("")
     print("\n".join(lines))
     if args.record:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n".join(lines) + "\n")
+        record(lines)
 
 
 if __name__ == "__main__":

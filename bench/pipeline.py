@@ -16,7 +16,6 @@ import argparse
 import datetime
 import heapq
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -25,12 +24,9 @@ import time
 from pathlib import Path
 
 import redis
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, machine, pct, private_redis, record  # noqa: E402
 
 from prorl_farm.config import load_settings  # noqa: E402
-from prorl_farm.supervisor import free_port, wait_for_redis  # noqa: E402
 
 STAGE_S = {"init": 0.5, "run": 2.0, "eval": 0.5}
 POOLS = {"init": 8, "run": 32, "eval": 8}
@@ -164,11 +160,6 @@ def bench_mono(url, tmp, n_jobs) -> dict:
     return summarise(n_jobs, start, finishes, [(POOLS["init"], sum(STAGE_S.values()))])
 
 
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
-
-
 def bench_overhead_farm(url, tmp, n_jobs, n_latency, events: bool) -> dict:
     from api import create_app
 
@@ -228,11 +219,6 @@ def bench_overhead_bare(url, tmp, n_jobs, n_latency) -> dict:
             "p99_ms": 1000 * pct(lat, 99)}
 
 
-def machine() -> str:
-    return (f"{platform.node()}: {platform.system()} {platform.machine()}, "
-            f"{os.cpu_count()} cores, Python {platform.python_version()}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=480, help="jobs for the stage-pool run")
@@ -242,23 +228,13 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="append to bench/RESULTS.md")
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, private_redis() as url:
         tmp = Path(d)
-        port = free_port()
-        server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                   "--save", "", "--appendonly", "no", "--dir", d],
-                                  stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
-        try:
-            wait_for_redis(url)
-            pools = bench_stage_pools(url, tmp, args.jobs)
-            mono = bench_mono(url, tmp, args.mono_jobs)
-            farm = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs, True)
-            quiet = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs, False)
-            bare = bench_overhead_bare(url, tmp, args.overhead_jobs, args.latency_jobs)
-        finally:
-            server.terminate()
-            server.wait()
+        pools = bench_stage_pools(url, tmp, args.jobs)
+        mono = bench_mono(url, tmp, args.mono_jobs)
+        farm = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs, True)
+        quiet = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs, False)
+        bare = bench_overhead_bare(url, tmp, args.overhead_jobs, args.latency_jobs)
 
     lines = [
         f"### pipeline — {datetime.date.today().isoformat()} — {machine()}",
@@ -281,23 +257,22 @@ def main() -> None:
         "",
         "| overhead (all stages 0 s) | jobs/s | latency p50 (ms) | latency p99 (ms) |",
         "|---|---|---|---|",
-        f"| farm (API submit, job store, 3 pools), task events on (default) | "
-        f"{farm['rate']:.1f} | {farm['p50_ms']:.1f} | {farm['p99_ms']:.1f} |",
-        f"| farm, task events off (PRORL_TASK_EVENTS=0) | {quiet['rate']:.1f} | "
+        f"| farm (API submit, job store, 3 pools; default settings) | {quiet['rate']:.1f} | "
         f"{quiet['p50_ms']:.1f} | {quiet['p99_ms']:.1f} |",
+        f"| farm with Celery task events (as under `prorl-farm up`, for Flower) | "
+        f"{farm['rate']:.1f} | {farm['p50_ms']:.1f} | {farm['p99_ms']:.1f} |",
         f"| bare 3-hop Celery chain | {bare['rate']:.1f} | {bare['p50_ms']:.1f} | "
         f"{bare['p99_ms']:.1f} |",
         "",
-        f"Farm / bare: throughput **{farm['rate'] / bare['rate']:.2f}x** "
-        f"({quiet['rate'] / bare['rate']:.2f}x without events), "
-        f"p50 latency **{farm['p50_ms'] / bare['p50_ms']:.2f}x** "
-        f"({quiet['p50_ms'] / bare['p50_ms']:.2f}x without events).",
+        f"Farm / bare: throughput **{quiet['rate'] / bare['rate']:.2f}x** "
+        f"({farm['rate'] / bare['rate']:.2f}x with task events), "
+        f"p50 latency **{quiet['p50_ms'] / bare['p50_ms']:.2f}x** "
+        f"({farm['p50_ms'] / bare['p50_ms']:.2f}x with task events).",
         "",
     ]
     print("\n".join(lines))
     if args.record:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n".join(lines) + "\n")
+        record(lines)
 
 
 if __name__ == "__main__":

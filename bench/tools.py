@@ -13,30 +13,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import redis
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import machine, pct, private_redis, record  # noqa: E402
 
 from prorl_farm.sandbox.abstract import SandboxSpec, processes_of  # noqa: E402
 from prorl_farm.sandbox.client import ToolClient  # noqa: E402
 from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
 from prorl_farm.sandbox.tools.bash import BashSession  # noqa: E402
-from prorl_farm.supervisor import free_port, wait_for_redis  # noqa: E402
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
 def timed(fn, n: int, warmup: int = 10) -> list[float]:
@@ -130,11 +120,6 @@ def bench_runtime(r, runtime: str, n: int, starts: int) -> dict:
             "idle_mib": idle_kib / 1024}
 
 
-def machine() -> str:
-    return (f"{platform.node()}: {platform.system()} {platform.machine()}, "
-            f"{os.cpu_count()} cores, Python {platform.python_version()}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=300)
@@ -143,21 +128,13 @@ def main() -> None:
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory() as d:
-        port = free_port()
-        server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "",
-                                   "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL)
-        try:
-            wait_for_redis(f"redis://127.0.0.1:{port}/0")
-            r = redis.Redis(port=port, decode_responses=True)
-            floor = bench_floor(args.n)
-            runtimes = {rt: bench_runtime(r, rt, args.n, args.starts)
-                        for rt in ("local", "bwrap") if rt == "local" or shutil.which("bwrap")}
-            bash_c = bench_bash_c(args.n)
-            tmux = bench_tmux(args.tmux_n)
-        finally:
-            server.terminate()
-            server.wait()
+    with private_redis() as url:
+        r = redis.Redis.from_url(url, decode_responses=True)
+        floor = bench_floor(args.n)
+        runtimes = {rt: bench_runtime(r, rt, args.n, args.starts)
+                    for rt in ("local", "bwrap") if rt == "local" or shutil.which("bwrap")}
+        bash_c = bench_bash_c(args.n)
+        tmux = bench_tmux(args.tmux_n)
 
     f50 = pct(floor, 50)
     rows = [("in-process ptyprocess shell (floor)", floor)]
@@ -189,8 +166,7 @@ def main() -> None:
     lines.append("")
     print("\n".join(lines))
     if args.record:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n".join(lines) + "\n")
+        record(lines)
 
 
 if __name__ == "__main__":

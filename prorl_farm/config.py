@@ -60,8 +60,9 @@ class Settings:
     max_jobs_per_request: int = 10_000
     max_wait_s: float = 60.0
     # Celery task events (task-received/started/succeeded): Flower shows tasks only with them;
-    # they cost three extra publishes per stage.
-    task_events: bool = True
+    # they cost three extra publishes per stage, so they are off unless asked for (`prorl-farm
+    # up`, which starts Flower, asks for them).
+    task_events: bool = False
     # LLM backends: per-request timeout, retries on one backend, fail-overs to others per job;
     # audit=True logs every acquire's heap snapshot (tests, debugging).
     llm_request_timeout_s: float = 600.0

@@ -158,7 +158,9 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         try:
             url = self.settings.redis_url or self._start_redis()
+            # Flower runs here, so the pools send task events unless told otherwise.
             env = dict(os.environ, PRORL_REDIS_URL=url)
+            env.setdefault("PRORL_TASK_EVENTS", "1")
             self._plan(url)
             for child in self.children:
                 child.start(env)

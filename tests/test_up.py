@@ -61,6 +61,13 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         assert sorted(j["state"] for j in results) == ["done"] * 3 + ["failed"] * 3
         assert requests.get(f"http://127.0.0.1:{flower_port}/", timeout=10).status_code == 200
 
+        def flower_saw_stages() -> bool:  # `up` turns task events on for Flower
+            tasks = requests.get(f"http://127.0.0.1:{flower_port}/api/tasks", timeout=10)
+            return {t.get("name") for t in tasks.json().values()} >= {
+                "prorl.init", "prorl.run", "prorl.eval"}
+
+        wait_until(flower_saw_stages, 30, 0.5, "Flower to list the stage tasks")
+
         # A pool that dies is restarted.
         run = next(p for p in _descendants(proc.pid) if "worker run" in _cmd(p))
         os.killpg(run.pid, signal.SIGKILL)

@@ -86,6 +86,24 @@ class Runtime(ABC):
               ip: str, cgroup: Path | None) -> Sandbox:
         """Start the tool server inside a new sandbox; return once its socket exists."""
 
+    def _launch(self, argv: list[str], env: dict, spec: SandboxSpec, sandbox_id: str,
+                workspace: Path, socket_path: Path, ip: str, cgroup: Path | None,
+                workdir: str, cwd: str | None = None) -> Sandbox:
+        """Spawn a runtime's command line and wait for its tool server (shared by runtimes)."""
+        from prorl_farm.sandbox.process import spawn, wait_ready
+
+        log = socket_path.parent / "server.log"
+        proc = spawn(argv, env, spec.limits, cgroup, log, cwd=cwd)
+        sandbox = Sandbox(sandbox_id, self.name, "", proc.pid, str(workspace), str(socket_path),
+                          ip, str(cgroup or ""), workdir)
+        self._track(sandbox_id, proc)
+        try:
+            wait_ready(proc, socket_path, spec.start_timeout_s, log)
+        except BaseException:
+            self.stop(sandbox, grace_s=0)
+            raise
+        return sandbox
+
     def stop(self, sandbox: Sandbox, grace_s: float = 2.0) -> None:
         """SIGTERM the sandbox's process group, SIGKILL after ``grace_s``, then every
         process still carrying its id."""

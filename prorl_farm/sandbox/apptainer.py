@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
@@ -17,7 +18,7 @@ from prorl_farm.sandbox.abstract import (
     SandboxError,
     SandboxSpec,
 )
-from prorl_farm.sandbox.process import python_paths, server_argv, spawn, wait_ready
+from prorl_farm.sandbox.process import python_paths, server_argv
 
 INSIDE_WORKSPACE = "/workspace"
 INSIDE_RUN = "/run/prorl"
@@ -59,19 +60,7 @@ class ApptainerRuntime(Runtime):
 
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
               ip: str, cgroup: Path | None) -> Sandbox:
-        import sys
-
-        run_dir = socket_path.parent
-        argv = apptainer_argv(self.binary, spec, sandbox_id, workspace, run_dir, ip,
+        argv = apptainer_argv(self.binary, spec, sandbox_id, workspace, socket_path.parent, ip,
                               os.path.realpath(sys.executable))
-        log = run_dir / "server.log"
-        proc = spawn(argv, {**os.environ, SANDBOX_ENV: sandbox_id}, spec.limits, cgroup, log)
-        sandbox = Sandbox(sandbox_id, self.name, "", proc.pid, str(workspace), str(socket_path),
-                          ip, str(cgroup or ""), INSIDE_WORKSPACE)
-        self._track(sandbox_id, proc)
-        try:
-            wait_ready(proc, socket_path, spec.start_timeout_s, log)
-        except Exception:
-            self.stop(sandbox, grace_s=0)
-            raise
-        return sandbox
+        return self._launch(argv, {**os.environ, SANDBOX_ENV: sandbox_id}, spec, sandbox_id,
+                            workspace, socket_path, ip, cgroup, INSIDE_WORKSPACE)

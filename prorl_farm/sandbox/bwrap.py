@@ -17,7 +17,7 @@ from prorl_farm.sandbox.abstract import (
     SandboxError,
     SandboxSpec,
 )
-from prorl_farm.sandbox.process import python_paths, server_argv, spawn, wait_ready
+from prorl_farm.sandbox.process import python_paths, server_argv
 
 INSIDE_WORKSPACE = "/workspace"
 INSIDE_RUN = "/run/prorl"
@@ -70,19 +70,9 @@ class BwrapRuntime(Runtime):
 
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
               ip: str, cgroup: Path | None) -> Sandbox:
-        run_dir = socket_path.parent
-        argv = bwrap_argv(spec, sandbox_id, workspace, run_dir, ip, self.sandbox_root,
-                          self.bwrap)
+        argv = bwrap_argv(spec, sandbox_id, workspace, socket_path.parent, ip,
+                          self.sandbox_root, self.bwrap)
         argv += ["--"] + server_argv(f"{INSIDE_RUN}/{socket_path.name}", INSIDE_WORKSPACE,
                                      f"{INSIDE_RUN}/jupyter")
-        log = run_dir / "server.log"
-        proc = spawn(argv, {SANDBOX_ENV: sandbox_id}, spec.limits, cgroup, log)
-        sandbox = Sandbox(sandbox_id, self.name, "", proc.pid, str(workspace), str(socket_path),
-                          ip, str(cgroup or ""), INSIDE_WORKSPACE)
-        self._track(sandbox_id, proc)
-        try:
-            wait_ready(proc, socket_path, spec.start_timeout_s, log)
-        except Exception:
-            self.stop(sandbox, grace_s=0)
-            raise
-        return sandbox
+        return self._launch(argv, {SANDBOX_ENV: sandbox_id}, spec, sandbox_id, workspace,
+                            socket_path, ip, cgroup, INSIDE_WORKSPACE)

@@ -1,0 +1,48 @@
+"""What every benchmark shares: the machine line, percentiles, a private redis-server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from prorl_farm.supervisor import free_port, wait_for_redis  # noqa: E402
+
+
+def machine() -> str:
+    return (f"{platform.node()}: {platform.system()} {platform.machine()}, "
+            f"{os.cpu_count()} cores, Python {platform.python_version()}")
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+@contextlib.contextmanager
+def private_redis():
+    """A throw-away redis-server on a free port; yields its URL."""
+    with tempfile.TemporaryDirectory() as d:
+        port = free_port()
+        server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                   "--save", "", "--appendonly", "no", "--dir", d],
+                                  stdout=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{port}/0"
+        try:
+            wait_for_redis(url)
+            yield url
+        finally:
+            server.terminate()
+            server.wait()
+
+
+def record(lines: list[str]) -> None:
+    with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+        f.write("\n".join(lines) + "\n")
