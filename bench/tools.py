@@ -116,6 +116,7 @@ def bench_runtime(r, runtime: str, n: int, starts: int) -> dict:
     finally:
         client.close()
         manager.stop(sb)
+        shutil.rmtree(manager.root, ignore_errors=True)
     return {"bash": bash, "ipython": ipy, "start": start_ms, "stop": stop_ms,
             "idle_mib": idle_kib / 1024}
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import psutil
 import pytest
 import redis
 
 from prorl_farm.config import load_settings
-from tests.farm import Pools, RedisServer, farm_env
+from tests.farm import SANDBOX_DIR, Pools, RedisServer, farm_env
 
 CI = bool(os.environ.get("CI"))
 
@@ -19,6 +20,7 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
+    shutil.rmtree(SANDBOX_DIR, ignore_errors=True)
 
 
 @pytest.fixture

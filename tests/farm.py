@@ -15,6 +15,8 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("init", "run", "eval")
+# Sandboxes of the test session's worker pools (short: Unix socket paths are limited).
+SANDBOX_DIR = f"/tmp/prs-{os.getpid()}-pools"
 
 
 def free_port() -> int:
@@ -128,6 +130,7 @@ def farm_env(redis_url: str, **overrides) -> dict:
         "PRORL_RUN_CONCURRENCY": "32",
         "PRORL_EVAL_CONCURRENCY": "16",
         "PRORL_LOG_LEVEL": "WARNING",
+        "PRORL_SANDBOX_DIR": SANDBOX_DIR,
         "PYTHONPATH": str(ROOT),
     })
     env.update({f"PRORL_{k.upper()}": str(v) for k, v in overrides.items()})

@@ -189,6 +189,7 @@ def test_300_concurrent_jobs_on_3_backends(llm_pools, servers, r):
     audit = BackendRegistry(r).audit_log()
     check_audit(audit)
     assert len(audit) == 300
+    assert min(score for a in audit for score in a["scores"].values()) >= 0
     assert BackendRegistry(r).in_flight() == {b: 0 for b in ids}
     # Sticky: every turn of a job went to one backend, as the servers saw it.
     seen = per_job_servers(servers)

@@ -70,6 +70,7 @@ def manager_for(r, tmp_path):
     for m in made:
         for sandbox in m.records():
             m.stop(sandbox)
+        shutil.rmtree(m.root, ignore_errors=True)
 
 
 @pytest.fixture(params=RUNTIMES)
@@ -345,6 +346,7 @@ def shell_farm(redis_server, tmp_path_factory):
     client = create_app(load_settings(farm_env(redis_server.url, **overrides))).test_client()
     yield pools, client
     pools.stop()
+    shutil.rmtree(overrides["sandbox_dir"], ignore_errors=True)
 
 
 def _jobs(client, instances):
