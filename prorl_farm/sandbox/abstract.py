@@ -13,6 +13,9 @@ from prorl_farm.errors import FarmError
 
 SANDBOX_ENV = "PRORL_SANDBOX_ID"
 IP_ENV = "PRORL_SANDBOX_IP"
+# Where isolating runtimes put the workspace and the tool server's socket, inside.
+INSIDE_WORKSPACE = "/workspace"
+INSIDE_RUN = "/run/prorl"
 
 
 class SandboxError(FarmError, RuntimeError):

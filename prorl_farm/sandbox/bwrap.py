@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
+    INSIDE_RUN,
+    INSIDE_WORKSPACE,
     IP_ENV,
     SANDBOX_ENV,
     Runtime,
@@ -19,8 +21,6 @@ from prorl_farm.sandbox.abstract import (
 )
 from prorl_farm.sandbox.process import python_paths, server_argv
 
-INSIDE_WORKSPACE = "/workspace"
-INSIDE_RUN = "/run/prorl"
 MASKED = ("/tmp", "/root", "/home", "/run", "/var/tmp")
 NOT_BOUND = {"proc", "dev", "lost+found", INSIDE_WORKSPACE.strip("/")}
 

@@ -4,30 +4,17 @@ after the usual SIGTERM/SIGKILL of the client process group."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from prorl_farm.sandbox.abstract import (
-    IP_ENV,
-    SANDBOX_ENV,
-    Runtime,
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-)
-from prorl_farm.sandbox.process import python_paths, server_argv
-
-INSIDE_WORKSPACE = "/workspace"
-INSIDE_RUN = "/run/prorl"
+from prorl_farm.sandbox.abstract import INSIDE_RUN, INSIDE_WORKSPACE, Sandbox, SandboxSpec
+from prorl_farm.sandbox.image import ImageRuntime, inside_env, inside_server
+from prorl_farm.sandbox.process import python_paths
 
 
 def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path,
                 run_dir: Path, ip: str, python: str) -> list[str]:
-    if not spec.image:
-        raise SandboxError("the docker runtime needs spec.image")
+    tail = inside_server(spec, python)
     lim = spec.limits
     argv = [binary, "run", "--rm", "--init", "--name", f"prorl-{sandbox_id}",
             "--pids-limit", str(lim.processes), "--memory", str(lim.address_space_bytes),
@@ -38,30 +25,17 @@ def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path
         argv += ["--network", "none"]
     for path in python_paths():
         argv += ["-v", f"{path}:{path}:ro"]
-    for key, value in {SANDBOX_ENV: sandbox_id, IP_ENV: ip, "HOME": INSIDE_WORKSPACE,
-                       **spec.env}.items():
+    for key, value in inside_env(spec, sandbox_id, ip).items():
         argv += ["-e", f"{key}={value}"]
-    argv.append(spec.image)
-    argv += server_argv(f"{INSIDE_RUN}/tools.sock", INSIDE_WORKSPACE, f"{INSIDE_RUN}/jupyter",
-                        python=python)
-    return argv
+    return argv + tail
 
 
-class DockerRuntime(Runtime):
+class DockerRuntime(ImageRuntime):
     name = "docker"
+    binaries = ("docker",)
 
-    def __init__(self, sandbox_root: Path):
-        self.sandbox_root = sandbox_root
-        self.binary = shutil.which("docker")
-        if self.binary is None:
-            raise SandboxError("docker is not on PATH")
-
-    def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
-              ip: str, cgroup: Path | None) -> Sandbox:
-        argv = docker_argv(self.binary, spec, sandbox_id, workspace, socket_path.parent, ip,
-                           os.path.realpath(sys.executable))
-        return self._launch(argv, {**os.environ, SANDBOX_ENV: sandbox_id}, spec, sandbox_id,
-                            workspace, socket_path, ip, cgroup, INSIDE_WORKSPACE)
+    def argv(self, spec, sandbox_id, workspace, run_dir, ip, python) -> list[str]:
+        return docker_argv(self.binary, spec, sandbox_id, workspace, run_dir, ip, python)
 
     def stop(self, sandbox: Sandbox, grace_s: float = 2.0) -> None:
         subprocess.run([self.binary, "kill", f"prorl-{sandbox.id}"], capture_output=True,

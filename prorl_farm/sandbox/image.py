@@ -1,0 +1,57 @@
+"""What the image-based runtimes (apptainer, docker) share: the environment and the tool
+server command inside the image, the binary lookup, and start."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from prorl_farm.sandbox.abstract import (
+    INSIDE_RUN,
+    INSIDE_WORKSPACE,
+    IP_ENV,
+    SANDBOX_ENV,
+    Runtime,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+)
+from prorl_farm.sandbox.process import server_argv
+
+
+def inside_env(spec: SandboxSpec, sandbox_id: str, ip: str) -> dict[str, str]:
+    return {SANDBOX_ENV: sandbox_id, IP_ENV: ip, "HOME": INSIDE_WORKSPACE, **spec.env}
+
+
+def inside_server(spec: SandboxSpec, python: str) -> list[str]:
+    """The image, then the tool server run by the farm's own (bound-in) interpreter."""
+    if not spec.image:
+        raise SandboxError("this runtime needs spec.image")
+    return [spec.image, *server_argv(f"{INSIDE_RUN}/tools.sock", INSIDE_WORKSPACE,
+                                     f"{INSIDE_RUN}/jupyter", python=python)]
+
+
+class ImageRuntime(Runtime):
+    """A runtime that runs ``argv(...)`` (a container command line) in the foreground."""
+
+    binaries: tuple[str, ...] = ()
+
+    def __init__(self, sandbox_root: Path):
+        import shutil
+
+        self.sandbox_root = sandbox_root
+        self.binary = next(filter(None, map(shutil.which, self.binaries)), None)
+        if self.binary is None:
+            raise SandboxError(f"none of {', '.join(self.binaries)} is on PATH")
+
+    def argv(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, run_dir: Path,
+             ip: str, python: str) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
+              ip: str, cgroup: Path | None) -> Sandbox:
+        argv = self.argv(spec, sandbox_id, workspace, socket_path.parent, ip,
+                         os.path.realpath(sys.executable))
+        return self._launch(argv, {**os.environ, SANDBOX_ENV: sandbox_id}, spec, sandbox_id,
+                            workspace, socket_path, ip, cgroup, INSIDE_WORKSPACE)
