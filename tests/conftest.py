@@ -20,6 +20,12 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_pool_sandbox_dir():
+    """The worker pools' sandbox directory goes with the session (its sandboxes are gone)."""
+    yield
     shutil.rmtree(SANDBOX_DIR, ignore_errors=True)
 
 

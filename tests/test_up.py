@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from prorl_farm.client import FarmClient
-from tests.farm import ROOT, free_port, wait_until
+from tests.farm import ROOT, SANDBOX_DIR, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +44,7 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
                PRORL_FLOWER_PORT=str(flower_port), PRORL_NODE="upnode",
+               PRORL_SANDBOX_DIR=SANDBOX_DIR,
                PRORL_HEARTBEAT_STALE_S="5", PRORL_LOG_LEVEL="WARNING")
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up"], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -92,7 +93,8 @@ def test_up_with_a_dev_model_serves_token_exact_chat_jobs(tmp_path, tiny_model):
     api_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
-               PRORL_FLOWER_PORT=str(free_port()), PRORL_LOG_LEVEL="WARNING")
+               PRORL_FLOWER_PORT=str(free_port()), PRORL_LOG_LEVEL="WARNING",
+               PRORL_SANDBOX_DIR=SANDBOX_DIR)
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up", "--dev-model",
                              str(tiny_model)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
