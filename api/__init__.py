@@ -9,6 +9,7 @@ from flask import Flask
 
 from prorl_farm.celery_app import create_celery_app
 from prorl_farm.config import Settings, load_settings
+from prorl_farm.errors import ConfigError
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
@@ -31,7 +32,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     settings = settings or load_settings()
     if not settings.redis_url:
-        raise SystemExit("PRORL_REDIS_URL must be set for the API")
+        raise ConfigError("PRORL_REDIS_URL must be set for the API")
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False

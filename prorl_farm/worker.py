@@ -90,14 +90,17 @@ _stage: str = ""
 _main_pid: int = 0
 
 
-def get_farm() -> WorkerFarm:
+def get_farm(stage: str = "") -> WorkerFarm:
     """This process's WorkerFarm, built on first use (the pool's main process, which also
-    reaps and heartbeats prefetched messages, or a prefork child)."""
+    reaps and heartbeats prefetched messages, or a prefork child). Also works in a worker
+    started with plain ``celery worker`` rather than ``prorl-farm worker``."""
     global _farm
     if _farm is None:
         with _farm_lock:
             if _farm is None:
-                farm = WorkerFarm(_app, load_settings(), _stage,
+                from celery import current_app
+
+                farm = WorkerFarm(_app or current_app, load_settings(), _stage or stage,
                                   main_process=os.getpid() == _main_pid)
                 farm.liveness.start()
                 _farm = farm

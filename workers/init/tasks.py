@@ -7,4 +7,4 @@ from prorl_farm.worker import get_farm
 
 @shared_task(name="prorl.init", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def init_stage(job_id: str, token: str) -> str:
-    return get_farm().runner("init", job_id, token)
+    return get_farm("init").runner("init", job_id, token)
