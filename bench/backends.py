@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import redis
-from common import machine, private_redis, record  # noqa: E402
+from common import machine, private_redis, report  # noqa: E402
 
 from prorl_farm.llm.registry import BackendRegistry, BackendSpec  # noqa: E402
 
@@ -179,9 +179,7 @@ def main() -> None:
                                                                                           name)
         lines.append(f"| {label} | {costs[name]:.0f} | {costs[name] / costs['ping']:.2f} |")
     lines.append("")
-    print("\n".join(lines))
-    if args.record:
-        record(lines)
+    report(lines, args.record)
 
 
 if __name__ == "__main__":

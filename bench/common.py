@@ -43,6 +43,9 @@ def private_redis():
             server.wait()
 
 
-def record(lines: list[str]) -> None:
-    with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-        f.write("\n".join(lines) + "\n")
+def report(lines: list[str], record: bool) -> None:
+    """Print the result table; with ``record``, append it to bench/RESULTS.md."""
+    print("\n".join(lines))
+    if record:
+        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+            f.write("\n".join(lines) + "\n")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import redis
-from common import ROOT, machine, pct, private_redis, record  # noqa: E402
+from common import ROOT, machine, pct, private_redis, report  # noqa: E402
 
 from prorl_farm.config import load_settings  # noqa: E402
 
@@ -270,9 +270,7 @@ def main() -> None:
         f"({farm['p50_ms'] / bare['p50_ms']:.2f}x with task events).",
         "",
     ]
-    print("\n".join(lines))
-    if args.record:
-        record(lines)
+    report(lines, args.record)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import redis
-from common import machine, pct, private_redis, record  # noqa: E402
+from common import machine, pct, private_redis, report  # noqa: E402
 
 from prorl_farm.sandbox.abstract import SandboxSpec, processes_of  # noqa: E402
 from prorl_farm.sandbox.client import ToolClient  # noqa: E402
@@ -165,9 +165,7 @@ def main() -> None:
                      f"{statistics.median(res['stop']):.0f} | {pct(res['ipython'], 50):.2f} | "
                      f"{res['idle_mib']:.1f} |")
     lines.append("")
-    print("\n".join(lines))
-    if args.record:
-        record(lines)
+    report(lines, args.record)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,6 @@ TERMINAL_STATES = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED}
 ALL_STATES = tuple(s.value for s in JobState)
 
 
-class Phase(str, Enum):
-    """Where a job is within its current stage."""
-
-    WAITING = "waiting"  # a message for the stage is on its queue
-    ACTIVE = "active"  # a worker claimed the stage and runs it
-    END = "end"  # terminal
-
-
 class FailureKind(str, Enum):
     INVALID_INSTANCE = "invalid_instance"
     INIT_ERROR = "init_error"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,9 +18,6 @@ from prorl_farm.jobs import keys, scripts
 from prorl_farm.jobs.states import ALL_STATES, JobState
 
 log = logging.getLogger(__name__)
-
-CURSOR_RE = re.compile(r"^\d+-\d+$")
-
 
 def connect(settings: Settings, max_connections: int = 64) -> redis.Redis:
     """A Redis client for a process with many threads: callers wait for a free connection
@@ -228,8 +224,7 @@ class JobStore:
         if not self.batch_exists(batch_id):
             raise NotFound(f"batch {batch_id!r} not found")
         stream = keys.batch_stream(batch_id)
-        entries = self.r.xrange(stream, min=f"({cursor}", count=limit) if cursor != "0-0" \
-            else self.r.xrange(stream, count=limit)
+        entries = self.r.xrange(stream, min=f"({cursor}", count=limit)
         if not entries and wait_s > 0:
             got = self.r.xread({stream: cursor}, count=limit, block=max(1, int(wait_s * 1000)))
             entries = got[0][1] if got else []
