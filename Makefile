@@ -15,19 +15,20 @@ up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
 
 test: bootstrap
+	$(VENV)/bin/ruff check prorl_farm api workers tests bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bootstrap: system $(STAMP)
 
 # redis-server for the private Redis and the tests; bubblewrap for sandboxes; tmux for
-# the tool benchmark's baseline.
+# the tool benchmark's baseline; chromium for the tests that look at Flower's pages.
 system:
 	@if ! command -v redis-server >/dev/null || ! command -v bwrap >/dev/null \
-			|| ! command -v tmux >/dev/null; then \
-		echo "installing redis-server, bubblewrap and tmux"; \
+			|| ! command -v tmux >/dev/null || ! command -v chromium >/dev/null; then \
+		echo "installing redis-server, bubblewrap, tmux and chromium"; \
 		$(SUDO) apt-get update -q && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-			redis-server bubblewrap tmux; \
+			redis-server bubblewrap tmux chromium; \
 	fi
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml

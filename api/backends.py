@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-from flask import Blueprint
+from flask import Blueprint, request
 
-from api.schemas import BackendRegisterSchema, BackendResumeSchema
+from api.errors import ApiError
+from api.schemas import BackendRegisterSchema, BackendResumeSchema, RegisterQuerySchema
 from api.services import json_body, services
-from prorl_farm.llm.registry import BackendSpec
+from prorl_farm.llm.registry import BackendSpec, probe
 
 bp = Blueprint("backends", __name__)
 
 
 @bp.post("/v1/backends")
 def register():
+    """Probe the backend's health route, then register it: healthy and in the heap if it
+    answered, else ``healthy: false`` with the error (it joins the heap once a later probe
+    succeeds). With ``?probe=strict`` an unhealthy backend is refused (422, nothing stored).
+    """
+    query = RegisterQuerySchema().load(request.args.to_dict())
     spec = BackendSpec(**BackendRegisterSchema().load(json_body()))
-    backend_id = services().backends.register(spec)
+    error = probe(spec.url)
+    if error and query["probe"] == "strict":
+        raise ApiError(422, "backend_unhealthy", f"url: {error}", {"url": [error]})
+    backend_id = services().backends.register(spec, probe_error=error)
     return services().backends.get(backend_id), 201
 
 

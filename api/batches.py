@@ -1,15 +1,23 @@
-"""GET /v1/batches/<id>, GET /v1/batches/<id>/results, POST /v1/batches/<id>/cancel."""
+"""GET /v1/batches, GET /v1/batches/<id>, GET /v1/batches/<id>/results,
+POST /v1/batches/<id>/cancel."""
 
 from __future__ import annotations
 
 from flask import Blueprint, request
 
-from api.schemas import ResultsQuerySchema
+from api.schemas import BatchListQuerySchema, ResultsQuerySchema
 from api.services import services
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 
 bp = Blueprint("batches", __name__)
+
+
+@bp.get("/v1/batches")
+def recent():
+    """The newest batches still stored, newest first, with their counts."""
+    q = BatchListQuerySchema().load(request.args.to_dict())
+    return {"batches": services().store.recent_batches(q["limit"])}
 
 
 @bp.get("/v1/batches/<batch_id>")
@@ -22,9 +30,11 @@ def results(batch_id: str):
     """Finished jobs in the order they finished, after ``cursor``; ``wait`` long-polls."""
     svc = services()
     q = ResultsQuerySchema().load(request.args.to_dict())
-    wait_s = min(q["wait"], svc.settings.max_wait_s)
-    raws, cursor = svc.store.batch_results(batch_id, q["cursor"], q["limit"], wait_s)
-    return {"results": [render_job(r, include_instance=False) for r in raws], "cursor": cursor}
+    raws, cursor = svc.store.batch_results(batch_id, q["cursor"], q["limit"], q["wait"])
+    summary = svc.store.batch_summary(batch_id)
+    return {"results": [render_job(r, include_instance=False) for r in raws], "cursor": cursor,
+            "complete": summary["complete"], "finished": summary["finished"],
+            "total": summary["total"]}
 
 
 @bp.post("/v1/batches/<batch_id>/cancel")

@@ -61,7 +61,12 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def _http(e: HTTPException):
         code = (e.name or "error").lower().replace(" ", "_")
-        return error_response(e.code or 500, code, e.description or e.name)
+        body, status = error_response(e.code or 500, code, e.description or e.name)
+        # Keep what the exception says about itself (Allow on a 405, for one).
+        for name, value in e.get_headers():
+            if name.lower() != "content-type":
+                body.headers[name] = value
+        return body, status
 
     @app.errorhandler(redis.exceptions.ConnectionError)
     def _redis_down(e: Exception):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from flask import Blueprint, Response
 
 from api.services import services
+from prorl_farm import keys
 from prorl_farm.config import STAGES
-from prorl_farm.jobs import keys
 from prorl_farm.jobs.states import ALL_STATES
 
 bp = Blueprint("health", __name__)

@@ -19,9 +19,23 @@ log = logging.getLogger(__name__)
 bp = Blueprint("jobs", __name__)
 
 
+def _check_size(body: dict, limit: int) -> None:
+    """Refuse an oversized request before any per-instance work (validation of a million
+    instances would cost a minute of API time before its 400)."""
+    instances = body.get("instances")
+    count = len(instances) if isinstance(instances, list) else 1
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    if count * n > limit:
+        field = "instances" if count > limit else "n"
+        raise validation_error({field: [f"{count} instances x n={n} = {count * n} jobs; at "
+                                        f"most {limit} per request"]})
+
+
 def _validated_submit(body: dict) -> dict:
     """Check the whole request before anything is written: nothing half-enqueued."""
     svc = services()
+    _check_size(body, svc.settings.max_jobs_per_request)
     req = SubmitSchema().load(body)
     try:
         handler = svc.registry.get(req["handler"])
@@ -64,6 +78,9 @@ def submit():
         cancel_jobs(svc.store, svc.celery, [j.job_id for j in jobs],
                     "submission failed: broker unavailable")
         raise ApiError(503, "broker_unavailable", f"could not enqueue jobs: {e}") from e
+    # Every push has completed: recorded, the reaper can tell a lost message from one that
+    # merely waits behind others (see worker/reaper.py).
+    svc.store.handed_off([(j.job_id, j.token) for j in jobs])
     return {"batch_id": batch_id, "job_ids": [j.job_id for j in jobs]}, 202
 
 

@@ -14,8 +14,8 @@ bp = Blueprint("openapi", __name__)
 _plugin = MarshmallowPlugin()
 _spec = APISpec(title="prorl-farm", version=__version__, openapi_version="3.0.3",
                 plugins=[_plugin])
-for _name in ("Submit", "SubmitResponse", "Job", "Batch", "Results", "CancelResponse", "Error",
-              "BackendRegister", "BackendResume", "Backend"):
+for _name in ("Submit", "SubmitResponse", "Job", "Batch", "BatchList", "Results",
+              "CancelResponse", "Error", "BackendRegister", "BackendResume", "Backend"):
     _spec.components.schema(_name, schema=getattr(s, f"{_name}Schema"))
 
 
@@ -50,17 +50,18 @@ _spec.path("/v1/jobs/{job_id}/cancel", operations={
     "post": _op("Cancel a job", out="CancelResponse", params=[_path_param("job_id")])})
 _spec.path("/v1/batches/{batch_id}", operations={
     "get": _op("Batch summary", out="Batch", params=[_path_param("batch_id")])})
+_spec.path("/v1/batches", operations={"get": _op(
+    "Recent batches, newest first", out="BatchList",
+    params=[{"in": "query", "schema": s.BatchListQuerySchema}])})
 _spec.path("/v1/batches/{batch_id}/results", operations={"get": _op(
-    "Finished results after a cursor", out="Results", params=[_path_param("batch_id")] + [
-        {"in": "query", "name": "cursor", "schema": {"type": "string", "default": "0-0"}},
-        {"in": "query", "name": "limit", "schema": {"type": "integer", "default": 100}},
-        {"in": "query", "name": "wait", "schema": {"type": "number", "default": 0}},
-    ])})
+    "Finished results after a cursor", out="Results",
+    params=[_path_param("batch_id"), {"in": "query", "schema": s.ResultsQuerySchema}])})
 _spec.path("/v1/batches/{batch_id}/cancel", operations={
     "post": _op("Cancel a batch", params=[_path_param("batch_id")])})
 _spec.path("/v1/handlers", operations={"get": _op("List handlers")})
 _spec.path("/v1/backends", operations={
-    "post": _op("Register an LLM backend", 201, "BackendRegister", "Backend"),
+    "post": _op("Register an LLM backend (probed first)", 201, "BackendRegister", "Backend",
+                params=[{"in": "query", "schema": s.RegisterQuerySchema}]),
     "get": _op("List backends with in-flight counts, health, latency, policy version")})
 _spec.path("/v1/backends/{backend_id}", operations={
     "get": _op("Get a backend", out="Backend", params=[_path_param("backend_id")]),
@@ -74,6 +75,14 @@ for _p, _summary in (("/healthz", "Process up"), ("/readyz", "Redis and pools re
                      ("/metrics", "Prometheus metrics")):
     _spec.path(_p, operations={"get": _op(_summary)})
 _DOC = _spec.to_dict()
+# What marshmallow checks beyond each field: exactly one of instance / instances, each an
+# object; a backend URL is http(s).
+_submit = _DOC["components"]["schemas"]["Submit"]
+_submit["oneOf"] = [{"required": ["instance"]}, {"required": ["instances"]}]
+_submit["properties"]["instance"]["type"] = "object"
+_submit["properties"]["instances"]["items"] = {"type": "object"}
+_DOC["components"]["schemas"]["BackendRegister"]["properties"]["url"]["pattern"] = (
+    r"^https?://[^/\s:]+(:\d{1,5})?(/\S*)?$")
 
 
 def json_schema(schema_cls) -> dict:

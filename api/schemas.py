@@ -5,7 +5,11 @@ from __future__ import annotations
 from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
 
 ID_RE = r"^[A-Za-z0-9_.\-]{1,128}$"
-CURSOR_RE = r"^\d+-\d+$"
+# A Redis stream id: two unsigned 64-bit integers (19 digits at most stay below 2^64).
+CURSOR_RE = r"^\d{1,19}-\d{1,19}$"
+# The largest ``wait`` a results request may ask for; the server waits at most
+# PRORL_MAX_WAIT_S (default 60) of it.
+WAIT_MAX_S = 3600.0
 
 
 class SamplingSchema(Schema):
@@ -64,10 +68,22 @@ class ResultsQuerySchema(Schema):
     class Meta:
         unknown = RAISE
 
-    cursor = fields.String(load_default="0-0", validate=validate.Regexp(
-        CURSOR_RE, error="a stream id like '0-0' or one returned as 'cursor'"))
+    cursor = fields.String(load_default="0-0", validate=[validate.Regexp(
+        CURSOR_RE, error="a stream id like '0-0' or one returned as 'cursor'")],
+        metadata={"description": "results after this one ('0-0': from the start)"})
     limit = fields.Integer(load_default=100, validate=validate.Range(min=1, max=1000))
-    wait = fields.Float(load_default=0.0, allow_nan=False, validate=validate.Range(min=0))
+    wait = fields.Float(load_default=0.0, allow_nan=False,
+                        validate=validate.Range(min=0, max=WAIT_MAX_S),
+                        metadata={"description": "seconds to wait for a result while there "
+                                  "is none; the server waits at most PRORL_MAX_WAIT_S "
+                                  "(default 60) of it, then answers with no results"})
+
+
+class BatchListQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    limit = fields.Integer(load_default=50, validate=validate.Range(min=1, max=1000))
 
 
 class FailureSchema(Schema):
@@ -87,6 +103,8 @@ class JobSchema(Schema):
     instance_index = fields.Integer()
     sample_index = fields.Integer()
     requeues = fields.Integer()
+    attempts = fields.List(fields.Dict(), metadata={"description": "earlier attempts of a "
+                                                     "re-queued job: stage, node, reason"})
     created_at = fields.Float()
     deadline_at = fields.Float(allow_none=True)
     finished_at = fields.Float(allow_none=True)
@@ -106,11 +124,19 @@ class BatchSchema(Schema):
     finished = fields.Integer()
     complete = fields.Boolean()
     created_at = fields.Float()
+    handler = fields.String(allow_none=True)
 
 
 class ResultsSchema(Schema):
     results = fields.List(fields.Nested(JobSchema))
     cursor = fields.String()
+    complete = fields.Boolean(metadata={"description": "every job of the batch finished"})
+    finished = fields.Integer()
+    total = fields.Integer()
+
+
+class BatchListSchema(Schema):
+    batches = fields.List(fields.Nested(BatchSchema))
 
 
 class CancelResponseSchema(Schema):
@@ -139,6 +165,15 @@ class BackendRegisterSchema(Schema):
     policy_version = fields.String(load_default="0", validate=validate.Length(min=1, max=128))
     logprobs_mode = fields.String(load_default="", validate=validate.OneOf(
         ["", "raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]))
+
+
+class RegisterQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    probe = fields.String(load_default="lenient", validate=validate.OneOf(["lenient", "strict"]),
+                          metadata={"description": "lenient: register an unreachable backend "
+                                    "as unhealthy (201); strict: refuse it (422)"})
 
 
 class BackendResumeSchema(Schema):

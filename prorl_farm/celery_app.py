@@ -8,8 +8,9 @@ pool imports only its own stage's task module.
 from __future__ import annotations
 
 from celery import Celery
+from kombu import Queue
 
-from prorl_farm.config import Settings, load_settings
+from prorl_farm.config import STAGES, Settings, load_settings
 
 TASK_NAMES = {"init": "prorl.init", "run": "prorl.run", "eval": "prorl.eval"}
 
@@ -17,6 +18,14 @@ TASK_NAMES = {"init": "prorl.init", "run": "prorl.run", "eval": "prorl.eval"}
 def queue_for(stage: str, node: str) -> str:
     """The queue a stage's message goes to: ``init`` everywhere, else ``<stage>.<node>``."""
     return "init" if stage == "init" else f"{stage}.{node}"
+
+
+def stage_of_queue(queue: str) -> str | None:
+    """The stage whose messages ``queue`` carries, or None for a queue not of the farm."""
+    if queue == "init":
+        return "init"
+    stage, dot, node = queue.partition(".")
+    return stage if dot and node and stage in ("run", "eval") else None
 
 
 def create_celery_app(settings: Settings | None = None, include: list[str] | None = None
@@ -40,6 +49,9 @@ def create_celery_app(settings: Settings | None = None, include: list[str] | Non
         broker_connection_retry_on_startup=True,
         task_default_queue="init",
         task_create_missing_queues=True,
+        # This node's queues, declared so that monitors (Flower's broker page) list them;
+        # workers consume only what `-Q` names.
+        task_queues=[Queue(queue_for(stage, settings.node)) for stage in STAGES],
         # Flower shows tasks only when workers send events.
         worker_send_task_events=settings.task_events,
         worker_hijack_root_logger=False,

@@ -8,6 +8,7 @@ import os
 import sys
 
 from prorl_farm.config import STAGES, load_settings
+from prorl_farm.errors import ConfigError
 
 
 def _cmd_up(args) -> int:
@@ -17,14 +18,14 @@ def _cmd_up(args) -> int:
 
 
 def _cmd_serve_model(args) -> int:
-    from prorl_farm.llm.devserver import serve
+    from prorl_farm.dev.devserver import serve
 
     serve(args.model, args.host, args.port, args.name)
     return 0
 
 
 def _cmd_tiny_model(args) -> int:
-    from prorl_farm.llm.tiny import build_tiny_model
+    from prorl_farm.dev.tiny import build_tiny_model
 
     print(build_tiny_model(args.out, seed=args.seed))
     return 0
@@ -86,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("PRORL_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except ConfigError as e:
+        print(f"prorl-farm: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

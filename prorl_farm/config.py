@@ -6,7 +6,9 @@ Every duration is in seconds and says so in its name (``*_S``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 
@@ -100,7 +102,27 @@ def _bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-def _env(environ, name: str, cast, default):
+# The range of every numeric setting: (lowest, highest), both allowed. A value outside its
+# range (or NaN, or infinite) stops start-up with the variable's name.
+DAY_S = 24 * 3600.0
+RANGES: dict[str, tuple[float, float]] = {
+    "API_PORT": (1, 65535), "FLOWER_PORT": (1, 65535),
+    "API_WORKERS": (1, 256), "API_THREADS": (1, 4096),
+    "RESULT_TTL_S": (60, 365 * DAY_S),
+    "HEARTBEAT_INTERVAL_S": (0.01, 60), "HEARTBEAT_STALE_S": (0.1, 3600),
+    "REAP_INTERVAL_S": (0.05, 600),
+    "MAX_REQUEUES": (0, 100),
+    "MAX_BODY_BYTES": (1024, 1 << 34), "MAX_JOBS_PER_REQUEST": (1, 1_000_000),
+    "MAX_WAIT_S": (0, 3600),
+    "LLM_REQUEST_TIMEOUT_S": (0.1, DAY_S), "LLM_RETRIES": (0, 100),
+    "LLM_MAX_FAILOVERS": (0, 100),
+    "SANDBOX_MAX": (1, 65_000),
+    "CONCURRENCY": (1, 10_000), "PREFETCH": (1, 1000), "TIMEOUT_S": (1, 30 * DAY_S),
+}
+SANDBOX_RUNTIMES = ("auto", "local", "bwrap", "apptainer", "docker")
+
+
+def _env(environ, name: str, cast, default, range_key: str | None = None):
     raw = environ.get(f"PRORL_{name}")
     if raw is None or raw == "":
         return default
@@ -108,8 +130,10 @@ def _env(environ, name: str, cast, default):
         value = cast(raw)
     except ValueError as e:
         raise ConfigError(f"PRORL_{name}={raw!r}: not a valid {cast.__name__}") from e
-    if isinstance(value, (int, float)) and value < 0:
-        raise ConfigError(f"PRORL_{name}={raw!r}: must not be negative")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        lo, hi = RANGES.get(range_key or name, (0, float("inf")))
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise ConfigError(f"PRORL_{name}={raw!r}: must be a number from {lo:g} to {hi:g}")
     return value
 
 
@@ -118,14 +142,12 @@ def _pool_from_env(environ, stage: str, base: PoolSettings) -> PoolSettings:
     pool = _env(environ, f"{up}_POOL", str, base.pool)
     if pool not in POOL_TYPES:
         raise ConfigError(f"PRORL_{up}_POOL={pool!r}: expected one of {POOL_TYPES}")
-    concurrency = _env(environ, f"{up}_CONCURRENCY", int, base.concurrency)
-    if concurrency < 1:
-        raise ConfigError(f"PRORL_{up}_CONCURRENCY must be at least 1")
     return PoolSettings(
         pool=pool,
-        concurrency=concurrency,
-        prefetch_multiplier=max(1, _env(environ, f"{up}_PREFETCH", int, base.prefetch_multiplier)),
-        timeout_s=_env(environ, f"{up}_TIMEOUT_S", float, base.timeout_s),
+        concurrency=_env(environ, f"{up}_CONCURRENCY", int, base.concurrency, "CONCURRENCY"),
+        prefetch_multiplier=_env(environ, f"{up}_PREFETCH", int, base.prefetch_multiplier,
+                                 "PREFETCH"),
+        timeout_s=_env(environ, f"{up}_TIMEOUT_S", float, base.timeout_s, "TIMEOUT_S"),
     )
 
 
@@ -163,7 +185,16 @@ def load_settings(environ=None, **overrides) -> Settings:
     )
     for stage in STAGES:
         values[stage] = _pool_from_env(environ, stage, getattr(d, stage))
-    if "." in values["node"] or ":" in values["node"]:
-        raise ConfigError(f"PRORL_NODE={values['node']!r}: must not contain '.' or ':'")
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", values["node"]):
+        raise ConfigError(f"PRORL_NODE={values['node']!r}: 1-64 characters from A-Z a-z 0-9 "
+                          "_ - (no '.' or ':')")
+    if values["sandbox_runtime"] not in SANDBOX_RUNTIMES:
+        raise ConfigError(f"PRORL_SANDBOX_RUNTIME={values['sandbox_runtime']!r}: expected one "
+                          f"of {SANDBOX_RUNTIMES}")
+    if values["heartbeat_stale_s"] < 3 * values["heartbeat_interval_s"]:
+        raise ConfigError(
+            f"PRORL_HEARTBEAT_STALE_S={values['heartbeat_stale_s']:g} must be at least 3 x "
+            f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g}: a live worker "
+            "would be taken for dead")
     values.update(overrides)
     return dataclasses.replace(d, **values)

@@ -35,17 +35,43 @@ class BackendUnavailable(FarmError, ConnectionError):
     """No LLM backend could serve the job (maps to failure kind backend_unavailable)."""
 
 
-class StageError(FarmError, RuntimeError):
-    """A handler stage failed; carries the failure kind to record."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
 class BackendError(FarmError, ConnectionError):
     """An LLM backend failed a request (unreachable, 5xx, timeout): worth a retry elsewhere."""
 
 
 class BackendRequestError(FarmError, ValueError):
     """An LLM backend rejected the request itself (4xx): retrying elsewhere will not help."""
+
+
+class StageFailed(FarmError):
+    """Raised by a stage task after it recorded its job's failure, so that Celery (and
+    Flower) show the task as failed, with the failure kind."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class SandboxError(FarmError, RuntimeError):
+    """A sandbox could not be started or reached."""
+
+
+class ToolCallError(FarmError, RuntimeError):
+    """The tool rejected the call (bad path, ambiguous edit, unknown tool...)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class ProtocolError(FarmError, ConnectionError):
+    """A malformed or truncated frame on a tool server's socket."""
+
+
+class ToolError(FarmError):
+    """A tool call the tool itself rejects (bad path, ambiguous edit, ...): reported to the
+    caller as an error reply, never fatal to the tool server."""
+
+
+class TokenMismatch(FarmError, AssertionError):
+    """The token prompt of a turn is not the trajectory's prefix (token-in/token-out)."""

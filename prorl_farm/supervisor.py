@@ -1,9 +1,11 @@
 """`prorl-farm up`: run the whole farm on one machine and keep it running.
 
-Starts a private redis-server (unless PRORL_REDIS_URL is set), the API under gunicorn,
-the INIT/RUN/EVAL pools and Flower; restarts a part that dies; on SIGINT/SIGTERM stops
-every process it started (each runs in its own process group, and is told to die with
-the supervisor should the supervisor itself be killed).
+Starts a private redis-server (unless PRORL_REDIS_URL is set; append-only persistence in
+the data directory, so finished results and queued jobs survive a restart), the API under
+gunicorn, the INIT/RUN/EVAL pools and Flower; says "is up" only once ``/readyz`` passes;
+restarts a part that dies, showing the last lines of its log; on SIGINT/SIGTERM stops every
+process it started (each runs in its own process group, and is told to die with the
+supervisor should the supervisor itself be killed).
 """
 
 from __future__ import annotations
@@ -29,6 +31,36 @@ log = logging.getLogger(__name__)
 
 GRACE_S = 10.0
 MAX_BACKOFF_S = 30.0
+READY_TIMEOUT_S = 120.0
+LOG_TAIL_LINES = 15
+
+
+class StartupError(SystemExit):
+    """`up` cannot start: the message says why (printed, exit status 1)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"prorl-farm up: {message}")
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join("    | " + line for line in text.splitlines()[-lines:])
 
 
 def free_port() -> int:
@@ -52,6 +84,9 @@ class Child:
     argv: list[str]
     log_path: Path
     restart: bool = True
+    # Started once the farm is ready (Flower: it asks the workers for their queues when it
+    # starts, and shows only those that answered).
+    after_ready: bool = False
     proc: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
@@ -129,7 +164,8 @@ class Supervisor:
             "flower",
             self._python("-m", "celery", "-A", "prorl_farm.celery_app", "--broker", redis_url,
                          "flower", f"--port={s.flower_port}", f"--address={s.api_host}"),
-            self.logs / "flower.log", env={"FLOWER_UNAUTHENTICATED_API": "1"}))
+            self.logs / "flower.log", env={"FLOWER_UNAUTHENTICATED_API": "1"},
+            after_ready=True))
         if self.dev_model:
             self.children.append(Child(
                 "dev-model", cli + ["serve-model", "--model", self.dev_model,
@@ -143,29 +179,108 @@ class Supervisor:
         data = self.home / "redis"
         data.mkdir(parents=True, exist_ok=True)
         port = free_port()
+        # Append-only file, fsync every second: finished results (kept result_ttl_s) and
+        # queued jobs survive a restart of `up`. The port changes; the data does not.
         self.redis = Child("redis", [
             "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-            "--save", "", "--appendonly", "no", "--daemonize", "no",
+            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+            "--daemonize", "no",
         ], self.logs / "redis.log", restart=False)
         self.redis.start(dict(os.environ))
         url = f"redis://127.0.0.1:{port}/0"
-        wait_for_redis(url)
+        try:
+            wait_for_redis(url, timeout_s=60)  # loading a large append-only file takes a while
+        except redis.exceptions.ConnectionError:
+            raise StartupError("the private redis-server did not start:\n"
+                               + log_tail(self.logs / "redis.log")) from None
         return url
+
+    def _lock_home(self) -> None:
+        """One `up` per data directory: two private Redis servers must never share it."""
+        import fcntl
+
+        self._lock_file = open(self.home / "up.lock", "a+")  # noqa: SIM115 - held while up
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            other = self._lock_file.read().strip() or "?"
+            raise StartupError(f"another prorl-farm up (pid {other}) runs with the data "
+                               f"directory {self.home}; stop it, or set PRORL_HOME") from None
+        self._lock_file.truncate(0)
+        self._lock_file.write(str(os.getpid()))
+        self._lock_file.flush()
+
+    def _check_ports(self) -> None:
+        s = self.settings
+        busy = [f"{name} port {port} ({var})" for name, port, var in (
+            ("API", s.api_port, "PRORL_API_PORT"), ("Flower", s.flower_port, "PRORL_FLOWER_PORT"))
+            if not port_free(s.api_host, port)]
+        if busy:
+            raise StartupError(
+                f"{' and '.join(busy)} on {s.api_host} already in use: is another farm up? "
+                "Stop it, or choose other ports, e.g. PRORL_API_PORT=8001 PRORL_FLOWER_PORT=5556")
+
+    def _wait_ready(self) -> None:
+        """Wait until the API answers /readyz (Redis reachable, a live pool per stage)."""
+        url = f"http://{self.settings.api_host}:{self.settings.api_port}/readyz"
+        end = time.monotonic() + READY_TIMEOUT_S
+        while not self._stopping:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            for child in self.children:
+                if (child.proc is not None and not child.alive() and child.restarts == 0
+                        and child.name != "dev-model"):
+                    self._report_exit(child)
+                    raise StartupError(f"{child.name} exited while starting (see above)")
+            if time.monotonic() > end:
+                raise StartupError(f"not ready after {READY_TIMEOUT_S:g} s; logs in {self.logs}/")
+            time.sleep(0.2)
+
+    def _wait_port(self, port: int, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and not self._stopping:
+            with socket.socket() as s:
+                s.settimeout(1)
+                if s.connect_ex((self.settings.api_host, port)) == 0:
+                    return
+            time.sleep(0.2)
+
+    @staticmethod
+    def _report_exit(child: Child) -> None:
+        code = child.proc.returncode if child.proc else None
+        print(f"{child.name} exited ({code}); last lines of {child.log_path}:\n"
+              + log_tail(child.log_path), file=sys.stderr, flush=True)
 
     def run(self) -> int:
         self.logs.mkdir(parents=True, exist_ok=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
+            self._lock_home()
+            self._check_ports()
+            print(f"starting prorl-farm (logs in {self.logs}/) ...", flush=True)
             url = self.settings.redis_url or self._start_redis()
             # Flower runs here, so the pools send task events unless told otherwise.
             env = dict(os.environ, PRORL_REDIS_URL=url)
             env.setdefault("PRORL_TASK_EVENTS", "1")
             self._plan(url)
             for child in self.children:
-                child.start(env)
+                if not child.after_ready:
+                    child.start(env)
             if self.dev_model:
                 self._register_dev_model(url)
+            self._wait_ready()
+            if self._stopping:
+                return 0
+            for child in self.children:
+                if child.after_ready:
+                    child.start(env)
+            self._wait_port(self.settings.flower_port, 30.0)
             self._announce(url)
             return self._monitor(env)
         finally:
@@ -225,9 +340,8 @@ class Supervisor:
                 if child.next_start == 0.0:
                     backoff = min(MAX_BACKOFF_S, 2.0 ** min(child.restarts, 5))
                     child.next_start = now + (0.5 if child.restarts == 0 else backoff)
-                    code = child.proc.returncode if child.proc else None
-                    print(f"{child.name} exited ({code}); restarting", file=sys.stderr,
-                          flush=True)
+                    self._report_exit(child)
+                    print(f"restarting {child.name}", file=sys.stderr, flush=True)
                 elif now >= child.next_start:
                     child.signal_group(signal.SIGKILL)  # leftovers of the dead process group
                     child.restarts += 1

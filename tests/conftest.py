@@ -56,7 +56,7 @@ def make_pools(redis_server, tmp_path, **overrides) -> Pools:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny random Qwen2 and a BPE tokenizer with a ChatML template, built offline."""
-    from prorl_farm.llm.tiny import build_tiny_model
+    from prorl_farm.dev.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

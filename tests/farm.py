@@ -40,19 +40,30 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str 
 class RedisServer:
     """A private redis-server on a free port, data in ``tmp``."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, appendonly: bool = False):
         if not shutil.which("redis-server"):
             raise RuntimeError("redis-server is not installed (make test installs it)")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.tmp = tmp
+        self.appendonly = appendonly
         tmp.mkdir(parents=True, exist_ok=True)
+        self.start()
+
+    def start(self) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(tmp),
-             "--save", "", "--appendonly", "no"],
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+             str(self.tmp), "--save", "", "--appendonly", "yes" if self.appendonly else "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         wait_until(lambda: self._ping(client), 10, what="redis-server")
         client.close()
+
+    def restart(self, down_s: float = 1.0) -> None:
+        """Stop the server (persisting its data if append-only), wait, start it again."""
+        self.stop()
+        time.sleep(down_s)
+        self.start()
 
     @staticmethod
     def _ping(client) -> bool:

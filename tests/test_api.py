@@ -115,7 +115,9 @@ def test_bad_results_query_is_400(client, r):
     batch = client.post("/v1/jobs", json=GOOD).get_json()["batch_id"]
     r.delete("init")
     for query, field in (("cursor=abc", "cursor"), ("limit=0", "limit"), ("wait=-1", "wait"),
-                         ("limit=x", "limit"), ("colour=red", "colour")):
+                         ("limit=x", "limit"), ("colour=red", "colour"),
+                         ("cursor=99999999999999999999999-0", "cursor"),
+                         ("cursor=18446744073709551616-0", "cursor"), ("wait=nan", "wait")):
         resp = client.get(f"/v1/batches/{batch}/results?{query}")
         assert resp.status_code == 400, query
         assert field in resp.get_json()["error"]["message"]
@@ -139,3 +141,47 @@ def test_wrong_method_is_json_405(client):
     resp = client.delete("/v1/jobs")
     assert resp.status_code == 405
     assert resp.get_json()["error"]["code"] == "method_not_allowed"
+
+
+def test_hostile_bodies_get_a_4xx_fast_and_write_nothing(client, r):
+    """Deep nesting, a million instances, and a 405 that names the allowed methods."""
+    import time
+
+    deep = b'{"handler": "synthetic", "instances": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}"
+    resp = client.post("/v1/jobs", data=deep, content_type="application/json")
+    assert resp.status_code == 400 and "nested" in resp.get_json()["error"]["message"]
+    t0 = time.process_time()
+    body = {"handler": "synthetic", "instances": [{}] * 1_000_000}
+    resp = client.post("/v1/jobs", json=body)
+    assert resp.status_code in (400, 413), resp.status_code
+    assert time.process_time() - t0 < 30  # not a minute of validation per request
+    if resp.status_code == 400:
+        assert "instances" in resp.get_json()["error"]["message"]
+    resp = client.post("/v1/jobs", json={"handler": "synthetic", "instances": [{}] * 3,
+                                         "n": 4000})
+    assert resp.status_code == 400 and "n" in resp.get_json()["error"]["details"]
+    resp = client.delete("/v1/jobs")
+    assert resp.status_code == 405 and "POST" in resp.headers["Allow"]
+    assert resp.get_json()["error"]["code"] == "method_not_allowed"
+    assert not [k for k in r.scan_iter("prorl:*")], "a rejected request wrote something"
+
+
+def test_an_instance_is_stored_once_for_its_samples(client, r):
+    big = {"run_s": 0.0, "payload": "x" * 100_000}
+    resp = client.post("/v1/jobs", json={"handler": "synthetic", "instance": big, "n": 50})
+    assert resp.status_code == 202
+    used = sum(r.memory_usage(k) or 0 for k in r.scan_iter("prorl:job:*"))
+    instances = list(r.scan_iter("prorl:instance:*"))
+    assert len(instances) == 1
+    job = client.get(f"/v1/jobs/{resp.get_json()['job_ids'][7]}").get_json()
+    assert job["instance"]["payload"] == big["payload"] and job["sample_index"] == 7
+    assert used < 50 * 2000  # no copy of the instance in each job hash
+
+
+def test_recent_batches_are_listed(client, r):
+    a = client.post("/v1/jobs", json=GOOD).get_json()["batch_id"]
+    b = client.post("/v1/jobs", json=GOOD).get_json()["batch_id"]
+    listed = client.get("/v1/batches?limit=10").get_json()["batches"]
+    assert [x["batch_id"] for x in listed][:2] == [b, a]
+    assert listed[0]["total"] == listed[0]["counts"]["queued"] and not listed[0]["complete"]
+    assert client.get("/v1/batches?limit=0").status_code == 400

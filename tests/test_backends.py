@@ -13,7 +13,7 @@ from api import create_app
 from prorl_farm.config import load_settings
 from prorl_farm.llm.registry import BackendRegistry, BackendSpec
 from tests.conftest import make_pools
-from tests.farm import farm_env, wait_until
+from tests.farm import farm_env, free_port, wait_until
 from tests.policy_server import PolicyServer, per_job_servers
 
 EPS = 1e-9
@@ -102,7 +102,7 @@ def test_terminal_transitions_release_the_slot(settings, r):
     assert registry.in_flight()[bid] == 3
     store.finish(jobs[0].job_id, JobState.CANCELLED, "cancelled", "x")
     store.advance(jobs[1].job_id, "init", jobs[1].token, "run", "run.n", "n", "hstate", "{}")
-    store.reap(jobs[2].job_id, "active", store.server_time() + 1, "", "dead")
+    store.reap(jobs[2].job_id, "active", store.server_time() + 1, jobs[2].token, "", "dead")
     assert registry.in_flight()[bid] == 0
     assert registry.get(bid)["load"] == 0.0
 
@@ -117,10 +117,28 @@ def test_backend_api(client, r):
         resp = client.post("/v1/backends", json=body)
         assert resp.status_code == 400 and field in resp.get_json()["error"]["message"]
     assert r.scard("prorl:backends:all") == 0
-    made = client.post("/v1/backends", json={"url": "http://127.0.0.1:9300", "kind": "sglang",
-                                              "model": "m", "tokenizer": "/t", "capacity": 3})
+    # Probed at registration: an unreachable backend is registered unhealthy, out of the heap,
+    # with the reason; ?probe=strict refuses it and stores nothing.
+    dead = {"url": f"http://127.0.0.1:{free_port()}", "kind": "vllm", "model": "m",
+            "tokenizer": "/t"}
+    strict = client.post("/v1/backends?probe=strict", json=dead)
+    assert strict.status_code == 422 and "unreachable" in strict.get_json()["error"]["message"]
+    assert r.scard("prorl:backends:all") == 0
+    lenient = client.post("/v1/backends", json=dead)
+    assert lenient.status_code == 201
+    d = lenient.get_json()
+    assert not d["healthy"] and not d["in_heap"] and "unreachable" in d["last_error"]
+    assert client.delete(f"/v1/backends/{d['id']}").status_code == 200
+    server = PolicyServer()
+    try:
+        made = client.post("/v1/backends?probe=strict", json={
+            "url": server.url, "kind": "sglang", "model": "m", "tokenizer": "/t",
+            "capacity": 3})
+    finally:
+        server.kill()
     assert made.status_code == 201
     b = made.get_json()
+    assert b["healthy"] and b["last_error"] is None
     assert b["logprobs_mode"] == "processed_logprobs" and b["in_heap"] and b["in_flight"] == 0
     assert [x["id"] for x in client.get("/v1/backends").get_json()["backends"]] == [b["id"]]
     drained = client.post(f"/v1/backends/{b['id']}/drain").get_json()

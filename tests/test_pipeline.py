@@ -101,8 +101,25 @@ def test_results_cursor_and_long_poll(pools, client):
     page = client.get(f"/v1/batches/{sub['batch_id']}/results?wait=20").get_json()
     assert [j["id"] for j in page["results"]] == sub["job_ids"]
     assert time.monotonic() - t0 < 15  # returned when the job finished, not at the wait limit
-    again = client.get(f"/v1/batches/{sub['batch_id']}/results?cursor={page['cursor']}")
-    assert again.get_json() == {"results": [], "cursor": page["cursor"]}
+    assert page["complete"] and page["finished"] == page["total"] == 1
+    t0 = time.monotonic()
+    again = client.get(f"/v1/batches/{sub['batch_id']}/results?cursor={page['cursor']}&wait=20")
+    assert again.get_json() == {"results": [], "cursor": page["cursor"], "complete": True,
+                                "finished": 1, "total": 1}
+    assert time.monotonic() - t0 < 5  # a complete batch has nothing to wait for
+
+
+def test_long_poll_with_nothing_finishing_answers_empty_not_500(pools, client):
+    """redis-py's default socket timeout once cut blocking reads at 5 s: a wait of 12 s (over
+    twice that) with nothing finishing must answer 200 with no results at the wait's end."""
+    sub = submit(client, [{"run_s": 30.0}])
+    t0 = time.monotonic()
+    resp = client.get(f"/v1/batches/{sub['batch_id']}/results?wait=12")
+    waited = time.monotonic() - t0
+    assert resp.status_code == 200, resp.get_json()
+    assert resp.get_json()["results"] == [] and not resp.get_json()["complete"]
+    assert waited >= 11.5
+    client.post(f"/v1/batches/{sub['batch_id']}/cancel")
 
 
 def test_redelivered_messages_are_no_ops(pools, client, r, settings):

@@ -100,6 +100,15 @@ def test_bash_exit_codes_and_persistence(sandbox):
     assert c.bash("echo still here")["output"] == "still here\n"
 
 
+def test_prompts_the_agent_sets_never_reach_the_output(sandbox):
+    _, c = sandbox
+    c.bash("PS1='>>> '; PS2='... '; PS0='zero '; PROMPT_COMMAND='echo PROMPT'")
+    assert c.bash("echo one")["output"] == "one\n"
+    assert c.bash("for i in 1 2; do\n  echo $i\ndone")["output"] == "1\n2\n"
+    assert c.bash("cat <<'EOF'\na 'b' \\c\nEOF")["output"] == "a 'b' \\c\n"
+    assert c.bash("export PS1='$ '; echo two")["output"] == "two\n"
+
+
 def test_bash_timeout_returns_partial_output_then_the_session_works(sandbox):
     sb, c = sandbox
     c.bash("export KEEP=1")

@@ -52,7 +52,7 @@ def test_transitions_keep_counts_exact_and_terminal_is_final(settings, r):
     # Terminal is final: no claim, no second finish, no resurrection.
     assert store.claim(job.job_id, "run", token, "w")[0] == "terminal"
     assert not store.finish(job.job_id, JobState.DONE).changed
-    assert store.reap(job.job_id, "active", 1e12, "", "x")[0] == "gone"
+    assert store.reap(job.job_id, "active", 1e12, token, "", "x")[0] == "gone"
     assert counts(r) == {"cancelled": 1}
     assert [e[1]["state"] for e in r.xrange("prorl:batch:b:stream")] == ["cancelled"]
     assert r.ttl(f"prorl:job:{job.job_id}") > 0
@@ -72,14 +72,67 @@ def test_reap_requeues_then_fails_worker_lost(settings, r):
     store, [job] = make(settings, r)
     store.claim(job.job_id, "init", job.token, "w")
     future = store.server_time() + 10
-    assert store.reap(job.job_id, "active", 0, "", "x")[0] == "alive"  # fresh heartbeat
-    outcome, token = store.reap(job.job_id, "active", future, "", "worker died")
+    assert store.reap(job.job_id, "active", 0, job.token, "", "x")[0] == "alive"  # fresh beat
+    assert store.reap(job.job_id, "active", future, "other", "", "x")[0] == "moved"
+    outcome, token = store.reap(job.job_id, "active", future, job.token, "", "worker died")
     assert outcome == "requeue" and counts(r) == {"queued": 1}
+    # The same death seen again (a second sweep with what it read before): nothing happens.
+    assert store.reap(job.job_id, "active", future, job.token, "", "worker died")[0] == "moved"
     assert store.claim(job.job_id, "init", token, "w")[0] == "ok"
-    assert store.reap(job.job_id, "active", future, "", "worker died")[0] == "failed"
+    assert store.reap(job.job_id, "active", future, token, "", "worker died")[0] == "failed"
     raw = store.get_raw(job.job_id)
     assert raw["failure_kind"] == "worker_lost" and raw["requeues"] == "1"
     assert counts(r) == {"failed": 1}
+
+
+def test_a_requeued_job_starts_a_clean_attempt(settings, r):
+    """Nothing of attempt 1 (INIT state, RUN result, node, worker, stage timings) reaches
+    attempt 2; only the count and a line of history stay."""
+    import json
+
+    store, [job] = make(settings, r)
+    store.claim(job.job_id, "init", job.token, "w1")
+    run_token = store.advance(job.job_id, "init", job.token, "run", "run.n", "n", "hstate",
+                              json.dumps({"sandbox": "attempt-1"}))
+    store.handed_off([(job.job_id, run_token)])
+    store.claim(job.job_id, "run", run_token, "w1")
+    future = store.server_time() + 10
+    outcome, token = store.reap(job.job_id, "active", future, run_token, "", "worker died")
+    assert outcome == "requeue"
+    outcome, raw = store.claim(job.job_id, "init", token, "w2")
+    assert outcome == "ok"
+    for field in ("hstate", "result", "node", "t_run_queued", "t_run_start", "t_init_end"):
+        assert field not in raw, field
+    assert raw["worker"] == "w2" and raw["requeues"] == "1"
+    [earlier] = json.loads(raw["attempts"])
+    assert earlier["attempt"] == 0 and earlier["stage"] == "run" and earlier["node"] == "n"
+    assert earlier["reason"] == "worker died"
+    from prorl_farm.jobs.model import render_job
+
+    doc = render_job(store.get_raw(job.job_id))
+    assert doc["attempts"] == [earlier] and set(doc["timings"]) == {"init"}
+    assert doc["timings"]["init"]["queue_wait_s"] >= 0
+
+
+def test_overlapping_sweeps_reap_one_death_once(settings, r):
+    """Many reap calls racing on the same dead attempt: one re-queue, no failure."""
+    store, jobs = make(settings, r, n=20)
+    for j in jobs:
+        store.claim(j.job_id, "init", j.token, "w")
+    future = store.server_time() + 10
+    outcomes = []
+
+    def sweep():
+        for j in jobs:
+            outcomes.append(store.reap(j.job_id, "active", future, j.token, "", "dead")[0])
+
+    threads = [threading.Thread(target=sweep) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("requeue") == 20 and "failed" not in outcomes
+    assert counts(r) == {"queued": 20}
 
 
 def test_deadline_expiry(settings, r):
@@ -97,7 +150,7 @@ def test_reaper_finds_a_message_lost_in_transit(settings, r):
     re-queued once a newer job from the same queue has been claimed."""
     import dataclasses
 
-    from prorl_farm.jobs.liveness import Reaper
+    from prorl_farm.worker.reaper import Reaper
 
     store, (lost, newer) = make(settings, r, n=2)
     settings = dataclasses.replace(settings, heartbeat_stale_s=0.5)
@@ -118,4 +171,27 @@ def test_reaper_finds_a_message_lost_in_transit(settings, r):
     counts = reaper.sweep(force=True)
     assert requeued == [lost.job_id] and counts["requeue"] == 1
     raw = store.get_raw(lost.job_id)
-    assert raw["state"] == "queued" and raw["last_requeue_reason"] == "its message was lost"
+    assert raw["state"] == "queued" and "its message was lost" in raw["attempts"]
+
+
+def test_messages_published_out_of_order_are_not_taken_for_lost(settings, r):
+    """Two submitters: A's job is written first but its message is pushed after B's, and B
+    is claimed first. A still waits behind B in the queue: it must not be reaped."""
+    import dataclasses
+    import time
+
+    from prorl_farm.worker.reaper import Reaper
+
+    settings = dataclasses.replace(settings, heartbeat_stale_s=0.3)
+    store = JobStore.from_settings(settings)
+    [a] = store.create_jobs("b", "synthetic", [{}], 1, {}, None)
+    [b] = store.create_jobs("b", "synthetic", [{}], 1, {}, None)
+    store.handed_off([(b.job_id, b.token)])  # B's message pushed and recorded
+    assert store.claim(b.job_id, "init", b.token, "w")[0] == "ok"
+    store.finish(b.job_id, JobState.DONE, token=b.token)
+    store.handed_off([(a.job_id, a.token)])  # A's push completes only now
+    requeued = []
+    reaper = Reaper(store, settings, lambda job, token: requeued.append(job))
+    time.sleep(0.5)
+    reaper.sweep(force=True)
+    assert requeued == [] and store.get_raw(a.job_id)["token"] == a.token

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -39,6 +41,35 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
+def _chromium_dom(url: str, profile) -> str:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (make test installs it)")
+    out = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={profile}", "--virtual-time-budget=8000",
+         "--dump-dom", url], capture_output=True, text=True, timeout=90)
+    return out.stdout
+
+
+def _flower_pages_in_chromium(port: int, tmp_path) -> None:
+    """What an operator sees in Flower: every pool as a worker, every farm queue on the
+    broker page, and the failed jobs' stage tasks as FAILURE with their failure kind."""
+    base = f"http://127.0.0.1:{port}"
+    workers = _chromium_dom(f"{base}/workers", tmp_path / "chromium")
+    for pool in ("init-", "run-", "eval-"):
+        assert pool in workers, f"{pool} pool missing from Flower's workers page"
+    broker = _chromium_dom(f"{base}/broker", tmp_path / "chromium")
+    for queue in ("init", "run.upnode", "eval.upnode"):
+        assert f'<tr id="{queue}">' in broker, f"queue {queue} missing from /broker: {broker}"
+    tasks = requests.get(f"{base}/api/tasks", timeout=10).json().values()
+    failed = [t for t in tasks if t.get("state") == "FAILURE"]
+    assert failed and all("eval_error" in (t.get("exception") or "") for t in failed), failed
+    page = _chromium_dom(f"{base}/tasks", tmp_path / "chromium")
+    assert "FAILURE" in page and "SUCCESS" in page
+
+
 def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
     api_port, flower_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
@@ -51,6 +82,13 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
     try:
         farm = FarmClient(f"http://127.0.0.1:{api_port}")
         wait_until(farm.ready, 60, 0.25, "readyz")
+        def flower_up() -> bool:  # Flower starts once the farm is ready
+            try:
+                return requests.get(f"http://127.0.0.1:{flower_port}/", timeout=10).ok
+            except requests.ConnectionError:
+                return False
+
+        wait_until(flower_up, 60, 0.25, "Flower")
         names = " ".join(_cmd(p) for p in _descendants(proc.pid))
         for part in ("redis-server", "gunicorn", "worker init", "worker run", "worker eval",
                      "flower"):
@@ -60,7 +98,6 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         results = list(farm.iter_results(sub["batch_id"], timeout_s=60))
         assert sorted(j["id"] for j in results) == sorted(sub["job_ids"])
         assert sorted(j["state"] for j in results) == ["done"] * 3 + ["failed"] * 3
-        assert requests.get(f"http://127.0.0.1:{flower_port}/", timeout=10).status_code == 200
 
         def flower_saw_stages() -> bool:  # `up` turns task events on for Flower
             tasks = requests.get(f"http://127.0.0.1:{flower_port}/api/tasks", timeout=10)
@@ -68,6 +105,7 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
                 "prorl.init", "prorl.run", "prorl.eval"}
 
         wait_until(flower_saw_stages, 30, 0.5, "Flower to list the stage tasks")
+        _flower_pages_in_chromium(flower_port, tmp_path)
 
         # A pool that dies is restarted.
         run = next(p for p in _descendants(proc.pid) if "worker run" in _cmd(p))
@@ -123,3 +161,81 @@ def test_up_with_a_dev_model_serves_token_exact_chat_jobs(tmp_path, tiny_model):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _up(env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _exit_by_itself(proc: subprocess.Popen, timeout_s: float = 60) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"did not exit by itself: {out}") from None
+    return out
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out
+
+
+def test_up_keeps_results_and_queued_jobs_across_a_restart(tmp_path):
+    """The private Redis persists (append-only): after `up` restarts, finished results are
+    still readable and jobs that were queued run. A second `up` beside a running one says
+    why it cannot start instead of looping, and prints no banner."""
+    api_port, flower_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
+    env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
+               PRORL_FLOWER_PORT=str(flower_port), PRORL_NODE="upnode",
+               PRORL_SANDBOX_DIR=SANDBOX_DIR, PRORL_HEARTBEAT_STALE_S="5",
+               PRORL_INIT_CONCURRENCY="1", PRORL_LOG_LEVEL="WARNING")
+    farm = FarmClient(f"http://127.0.0.1:{api_port}")
+    proc = _up(env)
+    try:
+        wait_until(farm.ready, 60, 0.25, "readyz")
+        done = farm.submit("synthetic", [{"run_s": 0}], n=3)
+        assert len(list(farm.iter_results(done["batch_id"], timeout_s=60))) == 3
+
+        second = _up(env)  # same ports, same data directory
+        out = _exit_by_itself(second)
+        assert second.returncode != 0 and "is up" not in out, out
+        assert "another prorl-farm up" in out or "already in use" in out, out
+        other_home = dict(env, PRORL_HOME=str(tmp_path / "other"))
+        third = _up(other_home)  # only the ports clash
+        out = _exit_by_itself(third)
+        assert third.returncode != 0 and "already in use" in out and "PRORL_API_PORT" in out
+
+        # Jobs that cannot start before the restart: the INIT stage takes 2 s each, one at
+        # a time, so most are still queued when the farm stops.
+        waiting = farm.submit("synthetic", [{"init_s": 2.0}], n=6)
+        wait_until(lambda: farm.batch(waiting["batch_id"])["counts"]["init"] >= 1, 30)
+        time.sleep(1.5)  # past the append-only file's one-second fsync
+    finally:
+        out = _stop(proc)
+    assert proc.returncode == 0, out
+
+    proc = _up(env)
+    try:
+        wait_until(farm.ready, 60, 0.25, "readyz after restart")
+        again = farm.batch(done["batch_id"])
+        assert again["complete"] and again["counts"]["done"] == 3
+        results = list(farm.iter_results(done["batch_id"], timeout_s=10))
+        assert sorted(j["id"] for j in results) == sorted(done["job_ids"])
+        finished = list(farm.iter_results(waiting["batch_id"], timeout_s=120))
+        assert len(finished) == 6
+        # The jobs cut off mid-stage by the stop are recovered (re-queued) or failed as lost;
+        # the ones that were still queued simply run.
+        assert sum(j["state"] == "done" for j in finished) >= 4, finished
+    finally:
+        out = _stop(proc)
+    assert proc.returncode == 0, out

@@ -16,12 +16,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from prorl_farm.errors import TokenMismatch
+
 PLACEHOLDER = "\u2063PRORL\u2063PLACEHOLDER\u2063"
 PROBE_HISTORY = [{"role": "user", "content": "x"}]
-
-
-class TokenMismatch(AssertionError):
-    """The prompt about to be sent is not prompt_ids + response_ids[:offset]."""
 
 
 class ChatTokens:

@@ -31,6 +31,8 @@ class SyntheticInstance(Schema):
                                                                                    max=1000))
     llm_tokens = fields.Integer(load_default=4, strict=True, validate=validate.Range(min=1,
                                                                                     max=4096))
+    # Carried and ignored: gives an instance the size of a real one (benchmarks, tests).
+    payload = fields.String(validate=validate.Length(max=64 * 1024 * 1024))
 
 
 class SyntheticFailure(RuntimeError):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from celery import Celery
 
-from prorl_farm.jobs.states import FailureKind, JobState
+from prorl_farm.jobs.states import FailureKind, JobState, Phase
 from prorl_farm.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def cancel_jobs(store: JobStore, celery: Celery, job_ids: Sequence[str], reason:
         res = store.finish(job_id, JobState.CANCELLED, FailureKind.CANCELLED.value, reason)
         if res.changed:
             cancelled += 1
-            if res.old_phase == "waiting" and res.old_token:
+            if res.old_phase == Phase.WAITING.value and res.old_token:
                 revoke.append(res.old_token)
     if revoke:
         try:

@@ -48,6 +48,8 @@ def render_job(raw: dict, include_instance: bool = True) -> dict:
         "instance_index": int(raw.get("instance_index", 0)),
         "sample_index": int(raw.get("sample_index", 0)),
         "requeues": int(raw.get("requeues", 0)),
+        # Earlier attempts of a re-queued job: why each ended (the newest few).
+        "attempts": json.loads(raw["attempts"]) if raw.get("attempts") else [],
         "created_at": _f(raw, "created_at"),
         "deadline_at": _f(raw, "deadline_at"),
         "finished_at": _f(raw, "finished_at"),
@@ -59,6 +61,6 @@ def render_job(raw: dict, include_instance: bool = True) -> dict:
         "result": json.loads(raw["result"]) if raw.get("result") and terminal else None,
     }
     if include_instance:
-        doc["instance"] = json.loads(raw.get("instance", "null"))
+        doc["instance"] = json.loads(raw.get("instance") or "null")
         doc["sampling"] = json.loads(raw.get("sampling", "{}"))
     return doc

@@ -1,41 +1,58 @@
 """Lua scripts for atomic job transitions.
 
-Every script receives the key prefix as ARGV[1] and builds its keys from it and from
-the job id (the job's batch and queue are read from the job hash, so they cannot be
-declared up front; the farm targets a single Redis, not Redis Cluster). Times come
-from Redis ``TIME`` so that timings agree across nodes whatever their clocks say.
+Keys come from the table ``K`` (:data:`prorl_farm.keys.LUA`); a script builds per-job keys
+from the job id and reads the job's batch and queue from its hash (the farm targets a
+single Redis, not Redis Cluster). Times come from Redis ``TIME`` so that timings agree
+across nodes whatever their clocks say. Outcome strings are the values of the enums in
+:mod:`prorl_farm.jobs.states`.
 
-Job hash fields: ``id batch_id handler instance sampling sample_index state stage phase
-token queue node worker requeues created_at deadline_at finished_at failure_kind
-failure_message hstate result reward`` and ``t_<stage>_{queued,start,end}``.
+Job hash fields: ``id batch_id handler instance_id instance_index sample_index sampling
+state stage phase token queue node worker requeues attempts created_at deadline_at
+finished_at failure_kind failure_message hstate result reward`` and
+``t_<stage>_{queued,start,end}``.
 """
 
+from prorl_farm import keys
+from prorl_farm.config import STAGES
 from prorl_farm.llm.scripts import RELEASE_FN
 
-PRELUDE = r"""
-local P = ARGV[1]
+# Fields that belong to one attempt: a re-queued job starts again without them.
+ATTEMPT_FIELDS = ["hstate", "result", "node", "worker", "reward"] + [
+    f"t_{stage}_{k}" for stage in STAGES for k in ("queued", "start", "end")]
+# Earlier attempts' failures kept in a re-queued job's ``attempts`` (the newest).
+MAX_ATTEMPT_HISTORY = 5
+
+PRELUDE = keys.LUA + RELEASE_FN + r"""
 local TERMINAL = {done = true, failed = true, cancelled = true}
+local ATTEMPT_FIELDS = {""" + ", ".join(f"'{f}'" for f in ATTEMPT_FIELDS) + r"""}
 local function now_s()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1e6
 end
 local function fmt(x) return string.format('%.6f', x) end
-local function jkey(id) return P .. 'job:' .. id end
-""" + RELEASE_FN + r"""
 
 -- Move a job to another state, keeping its batch's per-state counters exact.
 local function set_state(jk, old, new, batch)
   if old == new then return end
   redis.call('HSET', jk, 'state', new)
-  local ck = P .. 'batch:' .. batch .. ':counts'
+  local ck = K.batch_counts(batch)
   redis.call('HINCRBY', ck, old, -1)
   redis.call('HINCRBY', ck, new, 1)
 end
 
+-- Drop a job from the indexes of the queue it waits on.
+local function unqueue(id, queue)
+  if queue and queue ~= '' then
+    redis.call('ZREM', K.queued(queue), id)
+    redis.call('ZREM', K.published(queue), id)
+  end
+end
+
 -- The one way into a terminal state. Returns "<old state>:<old phase>:<old token>".
 local function finish(id, jk, state, kind, msg, ttl, now)
-  local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token')
-  local old, stage, phase, batch, queue, token = j[1], j[2], j[3], j[4], j[5], j[6]
+  local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token',
+                       'instance_id')
+  local old, stage, phase, batch, queue, token, inst = j[1], j[2], j[3], j[4], j[5], j[6], j[7]
   if phase == 'active' then redis.call('HSET', jk, 't_' .. stage .. '_end', fmt(now)) end
   redis.call('HSET', jk, 'phase', 'end', 'finished_at', fmt(now))
   if kind ~= '' then
@@ -43,27 +60,30 @@ local function finish(id, jk, state, kind, msg, ttl, now)
   end
   set_state(jk, old, state, batch)
   release_backend(id)
-  local bk = P .. 'batch:' .. batch
-  redis.call('XADD', bk .. ':stream', '*', 'job', id, 'state', state)
-  redis.call('ZREM', P .. 'active', id)
-  redis.call('ZREM', P .. 'deadlines', id)
-  if queue then redis.call('ZREM', P .. 'queued:' .. queue, id) end
-  redis.call('HINCRBY', P .. 'stats', state, 1)
+  redis.call('XADD', K.batch_stream(batch), '*', 'job', id, 'state', state)
+  redis.call('ZREM', K.ACTIVE, id)
+  redis.call('ZREM', K.DEADLINES, id)
+  unqueue(id, queue)
+  redis.call('HINCRBY', K.STATS, state, 1)
   redis.call('EXPIRE', jk, ttl)
-  for _, suffix in ipairs({'', ':counts', ':stream', ':jobs'}) do
-    redis.call('EXPIRE', bk .. suffix, ttl)
+  if inst then redis.call('EXPIRE', K.instance(inst), ttl) end
+  for _, k in ipairs({K.batch(batch), K.batch_counts(batch), K.batch_stream(batch),
+                      K.batch_jobs(batch)}) do
+    redis.call('EXPIRE', k, ttl)
   end
   return old .. ':' .. phase .. ':' .. (token or '')
 end
 """
 
-# Claim a stage for a worker. ARGV: prefix, job, stage, token, worker, ttl_s.
-# Returns {"ok", <HGETALL>} | {"missing"} | {"terminal"} | {"stale"} | {"expired"}.
-# "stale": the message is a redelivery of a stage that already ran or is running.
+# Claim a stage for a worker. ARGV: job, stage, token, worker, ttl_s.
+# Returns {"ok", <HGETALL>, <instance JSON>} | {"missing"} | {"terminal"} | {"stale"} |
+# {"expired"}. "stale": a redelivery of a stage that already ran or runs, or of an
+# earlier attempt.
 CLAIM = r"""
-local id, stage, token, worker, ttl = ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
-local jk = jkey(id)
-local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'token', 'deadline_at', 'batch_id', 'queue')
+local id, stage, token, worker, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local jk = K.job(id)
+local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'token', 'deadline_at', 'batch_id',
+                     'queue', 't_' .. stage .. '_queued', 'instance_id')
 if not j[1] then return {'missing'} end
 if TERMINAL[j[1]] then return {'terminal'} end
 if j[2] ~= stage or j[4] ~= token or j[3] ~= 'waiting' then return {'stale'} end
@@ -74,29 +94,29 @@ if j[5] and j[5] ~= '' and tonumber(j[5]) <= now then
 end
 redis.call('HSET', jk, 'phase', 'active', 'worker', worker, 't_' .. stage .. '_start', fmt(now))
 set_state(jk, j[1], stage, j[6])
-redis.call('ZADD', P .. 'active', now, id)
-if j[7] then
-  -- Queues are FIFO: remember the newest enqueue time claimed from this queue, so that the
-  -- reaper can tell a message lost in transit (older, unclaimed, held by no one).
-  local qk = P .. 'queued:' .. j[7]
-  local t = redis.call('ZSCORE', qk, id)
-  local last = redis.call('HGET', P .. 'claimed', j[7])
-  if t and (not last or tonumber(t) > tonumber(last)) then
-    redis.call('HSET', P .. 'claimed', j[7], t)
+redis.call('ZADD', K.ACTIVE, now, id)
+if j[7] and j[8] then
+  -- Queues are FIFO. t_<stage>_queued was taken before this job's message was pushed, so
+  -- every message whose push completed before it (published score below it) was popped
+  -- before this one: the reaper uses the newest such time to tell a lost message.
+  local last = redis.call('HGET', K.CLAIMED, j[7])
+  if not last or tonumber(j[8]) > tonumber(last) then
+    redis.call('HSET', K.CLAIMED, j[7], j[8])
   end
-  redis.call('ZREM', qk, id)
 end
-return {'ok', redis.call('HGETALL', jk)}
+unqueue(id, j[7])
+local inst = j[9] and redis.call('GET', K.instance(j[9])) or false
+return {'ok', redis.call('HGETALL', jk), inst}
 """
 
 # Hand a job from a finished stage to the next one's queue.
-# ARGV: prefix, job, from_stage, token, to_stage, new_token, queue, node, field, value.
+# ARGV: job, from_stage, token, to_stage, new_token, queue, node, field, value.
 # The job stays in the active set under this worker's heartbeat until HANDED_OFF runs
 # after the publish, so a crash between the two is caught by the reaper.
 ADVANCE = r"""
-local id, from, token, to, new = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local queue, node, field, value = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
-local jk = jkey(id)
+local id, from, token, to, new = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local queue, node, field, value = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local jk = K.job(id)
 local j = redis.call('HMGET', jk, 'state', 'phase', 'token', 'batch_id')
 if not j[1] then return 'missing' end
 if TERMINAL[j[1]] then return 'terminal' end
@@ -106,46 +126,53 @@ redis.call('HSET', jk, 't_' .. from .. '_end', fmt(now), 'stage', to, 'phase', '
   'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now), 'node', node, field, value)
 set_state(jk, j[1], to, j[4])
 release_backend(id)  -- a backend slot is held within a stage, never across a hand-off
-redis.call('ZADD', P .. 'queued:' .. queue, now, id)
-redis.call('SADD', P .. 'queues', queue)
+redis.call('ZADD', K.queued(queue), now, id)
+redis.call('SADD', K.QUEUES, queue)
 return 'ok'
 """
 
-# After the publish: drop the previous worker's heartbeat of each job unless the next stage
-# already claimed it. ARGV: prefix, then job/new_token pairs.
+# After the publish of each job's message (submit, hand-off, re-queue): record that its push
+# completed (published:<queue>, for the lost-message check) and drop the heartbeat the
+# previous worker left, unless the next stage already claimed the job.
+# ARGV: job/token pairs.
 HANDED_OFF = r"""
-for i = 2, #ARGV, 2 do
-  local j = redis.call('HMGET', jkey(ARGV[i]), 'token', 'phase')
-  if j[1] == ARGV[i + 1] and j[2] == 'waiting' then redis.call('ZREM', P .. 'active', ARGV[i]) end
+local now = now_s()
+for i = 1, #ARGV, 2 do
+  local id = ARGV[i]
+  local j = redis.call('HMGET', K.job(id), 'token', 'phase', 'queue')
+  if j[1] == ARGV[i + 1] and j[2] == 'waiting' then
+    redis.call('ZREM', K.ACTIVE, id)
+    redis.call('ZADD', K.published(j[3]), now, id)
+  end
 end
 return 1
 """
 
-# Terminal transition. ARGV: prefix, job, token ('' = any), state, kind, message, ttl_s,
+# Terminal transition. ARGV: job, token ('' = any), state, kind, message, ttl_s,
 # then field/value pairs to set. Returns "ok:<old state>:<old phase>:<old token>",
 # "terminal:<state>", "stale" or "missing".
 FINISH = r"""
-local id, token, state, kind, msg, ttl = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], tonumber(ARGV[7])
-local jk = jkey(id)
+local id, token, state, kind, msg, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
+local jk = K.job(id)
 local j = redis.call('HMGET', jk, 'state', 'token', 'phase')
 if not j[1] then return 'missing' end
 if TERMINAL[j[1]] then return 'terminal:' .. j[1] end
 if token ~= '' and (j[2] ~= token or j[3] ~= 'active') then return 'stale' end
-for i = 8, #ARGV, 2 do redis.call('HSET', jk, ARGV[i], ARGV[i + 1]) end
+for i = 7, #ARGV, 2 do redis.call('HSET', jk, ARGV[i], ARGV[i + 1]) end
 return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s())
 """
 
 # Refresh the heartbeat of jobs a worker holds (reserved or running).
-# ARGV: prefix, then job/token pairs. Returns the flat job/token pairs the worker must
-# abort: the job is gone, terminal, or has moved on to another attempt.
+# ARGV: job/token pairs. Returns the flat job/token pairs the worker must abort: the job is
+# gone, terminal, or has moved on to another attempt.
 HEARTBEAT = r"""
 local now = now_s()
 local abort = {}
-for i = 2, #ARGV, 2 do
+for i = 1, #ARGV, 2 do
   local id, tok = ARGV[i], ARGV[i + 1]
-  local j = redis.call('HMGET', jkey(id), 'state', 'token')
+  local j = redis.call('HMGET', K.job(id), 'state', 'token')
   if j[1] and not TERMINAL[j[1]] and j[2] == tok then
-    redis.call('ZADD', P .. 'active', now, id)
+    redis.call('ZADD', K.ACTIVE, now, id)
   else
     abort[#abort + 1] = id
     abort[#abort + 1] = tok
@@ -154,67 +181,81 @@ end
 return abort
 """
 
-# Recover a job whose worker died. ARGV: prefix, job, mode ('active' | 'queued' | 'orphan'),
-# cutoff (epoch s: a heartbeat older than this is dead), queue (for 'queued'; for 'orphan'
-# the token of the orphaned message),
-# max_requeues, new_token, ttl_s, message.
+# Recover a job whose worker died or whose message was lost. Idempotent: it acts only if
+# the job still carries the token the caller saw, so overlapping sweeps cannot reap one
+# attempt twice.
+# ARGV: job, mode, cutoff (epoch s: a heartbeat older than this is dead), expected token,
+# queue ('' for mode 'active'), max_requeues, new_token, ttl_s, message, max history.
+# Modes: 'active' (stale heartbeat), 'queued' (waiting on a dead node's queue), 'orphan'
+# (its message was reserved by a dead worker), 'lost' (its message left the queue unclaimed).
 # Returns 'alive' | 'gone' | 'moved' | 'requeue' (caller publishes to init, then calls
 # HANDED_OFF) | 'failed'.
 REAP = r"""
-local id, mode, cutoff, queue = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local id, mode, cutoff, expect, queue = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local maxrq, new, ttl, msg = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8]), ARGV[9]
-local jk = jkey(id)
-local j = redis.call('HMGET', jk, 'state', 'phase', 'queue', 'requeues', 'batch_id', 'stage')
+local keep = tonumber(ARGV[10])
+local jk = K.job(id)
+local j = redis.call('HMGET', jk, 'state', 'phase', 'queue', 'requeues', 'batch_id', 'stage',
+                     'token', 'node', 'attempts')
 if not j[1] or TERMINAL[j[1]] then
-  redis.call('ZREM', P .. 'active', id)
-  if queue ~= '' then redis.call('ZREM', P .. 'queued:' .. queue, id) end
+  redis.call('ZREM', K.ACTIVE, id)
+  unqueue(id, queue)
   return 'gone'
 end
-local beat = redis.call('ZSCORE', P .. 'active', id)
+if j[7] ~= expect then return 'moved' end
+local beat = redis.call('ZSCORE', K.ACTIVE, id)
 if beat and tonumber(beat) >= cutoff then return 'alive' end
 if mode == 'active' then
-  if not beat then return 'alive' end
-elseif mode == 'orphan' then
-  -- ARGV[5] is the token of a message a dead worker had reserved
-  if j[2] ~= 'waiting' or redis.call('HGET', jk, 'token') ~= queue then return 'moved' end
-elseif j[2] ~= 'waiting' or j[3] ~= queue then
-  redis.call('ZREM', P .. 'queued:' .. queue, id)
+  if not beat then return 'moved' end
+elseif j[2] ~= 'waiting' or (mode ~= 'orphan' and j[3] ~= queue) then
   return 'moved'
 end
 local now = now_s()
 local n = tonumber(j[4] or '0')
-if n < maxrq then
-  if j[2] == 'active' then redis.call('HSET', jk, 't_' .. j[6] .. '_end', fmt(now)) end
-  if j[3] then redis.call('ZREM', P .. 'queued:' .. j[3], id) end
-  redis.call('HSET', jk, 'stage', 'init', 'phase', 'waiting', 'token', new, 'queue', 'init',
-    'requeues', n + 1, 't_init_queued', fmt(now), 'last_requeue_reason', msg)
-  set_state(jk, j[1], 'queued', j[5])
-  release_backend(id)
-  -- The job keeps its stale heartbeat until the caller has published the new INIT message
-  -- (HANDED_OFF): should the publish fail, the next sweep finds it again.
-  redis.call('ZADD', P .. 'queued:init', now, id)
-  return 'requeue'
+if n >= maxrq then
+  finish(id, jk, 'failed', 'worker_lost', msg, ttl, now)
+  return 'failed'
 end
-finish(id, jk, 'failed', 'worker_lost', msg, ttl, now)
-return 'failed'
+-- A clean attempt: nothing of the last one but the count and a line of history.
+local history = j[9] and cjson.decode(j[9]) or {}
+table.insert(history, {attempt = n, stage = j[6], node = j[8] or cjson.null, reason = msg,
+                       at = tonumber(fmt(now))})
+while #history > keep do table.remove(history, 1) end
+unqueue(id, j[3])
+redis.call('HDEL', jk, unpack(ATTEMPT_FIELDS))
+redis.call('HSET', jk, 'stage', 'init', 'phase', 'waiting', 'token', new, 'queue', 'init',
+  'requeues', n + 1, 't_init_queued', fmt(now), 'attempts', cjson.encode(history))
+set_state(jk, j[1], 'queued', j[5])
+release_backend(id)
+redis.call('ZADD', K.queued('init'), now, id)
+-- A fresh heartbeat until the caller has published the new INIT message (HANDED_OFF drops
+-- it): should the publish fail, the job goes stale again and a later sweep finds it.
+redis.call('ZADD', K.ACTIVE, now, id)
+return 'requeue'
 """
 
-# Fail every non-terminal job whose deadline has passed. ARGV: prefix, ttl_s, limit.
+# Fail every non-terminal job whose deadline has passed. ARGV: ttl_s, limit.
 # Returns the number of jobs failed.
 EXPIRE_DEADLINES = r"""
-local ttl, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
+local ttl, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local now = now_s()
-local ids = redis.call('ZRANGEBYSCORE', P .. 'deadlines', '-inf', now, 'LIMIT', 0, limit)
+local ids = redis.call('ZRANGEBYSCORE', K.DEADLINES, '-inf', now, 'LIMIT', 0, limit)
 local n = 0
 for _, id in ipairs(ids) do
-  local jk = jkey(id)
+  local jk = K.job(id)
   local state = redis.call('HGET', jk, 'state')
   if state and not TERMINAL[state] then
     finish(id, jk, 'failed', 'timeout', 'job deadline passed', ttl, now)
     n = n + 1
   else
-    redis.call('ZREM', P .. 'deadlines', id)
+    redis.call('ZREM', K.DEADLINES, id)
   end
 end
 return n
+"""
+
+# Release a lock only if this holder still holds it. KEYS: lock. ARGV: value.
+RELEASE_LOCK = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """

@@ -31,3 +31,44 @@ class FailureKind(str, Enum):
 
 
 NEXT_STAGE = {"init": "run", "run": "eval", "eval": None}
+
+
+class Phase(str, Enum):
+    """Where a job is within its current stage."""
+
+    WAITING = "waiting"  # its message is on the stage's queue (or held by a worker)
+    ACTIVE = "active"  # a worker claimed the stage and runs it
+    END = "end"  # terminal
+
+
+class Claim(str, Enum):
+    """Outcome of claiming a stage (the CLAIM script)."""
+
+    OK = "ok"
+    MISSING = "missing"  # no such job (expired, never existed)
+    TERMINAL = "terminal"  # already done, failed or cancelled
+    STALE = "stale"  # a redelivery of a stage that ran or runs, or of an earlier attempt
+    EXPIRED = "expired"  # its deadline passed while queued: failed now with timeout
+
+
+class Reap(str, Enum):
+    """Outcome of recovering a job whose worker may be dead (the REAP script)."""
+
+    ALIVE = "alive"  # a fresh heartbeat: a live worker holds it
+    GONE = "gone"  # terminal or missing: nothing to do but drop its index entries
+    MOVED = "moved"  # it moved on (another token, stage or queue) since it was looked at
+    REQUEUE = "requeue"  # started again at INIT: the caller publishes the new message
+    FAILED = "failed"  # re-queues used up: failed worker_lost
+
+
+class StageOutcome(str, Enum):
+    """What one stage task did (the Celery task's return value, and its log line)."""
+
+    HANDED_OFF = "handed off"  # the next stage's message is published
+    DONE = "done"  # EVAL finished the job
+    FAILED = "failed"  # the stage failed the job
+    ABORTED = "aborted"  # the job ended elsewhere (cancelled, timed out, reaped)
+    STALE = "stale"  # the job moved on before this stage could record its outcome
+    PUBLISH_FAILED = "publish failed"  # the reaper will re-queue it
+    NOT_RUN = "not run"  # claim refused (redelivery, terminal, expired)
+

@@ -12,21 +12,32 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from prorl_farm import keys
 from prorl_farm.config import Settings
-from prorl_farm.errors import NotFound
-from prorl_farm.jobs import keys, scripts
-from prorl_farm.jobs.states import ALL_STATES, JobState
+from prorl_farm.errors import ConfigError, NotFound
+from prorl_farm.jobs import scripts
+from prorl_farm.jobs.states import ALL_STATES, Claim, JobState, Reap
 
 log = logging.getLogger(__name__)
 
+
+# A blocking read (the results long-poll) may take this much longer than it asked for before
+# the socket gives up: the socket timeout is max_wait_s plus this.
+SOCKET_SLACK_S = 30.0
+# Jobs whose publish is recorded per HANDED_OFF call.
+HANDED_OFF_CHUNK = 2000
+
+
 def connect(settings: Settings, max_connections: int = 64) -> redis.Redis:
     """A Redis client for a process with many threads: callers wait for a free connection
-    (never fail for want of one), and transient connection errors are retried."""
+    (never fail for want of one), and transient connection errors are retried. The socket
+    timeout lies above the longest blocking read the farm makes (``max_wait_s``)."""
     if not settings.redis_url:
-        raise ValueError("PRORL_REDIS_URL is not set")
+        raise ConfigError("PRORL_REDIS_URL is not set")
     pool = redis.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=max_connections, timeout=30,
-        decode_responses=True, health_check_interval=30)
+        decode_responses=True, health_check_interval=30,
+        socket_timeout=settings.max_wait_s + SOCKET_SLACK_S, socket_connect_timeout=10)
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
     return redis.Redis(connection_pool=pool, retry=retry,
                        retry_on_error=[redis.exceptions.ConnectionError,
@@ -66,13 +77,14 @@ class JobStore:
             for name in ("CLAIM", "ADVANCE", "HANDED_OFF", "FINISH", "HEARTBEAT", "REAP",
                          "EXPIRE_DEADLINES")
         }
+        self._release_lock = client.register_script(scripts.RELEASE_LOCK)
 
     @classmethod
     def from_settings(cls, settings: Settings, max_connections: int = 64) -> JobStore:
         return cls(connect(settings, max_connections), settings)
 
     def _call(self, name: str, *args):
-        return self._scripts[name](args=[keys.PREFIX, *args])
+        return self._scripts[name](args=list(args))
 
     @property
     def _ttl(self) -> int:
@@ -89,30 +101,38 @@ class JobStore:
         sampling: dict,
         deadline_s: float | None,
     ) -> list[NewJob]:
-        """Write every job of one request atomically (MULTI/EXEC), all waiting for INIT."""
+        """Write every job of one request atomically (MULTI/EXEC), all waiting for INIT.
+
+        Each instance is stored once and shared by its ``n`` samples."""
         now = self.server_time()
         deadline_at = f"{now + deadline_s:.6f}" if deadline_s else ""
         sampling_json = json.dumps(sampling)
         jobs: list[NewJob] = []
         pipe = self.r.pipeline(transaction=True)
+        # Until its jobs finish (finish() extends it), an instance lives twice the result TTL.
+        instance_ttl = 2 * self._ttl + int(deadline_s or 0)
         for index, instance in enumerate(instances):
-            instance_json = json.dumps(instance)
+            instance_id = new_id()
+            pipe.set(keys.instance(instance_id), json.dumps(instance), ex=instance_ttl)
             for sample in range(n):
                 job = NewJob(new_id(), new_id())
                 jobs.append(job)
                 pipe.hset(keys.job(job.job_id), mapping={
                     "id": job.job_id, "batch_id": batch_id, "handler": handler,
-                    "instance": instance_json, "instance_index": index, "sample_index": sample,
-                    "sampling": sampling_json, "state": JobState.QUEUED.value, "stage": "init",
-                    "phase": "waiting", "token": job.token, "queue": "init", "requeues": 0,
+                    "instance_id": instance_id, "instance_index": index,
+                    "sample_index": sample, "sampling": sampling_json,
+                    "state": JobState.QUEUED.value, "stage": "init", "phase": "waiting",
+                    "token": job.token, "queue": "init", "requeues": 0,
                     "created_at": f"{now:.6f}", "t_init_queued": f"{now:.6f}",
                     "deadline_at": deadline_at,
                 })
         ids = [j.job_id for j in jobs]
         pipe.hsetnx(keys.batch(batch_id), "created_at", f"{now:.6f}")
+        pipe.hsetnx(keys.batch(batch_id), "handler", handler)
         pipe.hincrby(keys.batch(batch_id), "total", len(jobs))
         pipe.hincrby(keys.batch_counts(batch_id), JobState.QUEUED.value, len(jobs))
         pipe.rpush(keys.batch_jobs(batch_id), *ids)
+        pipe.zadd(keys.BATCHES, {batch_id: now}, nx=True)
         pipe.zadd(keys.queued("init"), {i: now for i in ids})
         pipe.sadd(keys.QUEUES, "init")
         if deadline_s:
@@ -122,13 +142,16 @@ class JobStore:
 
     # -- stage transitions ----------------------------------------------------------------
 
-    def claim(self, job_id: str, stage: str, token: str, worker: str) -> tuple[str, dict]:
-        """Claim ``stage`` of a job for ``worker``: ("ok", job fields) or (reason, {})."""
+    def claim(self, job_id: str, stage: str, token: str, worker: str) -> tuple[Claim, dict]:
+        """Claim ``stage`` of a job for ``worker``: (OK, job fields with its ``instance``
+        JSON) or (the reason, {})."""
         out = self._call("CLAIM", job_id, stage, token, worker, self._ttl)
-        if out[0] != "ok":
-            return out[0], {}
+        if out[0] != Claim.OK.value:
+            return Claim(out[0]), {}
         flat = out[1]
-        return "ok", dict(zip(flat[::2], flat[1::2]))
+        raw = dict(zip(flat[::2], flat[1::2]))
+        raw["instance"] = out[2] if len(out) > 2 and out[2] else None
+        return Claim.OK, raw
 
     def advance(self, job_id: str, from_stage: str, token: str, to_stage: str, queue: str,
                 node: str, field: str, value: str) -> str | None:
@@ -139,10 +162,11 @@ class JobStore:
         return new_token if out == "ok" else None
 
     def handed_off(self, pairs: Iterable[tuple[str, str]]) -> None:
-        """The messages for these (job, new token) pairs are published: stop heartbeating."""
+        """The messages for these (job, new token) pairs are published: record it, and stop
+        heartbeating them."""
         flat = [x for pair in pairs for x in pair]
-        if flat:
-            self._call("HANDED_OFF", *flat)
+        for i in range(0, len(flat), 2 * HANDED_OFF_CHUNK):
+            self._call("HANDED_OFF", *flat[i:i + 2 * HANDED_OFF_CHUNK])
 
     def finish(self, job_id: str, state: JobState, kind: str = "", message: str = "",
                token: str = "", fields: dict | None = None) -> Finished:
@@ -165,23 +189,40 @@ class JobStore:
         out = self._call("HEARTBEAT", *flat)
         return list(zip(out[::2], out[1::2]))
 
-    def reap(self, job_id: str, mode: str, cutoff: float, queue: str, message: str
-             ) -> tuple[str, str]:
-        """Recover one job whose worker is dead; returns (outcome, new token if requeued)."""
+    def reap(self, job_id: str, mode: str, cutoff: float, expect_token: str, queue: str,
+             message: str) -> tuple[Reap, str]:
+        """Recover one job whose worker is dead, if it still carries ``expect_token``;
+        returns (outcome, new token if re-queued). See scripts.REAP for the modes."""
         token = new_id()
-        out = self._call("REAP", job_id, mode, cutoff, queue, self.settings.max_requeues,
-                         token, self._ttl, message)
-        return out, token
+        out = self._call("REAP", job_id, mode, cutoff, expect_token, queue,
+                         self.settings.max_requeues, token, self._ttl, message,
+                         scripts.MAX_ATTEMPT_HISTORY)
+        return Reap(out), token
+
+    def tokens(self, job_ids: Sequence[str]) -> list[str | None]:
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(keys.job(job_id), "token")
+        return pipe.execute()
+
+    def try_lock(self, key: str, value: str, ttl_s: float) -> bool:
+        return bool(self.r.set(key, value, nx=True, px=max(1, int(ttl_s * 1000))))
+
+    def unlock(self, key: str, value: str) -> None:
+        self._release_lock(keys=[key], args=[value])
 
     def expire_deadlines(self, limit: int = 1000) -> int:
         return int(self._call("EXPIRE_DEADLINES", self._ttl, limit))
 
     # -- reads ----------------------------------------------------------------------------
 
-    def get_raw(self, job_id: str) -> dict:
+    def get_raw(self, job_id: str, with_instance: bool = True) -> dict:
+        """The job's hash, with its ``instance`` JSON when asked for."""
         raw = self.r.hgetall(keys.job(job_id))
         if not raw:
             raise NotFound(f"job {job_id!r} not found")
+        if with_instance and raw.get("instance_id"):
+            raw["instance"] = self.r.get(keys.instance(raw["instance_id"]))
         return raw
 
     def state_of(self, job_id: str) -> str | None:
@@ -204,6 +245,29 @@ class JobStore:
         meta, counts = pipe.execute()
         if not meta:
             raise NotFound(f"batch {batch_id!r} not found")
+        return self._summary(batch_id, meta, counts)
+
+    def recent_batches(self, limit: int) -> list[dict]:
+        """The newest batches (by creation) still stored, with their counts."""
+        ids = self.r.zrevrange(keys.BATCHES, 0, limit - 1)
+        pipe = self.r.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hgetall(keys.batch(batch_id))
+            pipe.hgetall(keys.batch_counts(batch_id))
+        rows = pipe.execute()
+        out, gone = [], []
+        for i, batch_id in enumerate(ids):
+            meta, counts = rows[2 * i], rows[2 * i + 1]
+            if meta:
+                out.append(self._summary(batch_id, meta, counts))
+            else:
+                gone.append(batch_id)  # expired: drop it from the index
+        if gone:
+            self.r.zrem(keys.BATCHES, *gone)
+        return out
+
+    @staticmethod
+    def _summary(batch_id: str, meta: dict, counts: dict) -> dict:
         counts = {s: int(counts.get(s, 0)) for s in ALL_STATES}
         terminal = counts["done"] + counts["failed"] + counts["cancelled"]
         return {
@@ -213,6 +277,7 @@ class JobStore:
             "finished": terminal,
             "complete": terminal == int(meta.get("total", 0)),
             "created_at": float(meta.get("created_at", 0)),
+            "handler": meta.get("handler"),
         }
 
     def batch_job_ids(self, batch_id: str) -> list[str]:
@@ -220,12 +285,13 @@ class JobStore:
 
     def batch_results(self, batch_id: str, cursor: str, limit: int, wait_s: float
                       ) -> tuple[list[dict], str]:
-        """Finished jobs after ``cursor`` in the order they finished; blocks up to ``wait_s``."""
-        if not self.batch_exists(batch_id):
-            raise NotFound(f"batch {batch_id!r} not found")
+        """Finished jobs after ``cursor`` in the order they finished; blocks up to ``wait_s``
+        (at most ``max_wait_s``) while there are none, unless the batch is complete."""
+        summary = self.batch_summary(batch_id)  # 404 for an unknown batch
         stream = keys.batch_stream(batch_id)
         entries = self.r.xrange(stream, min=f"({cursor}", count=limit)
-        if not entries and wait_s > 0:
+        wait_s = min(wait_s, self.settings.max_wait_s)
+        if not entries and wait_s > 0 and not summary["complete"]:
             got = self.r.xread({stream: cursor}, count=limit, block=max(1, int(wait_s * 1000)))
             entries = got[0][1] if got else []
         if not entries:

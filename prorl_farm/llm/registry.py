@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from prorl_farm import keys
 from prorl_farm.errors import NotFound
-from prorl_farm.jobs.keys import PREFIX
-from prorl_farm.llm import keys, scripts
+from prorl_farm.llm import scripts
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,20 @@ KINDS = ("vllm", "sglang")
 # SGLANG_RETURN_ORIGINAL_LOGPROB=1).
 DEFAULT_LOGPROBS_MODE = {"vllm": "raw_logprobs", "sglang": "processed_logprobs"}
 HEALTH_PATH = "/health"
+
+
+def probe(url: str, timeout_s: float = 2.0) -> str | None:
+    """GET the backend's health route: None if it answers 200, else what went wrong."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + HEALTH_PATH, timeout=timeout_s) as resp:
+            if resp.status == 200:
+                return None
+            return f"{HEALTH_PATH} answered {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"{HEALTH_PATH} answered {e.code}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        return f"{HEALTH_PATH} unreachable: {reason}"
 
 
 @dataclass(frozen=True)
@@ -58,20 +72,24 @@ class BackendRegistry:
                    for name in ("ACQUIRE", "RELEASE", "UPDATE", "RECORD_LATENCY")}
 
     def _call(self, name: str, *args):
-        return self._s[name](args=[PREFIX, *args])
+        return self._s[name](args=list(args))
 
     # -- registration ---------------------------------------------------------------------
 
-    def register(self, spec: BackendSpec) -> str:
+    def register(self, spec: BackendSpec, probe_error: str | None = "") -> str:
+        """Register a backend. ``probe_error``: what probing it at registration found (None
+        or "" = healthy; see :func:`probe`); an unhealthy backend stays out of the heap
+        until the reaper's background probe finds it healthy."""
         backend_id = uuid.uuid4().hex[:12]
         fields = asdict(spec)
         fields["logprobs_mode"] = spec.logprobs_mode or DEFAULT_LOGPROBS_MODE[spec.kind]
-        fields.update(id=backend_id, healthy=1, drained=0, registered_at=f"{time.time():.3f}",
-                      jobs_total=0, requests_total=0, last_error="")
+        fields.update(id=backend_id, healthy=0 if probe_error else 1, drained=0,
+                      registered_at=f"{time.time():.3f}", jobs_total=0, requests_total=0,
+                      last_error=(probe_error or "")[:500])
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(keys.backend(backend_id), mapping=fields)
-        pipe.sadd(keys.ALL, backend_id)
-        pipe.hset(keys.INFLIGHT, backend_id, 0)
+        pipe.sadd(keys.BACKENDS, backend_id)
+        pipe.hset(keys.BACKEND_INFLIGHT, backend_id, 0)
         pipe.execute()
         self._update(backend_id)
         log.info("registered %s backend %s at %s (capacity %d)", spec.kind, backend_id,
@@ -82,10 +100,10 @@ class BackendRegistry:
         """Remove a backend; jobs pinned to it fail over at their next turn."""
         self._require(backend_id)
         pipe = self.r.pipeline(transaction=True)
-        pipe.zrem(keys.HEAP, backend_id)
+        pipe.zrem(keys.BACKEND_HEAP, backend_id)
         pipe.delete(keys.backend(backend_id))
-        pipe.srem(keys.ALL, backend_id)
-        pipe.hdel(keys.INFLIGHT, backend_id)
+        pipe.srem(keys.BACKENDS, backend_id)
+        pipe.hdel(keys.BACKEND_INFLIGHT, backend_id)
         pipe.execute()
 
     def _update(self, backend_id: str, **fields) -> bool:
@@ -122,8 +140,8 @@ class BackendRegistry:
     def get(self, backend_id: str) -> dict:
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(keys.backend(backend_id))
-        pipe.hget(keys.INFLIGHT, backend_id)
-        pipe.zscore(keys.HEAP, backend_id)
+        pipe.hget(keys.BACKEND_INFLIGHT, backend_id)
+        pipe.zscore(keys.BACKEND_HEAP, backend_id)
         raw, inflight, score = pipe.execute()
         if not raw:
             raise NotFound(f"backend {backend_id!r} not found")
@@ -146,7 +164,7 @@ class BackendRegistry:
         }
 
     def list(self) -> list[dict]:
-        ids = sorted(self.r.smembers(keys.ALL))
+        ids = sorted(self.r.smembers(keys.BACKENDS))
         out = []
         for backend_id in ids:
             try:
@@ -164,7 +182,7 @@ class BackendRegistry:
         return Backend(backend_id, *vals)
 
     def in_flight(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self.r.hgetall(keys.INFLIGHT).items()}
+        return {k: int(v) for k, v in self.r.hgetall(keys.BACKEND_INFLIGHT).items()}
 
     # -- the heap -------------------------------------------------------------------------
 
@@ -182,7 +200,7 @@ class BackendRegistry:
     def audit_log(self) -> list[dict]:
         """Acquire audit records: chosen backend, its capacity, and the heap just after."""
         out = []
-        for row in self.r.lrange(keys.AUDIT, 0, -1):
+        for row in self.r.lrange(keys.BACKEND_AUDIT, 0, -1):
             snap = json.loads(row)
             chosen, cap, flat = snap[0], float(snap[1]), snap[2:]
             out.append({"chosen": chosen, "capacity": cap,
@@ -197,13 +215,7 @@ class BackendRegistry:
         for b in self.list():
             if b["healthy"]:
                 continue
-            try:
-                with urllib.request.urlopen(b["url"].rstrip("/") + HEALTH_PATH,
-                                            timeout=timeout_s) as resp:
-                    ok = resp.status == 200
-            except (urllib.error.URLError, OSError, ValueError):
-                ok = False
-            if ok:
+            if probe(b["url"], timeout_s) is None:
                 self.mark_healthy(b["id"])
                 recovered.append(b["id"])
         return recovered

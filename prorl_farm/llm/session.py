@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from prorl_farm.context import JobContext
 from prorl_farm.errors import BackendError, BackendUnavailable
-from prorl_farm.handlers.base import JobContext
 from prorl_farm.llm.clients import Generation, client_for
 from prorl_farm.llm.registry import Backend, BackendRegistry
 

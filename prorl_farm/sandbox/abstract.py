@@ -9,28 +9,24 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prorl_farm.errors import FarmError
+from prorl_farm.errors import SandboxError
+from prorl_farm.sandbox.process import (
+    IP_ENV,
+    SANDBOX_ENV,
+    Limits,
+    kill_group,
+    pid_alive,
+    processes_of,
+    reap,
+    spawn,
+    wait_ready,
+)
 
-SANDBOX_ENV = "PRORL_SANDBOX_ID"
-IP_ENV = "PRORL_SANDBOX_IP"
+__all__ = ["IP_ENV", "SANDBOX_ENV", "Limits", "Runtime", "Sandbox", "SandboxError",
+           "SandboxSpec", "kill_group", "pid_alive", "processes_of", "reap"]
 # Where isolating runtimes put the workspace and the tool server's socket, inside.
 INSIDE_WORKSPACE = "/workspace"
 INSIDE_RUN = "/run/prorl"
-
-
-class SandboxError(FarmError, RuntimeError):
-    """A sandbox could not be started or reached."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-process resource limits (setrlimit) applied to everything in the sandbox."""
-
-    cpu_s: int = 3600
-    address_space_bytes: int = 8 * 1024**3
-    processes: int = 512
-    file_size_bytes: int = 4 * 1024**3
-    open_files: int = 4096
 
 
 @dataclass(frozen=True)
@@ -93,8 +89,6 @@ class Runtime(ABC):
                 workspace: Path, socket_path: Path, ip: str, cgroup: Path | None,
                 workdir: str, cwd: str | None = None) -> Sandbox:
         """Spawn a runtime's command line and wait for its tool server (shared by runtimes)."""
-        from prorl_farm.sandbox.process import spawn, wait_ready
-
         log = socket_path.parent / "server.log"
         proc = spawn(argv, env, spec.limits, cgroup, log, cwd=cwd)
         sandbox = Sandbox(sandbox_id, self.name, "", proc.pid, str(workspace), str(socket_path),
@@ -133,42 +127,3 @@ class Runtime(ABC):
     def alive(self, sandbox: Sandbox) -> bool:
         """True while the sandbox's main process runs."""
         return pid_alive(sandbox.pid)
-
-
-def kill_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def reap(pid: int) -> None:
-    """Collect the exit status if ``pid`` is our child (no zombie left behind)."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def processes_of(sandbox_id: str) -> list[int]:
-    """Every process on this host whose environment carries the sandbox's id."""
-    needle = f"{SANDBOX_ENV}={sandbox_id}".encode()
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(int(entry.name))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return out

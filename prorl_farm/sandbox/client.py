@@ -5,17 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 
-from prorl_farm.errors import FarmError, JobAborted
-from prorl_farm.sandbox.abstract import SandboxError
+from prorl_farm.errors import JobAborted, SandboxError, ToolCallError
 from prorl_farm.sandbox.protocol import FrameReader, ProtocolError, send_frame
-
-
-class ToolCallError(FarmError, RuntimeError):
-    """The tool rejected the call (bad path, ambiguous edit, unknown tool...)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
 
 
 class ToolClient:

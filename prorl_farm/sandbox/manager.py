@@ -13,18 +13,17 @@ from pathlib import Path
 
 import redis
 
+from prorl_farm import keys
 from prorl_farm.errors import JobAborted, StageTimeout
-from prorl_farm.jobs import keys as job_keys
 from prorl_farm.jobs.states import TERMINAL_STATES, JobState
 from prorl_farm.sandbox import cgroups
 from prorl_farm.sandbox.abstract import Runtime, Sandbox, SandboxError, SandboxSpec, processes_of
 
 log = logging.getLogger(__name__)
 
-# Per node, hash: slot -> sandbox id. A slot gives a sandbox its own loopback IP.
-SLOTS = job_keys.PREFIX + "sandbox-slots:{node}"
-# Per node, hash: sandbox id -> JSON record (the Sandbox, its job, the job's requeue count).
-RECORDS = job_keys.PREFIX + "sandboxes:{node}"
+# Per node (keys.sandbox_slots): slot -> sandbox id; a slot gives a sandbox its own loopback
+# IP. Per node (keys.sandbox_records): sandbox id -> JSON record (the Sandbox, its job, the
+# job's requeue count).
 
 # ARGV: slots key, records key, max slots, sandbox id, hint. Returns a free slot, or -1 when
 # the node is at its cap.
@@ -82,8 +81,8 @@ class SandboxManager:
         os.chmod(self.root, 0o711)
         self.runtime = make_runtime(runtime, self.root)
         self.max_sandboxes = max_sandboxes
-        self.slots_key = SLOTS.format(node=node)
-        self.records_key = RECORDS.format(node=node)
+        self.slots_key = keys.sandbox_slots(node)
+        self.records_key = keys.sandbox_records(node)
         self._alloc = r.register_script(ALLOC)
         self._free = r.register_script(FREE)
 
@@ -173,7 +172,7 @@ class SandboxManager:
         for sandbox in records:
             job_id = sandbox.meta.get("job_id")
             if job_id:
-                state, requeues = self.r.hmget(job_keys.job(job_id), "state", "requeues")
+                state, requeues = self.r.hmget(keys.job(job_id), "state", "requeues")
                 stale = (state is None or JobState(state) in TERMINAL_STATES
                          or int(requeues or 0) != sandbox.meta.get("requeues", 0))
             else:

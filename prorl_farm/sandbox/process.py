@@ -10,11 +10,64 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from prorl_farm.sandbox.abstract import Limits, SandboxError, pid_alive
+from prorl_farm.errors import SandboxError
 
 PR_SET_PDEATHSIG = 1
+SANDBOX_ENV = "PRORL_SANDBOX_ID"
+IP_ENV = "PRORL_SANDBOX_IP"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-process resource limits (setrlimit) applied to everything in the sandbox."""
+
+    cpu_s: int = 3600
+    address_space_bytes: int = 8 * 1024**3
+    processes: int = 512
+    file_size_bytes: int = 4 * 1024**3
+    open_files: int = 4096
+
+
+def kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def reap(pid: int) -> None:
+    """Collect the exit status if ``pid`` is our child (no zombie left behind)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def processes_of(sandbox_id: str) -> list[int]:
+    """Every process on this host whose environment carries the sandbox's id."""
+    needle = f"{SANDBOX_ENV}={sandbox_id}".encode()
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return out
 
 
 def user_process_count(uid: int) -> int:

@@ -8,12 +8,13 @@ import json
 import socket
 import struct
 
+from prorl_farm.errors import ProtocolError
+
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 _HEADER = struct.Struct(">I")
 
 
-class ProtocolError(ConnectionError):
-    pass
+__all__ = ["FrameReader", "ProtocolError", "send_frame"]
 
 
 def send_frame(sock: socket.socket, obj) -> None:

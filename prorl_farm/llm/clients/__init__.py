@@ -1,5 +1,19 @@
 """Clients for LLM inference servers, token IDs in and out."""
 
-from prorl_farm.llm.clients.abstract import Generation, LLMClient, client_for
+from prorl_farm.llm.clients.abstract import Generation, LLMClient
+from prorl_farm.llm.clients.sglang import SGLangClient
+from prorl_farm.llm.clients.vllm import VLLMClient
 
-__all__ = ["Generation", "LLMClient", "client_for"]
+CLIENTS: dict[str, type[LLMClient]] = {"vllm": VLLMClient, "sglang": SGLangClient}
+
+
+def client_for(kind: str, url: str, model: str, **kw) -> LLMClient:
+    """A client for a backend of ``kind`` (``vllm`` or ``sglang``)."""
+    try:
+        cls = CLIENTS[kind]
+    except KeyError:
+        raise ValueError(f"unknown backend kind {kind!r}; expected {list(CLIENTS)}") from None
+    return cls(url, model, **kw)
+
+
+__all__ = ["CLIENTS", "Generation", "LLMClient", "SGLangClient", "VLLMClient", "client_for"]

@@ -118,14 +118,3 @@ def _message(doc) -> str:
         if doc.get("message"):
             return str(doc["message"])
     return json.dumps(doc)[:300]
-
-
-def client_for(kind: str, url: str, model: str, **kw) -> LLMClient:
-    from prorl_farm.llm.clients.sglang import SGLangClient
-    from prorl_farm.llm.clients.vllm import VLLMClient
-
-    classes = {"vllm": VLLMClient, "sglang": SGLangClient}
-    try:
-        return classes[kind](url, model, **kw)
-    except KeyError:
-        raise ValueError(f"unknown backend kind {kind!r}; expected {list(classes)}") from None

@@ -1,6 +1,5 @@
 """The tools the in-sandbox server offers: bash on a pty, IPython, file editing."""
 
+from prorl_farm.errors import ToolError
 
-class ToolError(Exception):
-    """A tool call the tool itself rejects (bad path, ambiguous edit, ...): reported to the
-    caller as an error reply, never fatal to the server."""
+__all__ = ["ToolError"]

@@ -78,6 +78,26 @@ _MAY_CONTINUE = re.compile(r"""['"`\\(){}\[\]<\n]|\b(if|then|for|while|until|cas
                            r"""select)\b|(\||&&)\s*$""")
 
 
+def ansi_c_quote(text: str) -> str:
+    """``text`` as a bash $'...' word: one line, whatever it holds."""
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch == "'":
+            out.append("\\'")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "$'" + "".join(out) + "'"
+
+
+# Reset after every command, on the same input line, so that whatever the agent set, bash
+# prints no prompt and runs no prompt command between a command's output and the marker.
+_PROMPT_RESET = "PS1=; PS2=; PS4=+; PS0=; PROMPT_COMMAND="
+
+
 def _syntax_check(command: str):
     if not _MAY_CONTINUE.search(command):
         return None
@@ -134,8 +154,16 @@ class BashSession:
              restart: bool = True) -> dict:
         nonce = secrets.token_hex(8)
         marker = re.compile(rb"\r?\n?__PRORL_" + nonce.encode() + rb"_(\d+)__\r?\n")
-        script = (f"{{ {command}\n}} < /dev/null\n"
-                  f"__prorl_rc=$?; printf '\\n__PRORL_{nonce}_%d__\\n' \"$__prorl_rc\"\n")
+        # The command is eval'd from one quoted word, so bash never shows a continuation
+        # prompt (PS2) for it, and the prompts are reset on the same input line, before bash
+        # could print one (PS1, PROMPT_COMMAND) after it. Ctrl-C discards the rest of that
+        # line: the second line then prints the marker instead (and nothing otherwise).
+        mark = f"printf '\\n__PRORL_{nonce}_%d__\\n' \"$__prorl_rc\""
+        reset = f"{{ {_PROMPT_RESET}; }} 2>/dev/null"
+        script = (f"__prorl_cmd={ansi_c_quote(command)}; {{ eval \"$__prorl_cmd\"; }} "
+                  f"< /dev/null; __prorl_rc=$?; {reset}; __prorl_done=1; {mark}\n"
+                  f"__prorl_rc=$?; {reset}; "
+                  f"if [ -z \"$__prorl_done\" ]; then {mark}; fi; __prorl_done=\n")
         fd = self.proc.fd
         os.write(fd, script.encode())
         out = _Output()

@@ -1,7 +1,7 @@
 """The stage runner: the one place a stage is claimed, run, timed, failed or handed on.
 
 Celery's threads pool ignores time limits and revoke(terminate=True), so deadlines and
-cancellation of running work are enforced here and by :mod:`prorl_farm.jobs.liveness`.
+cancellation of running work are enforced here and by :mod:`prorl_farm.worker.liveness`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import math
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prorl_farm.celery_app import queue_for
 from prorl_farm.config import Settings
+from prorl_farm.context import JobContext
 from prorl_farm.errors import (
     BackendError,
     BackendUnavailable,
@@ -23,15 +25,26 @@ from prorl_farm.errors import (
     NotFound,
     StageTimeout,
 )
-from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.handlers.base import AgentHandler
 from prorl_farm.handlers.registry import HandlerRegistry
-from prorl_farm.jobs.liveness import Liveness
-from prorl_farm.jobs.states import NEXT_STAGE, FailureKind, JobState
+from prorl_farm.jobs.states import NEXT_STAGE, Claim, FailureKind, JobState, StageOutcome
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.worker.liveness import Liveness
+from prorl_farm.worker.logs import job_log_context
 
 log = logging.getLogger(__name__)
 
-HANDED_OFF = "handed off"
+
+@dataclass(frozen=True)
+class StageResult:
+    """What one stage task did; ``failure`` is (kind, message) when it failed the job."""
+
+    outcome: StageOutcome
+    detail: str = ""
+    failure: tuple[str, str] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.outcome.value}: {self.detail}" if self.detail else self.outcome.value
 
 # publish(stage, job_id, token, queue): put the stage's message on its queue.
 Publisher = Callable[[str, str, str, str], None]
@@ -46,7 +59,8 @@ def build_context(raw: dict, stage: str, token: str, node: str, stage_timeout_s:
         limit_s = min(limit_s, float(raw["deadline_at"]) - started)
     return JobContext(
         job_id=raw["id"], batch_id=raw["batch_id"], stage=stage, token=token, node=node,
-        instance=json.loads(raw["instance"]), sampling=json.loads(raw.get("sampling") or "{}"),
+        instance=json.loads(raw["instance"]) if raw.get("instance") else None,
+        sampling=json.loads(raw.get("sampling") or "{}"),
         instance_index=int(raw.get("instance_index", 0)),
         sample_index=int(raw.get("sample_index", 0)),
         requeues=int(raw.get("requeues", 0)),
@@ -83,45 +97,55 @@ class StageRunner:
         self.publish = publish
         self.worker_name = worker_name
 
-    def __call__(self, stage: str, job_id: str, token: str) -> str:
-        outcome, raw = self.store.claim(job_id, stage, token, self.worker_name)
-        if outcome != "ok":
+    def __call__(self, stage: str, job_id: str, token: str) -> StageResult:
+        with job_log_context(job_id):
+            return self._run(stage, job_id, token)
+
+    def _run(self, stage: str, job_id: str, token: str) -> StageResult:
+        claim, raw = self.store.claim(job_id, stage, token, self.worker_name)
+        if claim is not Claim.OK:
             # A redelivery, a cancelled job's message, or a job past its deadline.
-            log.info("%s %s: not run (%s)", stage, job_id, outcome)
-            return outcome
+            log.info("%s: not run (%s)", stage, claim.value)
+            return StageResult(StageOutcome.NOT_RUN, claim.value)
+        with job_log_context(job_id, raw.get("batch_id", "")):
+            return self._run_claimed(stage, raw, token)
+
+    def _run_claimed(self, stage: str, raw: dict, token: str) -> StageResult:
         ctx = build_context(raw, stage, token, self.settings.node,
                             self.settings.pool(stage).timeout_s)
         ctx.backends, ctx.sandboxes, ctx.settings = self.backends, self.sandboxes, self.settings
         handler: AgentHandler | None = None
-        outcome = "error"
+        result = StageResult(StageOutcome.FAILED, "error")
         self.liveness.track(ctx)
         try:
+            if ctx.instance is None:
+                raise InvalidInstance("the job's instance is no longer stored (expired)")
             handler = self.registry.get(raw["handler"])
             output = getattr(handler, stage)(ctx)
             ctx.check()
-            outcome = self._complete(ctx, output)
+            result = self._complete(ctx, output)
         except JobAborted:
-            log.info("%s %s: aborted (%s)", stage, job_id, ctx.abort_reason)
-            outcome = "aborted"
+            log.info("%s: aborted (%s)", stage, ctx.abort_reason)
+            result = StageResult(StageOutcome.ABORTED, ctx.abort_reason)
         except StageTimeout as e:
-            outcome = self._fail(ctx, handler, FailureKind.TIMEOUT, str(e))
+            result = self._fail(ctx, handler, FailureKind.TIMEOUT, str(e))
         except (InvalidInstance, NotFound) as e:
-            outcome = self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))
+            result = self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))
         except (BackendUnavailable, BackendError) as e:
-            outcome = self._fail(ctx, handler, FailureKind.BACKEND_UNAVAILABLE, str(e))
+            result = self._fail(ctx, handler, FailureKind.BACKEND_UNAVAILABLE, str(e))
         except Exception as e:
-            log.warning("%s %s failed: %s", stage, job_id, e, exc_info=True)
+            log.warning("%s failed: %s", stage, e, exc_info=True)
             tb = "".join(traceback.format_exception_only(type(e), e)).strip()
-            outcome = self._fail(ctx, handler, FailureKind(f"{stage}_error"), tb)
+            result = self._fail(ctx, handler, FailureKind(f"{stage}_error"), tb)
         finally:
             self.liveness.untrack(ctx)
             # Unless the job went on to its next stage, this attempt is over (done, failed,
             # cancelled, or superseded by a requeue): release what it holds.
-            if handler is not None and outcome != HANDED_OFF:
+            if handler is not None and result.outcome is not StageOutcome.HANDED_OFF:
                 self._cleanup(handler, ctx)
-        return outcome
+        return result
 
-    def _complete(self, ctx: JobContext, output) -> str:
+    def _complete(self, ctx: JobContext, output) -> StageResult:
         nxt = NEXT_STAGE[ctx.stage]
         if nxt is None:
             reward, extra = _reward_of(output)
@@ -132,41 +156,43 @@ class StageRunner:
                 ctx.job_id, JobState.DONE, token=ctx.token,
                 fields={"reward": repr(reward), "result": json.dumps(result)},
             )
-            return "done" if done.changed else "stale"
+            return StageResult(StageOutcome.DONE if done.changed else StageOutcome.STALE)
         field = "hstate" if ctx.stage == "init" else "result"
         queue = queue_for(nxt, self.settings.node)
         new_token = self.store.advance(ctx.job_id, ctx.stage, ctx.token, nxt, queue,
                                        self.settings.node, field, json.dumps(output or {}))
         if new_token is None:
-            return "stale"
+            return StageResult(StageOutcome.STALE)
         try:
             self.publish(nxt, ctx.job_id, new_token, queue)
         except Exception:
             # The job keeps this worker's last heartbeat, which goes stale now that the stage
             # is over: the reaper re-queues it (or fails it worker_lost).
-            log.exception("%s %s: publishing to %s failed", ctx.stage, ctx.job_id, queue)
-            return "publish failed"
+            log.exception("%s: publishing to %s failed", ctx.stage, queue)
+            return StageResult(StageOutcome.PUBLISH_FAILED, queue)
         self.liveness.handed_off(ctx.job_id, new_token)
-        return HANDED_OFF
+        return StageResult(StageOutcome.HANDED_OFF, queue)
 
     def _fail(self, ctx: JobContext, handler: AgentHandler | None, kind: FailureKind,
-              message: str) -> str:
+              message: str) -> StageResult:
         res = self.store.finish(ctx.job_id, JobState.FAILED, kind.value, message,
                                 token=ctx.token)
-        if res.changed and handler is not None:
+        if not res.changed:
+            return StageResult(StageOutcome.STALE)
+        if handler is not None:
             try:
                 handler.on_failure(ctx, kind.value, message)
             except Exception:
                 log.exception("on_failure hook of %s failed", handler.name)
-        return f"failed: {kind.value}" if res.changed else "stale"
+        return StageResult(StageOutcome.FAILED, kind.value, (kind.value, message))
 
     def _cleanup(self, handler: AgentHandler, ctx: JobContext) -> None:
         try:
             handler.cleanup(ctx)
         except Exception:
-            log.exception("cleanup of %s for job %s failed", handler.name, ctx.job_id)
+            log.exception("cleanup of %s failed", handler.name)
         if self.sandboxes is not None:
             try:
                 self.sandboxes.stop_for_job(ctx.job_id)
             except Exception:
-                log.exception("stopping the sandboxes of job %s failed", ctx.job_id)
+                log.exception("stopping the job's sandboxes failed")

@@ -2,6 +2,8 @@
 
 Each pool is one Celery worker process consuming one queue with its own pool type and
 concurrency, importing only its own stage's task module (``workers/<stage>/tasks.py``).
+A plain ``celery worker`` that consumes exactly one farm queue works the same way (its
+stage is read from that queue); one that consumes none or several is refused at start.
 """
 
 from __future__ import annotations
@@ -12,15 +14,20 @@ import socket
 import threading
 
 from celery import Celery
+from celery.exceptions import WorkerShutdown
 from celery.signals import worker_process_init, worker_ready, worker_shutting_down
 
-from prorl_farm.celery_app import TASK_NAMES, create_celery_app, queue_for
+from prorl_farm.celery_app import TASK_NAMES, create_celery_app, queue_for, stage_of_queue
 from prorl_farm.config import STAGES, Settings, load_settings
+from prorl_farm.errors import StageFailed
 from prorl_farm.handlers.registry import HandlerRegistry
-from prorl_farm.jobs.liveness import Liveness, Reaper
-from prorl_farm.jobs.runner import StageRunner
+from prorl_farm.jobs.states import StageOutcome
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
+from prorl_farm.worker import logs
+from prorl_farm.worker.liveness import Liveness
+from prorl_farm.worker.reaper import Reaper
+from prorl_farm.worker.runner import StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +114,40 @@ def get_farm(stage: str = "") -> WorkerFarm:
     return _farm
 
 
+def execute_stage(stage: str, job_id: str, token: str) -> str:
+    """The body of a stage task. A stage that failed its job ends in Celery's FAILURE state
+    (the job store is already updated, and the message is acked: nothing runs again), so
+    Flower and Celery's events tell failed jobs from finished ones."""
+    result = get_farm(stage).runner(stage, job_id, token)
+    if result.outcome is StageOutcome.FAILED and result.failure is not None:
+        raise StageFailed(*result.failure)
+    if result.outcome is StageOutcome.ABORTED:
+        raise StageFailed("aborted", result.detail or "the job ended elsewhere")
+    return str(result)
+
+
+def _consumed_stage(consumer) -> str:
+    """The farm stage of the one queue a worker consumes; refuses anything else."""
+    try:
+        names = [q.name for q in consumer.task_consumer.queues]
+    except AttributeError:
+        names = []
+    stages = {stage_of_queue(n) for n in names} - {None}
+    if len(stages) != 1 or len(names) != 1:
+        raise WorkerShutdown(
+            f"a farm worker consumes exactly one farm queue (init, run.<node> or "
+            f"eval.<node>), not {names}: start it with `prorl-farm worker <stage>`")
+    return stages.pop()
+
+
 @worker_ready.connect
-def _on_ready(**_):
+def _on_ready(sender=None, **_):
+    global _stage, _main_pid
+    if not _stage:
+        # A plain `celery worker`: this process is the pool's main process, of the stage
+        # of the queue it consumes; it heartbeats, reaps and runs the janitor like any.
+        _stage = _consumed_stage(sender)
+        _main_pid = os.getpid()
     farm = get_farm()
     log.info("%s pool ready on node %s", _stage, farm.settings.node)
 
@@ -119,8 +158,13 @@ def _on_child(**_):
     _farm = None  # forked from the main process: build our own clients and thread
 
 
+_shutdown_requested = False
+
+
 @worker_shutting_down.connect
 def _on_shutdown(**_):
+    global _shutdown_requested
+    _shutdown_requested = True
     if _farm is not None:
         _farm.liveness.stop()
 
@@ -133,6 +177,7 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     settings = load_settings()
     if not settings.redis_url:
         raise SystemExit("PRORL_REDIS_URL must be set for a worker pool")
+    logs.install(os.environ.get("PRORL_LOG_LEVEL", "INFO"))
     pool = settings.pool(stage)
     _stage = stage
     _main_pid = os.getpid()
@@ -141,7 +186,22 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     argv = [
         "worker", "-Q", queue_for(stage, settings.node), "-P", pool.pool,
         "-c", str(pool.concurrency), "-n", f"{stage}-{os.getpid()}@{settings.node}",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "--without-gossip", "--without-mingle",
         "-l", os.environ.get("PRORL_LOG_LEVEL", "INFO"),
-    ] + (["-E"] if settings.task_events else [])
-    _app.worker_main(argv + list(extra_argv or []))
+    ]
+    # With task events (for Flower) the worker also sends its heartbeat events, without which
+    # monitors know no workers and count no active tasks; without events neither is sent.
+    argv += ["-E"] if settings.task_events else ["--without-heartbeat"]
+    try:
+        _app.worker_main(argv + list(extra_argv or []))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if code == 0 and not _shutdown_requested:
+        # Celery gave up by itself (e.g. "Unrecoverable error" while reconnecting after a
+        # Redis restart) and would exit 0: a supervisor that restarts on failure (systemd,
+        # Slurm, compose) must see a failure.
+        log.critical("the %s pool stopped without being asked to; exiting with status 1",
+                     stage)
+        code = 1
+    raise SystemExit(code)

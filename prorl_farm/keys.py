@@ -1,0 +1,144 @@
+"""Every Redis key the farm uses, built in this one module. All start with ``prorl:``.
+
+Lua scripts never spell a key: they get the table ``K`` from :data:`LUA`, generated from
+the definitions below (constants as strings, per-id keys as functions), so a key's name
+lives in one place for Python and Lua alike.
+"""
+
+from __future__ import annotations
+
+import json
+
+PREFIX = "prorl:"
+
+# -- jobs -------------------------------------------------------------------------------
+
+
+def job(job_id: str) -> str:
+    """Hash: one job's fields (see jobs/scripts.py for the field names)."""
+    return f"{PREFIX}job:{job_id}"
+
+
+def instance(instance_id: str) -> str:
+    """String: one submitted instance's JSON, shared by its n samples."""
+    return f"{PREFIX}instance:{instance_id}"
+
+
+def batch(batch_id: str) -> str:
+    """Hash: ``total``, ``created_at``, ``handler``."""
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def batch_counts(batch_id: str) -> str:
+    """Hash: state -> number of the batch's jobs in it."""
+    return f"{PREFIX}batch:{batch_id}:counts"
+
+
+def batch_jobs(batch_id: str) -> str:
+    """List: the batch's job ids in submission order."""
+    return f"{PREFIX}batch:{batch_id}:jobs"
+
+
+def batch_stream(batch_id: str) -> str:
+    """Stream: one entry (``job``, ``state``) per job that reached a terminal state."""
+    return f"{PREFIX}batch:{batch_id}:stream"
+
+
+def queued(queue: str) -> str:
+    """Sorted set: job -> time it was put on ``queue`` (removed when claimed or terminal)."""
+    return f"{PREFIX}queued:{queue}"
+
+
+def published(queue: str) -> str:
+    """Sorted set: job -> a Redis time taken after its message was pushed onto ``queue``
+    (an upper bound of the push); removed when claimed or terminal."""
+    return f"{PREFIX}published:{queue}"
+
+
+def janitor_lock(node: str) -> str:
+    """String: held by the pool process running the node's sandbox janitor right now."""
+    return f"{PREFIX}janitor:{node}"
+
+
+# Sorted set: batch id -> creation time (GET /v1/batches lists the newest).
+BATCHES = f"{PREFIX}batches"
+# Hash: queue -> the newest publish-start time of a job claimed from it (lost-message checks).
+CLAIMED = f"{PREFIX}claimed"
+# Set: names of every queue a job was ever put on (the reaper walks these).
+QUEUES = f"{PREFIX}queues"
+# Sorted set: job -> last heartbeat of the worker that holds it (reserved or running).
+ACTIVE = f"{PREFIX}active"
+# Sorted set: job -> absolute deadline (epoch seconds).
+DEADLINES = f"{PREFIX}deadlines"
+# Sorted set: "<stage>:<node>" -> last heartbeat of any pool of that stage on that node.
+POOLS = f"{PREFIX}pools"
+# Hash: terminal state -> number of jobs that ended in it (farm lifetime, for /metrics).
+STATS = f"{PREFIX}stats"
+# String: held (with a unique value) by the pool process running a reaper sweep right now.
+REAPER_LOCK = f"{PREFIX}reaper:lock"
+# String: set when a sweep starts, expiring after the reap interval (one sweep per interval).
+REAPER_PACE = f"{PREFIX}reaper:pace"
+# Hash: kombu delivery tag -> time it was settled (a dead worker's message already handled).
+SETTLED = f"{PREFIX}reaper:settled"
+
+# -- LLM backends -----------------------------------------------------------------------
+
+
+def backend(backend_id: str) -> str:
+    """Hash: url, kind, model, tokenizer, capacity, policy_version, drained, healthy, ..."""
+    return f"{PREFIX}backend:{backend_id}"
+
+
+# Set: every registered backend id.
+BACKENDS = f"{PREFIX}backends:all"
+# Sorted set, the min-heap: backend -> in-flight jobs / capacity; only healthy, undrained ones.
+BACKEND_HEAP = f"{PREFIX}backends:heap"
+# Hash: backend -> in-flight jobs (every backend, in the heap or not).
+BACKEND_INFLIGHT = f"{PREFIX}backends:inflight"
+# Hash: job -> the backend it is pinned to (sticky routing; cleared when the job ends).
+BACKEND_ASSIGN = f"{PREFIX}backends:assign"
+# List: acquire audit records (only with PRORL_BACKEND_AUDIT=1, for tests and debugging).
+BACKEND_AUDIT = f"{PREFIX}backends:audit"
+
+# -- sandboxes --------------------------------------------------------------------------
+
+
+def sandbox_slots(node: str) -> str:
+    """Hash: loopback slot -> sandbox id, on ``node``."""
+    return f"{PREFIX}sandbox-slots:{node}"
+
+
+def sandbox_records(node: str) -> str:
+    """Hash: sandbox id -> its JSON record, on ``node``."""
+    return f"{PREFIX}sandboxes:{node}"
+
+
+# -- kombu's own keys (its Redis transport; read by the reaper, never written but to settle)
+# Hash: delivery tag -> [message, exchange, routing key] of every reserved, unacked message.
+KOMBU_UNACKED = "unacked"
+# Sorted set: delivery tag -> time it was reserved.
+KOMBU_UNACKED_INDEX = "unacked_index"
+
+
+# -- the Lua view -----------------------------------------------------------------------
+
+_LUA_CONSTANTS = ("CLAIMED", "QUEUES", "ACTIVE", "DEADLINES", "POOLS", "STATS", "BATCHES",
+                  "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
+                  "BACKEND_AUDIT")
+_LUA_FUNCTIONS = ("job", "instance", "batch", "batch_counts", "batch_jobs", "batch_stream",
+                  "queued", "published", "backend")
+
+
+def _lua() -> str:
+    lines = ["local K = {}"]
+    for name in _LUA_CONSTANTS:
+        lines.append(f"K.{name} = {json.dumps(globals()[name])}")
+    for name in _LUA_FUNCTIONS:
+        head, _, tail = globals()[name]("\0").partition("\0")
+        lines.append(f"function K.{name}(x) return {json.dumps(head)} .. x"
+                     + (f" .. {json.dumps(tail)}" if tail else "") + " end")
+    return "\n".join(lines) + "\n"
+
+
+# Prepended to every Lua script: the table K of keys.
+LUA = _lua()

@@ -1,0 +1,165 @@
+"""The reaper: recovers jobs whose worker died or whose message was lost, and fails jobs
+past their deadline.
+
+Any pool's main process may run a sweep. Sweeps are single-flight (a lock held for the
+whole sweep, with a pace key for the interval) and every recovery is idempotent anyway:
+the REAP script acts only on the attempt (token) the sweep looked at, so a job is never
+reaped twice for one death.
+
+What counts as dead or lost, soundly:
+- *active*: a job whose holder stopped heartbeating (every held job, running or merely
+  prefetched, is heartbeated by its worker's liveness thread);
+- *queued*: a job waiting on the node-local queue of a node none of whose pools of that
+  stage heartbeats any more;
+- *orphan*: a job whose message sits in kombu's unacked set, reserved by a worker that
+  stopped heartbeating it (the worker died);
+- *lost*: a job whose message vanished between a worker's pop and kombu recording it as
+  unacked. Queues are FIFO: a message whose push completed (``published`` score) before
+  the push of a message already claimed began (``claimed`` time) has been popped; if its
+  job still waits, no worker heartbeats it and it is not in the unacked set, it is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+
+from prorl_farm import keys
+from prorl_farm.config import Settings
+from prorl_farm.jobs.states import Reap
+from prorl_farm.jobs.store import JobStore
+from prorl_farm.worker.kombu import reserved_messages, settle
+
+log = logging.getLogger(__name__)
+
+# requeue(job_id, token): publish a reaped job to the init queue again.
+Requeue = Callable[[str, str], None]
+# Candidates looked at per kind and sweep.
+BATCH = 1000
+
+
+class Reaper:
+    def __init__(self, store: JobStore, settings: Settings, requeue: Requeue, backends=None):
+        self.store = store
+        self.settings = settings
+        self.requeue = requeue
+        self.backends = backends  # a BackendRegistry whose failed backends it probes
+        self._prober: threading.Thread | None = None
+        self._me = uuid.uuid4().hex
+
+    def sweep(self, force: bool = False) -> dict[str, int]:
+        """One sweep, unless another process ran one within the interval (or runs one now).
+        Returns the outcomes counted by kind (empty if this process did not sweep)."""
+        if not force and not self.store.try_lock(keys.REAPER_PACE, self._me,
+                                                 self.settings.reap_interval_s):
+            return {}
+        # Held for the whole sweep; expires by itself should this process die mid-sweep.
+        if not self.store.try_lock(keys.REAPER_LOCK, self._me, 60.0):
+            return {}
+        try:
+            counts = self._sweep()
+        finally:
+            self.store.unlock(keys.REAPER_LOCK, self._me)
+        acted = {k: v for k, v in counts.items()
+                 if v and k in ("timeout", Reap.REQUEUE.value, Reap.FAILED.value)}
+        if acted:
+            log.warning("reaper: %s", counts)
+        elif any(counts.values()):
+            log.debug("reaper: %s", counts)
+        return counts
+
+    def _sweep(self) -> dict[str, int]:
+        store, r = self.store, self.store.r
+        counts = {"timeout": store.expire_deadlines()}
+        now = store.server_time()
+        cutoff = now - self.settings.heartbeat_stale_s
+        stale = r.zrangebyscore(keys.ACTIVE, "-inf", f"({cutoff}", start=0, num=BATCH)
+        for job_id, token in zip(stale, store.tokens(stale)):
+            self._reap(counts, job_id, "active", cutoff, token, "",
+                       "its worker stopped heartbeating")
+        live = store.live_pools(self.settings.heartbeat_stale_s)
+        queues = r.smembers(keys.QUEUES)
+        for queue in queues:
+            if queue == "init":
+                continue  # global: any node's INIT pool takes it
+            stage, _, node = queue.partition(".")
+            if f"{stage}:{node}" in live:
+                continue
+            waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({cutoff}", start=0,
+                                      num=BATCH)
+            for job_id, token in zip(waiting, store.tokens(waiting)):
+                self._reap(counts, job_id, "queued", cutoff, token, queue,
+                           f"no live {stage} pool on node {node}")
+        reserved = reserved_messages(r)
+        self._reap_orphans(counts, [m for m in reserved if m.at < cutoff], cutoff)
+        self._reap_lost(counts, queues, {m.token for m in reserved}, cutoff)
+        self._probe_backends()
+        return counts
+
+    def _reap_orphans(self, counts: dict, reserved, cutoff: float) -> None:
+        """Messages reserved by a worker that stopped heartbeating them: deal with each job
+        once, then settle the message so that no later sweep looks at it again."""
+        if not reserved:
+            return
+        beats = self.store.r.zmscore(keys.ACTIVE, [m.job_id for m in reserved])
+        settled = []
+        for m, beat in zip(reserved, beats):
+            if beat is not None and beat >= cutoff:
+                continue  # a live worker holds it
+            outcome = self._reap(counts, m.job_id, "orphan", cutoff, m.token, "",
+                                 "its message was taken by a worker that died")
+            if outcome is not Reap.ALIVE:
+                settled.append(m.tag)
+        settle(self.store.r, settled)
+
+    def _reap_lost(self, counts: dict, queues, unacked_tokens: set[str], cutoff: float
+                   ) -> None:
+        """Jobs whose message left the queue without being claimed or reserved. Besides the
+        FIFO test, a job never marked published (its publisher died between writing the job
+        and publishing it) is recovered once it waited past the visibility timeout."""
+        r = self.store.r
+        claimed = r.hgetall(keys.CLAIMED)
+        last_resort = cutoff - self.settings.visibility_timeout_s
+        for queue in queues:
+            ids: list[str] = []
+            if queue in claimed:
+                limit = min(cutoff, float(claimed[queue]))
+                ids = r.zrangebyscore(keys.published(queue), "-inf", f"({limit}", start=0,
+                                      num=BATCH)
+            ids += [i for i in r.zrangebyscore(keys.queued(queue), "-inf", f"({last_resort}",
+                                               start=0, num=BATCH) if i not in ids]
+            if not ids:
+                continue
+            beats = r.zmscore(keys.ACTIVE, ids)
+            for job_id, token, beat in zip(ids, self.store.tokens(ids), beats):
+                if token in unacked_tokens or (beat is not None and beat >= cutoff):
+                    continue
+                self._reap(counts, job_id, "lost", cutoff, token or "", queue,
+                           "its message was lost")
+
+    def _reap(self, counts: dict, job_id: str, mode: str, cutoff: float, token: str | None,
+              queue: str, why: str) -> Reap:
+        outcome, new_token = self.store.reap(job_id, mode, cutoff, token or "", queue, why)
+        counts[outcome.value] = counts.get(outcome.value, 0) + 1
+        if outcome is Reap.REQUEUE:
+            log.warning("job %s re-queued (%s)", job_id, why)
+            self.requeue(job_id, new_token)
+            self.store.handed_off([(job_id, new_token)])
+        elif outcome is Reap.FAILED:
+            log.warning("job %s failed worker_lost (%s)", job_id, why)
+        return outcome
+
+    def _probe_backends(self) -> None:
+        """Probe failed backends off the liveness thread, so a slow probe delays nothing."""
+        if self.backends is None or (self._prober is not None and self._prober.is_alive()):
+            return
+        self._prober = threading.Thread(target=self._probe, name="backend-probe", daemon=True)
+        self._prober.start()
+
+    def _probe(self) -> None:
+        try:
+            self.backends.probe_unhealthy()
+        except Exception:
+            log.warning("backend probe failed", exc_info=True)
