@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import threading
+
 from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
-from flask import Blueprint
+from flask import Blueprint, current_app
 
 from api import schemas as s
 from prorl_farm import __version__
@@ -75,21 +78,64 @@ for _p, _summary in (("/healthz", "Process up"), ("/readyz", "Redis and pools re
                      ("/metrics", "Prometheus metrics")):
     _spec.path(_p, operations={"get": _op(_summary)})
 _DOC = _spec.to_dict()
-# What marshmallow checks beyond each field: exactly one of instance / instances, each an
-# object; a backend URL is http(s).
-_submit = _DOC["components"]["schemas"]["Submit"]
-_submit["oneOf"] = [{"required": ["instance"]}, {"required": ["instances"]}]
-_submit["properties"]["instance"]["type"] = "object"
-_submit["properties"]["instances"]["items"] = {"type": "object"}
-_DOC["components"]["schemas"]["BackendRegister"]["properties"]["url"]["pattern"] = (
-    r"^https?://[^/\s:]+(:\d{1,5})?(/\S*)?$")
+_DOC["paths"]["/readyz"]["get"]["responses"]["503"] = {"description": "not ready"}
+# Bounds that exclude their limit (marshmallow's min_inclusive=False), in OpenAPI 3.0 terms.
+for _schema, _field in (("Submit", "deadline_s"), ("Sampling", "top_p"),
+                        ("Sampling", "repetition_penalty")):
+    _prop = _DOC["components"]["schemas"][_schema]["properties"][_field]
+    _prop["exclusiveMinimum"] = True
+
+
+def _inline(node, components: dict):
+    """Replace every ``$ref`` to a component by the component itself (no cycles here)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+            return _inline(components[ref.rsplit("/", 1)[1]], components)
+        return {k: _inline(v, components) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, components) for v in node]
+    return node
 
 
 def json_schema(schema_cls) -> dict:
-    """JSON Schema of a marshmallow schema (for handler instance schemas)."""
-    return _plugin.converter.schema2jsonschema(schema_cls)
+    """JSON Schema of a marshmallow schema, self-contained (nested schemas inlined)."""
+    spec = APISpec(title="x", version="1", openapi_version="3.0.3",
+                   plugins=[MarshmallowPlugin()])
+    spec.components.schema("Root", schema=schema_cls)
+    components = spec.to_dict()["components"]["schemas"]
+    return _inline(components["Root"], components)
+
+
+def build_openapi(registry) -> dict:
+    """The document for an app with these handlers: a submission is one of the handlers,
+    each with its instance schema, given as ``instance`` or as ``instances``."""
+    doc = copy.deepcopy(_DOC)
+    submit = doc["components"]["schemas"]["Submit"]
+    variants = []
+    for name in registry.names():
+        handler = registry.get(name)
+        instance = (json_schema(handler.instance_schema) if handler.instance_schema
+                    else {"type": "object"})
+        for key, value in (("instance", instance),
+                           ("instances", {"type": "array", "minItems": 1, "items": instance})):
+            variants.append({"type": "object", "required": ["handler", key],
+                             "not": {"required": ["instances" if key == "instance"
+                                                  else "instance"]},
+                             "properties": {"handler": {"type": "string", "enum": [name]},
+                                            key: value}})
+    submit["oneOf"] = variants
+    return doc
+
+
+_docs_lock = threading.Lock()
 
 
 @bp.get("/openapi.json")
 def openapi():
-    return _DOC
+    ext = current_app.extensions
+    if "prorl_openapi" not in ext:
+        with _docs_lock:
+            if "prorl_openapi" not in ext:
+                ext["prorl_openapi"] = build_openapi(ext["prorl"].registry)
+    return ext["prorl_openapi"]

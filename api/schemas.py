@@ -5,6 +5,10 @@ from __future__ import annotations
 from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
 
 ID_RE = r"^[A-Za-z0-9_.\-]{1,128}$"
+# An LLM backend's URL: http(s), a host name or IPv4 address, an optional port, a path.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+URL_RE = rf"^https?://{_LABEL}(?:\.{_LABEL})*(?::{_PORT})?(?:/[A-Za-z0-9._~/-]*)?$"
 # A Redis stream id: two unsigned 64-bit integers (19 digits at most stay below 2^64).
 CURSOR_RE = r"^\d{1,19}-\d{1,19}$"
 # The largest ``wait`` a results request may ask for; the server waits at most
@@ -154,7 +158,10 @@ class BackendRegisterSchema(Schema):
     class Meta:
         unknown = RAISE
 
-    url = fields.Url(required=True, schemes={"http", "https"}, require_tld=False)
+    url = fields.String(required=True, validate=[
+        validate.Length(max=2048),
+        validate.Regexp(URL_RE, error="an http(s) URL: scheme, host name or IPv4 address, "
+                        "optional port and path (e.g. http://gpu-node-3:8000)")])
     kind = fields.String(required=True, validate=validate.OneOf(["vllm", "sglang"]))
     model = fields.String(required=True, validate=validate.Length(min=1, max=512))
     tokenizer = fields.String(required=True, validate=validate.Length(min=1, max=4096),
