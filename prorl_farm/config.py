@@ -76,6 +76,16 @@ class Settings:
     sandbox_runtime: str = "auto"
     sandbox_dir: str = "/tmp/prorl-sandboxes"
     sandbox_max: int = 64
+    # Who a sandbox runs as on the host: "auto" (nobody when the farm runs as root, else the
+    # farm's own uid), a user name or "uid[:gid]"; never root. Inside it is always uid 1000.
+    sandbox_user: str = "auto"
+    # The interpreter of the tool server inside; "" = the farm's, or the system's python3 of
+    # the same version where the sandbox user cannot run the farm's.
+    sandbox_python: str = ""
+    # Read-only paths in every sandbox: "host[:inside],..."; and the host roots under which
+    # handlers and instances may ask for more (nothing else is ever bound on request).
+    sandbox_ro_paths: str = ""
+    sandbox_mount_roots: str = ""
     # Extra handlers without packaging: "name=module:Class,other=module:Class".
     handlers: str = ""
 
@@ -182,6 +192,10 @@ def load_settings(environ=None, **overrides) -> Settings:
         sandbox_runtime=_env(environ, "SANDBOX_RUNTIME", str, d.sandbox_runtime),
         sandbox_dir=_env(environ, "SANDBOX_DIR", str, d.sandbox_dir),
         sandbox_max=_env(environ, "SANDBOX_MAX", int, d.sandbox_max),
+        sandbox_user=_env(environ, "SANDBOX_USER", str, d.sandbox_user),
+        sandbox_python=_env(environ, "SANDBOX_PYTHON", str, d.sandbox_python),
+        sandbox_ro_paths=_env(environ, "SANDBOX_RO_PATHS", str, d.sandbox_ro_paths),
+        sandbox_mount_roots=_env(environ, "SANDBOX_MOUNT_ROOTS", str, d.sandbox_mount_roots),
     )
     for stage in STAGES:
         values[stage] = _pool_from_env(environ, stage, getattr(d, stage))

@@ -80,9 +80,12 @@ class RedisServer:
 class Pools:
     """The three worker pools as real `prorl-farm worker <stage>` processes."""
 
-    def __init__(self, env: dict, log_dir: Path):
+    def __init__(self, env: dict, log_dir: Path, user: str | None = None):
         self.env = env
         self.log_dir = log_dir
+        # Run the pools as this user (root runs them with `runuser`, on the system's Python
+        # with the farm's packages on PYTHONPATH, as an operator without root would).
+        self.user = user
         self.procs: dict[str, subprocess.Popen] = {}
         self.r = redis.Redis.from_url(env["PRORL_REDIS_URL"], decode_responses=True)
 
@@ -90,13 +93,25 @@ class Pools:
         for stage in stages or STAGES:
             log = open(self.log_dir / f"{stage}.log", "ab")  # noqa: SIM115
             self.procs[stage] = subprocess.Popen(
-                [sys.executable, "-m", "prorl_farm.cli", "worker", stage],
-                env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                self._argv(stage), env=self._env(), cwd=ROOT, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
         if wait:
             for stage in stages or STAGES:
                 self.wait_ready(stage)
+
+    def _argv(self, stage: str) -> list[str]:
+        cmd = ["-m", "prorl_farm.cli", "worker", stage]
+        if self.user is None:
+            return [sys.executable, *cmd]
+        python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+        return [shutil.which("runuser"), "-u", self.user, "--", python, *cmd]
+
+    def _env(self) -> dict:
+        if self.user is None:
+            return self.env
+        site = next(p for p in sys.path if p.endswith("site-packages") and ".venv" in p)
+        return {**self.env, "PYTHONPATH": f"{ROOT}:{site}", "HOME": "/tmp"}
 
     def wait_ready(self, stage: str, after: float | None = None) -> None:
         node = self.env["PRORL_NODE"]

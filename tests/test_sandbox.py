@@ -229,7 +229,7 @@ def test_bwrap_filesystem_is_read_only_outside_the_workspace(bwrap_box):
         out = c.bash(f"cat {secret}; ls /root")
         assert "top secret" not in out["output"]
         assert c.bash("touch ok && ls")["output"] == "ok\n"
-        others = c.bash(f"ls {manager.root} | wc -l")["output"].strip()
+        others = c.bash(f"ls -a {manager.root} 2>/dev/null | wc -l")["output"].strip()
         assert others == "0"  # other sandboxes' files are hidden
     finally:
         secret.unlink()
@@ -307,7 +307,7 @@ def test_100_sandboxes_leave_nothing_behind(manager_for):
         client.close()
     assert len(errors) == 25
     no_leftovers(manager, ids)
-    assert not list(manager.root.iterdir())
+    assert [p.name for p in manager.root.iterdir()] == [".etc"]  # only the shared identity
 
 
 def test_node_cap_makes_start_wait_and_janitor_cleans(manager_for, r):
@@ -400,7 +400,7 @@ def test_shell_jobs_run_in_sandboxes_stopped_however_they_end(shell_farm, r):
                and not r.hlen("prorl:sandbox-slots:testnode"), 10, 0.1, "sandboxes stopped")
     assert any_sandbox_processes() == []
     root = Path(f"/tmp/prs-farm-{os.getpid()}")
-    assert not list(root.iterdir())
+    assert [p.name for p in root.iterdir()] == [".etc"]  # only the shared identity
 
 
 # -- command lines of the runtimes that cannot run here -------------------------------------
@@ -420,8 +420,10 @@ def test_apptainer_command_line(tmp_path):
     assert "PRORL_SANDBOX_ID=abc123" in argv and "PRORL_SANDBOX_IP=127.16.0.2" in argv
     assert "TASK=1" in argv
     image_at = argv.index("/images/task.sif")
-    assert argv[image_at + 1:image_at + 4] == ["/usr/bin/python3", "-m",
-                                               "prorl_farm.sandbox.server"]
+    # The tool server, in isolated mode, its import path as the first argument.
+    assert argv[image_at + 1:image_at + 3] == ["/usr/bin/python3", "-I"]
+    assert "prorl_farm.sandbox.server" in argv[image_at + 4]
+    assert argv[image_at + 5] == "/opt/prorl"
     networked = apptainer_argv("singularity", SandboxSpec(image="/d", network=True), "x",
                                tmp_path, tmp_path, "127.16.0.3", "python3")
     assert "--net" not in networked
@@ -457,11 +459,22 @@ def test_docker_and_bwrap_command_lines(tmp_path):
     assert argv[argv.index("--network") + 1] == "none"
     assert argv[argv.index("--pids-limit") + 1] == str(spec.limits.processes)
     assert "PRORL_SANDBOX_ID=abc" in argv
-    b = bwrap_argv(SandboxSpec(), "abc", tmp_path / "ws", tmp_path / "run", "127.16.0.2",
-                   tmp_path / "root")
+    from prorl_farm.sandbox.process import sandbox_python
+
+    python = sandbox_python()
+    b = bwrap_argv(SandboxSpec(), "abc", tmp_path / "ws", "127.16.0.2", tmp_path, python)
     for flag in ("--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                 "--unshare-net", "--die-with-parent", "--new-session", "--clearenv"):
+                 "--unshare-net", "--die-with-parent", "--new-session", "--clearenv",
+                 "--as-pid-1"):
         assert flag in b
+    assert b[b.index("--uid") + 1] == "1000" and b[b.index("--cap-drop") + 1] == "ALL"
     assert b[b.index("--bind") + 1:b.index("--bind") + 3] == [str(tmp_path / "ws"), "/workspace"]
+    # An allow-list: only these host paths are bound, read-only.
+    sources = {b[i + 1] for i, flag in enumerate(b) if flag == "--ro-bind"}
+    allowed = ("/usr", "/etc/", str(tmp_path)) + tuple(h for h, _ in python.binds)
+    assert all(src.startswith(allowed) for src in sources), sources
+    for never in ("/etc/shadow", "/etc/gshadow", "/etc/ssh", "/etc/sudoers", "/root", "/home",
+                  "/var", "/srv", "/mnt", str(ROOT)):
+        assert never not in sources
     assert "--unshare-net" not in bwrap_argv(SandboxSpec(network=True), "abc", tmp_path,
-                                              tmp_path, "ip", tmp_path)
+                                              "ip", tmp_path, python)

@@ -27,6 +27,17 @@ class AgentHandler(ABC):
     description: ClassVar[str] = ""
     # Validates and normalises instances at submit time (marshmallow, unknown fields rejected).
     instance_schema: ClassVar[type[Schema] | None] = None
+    # The instance fields the policy may see: RUN (the agent loop) gets only these in
+    # ``ctx.instance``; INIT and EVAL get the whole instance. Hidden tests, reference answers
+    # and gold patches stay out of RUN this way, whatever the loop puts in a prompt or a
+    # sandbox. None: every field is visible (tasks with nothing to hide).
+    visible_fields: ClassVar[tuple[str, ...] | None] = None
+
+    def visible_instance(self, instance: dict) -> dict:
+        """What RUN may see of ``instance``."""
+        if self.visible_fields is None:
+            return instance
+        return {k: v for k, v in instance.items() if k in self.visible_fields}
 
     def validate_instance(self, instance: Any) -> dict:
         """Return the normalised instance; raise InvalidInstance with field details."""

@@ -1,9 +1,13 @@
 """``shell``: files in a fresh sandbox, commands in its bash, a check command for the reward.
 
 INIT starts the sandbox with the instance's files and runs its ``setup`` commands; RUN runs
-``commands`` one by one in the same shell; EVAL runs ``check``: exit status 0 is reward 1.0.
+``commands`` one by one in the same shell (RUN sees every field but ``check``); EVAL takes
+the files the commands left in the workspace into a *fresh* sandbox and runs ``check`` there
+with ``bash --noprofile --norc -c`` in a clean environment: exit status 0 is reward 1.0.
+Nothing the commands did to their shell or processes can touch the check.
 A scripted stand-in for an agent (the same sandbox and tools an agent loop uses), for
-environment checks, tests and benchmarks.
+environment checks, tests and benchmarks, and the scripted adversary of the confinement
+tests.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from marshmallow import RAISE, Schema, fields, validate
 from prorl_farm.handlers.base import AgentHandler, JobContext
 from prorl_farm.sandbox.abstract import SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.sandbox.grading import agent_files, run_isolated
 
 
 class ShellInstance(Schema):
@@ -32,6 +37,7 @@ class ShellHandler(AgentHandler):
     name = "shell"
     description = "Run commands in a sandbox; reward 1 if the check command exits 0."
     instance_schema = ShellInstance
+    visible_fields = ("files", "setup", "commands", "command_timeout_s", "network")
 
     def _client(self, ctx: JobContext) -> ToolClient:
         return ToolClient(ctx.state["sandbox"]["socket"])
@@ -68,10 +74,10 @@ class ShellHandler(AgentHandler):
         return {"steps": steps}
 
     def eval(self, ctx: JobContext) -> dict:
-        client = self._client(ctx)
-        try:
-            out = self._bash(ctx, client, ctx.instance["check"])
-        finally:
-            client.close()
-        return {"reward": 1.0 if out["exit_code"] == 0 else 0.0,
-                "check_exit_code": out["exit_code"], "check_output": out["output"][-4000:]}
+        files = agent_files(ctx)
+        out = run_isolated(ctx, files, ["bash", "--noprofile", "--norc", "-c",
+                                        ctx.instance["check"]],
+                           timeout_s=ctx.instance["command_timeout_s"])
+        passed = out["exit_code"] == 0 and not out["timed_out"]
+        return {"reward": 1.0 if passed else 0.0, "check_exit_code": out["exit_code"],
+                "check_output": (out["stdout"] + out["stderr"])[-4000:]}

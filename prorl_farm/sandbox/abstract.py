@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from prorl_farm.sandbox.process import (
     SANDBOX_ENV,
     Limits,
     kill_group,
+    listen_socket,
     pid_alive,
     processes_of,
     reap,
@@ -33,12 +35,16 @@ INSIDE_RUN = "/run/prorl"
 class SandboxSpec:
     """What a handler asks for in INIT."""
 
-    workspace_files: dict[str, str] = field(default_factory=dict)  # relative path -> text
+    # relative path -> text or bytes
+    workspace_files: dict[str, str | bytes] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     network: bool = False  # outside network (only runtimes that can isolate honour False)
     image: str = ""  # apptainer/docker image; ignored by local and bwrap
     start_timeout_s: float = 30.0
+    # Extra read-only paths, inside -> host. Checked by the SandboxManager against the
+    # operator's PRORL_SANDBOX_MOUNT_ROOTS (instances are untrusted input).
+    ro_paths: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,20 +91,42 @@ class Runtime(ABC):
               ip: str, cgroup: Path | None) -> Sandbox:
         """Start the tool server inside a new sandbox; return once its socket exists."""
 
-    def _launch(self, argv: list[str], env: dict, spec: SandboxSpec, sandbox_id: str,
-                workspace: Path, socket_path: Path, ip: str, cgroup: Path | None,
-                workdir: str, cwd: str | None = None) -> Sandbox:
-        """Spawn a runtime's command line and wait for its tool server (shared by runtimes)."""
+    def _launch(self, argv: Callable[[int | str, int], list[str]], env: dict,
+                spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
+                ip: str, cgroup: Path | None, workdir: str, cwd: str | None = None,
+                run_as: tuple[int, int] | None = None, pass_socket: bool = True) -> Sandbox:
+        """Spawn a runtime's command line and wait for its tool server (shared by runtimes).
+
+        ``argv(socket, ready_fd)`` builds the command line. With ``pass_socket`` the host
+        makes the listening socket at ``socket_path`` and the server gets its fd (the path
+        never enters the sandbox); otherwise ``socket`` is the path for the server to bind
+        (image runtimes, whose containers cannot inherit fds). Either way the server says
+        "ready" on a pipe."""
         log = socket_path.parent / "server.log"
-        proc = spawn(argv, env, spec.limits, cgroup, log, cwd=cwd)
+        ready_r, ready_w = os.pipe()
+        listener = listen_socket(socket_path) if pass_socket else None
+        fds = (ready_w,) + ((listener.fileno(),) if listener is not None else ())
+        try:
+            where: int | str = listener.fileno() if listener is not None else str(socket_path)
+            proc = spawn(argv(where, ready_w), env, spec.limits, cgroup, log, cwd=cwd,
+                         pass_fds=fds, run_as=run_as)
+        except BaseException:
+            os.close(ready_r)
+            raise
+        finally:
+            os.close(ready_w)
+            if listener is not None:
+                listener.close()  # the server holds it now
         sandbox = Sandbox(sandbox_id, self.name, "", proc.pid, str(workspace), str(socket_path),
                           ip, str(cgroup or ""), workdir)
         self._track(sandbox_id, proc)
         try:
-            wait_ready(proc, socket_path, spec.start_timeout_s, log)
+            wait_ready(proc, ready_r, spec.start_timeout_s, log)
         except BaseException:
             self.stop(sandbox, grace_s=0)
             raise
+        finally:
+            os.close(ready_r)
         return sandbox
 
     def stop(self, sandbox: Sandbox, grace_s: float = 2.0) -> None:

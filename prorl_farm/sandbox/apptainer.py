@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prorl_farm.sandbox.abstract import INSIDE_RUN, INSIDE_WORKSPACE, SandboxSpec
 from prorl_farm.sandbox.image import ImageRuntime, inside_env, inside_server
-from prorl_farm.sandbox.process import python_paths
+from prorl_farm.sandbox.process import python_binds
 
 
 def apptainer_binary() -> str | None:
@@ -18,16 +18,18 @@ def apptainer_binary() -> str | None:
 
 
 def apptainer_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path,
-                   run_dir: Path, ip: str, python: str) -> list[str]:
-    """``apptainer exec`` of the tool server inside ``spec.image``."""
-    tail = inside_server(spec, python)
+                   run_dir: Path, ip: str, python: str, ready_fd: int | None = None
+                   ) -> list[str]:
+    """``apptainer exec`` of the tool server inside ``spec.image`` (it inherits the
+    readiness pipe)."""
+    tail = inside_server(spec, python, ready_fd)
     argv = [binary, "exec", "--contain", "--cleanenv", "--no-home", "--writable-tmpfs",
             "--pid", "--ipc", "--pwd", INSIDE_WORKSPACE,
             "--bind", f"{workspace}:{INSIDE_WORKSPACE}", "--bind", f"{run_dir}:{INSIDE_RUN}"]
     if not spec.network:
         argv += ["--net", "--network", "none"]
-    for path in python_paths():
-        argv += ["--bind", f"{path}:{path}:ro"]
+    for host, inside in python_binds():
+        argv += ["--bind", f"{host}:{inside}:ro"]
     for key, value in inside_env(spec, sandbox_id, ip).items():
         argv += ["--env", f"{key}={value}"]
     return argv + tail
@@ -37,5 +39,7 @@ class ApptainerRuntime(ImageRuntime):
     name = "apptainer"
     binaries = ("apptainer", "singularity")
 
-    def argv(self, spec, sandbox_id, workspace, run_dir, ip, python) -> list[str]:
-        return apptainer_argv(self.binary, spec, sandbox_id, workspace, run_dir, ip, python)
+    def argv(self, spec, sandbox_id, workspace, run_dir, ip, python, ready_fd=None
+             ) -> list[str]:
+        return apptainer_argv(self.binary, spec, sandbox_id, workspace, run_dir, ip, python,
+                              ready_fd)

@@ -79,5 +79,8 @@ class ToolClient:
     def bash(self, command: str, timeout_s: float = 120.0, **kw) -> dict:
         return self.call("bash", command=command, timeout_s=timeout_s, **kw)
 
+    def exec(self, argv: list[str], timeout_s: float = 60.0, **kw) -> dict:
+        return self.call("exec", argv=argv, timeout_s=timeout_s, **kw)
+
     def ipython(self, code: str, timeout_s: float = 120.0, **kw) -> dict:
         return self.call("ipython", code=code, timeout_s=timeout_s, **kw)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prorl_farm.sandbox.abstract import INSIDE_RUN, INSIDE_WORKSPACE, Sandbox, SandboxSpec
 from prorl_farm.sandbox.image import ImageRuntime, inside_env, inside_server
-from prorl_farm.sandbox.process import python_paths
+from prorl_farm.sandbox.process import python_binds
 
 
 def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path,
@@ -23,8 +23,8 @@ def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path
             "-w", INSIDE_WORKSPACE]
     if not spec.network:
         argv += ["--network", "none"]
-    for path in python_paths():
-        argv += ["-v", f"{path}:{path}:ro"]
+    for host, inside in python_binds():
+        argv += ["-v", f"{host}:{inside}:ro"]
     for key, value in inside_env(spec, sandbox_id, ip).items():
         argv += ["-e", f"{key}={value}"]
     return argv + tail
@@ -34,7 +34,9 @@ class DockerRuntime(ImageRuntime):
     name = "docker"
     binaries = ("docker",)
 
-    def argv(self, spec, sandbox_id, workspace, run_dir, ip, python) -> list[str]:
+    def argv(self, spec, sandbox_id, workspace, run_dir, ip, python, ready_fd=None
+             ) -> list[str]:
+        # A container cannot inherit the readiness pipe: readiness is the socket appearing.
         return docker_argv(self.binary, spec, sandbox_id, workspace, run_dir, ip, python)
 
     def stop(self, sandbox: Sandbox, grace_s: float = 2.0) -> None:

@@ -17,19 +17,21 @@ from prorl_farm.sandbox.abstract import (
     SandboxError,
     SandboxSpec,
 )
-from prorl_farm.sandbox.process import server_argv
+from prorl_farm.sandbox.process import sandbox_python, server_argv
 
 
 def inside_env(spec: SandboxSpec, sandbox_id: str, ip: str) -> dict[str, str]:
     return {SANDBOX_ENV: sandbox_id, IP_ENV: ip, "HOME": INSIDE_WORKSPACE, **spec.env}
 
 
-def inside_server(spec: SandboxSpec, python: str) -> list[str]:
+def inside_server(spec: SandboxSpec, python: str, ready_fd: int | None = None) -> list[str]:
     """The image, then the tool server run by the farm's own (bound-in) interpreter."""
     if not spec.image:
         raise SandboxError("this runtime needs spec.image")
     return [spec.image, *server_argv(f"{INSIDE_RUN}/tools.sock", INSIDE_WORKSPACE,
-                                     f"{INSIDE_RUN}/jupyter", python=python)]
+                                     f"{INSIDE_RUN}/jupyter", python=python,
+                                     ready_fd=ready_fd,
+                                     pythonpath=sandbox_python().pythonpath)]
 
 
 class ImageRuntime(Runtime):
@@ -46,12 +48,17 @@ class ImageRuntime(Runtime):
             raise SandboxError(f"none of {', '.join(self.binaries)} is on PATH")
 
     def argv(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, run_dir: Path,
-             ip: str, python: str) -> list[str]:
+             ip: str, python: str, ready_fd: int | None = None) -> list[str]:
         raise NotImplementedError
 
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
               ip: str, cgroup: Path | None) -> Sandbox:
-        argv = self.argv(spec, sandbox_id, workspace, socket_path.parent, ip,
-                         os.path.realpath(sys.executable))
+        python = os.path.realpath(sys.executable)
+
+        def argv(_sock, ready_fd):
+            return self.argv(spec, sandbox_id, workspace, socket_path.parent, ip, python,
+                             ready_fd)
+
         return self._launch(argv, {**os.environ, SANDBOX_ENV: sandbox_id}, spec, sandbox_id,
-                            workspace, socket_path, ip, cgroup, INSIDE_WORKSPACE)
+                            workspace, socket_path, ip, cgroup, INSIDE_WORKSPACE,
+                            pass_socket=False)

@@ -17,6 +17,10 @@ class LocalRuntime(Runtime):
               ip: str, cgroup: Path | None) -> Sandbox:
         env = {**os.environ, **spec.env, SANDBOX_ENV: sandbox_id, IP_ENV: ip,
                "HOME": str(workspace)}
-        argv = server_argv(str(socket_path), str(workspace), str(socket_path.parent / "jupyter"))
+        runtime_dir = str(socket_path.parent / "jupyter")
+
+        def argv(sock, ready_fd):
+            return server_argv(sock, str(workspace), runtime_dir, ready_fd=ready_fd)
+
         return self._launch(argv, env, spec, sandbox_id, workspace, socket_path, ip, cgroup,
                             str(workspace), cwd=str(workspace))

@@ -3,10 +3,12 @@ stop on every way a job ends, and the janitor for what is left over."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -44,12 +46,81 @@ return 0
 """
 
 
+def _chown_tree(path: Path, uid: int, gid: int) -> None:
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+            os.lchown(name, uid, gid)
+
+
 def slot_ip(slot: int) -> str:
     """127.16.0.2 upwards; never .0, .1 or .255 in the last octet."""
     return f"127.{16 + slot // 62_500}.{(slot // 250) % 250}.{slot % 250 + 2}"
 
 
-def make_runtime(name: str, sandbox_root: Path) -> Runtime:
+# Inside paths an extra read-only bind may not take (the sandbox's own system and files).
+RESERVED_INSIDE = ("/proc", "/dev", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32",
+                   "/lib64", "/libx32", "/run", "/tmp", "/var/tmp", "/opt/prorl", "/workspace")
+
+
+def resolve_user(value: str) -> tuple[int, int] | None:
+    """PRORL_SANDBOX_USER: ``auto`` (nobody when the farm runs as root, else the farm's own
+    uid: None), a user name, or ``uid[:gid]``. Root is refused."""
+    import pwd
+
+    if value in ("", "auto"):
+        if os.geteuid() != 0:
+            return None
+        value = "nobody"
+    if value.replace(":", "").isdigit():
+        uid, _, gid = value.partition(":")
+        ids = (int(uid), int(gid or uid))
+    else:
+        try:
+            entry = pwd.getpwnam(value)
+        except KeyError:
+            raise SandboxError(f"PRORL_SANDBOX_USER={value!r}: no such user") from None
+        ids = (entry.pw_uid, entry.pw_gid)
+    if ids[0] == 0:
+        raise SandboxError("PRORL_SANDBOX_USER: sandboxes never run as root")
+    if os.geteuid() != 0:
+        if ids[0] != os.geteuid():
+            raise SandboxError(f"PRORL_SANDBOX_USER={value!r}: only a root farm can run "
+                               "sandboxes as another user")
+        return None
+    return ids
+
+
+def parse_paths(value: str) -> dict[str, str]:
+    """``host[:inside],...`` -> {inside: host} (inside defaults to the host path)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in value.split(","))):
+        host, _, inside = item.partition(":")
+        out[inside or host] = host
+    return out
+
+
+def check_ro_paths(ro_paths: dict[str, str], roots: list[str]) -> dict[str, str]:
+    """Extra read-only binds asked for by a handler or an instance: each host path must lie
+    under one of the operator's mount roots, each inside path outside the sandbox's own."""
+    out = {}
+    real_roots = [os.path.realpath(r) for r in roots]
+    for inside, host in ro_paths.items():
+        inside_n = os.path.normpath(inside)
+        if not inside_n.startswith("/") or inside_n == "/" or any(
+                inside_n == r or inside_n.startswith(r + "/") for r in RESERVED_INSIDE):
+            raise SandboxError(f"read-only path {inside!r}: not a place a sandbox may mount")
+        real = os.path.realpath(host)
+        if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in real_roots):
+            raise SandboxError(f"read-only path {host!r} is not under the operator's mount "
+                               "roots (PRORL_SANDBOX_MOUNT_ROOTS)")
+        if not os.path.exists(real):
+            raise SandboxError(f"read-only path {host!r} does not exist")
+        out[inside_n] = real
+    return out
+
+
+def make_runtime(name: str, sandbox_root: Path, run_as: tuple[int, int] | None = None,
+                 python: str = "", ro_paths: dict[str, str] | None = None) -> Runtime:
     if name == "auto":
         name = "bwrap" if shutil.which("bwrap") else "local"
     if name == "local":
@@ -59,7 +130,7 @@ def make_runtime(name: str, sandbox_root: Path) -> Runtime:
     if name == "bwrap":
         from prorl_farm.sandbox.bwrap import BwrapRuntime
 
-        return BwrapRuntime(sandbox_root)
+        return BwrapRuntime(sandbox_root, run_as, python, ro_paths)
     if name == "apptainer":
         from prorl_farm.sandbox.apptainer import ApptainerRuntime
 
@@ -73,13 +144,18 @@ def make_runtime(name: str, sandbox_root: Path) -> Runtime:
 
 class SandboxManager:
     def __init__(self, r: redis.Redis, node: str, runtime: str = "auto",
-                 root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64):
+                 root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64,
+                 user: str = "auto", python: str = "", ro_paths: str = "",
+                 mount_roots: str = ""):
         self.r = r
         self.node = node
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)
-        self.runtime = make_runtime(runtime, self.root)
+        self.run_as = resolve_user(user)
+        self.mount_roots = [p for p in mount_roots.split(",") if p.strip()]
+        self.runtime = make_runtime(runtime, self.root, self.run_as, python,
+                                    parse_paths(ro_paths))
         self.max_sandboxes = max_sandboxes
         self.slots_key = keys.sandbox_slots(node)
         self.records_key = keys.sandbox_records(node)
@@ -110,12 +186,20 @@ class SandboxManager:
         try:
             workspace.mkdir(parents=True)
             run_dir.mkdir()
+            if spec.ro_paths:
+                spec = dataclasses.replace(spec, ro_paths=check_ro_paths(spec.ro_paths,
+                                                                          self.mount_roots))
             for rel, text in spec.workspace_files.items():
                 target = (workspace / rel).resolve()
                 if not str(target).startswith(str(workspace.resolve()) + os.sep):
                     raise SandboxError(f"workspace file {rel!r} escapes the workspace")
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(text)
+                if isinstance(text, bytes):
+                    target.write_bytes(text)
+                else:
+                    target.write_text(text)
+            if self.run_as is not None:
+                _chown_tree(workspace, *self.run_as)
             cgroup = cgroups.create(sandbox_id, spec.limits.processes)
             sandbox = self.runtime.start(spec, sandbox_id, workspace, run_dir / "tools.sock",
                                          slot_ip(slot), cgroup)
@@ -149,6 +233,33 @@ class SandboxManager:
         if slot is not None:
             self._free(keys=[self.slots_key], args=[slot, sandbox_id])
         self.r.hdel(self.records_key, sandbox_id)
+
+    def snapshot(self, sandbox: Sandbox | dict, max_bytes: int = 64 * 1024 * 1024,
+                 max_files: int = 10_000) -> dict[str, bytes]:
+        """The regular files of a sandbox's workspace, read from the host side without
+        following any link the agent made (symlinks, devices, fifos are left out)."""
+        if isinstance(sandbox, dict):
+            sandbox = Sandbox.from_dict(sandbox)
+        root = Path(sandbox.workspace)
+        out: dict[str, bytes] = {}
+        total = 0
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                except OSError:
+                    continue  # a symlink, or gone
+                with os.fdopen(fd, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        continue
+                    data = f.read(max_bytes - total + 1)
+                total += len(data)
+                if total > max_bytes or len(out) >= max_files:
+                    raise SandboxError(f"workspace over {max_bytes} bytes or {max_files} files")
+                out[os.path.relpath(path, root)] = data
+        return out
 
     def stop_for_job(self, job_id: str) -> int:
         """Stop every sandbox of this node that belongs to ``job_id``."""

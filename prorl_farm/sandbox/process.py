@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,12 +84,16 @@ def user_process_count(uid: int) -> int:
     return n
 
 
-def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True):
+def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
+            run_as: tuple[int, int] | None = None):
     """Runs in the child between fork and exec: new session, join the sandbox's pids
-    cgroup, rlimits. Without a cgroup the process cap is RLIMIT_NPROC, which counts every
-    process of the uid: the sandbox gets its budget on top of what the uid runs now (and
-    root, whom RLIMIT_NPROC does not bind, needs the cgroup)."""
-    nproc = user_process_count(os.geteuid()) + limits.processes
+    cgroup, rlimits, then (``run_as``, when the farm is root) the unprivileged host uid and
+    gid the sandbox runs as, with no supplementary groups. Without a cgroup the process cap
+    is RLIMIT_NPROC, which counts every process of the uid: the sandbox gets its budget on
+    top of what the uid runs now (and root, whom RLIMIT_NPROC does not bind, needs the
+    cgroup)."""
+    uid = run_as[0] if run_as else os.geteuid()
+    nproc = user_process_count(uid) + limits.processes
     procs_file = str(cgroup / "cgroup.procs") if cgroup is not None else None
 
     def run() -> None:
@@ -95,7 +101,11 @@ def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True):
         if procs_file is not None:
             with open(procs_file, "w") as f:
                 f.write(str(os.getpid()))
-        if die_with_parent:
+        if run_as is not None:
+            os.setgroups([])
+            os.setgid(run_as[1])
+            os.setuid(run_as[0])
+        if die_with_parent:  # after the uid change, which clears the parent-death signal
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         for res, value in ((resource.RLIMIT_CPU, limits.cpu_s),
                            (resource.RLIMIT_AS, limits.address_space_bytes),
@@ -116,27 +126,55 @@ _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawner
 
 
 def spawn(argv: list[str], env: dict, limits: Limits, cgroup: Path | None, log_path: Path,
-          cwd: str | None = None) -> subprocess.Popen:
+          cwd: str | None = None, pass_fds: tuple[int, ...] = (),
+          run_as: tuple[int, int] | None = None) -> subprocess.Popen:
     def start() -> subprocess.Popen:
         with open(log_path, "ab") as log:
             return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT,
-                                    preexec_fn=preexec(limits, cgroup), close_fds=True)
+                                    preexec_fn=preexec(limits, cgroup, run_as=run_as),
+                                    close_fds=True, pass_fds=pass_fds)
 
     return _spawner.submit(start).result()
 
 
-def wait_ready(proc: subprocess.Popen, socket_path: Path, timeout_s: float, log_path: Path
-               ) -> None:
-    """Until the tool server's socket appears; fail fast if the process dies."""
+def listen_socket(path: Path) -> socket.socket:
+    """The tool server's listening socket, made on the host side: its path is never inside
+    the sandbox, so nothing in there can remove or replace it; the server gets the fd."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        path.unlink(missing_ok=True)
+        sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(64)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def wait_ready(proc: subprocess.Popen, ready_fd: int, timeout_s: float, log_path: Path) -> None:
+    """Until the tool server writes "ready" on its readiness pipe; fail fast if it dies
+    (the pipe closes) or takes too long."""
     end = time.monotonic() + timeout_s
-    while not socket_path.exists():
-        if proc.poll() is not None or not pid_alive(proc.pid):
-            raise SandboxError(f"sandbox exited ({proc.returncode}) before its tool server "
-                               f"was up: {tail(log_path)}")
-        if time.monotonic() > end:
+    got = b""
+    while b"ready" not in got:
+        left = end - time.monotonic()
+        if left <= 0:
             raise SandboxError(f"tool server not up after {timeout_s} s: {tail(log_path)}")
-        time.sleep(0.005)
+        ready, _, _ = select.select([ready_fd], [], [], min(left, 0.5))
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        chunk = os.read(ready_fd, 64)
+        if not chunk:
+            break
+        got += chunk
+    if b"ready" not in got:
+        proc.poll()
+        raise SandboxError(f"sandbox exited ({proc.returncode}) before its tool server was "
+                           f"up: {tail(log_path)}")
 
 
 def tail(path: Path, n: int = 2000) -> str:
@@ -146,22 +184,115 @@ def tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
-def server_argv(socket_path: str, workspace: str, runtime_dir: str,
-                python: str = sys.executable) -> list[str]:
-    return [python, "-m", "prorl_farm.sandbox.server", "--socket", socket_path,
+# The tool server starts in isolated mode (-I: no PYTHON* variables, no user site, neither
+# the working directory nor a script's directory on sys.path), so nothing in a workspace
+# (a sitecustomize.py, a ~/.local usercustomize, a .pth) runs inside it; its own import
+# path comes as the first argument.
+_BOOT = ("import runpy, sys; sys.path[:0] = [p for p in sys.argv.pop(1).split(':') if p]; "
+         "sys.argv[0] = 'prorl_farm.sandbox.server'; "
+         "runpy.run_module('prorl_farm.sandbox.server', run_name='__main__', alter_sys=True)")
+
+
+def server_argv(socket: str | int, workspace: str, runtime_dir: str,
+                python: str = sys.executable, ready_fd: int | None = None,
+                pythonpath: str | None = None) -> list[str]:
+    """The tool server's command line: ``socket`` is a path to bind, or the fd of a
+    listening socket made by the host (:func:`listen_socket`); ``pythonpath``: where its
+    packages are (default: the farm's own import path)."""
+    import prorl_farm
+
+    if pythonpath is None:
+        pythonpath = str(Path(prorl_farm.__file__).resolve().parent.parent)
+    where = (["--socket-fd", str(socket)] if isinstance(socket, int)
+             else ["--socket", socket])
+    ready = ["--ready-fd", str(ready_fd)] if ready_fd is not None else []
+    return [python, "-I", "-c", _BOOT, pythonpath, *where, *ready,
             "--workspace", workspace, "--runtime-dir", runtime_dir]
 
 
-def python_paths() -> list[str]:
-    """Directories the tool server's interpreter and packages live in."""
+# Where the farm's own package is bound inside a sandbox (read-only): only the package, not
+# the checkout or install tree around it.
+INSIDE_FARM = "/opt/prorl"
+
+
+def _site_dirs() -> set[str]:
+    return {os.path.realpath(p) for p in sys.path
+            if p and "site-packages" in p and os.path.isdir(p)}
+
+
+def usable_by(path: str, uid: int, gid: int) -> bool:
+    """Whether ``uid``/``gid`` (without supplementary groups) can reach and execute
+    ``path``: every directory on the way searchable, the file executable."""
+    real = Path(os.path.realpath(path))
+    for p in [*reversed(real.parents), real]:
+        try:
+            st = p.stat()
+        except OSError:
+            return False
+        bit = 1  # x
+        if st.st_uid == uid:
+            ok = st.st_mode & (bit << 6)
+        elif st.st_gid == gid:
+            ok = st.st_mode & (bit << 3)
+        else:
+            ok = st.st_mode & bit
+        if not ok:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class SandboxPython:
+    """The interpreter the tool server runs with inside a sandbox, what to bind for it
+    (host path, inside path; read-only) and the PYTHONPATH it needs there."""
+
+    executable: str
+    binds: tuple[tuple[str, str], ...]
+    pythonpath: str
+
+
+def sandbox_python(run_as: tuple[int, int] | None = None, python: str = "") -> SandboxPython:
+    """The farm's interpreter, if the sandbox's uid can run it; else (a root farm whose
+    Python lives under /root, say) ``python`` or the system's python3 of the same version,
+    given the farm's site-packages on PYTHONPATH."""
     import prorl_farm
 
-    pkg_root = str(Path(prorl_farm.__file__).resolve().parent.parent)
-    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), pkg_root}
-    for p in sys.path:
-        if p and os.path.isdir(p) and "site-packages" in p:
-            paths.add(os.path.realpath(p))
-    for p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        if p and os.path.isdir(p):
-            paths.add(os.path.realpath(p))
-    return sorted(paths)
+    pkg = Path(prorl_farm.__file__).resolve().parent
+    sites = _site_dirs()
+    extra = [os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if p and os.path.isdir(p) and os.path.realpath(p) != str(pkg.parent)]
+    uid, gid = run_as if run_as else (os.geteuid(), os.getegid())
+    chosen = python or sys.executable
+    foreign = False
+    if not python and run_as is not None and not usable_by(sys.executable, uid, gid):
+        chosen, foreign = _system_python(), True
+        if chosen is None:
+            raise SandboxError(
+                f"the sandbox uid {uid} cannot run {sys.executable} and no system python"
+                f"{sys.version_info.major}.{sys.version_info.minor} exists: set "
+                "PRORL_SANDBOX_PYTHON, or install the farm where that uid can read it")
+    elif python:
+        foreign = os.path.realpath(python) != os.path.realpath(sys.executable)
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    if foreign:
+        prefixes = {os.path.dirname(os.path.dirname(os.path.realpath(chosen)))}
+    paths = prefixes | sites | set(extra)
+    # Bind each tree once: drop paths inside another one.
+    roots = sorted(p for p in paths
+                   if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths))
+    binds = tuple((p, p) for p in roots) + ((str(pkg), f"{INSIDE_FARM}/prorl_farm"),)
+    pythonpath = os.pathsep.join([INSIDE_FARM, *extra, *(sorted(sites) if foreign else [])])
+    return SandboxPython(chosen, binds, pythonpath)
+
+
+def _system_python() -> str | None:
+    want = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (f"/usr/bin/{want}", f"/usr/local/bin/{want}"):
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def python_binds() -> list[tuple[str, str]]:
+    """Read-only binds for the farm's interpreter inside an image runtime."""
+    return list(sandbox_python().binds)

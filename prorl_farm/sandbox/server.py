@@ -1,7 +1,8 @@
 """The in-sandbox tool server: ``python -m prorl_farm.sandbox.server --socket PATH
 --workspace DIR``. Listens on a Unix domain socket; see protocol.py for the framing.
 
-Tools: ``ping``; ``bash`` (command, timeout_s, no_output_timeout_s); ``ipython`` (code,
+Tools: ``ping``; ``bash`` (command, timeout_s, no_output_timeout_s); ``exec`` (argv,
+timeout_s, stdin, env: a program in a clean environment, for graders); ``ipython`` (code,
 timeout_s); ``view`` (path, start_line, end_line), ``create`` (path, content, overwrite),
 ``str_replace`` (path, old_str, new_str), ``insert`` (path, line, text), ``undo`` (path).
 A tool's own error comes back as an error reply; the server keeps serving.
@@ -10,9 +11,11 @@ A tool's own error comes back as an error reply; the server keeps serving.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
+import socket
 import socketserver
 import sys
 import threading
@@ -20,6 +23,7 @@ import threading
 from prorl_farm.sandbox.protocol import FrameReader, ProtocolError, send_frame
 from prorl_farm.sandbox.tools import ToolError
 from prorl_farm.sandbox.tools.bash import BashSession
+from prorl_farm.sandbox.tools.execute import execute
 from prorl_farm.sandbox.tools.files import FileEditor
 from prorl_farm.sandbox.tools.ipython import IPythonSession
 
@@ -28,9 +32,12 @@ log = logging.getLogger("prorl_farm.sandbox.server")
 
 class Tools:
     def __init__(self, workspace: str, runtime_dir: str):
+        self.workspace = workspace
         self.bash = BashSession(workspace)
         self.bash.start()
-        self.ipython = IPythonSession(workspace, runtime_dir)
+        # The kernel is the agent's: it gets the packages the server itself sees.
+        sites = os.pathsep.join(p for p in sys.path if p and "site-packages" in p)
+        self.ipython = IPythonSession(workspace, runtime_dir, env={"PYTHONPATH": sites})
         self.files = FileEditor(workspace)
         self._locks = {name: threading.Lock() for name in ("bash", "ipython", "files")}
 
@@ -43,10 +50,20 @@ class Tools:
         if tool == "ipython":
             with self._locks["ipython"]:
                 return self.ipython.run(**args)
+        if tool == "exec":
+            return execute(self.workspace, **args)
         if tool in ("view", "create", "str_replace", "insert", "undo"):
             with self._locks["files"]:
                 return getattr(self.files, tool)(**args)
         raise LookupError(f"unknown tool {tool!r}")
+
+    def children(self) -> set[int]:
+        """Pids of the children the tools themselves wait for (not to be reaped here)."""
+        pids = set()
+        if self.bash.proc is not None:
+            pids.add(self.bash.proc.pid)
+        pids.update(self.ipython.pids())
+        return pids
 
     def close(self) -> None:
         self.ipython.close()
@@ -70,7 +87,8 @@ def reply_for(tools: Tools, request) -> dict:
         return {"ok": False, "error": {"type": "internal", "message": f"{type(e).__name__}: {e}"}}
 
 
-def make_server(socket_path: str, tools: Tools) -> socketserver.ThreadingUnixStreamServer:
+def make_server(socket_path: str | None, tools: Tools, socket_fd: int | None = None
+                ) -> socketserver.ThreadingUnixStreamServer:
     class Handler(socketserver.BaseRequestHandler):
         def handle(self):
             reader = FrameReader(self.request)
@@ -84,41 +102,105 @@ def make_server(socket_path: str, tools: Tools) -> socketserver.ThreadingUnixStr
                 except OSError:
                     return
 
-    if os.path.exists(socket_path):
-        os.unlink(socket_path)
-    server = socketserver.ThreadingUnixStreamServer(socket_path, Handler)
+    if socket_fd is not None:
+        # A listening socket the host made: adopt it, and let no child inherit it.
+        server = socketserver.ThreadingUnixStreamServer(None, Handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket = socket.socket(fileno=socket_fd)
+        os.set_inheritable(socket_fd, False)
+        server.server_address = server.socket.getsockname()
+    else:
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)
+        server = socketserver.ThreadingUnixStreamServer(socket_path, Handler)
     server.daemon_threads = True
     return server
 
 
+PR_SET_DUMPABLE = 4
+
+
+def _harden() -> None:
+    """Out of the agent's reach: not dumpable (no ptrace, no /proc/<pid>/mem, fd or environ
+    by processes of the same uid), and no handler for a catchable signal, so as the pid
+    namespace's init (bwrap) the kernel drops every signal sent from inside."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        log.warning("could not make the tool server non-dumpable")
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _reap_orphans(stop: threading.Event, managed) -> None:
+    """As pid 1, collect the zombies of processes re-parented to us (an agent's background
+    jobs whose shell died), leaving the children the tools wait for themselves."""
+    me = os.getpid()
+    seen: set[int] = set()  # zombies of the last scan: a child someone waits for is gone by now
+    while not stop.wait(1.0):
+        keep = managed()
+        zombies = set()
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            if pid in keep:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] == "Z" and int(fields[1]) == me:
+                zombies.add(pid)
+                if pid in seen:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+        seen = zombies
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="prorl-farm in-sandbox tool server")
-    ap.add_argument("--socket", required=True)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", help="bind a listening socket at this path")
+    where.add_argument("--socket-fd", type=int, help="serve this listening socket (from the "
+                       "host)")
+    ap.add_argument("--ready-fd", type=int, help="write 'ready' here once serving")
     ap.add_argument("--workspace", required=True)
     ap.add_argument("--runtime-dir", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _harden()
     os.chdir(args.workspace)
     tools = Tools(args.workspace, args.runtime_dir or os.path.join(args.workspace, ".prorl"))
-    # Ready = the socket exists, so bind it only once the tools are up, under a temp name.
-    tmp = args.socket + ".starting"
-    server = make_server(tmp, tools)
-    os.rename(tmp, args.socket)
-
-    def stop(*_):
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    if args.socket_fd is not None:
+        server = make_server(None, tools, socket_fd=args.socket_fd)
+    else:
+        # Ready = the socket exists, so bind it only once the tools are up, under a temp name.
+        tmp = args.socket + ".starting"
+        server = make_server(tmp, tools)
+        os.rename(tmp, args.socket)
+    stop = threading.Event()
+    if os.getpid() == 1:
+        threading.Thread(target=_reap_orphans, args=(stop, tools.children), daemon=True,
+                         name="reaper").start()
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, b"ready")
+        os.close(args.ready_fd)
     try:
         server.serve_forever(poll_interval=0.05)
     finally:
+        stop.set()
         tools.close()
         server.server_close()
-        try:
-            os.unlink(args.socket)
-        except FileNotFoundError:
-            pass
+        if args.socket:
+            try:
+                os.unlink(args.socket)
+            except FileNotFoundError:
+                pass
     return 0
 
 

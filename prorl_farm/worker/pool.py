@@ -69,7 +69,10 @@ def _sandbox_manager(r, settings: Settings):
 
     try:
         return SandboxManager(r, settings.node, settings.sandbox_runtime, settings.sandbox_dir,
-                              settings.sandbox_max)
+                              settings.sandbox_max, user=settings.sandbox_user,
+                              python=settings.sandbox_python,
+                              ro_paths=settings.sandbox_ro_paths,
+                              mount_roots=settings.sandbox_mount_roots)
     except Exception:
         log.exception("sandboxes are unavailable on this node")
         return None

@@ -121,6 +121,8 @@ class StageRunner:
             if ctx.instance is None:
                 raise InvalidInstance("the job's instance is no longer stored (expired)")
             handler = self.registry.get(raw["handler"])
+            if stage == "run":
+                ctx.instance = handler.visible_instance(ctx.instance)
             output = getattr(handler, stage)(ctx)
             ctx.check()
             result = self._complete(ctx, output)

@@ -46,6 +46,14 @@ class IPythonSession:
             self.close()
             raise ToolError(f"IPython kernel did not start: {e}") from e
 
+    def pids(self) -> set[int]:
+        """The kernel's process, while it runs."""
+        try:
+            proc = self.km.provisioner.process if self.km is not None else None
+        except AttributeError:
+            proc = None
+        return {proc.pid} if proc is not None else set()
+
     def close(self) -> None:
         if self.kc is not None:
             self.kc.stop_channels()

@@ -1,0 +1,44 @@
+"""Evaluation the agent cannot steer: a grader runs in a fresh sandbox that holds only the
+files it is given, through the ``exec`` tool (an argv in a clean environment: no shell
+state, no user site, no PYTHON* variables, no script-directory imports), and its verdict is
+the exit status and output that the tool server itself collected, never anything read back
+from the agent's sandbox.
+
+Handlers use it in EVAL: take what the agent produced with
+:meth:`SandboxManager.snapshot` (regular files only, links not followed), stop the agent's
+sandbox (its slot is free before the grader's is taken), add the hidden tests, run.
+"""
+
+from __future__ import annotations
+
+from prorl_farm.context import JobContext
+from prorl_farm.sandbox.abstract import SandboxSpec
+from prorl_farm.sandbox.client import ToolClient
+
+
+def run_isolated(ctx: JobContext, files: dict[str, str | bytes], argv: list[str],
+                 timeout_s: float, stdin: str | None = None,
+                 env: dict[str, str] | None = None) -> dict:
+    """Run ``argv`` in a fresh sandbox holding only ``files``; returns the ``exec`` result
+    (exit_code, signal, stdout, stderr, timed_out). The sandbox is gone afterwards."""
+    sandboxes = ctx.sandboxes
+    sandbox = sandboxes.start(SandboxSpec(workspace_files=files), ctx.job_id, ctx.requeues,
+                              ctx)
+    client = ToolClient(sandbox.socket)
+    try:
+        timeout = max(0.1, min(timeout_s, ctx.remaining_s))
+        return client.call("exec", abort_hook=ctx.on_abort, argv=argv, timeout_s=timeout,
+                           stdin=stdin, env=env or {})
+    finally:
+        client.close()
+        sandboxes.stop(sandbox)
+
+
+def agent_files(ctx: JobContext) -> dict[str, bytes]:
+    """What the agent left in its workspace (from INIT's ``sandbox`` state), then stop its
+    sandbox: nothing of it runs while the grader does."""
+    sandbox = ctx.state["sandbox"]
+    try:
+        return ctx.sandboxes.snapshot(sandbox)
+    finally:
+        ctx.sandboxes.stop(sandbox)

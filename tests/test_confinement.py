@@ -1,0 +1,226 @@
+"""Escape and reward-hacking attempts, driven through the real pipeline (API, pools, bwrap
+sandboxes) by a scripted policy: the ``shell`` handler's commands are the adversary.
+
+Every attempt must fail or earn reward 0, and an honest episode beside them must still earn
+1. The suite runs twice: with the pools as root (the usual case in containers and CI) and
+as an unprivileged user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.farm import ROOT, Pools, farm_env, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap"),
+                                                   reason="needs bubblewrap")]
+
+SECRET = f"SECRET-{uuid.uuid4().hex}"
+
+
+def _nobody_can_run_pools() -> bool:
+    python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    return os.geteuid() == 0 and bool(shutil.which("runuser")) and os.path.exists(python)
+
+
+@pytest.fixture(scope="module", params=["root", "nobody"])
+def farm(request, redis_server, tmp_path_factory):
+    """Pools (as root, or as user nobody), an API client, and secrets planted on the host
+    where an agent would look: the Redis data directory, the pools' log directory, a
+    reference file outside any sandbox."""
+    from api import create_app
+    from prorl_farm.config import load_settings
+
+    user = request.param
+    if os.geteuid() != 0:
+        if user == "root":
+            pytest.skip("not root here: the unprivileged run covers this host")
+        user = None  # already unprivileged: run the pools as we are
+    elif user == "nobody" and not _nobody_can_run_pools():
+        pytest.skip("needs runuser and a system Python of this version")
+    logs = tmp_path_factory.mktemp(f"confinement-{request.param}")
+    sandbox_dir = f"/tmp/prs-conf-{os.getpid()}-{request.param}"
+    os.makedirs(sandbox_dir, exist_ok=True)
+    if user == "nobody":
+        os.chown(sandbox_dir, 65534, 65534)
+        os.chmod(logs, 0o777)
+    planted = {
+        "redis": redis_server.tmp / "planted-reference.txt",
+        "logs": logs / "planted-reference.txt",
+        "host": Path("/srv") / f"prorl-reference-{os.getpid()}.txt",
+    }
+    for path in planted.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(SECRET + "\n")
+        os.chmod(path, 0o644)  # world-readable: only confinement keeps it from an agent
+    env = farm_env(redis_server.url, sandbox_dir=sandbox_dir, run_concurrency=8)
+    pools = Pools(env, logs, user=None if user == "root" else user)
+    pools.start()
+    client = create_app(load_settings(env)).test_client()
+    try:
+        yield client, planted, sandbox_dir, user
+    finally:
+        pools.stop()
+        for path in planted.values():
+            path.unlink(missing_ok=True)
+        shutil.rmtree(sandbox_dir, ignore_errors=True)
+
+
+def _sandbox_processes() -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if "PRORL_SANDBOX_ID" in p.environ():
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _run(client, instances: list[dict], timeout_s: float = 120) -> list[dict]:
+    resp = client.post("/v1/jobs", json={"handler": "shell", "instances": instances,
+                                         "deadline_s": timeout_s})
+    assert resp.status_code == 202, resp.get_json()
+    sub = resp.get_json()
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+               timeout_s, 0.2, "confinement batch")
+    return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+
+
+HONEST = {"files": {"sol.py": "print(6 * 7)\n"}, "commands": ["python3 sol.py > out.txt"],
+          "check": "grep -qx 42 out.txt"}
+
+
+def _loot(paths: list[str]) -> dict:
+    """An episode that copies whatever it can read of ``paths`` into its workspace; the
+    check rewards it if the secret (or a shadow entry) made it out."""
+    reads = "; ".join(f"cat {p} >> loot.txt 2>&1" for p in paths)
+    return {"commands": [reads, "cat loot.txt"],
+            "check": f"grep -q -e {SECRET} -e '^root:' loot.txt"}
+
+
+def test_reading_what_is_outside_the_task_earns_nothing(farm):
+    client, planted, sandbox_dir, _ = farm
+    targets = [
+        ["/etc/shadow", "/etc/gshadow", "/etc/sudoers"],
+        [str(planted["redis"]), str(planted["redis"].parent) + "/*"],
+        [str(planted["logs"]), str(planted["logs"].parent) + "/*.log"],
+        [str(planted["host"]), "/srv/*"],
+        [f"{ROOT}/README.md", f"{ROOT}/tests/test_confinement.py", f"{ROOT}/.git/config"],
+        [f"{sandbox_dir}/*/workspace/*", "/proc/1/environ", "/proc/1/cmdline"],
+    ]
+    jobs = _run(client, [HONEST] + [_loot(t) for t in targets])
+    honest, *attacks = jobs
+    assert honest["state"] == "done" and honest["reward"] == 1.0, honest
+    for job, paths in zip(attacks, targets):
+        assert job["state"] == "done" and job["reward"] == 0.0, (paths, job)
+        text = json.dumps(job["result"])
+        assert SECRET not in text and "root:$" not in text and "root:*" not in text, paths
+    # The project checkout is not there at all; the farm's own package is, read-only.
+    readme = attacks[4]["result"]["steps"][1]["output"]
+    assert "No such file" in readme and "prorl-farm" not in readme
+
+
+def test_another_jobs_sandbox_is_out_of_reach(farm):
+    client, _, sandbox_dir, _ = farm
+    victim_secret = f"VICTIM-{uuid.uuid4().hex}"
+    victim = client.post("/v1/jobs", json={"handler": "shell", "instances": [{
+        "files": {"answer.txt": victim_secret}, "commands": ["sleep 30"]}]}).get_json()
+    victim_id = victim["job_ids"][0]
+    wait_until(lambda: client.get(f"/v1/jobs/{victim_id}").get_json()["stage"] == "run", 60,
+               0.2, "victim running")
+    paths = [f"{sandbox_dir}/*/workspace/answer.txt", "/workspace/../*/workspace/answer.txt",
+             "/proc/*/root/workspace/answer.txt", "/proc/*/cwd/answer.txt"]
+    [thief] = _run(client, [{"commands": ["; ".join(f"cat {p} >> loot.txt 2>&1"
+                                                    for p in paths)],
+                             "check": f"grep -q {victim_secret} loot.txt"}])
+    assert thief["reward"] == 0.0 and victim_secret not in json.dumps(thief["result"])
+    client.post(f"/v1/jobs/{victim_id}/cancel")
+    wait_until(lambda: not _sandbox_processes(), 30, 0.2, "the victim's sandbox stopped")
+
+
+def test_the_tool_server_survives_whatever_the_agent_kills(farm):
+    client, _, _, _ = farm
+    [job] = _run(client, [{
+        "files": {"sol.py": "print(6 * 7)\n"},
+        "commands": ["kill -9 -1; kill -KILL 1; kill -TERM 1; kill -INT 1; kill -HUP 1; "
+                     "pkill -9 -f sandbox.server; echo killed",
+                     "python3 -c 'import os, signal; os.kill(1, signal.SIGKILL)'; echo again",
+                     "echo still-here; python3 sol.py > out.txt"],
+        "check": "grep -qx 42 out.txt"}])
+    assert job["state"] == "done", job
+    steps = job["result"]["steps"]
+    assert steps[2]["output"].startswith("still-here"), steps
+    assert job["reward"] == 1.0  # the episode went on after every attempt
+
+
+def test_writes_outside_the_workspace_fail(farm):
+    client, _, _, _ = farm
+    targets = ["/usr/local/bin/evil", "/etc/evil", "/opt/prorl/prorl_farm/evil.py", "/evil",
+               f"{ROOT}/evil", "/srv/evil"]
+    [job] = _run(client, [{"commands": ["; ".join(f"echo x > {t} 2>&1 && echo WROTE {t}"
+                                                  for t in targets) + "; true"],
+                           "check": "true"}])
+    assert "WROTE" not in job["result"]["steps"][0]["output"], job["result"]
+    for target in targets:
+        assert not os.path.exists(target), target
+
+
+def test_tricks_on_the_check_earn_nothing(farm):
+    """The check (hidden from RUN) runs in a fresh sandbox on a copy of the workspace, in a
+    clean environment: shell functions, aliases, PATH, rc files, Python user sites, links to
+    files elsewhere: nothing of it applies."""
+    client, _, _, _ = farm
+    wrong = "echo 41 > out.txt"
+    fake_grep = "mkdir -p bin && printf '#!/bin/sh\\nexit 0\\n' > bin/grep && chmod +x bin/grep"
+    user_site = ".local/lib/python3.11/site-packages"
+    tricks = [
+        [wrong, "grep() { return 0; }; export -f grep; alias grep=true"],
+        [wrong, fake_grep, "export PATH=$PWD/bin:$PATH; hash -r"],
+        [wrong, "echo 'grep() { return 0; }' > .bashrc; cp .bashrc .bash_profile"],
+        [wrong, f"mkdir -p {user_site} && echo 'import os; os._exit(0)' > "
+                f"{user_site}/usercustomize.py",
+         "echo 'import os; os._exit(0)' > sitecustomize.py"],
+        ["ln -s /etc/hostname out.txt; ln -s /workspace/../../etc/passwd passwd"],
+        ["echo 42 > /tmp/out.txt; ln -s /tmp/out.txt out.txt"],
+    ]
+    checks = ["grep -qx 42 out.txt"] * 3 + [
+        "python3 -c \"import sys; sys.exit(0 if open('out.txt').read().strip() == '42' "
+        "else 1)\"", "grep -qx 42 out.txt", "grep -qx 42 out.txt"]
+    instances = [HONEST] + [{"commands": t, "check": c} for t, c in zip(tricks, checks)]
+    honest, *attacks = _run(client, instances)
+    assert honest["reward"] == 1.0, honest
+    for job, trick in zip(attacks, tricks):
+        assert job["state"] == "done" and job["reward"] == 0.0, (job["failure"], trick)
+
+
+def test_run_never_sees_the_check(farm):
+    client, _, _, _ = farm
+    [job] = _run(client, [{"commands": ["env | grep -i check; ls -a /workspace"],
+                           "check": f"test {SECRET} = {SECRET}"}])
+    assert SECRET not in json.dumps(job["result"])  # RUN's view has no check to leak
+
+
+def test_extra_read_only_paths_are_bound_only_under_the_operators_roots(tmp_path):
+    from prorl_farm.errors import SandboxError
+    from prorl_farm.sandbox.manager import check_ro_paths
+
+    data = tmp_path / "datasets" / "envs"
+    data.mkdir(parents=True)
+    ok = check_ro_paths({"/mnt/envs": str(data)}, [str(tmp_path / "datasets")])
+    assert ok == {"/mnt/envs": str(data)}
+    for inside, host in (("/mnt/x", "/etc"), ("/mnt/x", str(data / ".." / ".." )),
+                         ("/etc/x", str(data)), ("/workspace", str(data)), ("rel", str(data))):
+        with pytest.raises(SandboxError):
+            check_ro_paths({inside: host}, [str(tmp_path / "datasets")])
+    assert subprocess.run(["true"]).returncode == 0
