@@ -4,7 +4,6 @@ server command inside the image, the binary lookup, and start."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
@@ -53,7 +52,7 @@ class ImageRuntime(Runtime):
 
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
               ip: str, cgroup: Path | None) -> Sandbox:
-        python = os.path.realpath(sys.executable)
+        python = sandbox_python().executable
 
         def argv(_sock, ready_fd):
             return self.argv(spec, sandbox_id, workspace, socket_path.parent, ip, python,

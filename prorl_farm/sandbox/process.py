@@ -254,16 +254,18 @@ class SandboxPython:
 def sandbox_python(run_as: tuple[int, int] | None = None, python: str = "") -> SandboxPython:
     """The farm's interpreter, if the sandbox's uid can run it; else (a root farm whose
     Python lives under /root, say) ``python`` or the system's python3 of the same version,
-    given the farm's site-packages on PYTHONPATH."""
+    given the farm's site-packages on its path.
+
+    Inside, everything of the farm's own sits under /opt/prorl (its package, its virtual
+    environment, extra site directories), so no path of the host's checkout or install
+    tree appears in a sandbox; only a base interpreter outside /usr keeps its own path (a
+    virtual environment's ``home`` points there)."""
     import prorl_farm
 
     pkg = Path(prorl_farm.__file__).resolve().parent
-    sites = _site_dirs()
-    extra = [os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-             if p and os.path.isdir(p) and os.path.realpath(p) != str(pkg.parent)]
     uid, gid = run_as if run_as else (os.geteuid(), os.getegid())
     chosen = python or sys.executable
-    foreign = False
+    foreign = bool(python) and os.path.realpath(python) != os.path.realpath(sys.executable)
     if not python and run_as is not None and not usable_by(sys.executable, uid, gid):
         chosen, foreign = _system_python(), True
         if chosen is None:
@@ -271,18 +273,32 @@ def sandbox_python(run_as: tuple[int, int] | None = None, python: str = "") -> S
                 f"the sandbox uid {uid} cannot run {sys.executable} and no system python"
                 f"{sys.version_info.major}.{sys.version_info.minor} exists: set "
                 "PRORL_SANDBOX_PYTHON, or install the farm where that uid can read it")
-    elif python:
-        foreign = os.path.realpath(python) != os.path.realpath(sys.executable)
-    prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
-    if foreign:
-        prefixes = {os.path.dirname(os.path.dirname(os.path.realpath(chosen)))}
-    paths = prefixes | sites | set(extra)
-    # Bind each tree once: drop paths inside another one.
-    roots = sorted(p for p in paths
-                   if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths))
-    binds = tuple((p, p) for p in roots) + ((str(pkg), f"{INSIDE_FARM}/prorl_farm"),)
-    pythonpath = os.pathsep.join([INSIDE_FARM, *extra, *(sorted(sites) if foreign else [])])
-    return SandboxPython(chosen, binds, pythonpath)
+    binds: list[tuple[str, str]] = [(str(pkg), f"{INSIDE_FARM}/prorl_farm")]
+    covered: list[str] = []  # host trees already visible inside
+    executable = chosen
+    if not foreign:
+        base = os.path.realpath(sys.base_prefix)
+        venv = os.path.realpath(sys.prefix)
+        if not base.startswith("/usr"):
+            binds.append((base, base))
+        covered.append(base)
+        if venv != base:  # a virtual environment: anywhere, its python finds it
+            binds.append((venv, f"{INSIDE_FARM}/venv"))
+            covered.append(venv)
+            executable = f"{INSIDE_FARM}/venv/bin/{os.path.basename(sys.executable)}"
+    else:
+        covered.append(os.path.dirname(os.path.dirname(os.path.realpath(chosen))))
+    extra = [os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if p and os.path.isdir(p) and os.path.realpath(p) != str(pkg.parent)]
+    wanted = sorted(_site_dirs()) + extra if foreign else extra
+    pythonpath = [INSIDE_FARM]
+    for n, host in enumerate(p for p in dict.fromkeys(wanted)
+                             if not any(p == c or p.startswith(c.rstrip("/") + "/")
+                                        for c in covered)):
+        inside = f"{INSIDE_FARM}/path/{n}"
+        binds.append((host, inside))
+        pythonpath.append(inside)
+    return SandboxPython(executable, tuple(binds), os.pathsep.join(pythonpath))
 
 
 def _system_python() -> str | None:

@@ -36,7 +36,8 @@ class Tools:
         self.bash = BashSession(workspace)
         self.bash.start()
         # The kernel is the agent's: it gets the packages the server itself sees.
-        sites = os.pathsep.join(p for p in sys.path if p and "site-packages" in p)
+        sites = os.pathsep.join(p for p in sys.path
+                                if p and ("site-packages" in p or p.startswith("/opt/prorl/")))
         self.ipython = IPythonSession(workspace, runtime_dir, env={"PYTHONPATH": sites})
         self.files = FileEditor(workspace)
         self._locks = {name: threading.Lock() for name in ("bash", "ipython", "files")}
