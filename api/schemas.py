@@ -28,6 +28,14 @@ class SamplingSchema(Schema):
     min_p = fields.Float(validate=validate.Range(min=0, max=1))
     max_tokens = fields.Integer(strict=True, validate=validate.Range(min=1, max=1_000_000))
     max_turns = fields.Integer(strict=True, validate=validate.Range(min=1, max=10_000))
+    max_total_tokens = fields.Integer(strict=True, validate=validate.Range(min=1,
+                                                                           max=10_000_000),
+                                      metadata={"description": "generated tokens per episode, "
+                                                "all turns together"})
+    context_length = fields.Integer(strict=True, validate=validate.Range(min=16,
+                                                                         max=10_000_000),
+                                    metadata={"description": "the model's context: a turn "
+                                              "that would not fit ends the episode"})
     seed = fields.Integer(strict=True)
     stop_token_ids = fields.List(fields.Integer(strict=True, validate=validate.Range(min=0)))
     repetition_penalty = fields.Float(validate=validate.Range(min=0, min_inclusive=False))

@@ -3,6 +3,10 @@
 It speaks the same routes as vLLM (/v1/completions) and SGLang (/generate), token IDs in
 and out, and answers with a deterministic function of the prompt. It records which job
 (X-Prorl-Job) each request came from, can be slowed down, made to fail, or killed.
+
+With a ``planner`` it plays a planned episode instead: ``planner(prompt_ids)`` returns the
+token IDs of the next turn and its finish reason (see :func:`text_planner`, which picks the
+planned text of a case named in the prompt and tokenises it with the test tokenizer).
 """
 
 from __future__ import annotations
@@ -18,9 +22,40 @@ def scripted_tokens(prompt: list[int], n: int) -> list[int]:
     return [10 + (len(prompt) + i) % 50 for i in range(n)]
 
 
+def text_planner(tokenizer_path: str, plans: dict[str, list[str]], marker: str = "[case:",
+                 end_token: str = "<|im_end|>"):
+    """A planner for ChatML prompts: the case is named in the prompt as ``[case:NAME]``; the
+    turn is the number of assistant turns already in the prompt; the answer is that turn's
+    planned text tokenised by the test tokenizer, then the end-of-turn token. Past the last
+    planned turn it repeats the last one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    end_id = tok.convert_tokens_to_ids(end_token)
+    lock = threading.Lock()
+
+    def plan(prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        with lock:
+            text = tok.decode(prompt, skip_special_tokens=False)
+        at = text.find(marker)
+        case = text[at + len(marker):text.index("]", at)] if at >= 0 else ""
+        turns = plans.get(case) or ["(no plan)"]
+        turn = max(0, text.count("<|im_start|>assistant") - 1)
+        with lock:
+            ids = list(tok.encode(turns[min(turn, len(turns) - 1)], add_special_tokens=False))
+        ids.append(end_id)
+        if len(ids) > max_tokens:
+            return ids[:max_tokens], "length"
+        return ids, "stop"
+
+    return plan
+
+
 class PolicyServer:
-    def __init__(self, delay_s: float = 0.0, port: int = 0):
+    def __init__(self, delay_s: float = 0.0, port: int = 0, planner=None):
         self.delay_s = delay_s
+        self.planner = planner
+        self.prompts: dict[str, list[list[int]]] = defaultdict(list)  # job -> prompts
         self.fail = False  # answer 500
         self.requests: list[tuple[str, int]] = []  # (job, prompt length)
         self.in_flight = 0
@@ -50,9 +85,11 @@ class PolicyServer:
         with self._lock:
             return dict(Counter(job for job, _ in self.requests))
 
-    def record(self, job: str, prompt_len: int) -> None:
+    def record(self, job: str, prompt_len: int, prompt: list[int] | None = None) -> None:
         with self._lock:
             self.requests.append((job, prompt_len))
+            if prompt is not None and self.planner is not None:
+                self.prompts[job].append(list(prompt))
             self.in_flight += 1
 
     def done(self) -> None:
@@ -85,7 +122,7 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.owner
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         prompt = body.get("prompt") or body.get("input_ids")
-        owner.record(self.headers.get("X-Prorl-Job", ""), len(prompt))
+        owner.record(self.headers.get("X-Prorl-Job", ""), len(prompt), prompt)
         try:
             if owner.fail:
                 self._send(500, {"error": "scripted failure"})
@@ -94,9 +131,13 @@ class _Handler(BaseHTTPRequestHandler):
             while time.monotonic() < end:
                 time.sleep(min(0.05, max(0.0, end - time.monotonic())))
             if self.path == "/v1/completions":
-                ids = scripted_tokens(prompt, body.get("max_tokens", 16))
+                finish = "length"
+                if owner.planner is not None:
+                    ids, finish = owner.planner(prompt, body.get("max_tokens", 16))
+                else:
+                    ids = scripted_tokens(prompt, body.get("max_tokens", 16))
                 self._send(200, {"choices": [{
-                    "index": 0, "text": "", "token_ids": ids, "finish_reason": "length",
+                    "index": 0, "text": "", "token_ids": ids, "finish_reason": finish,
                     "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
                                  "token_logprobs": [-0.5] * len(ids)}}]})
             else:

@@ -125,16 +125,23 @@ class Trajectory:
                            "logprobs_mode": logprobs_mode, "prefix_checked": True})
         self.messages.append({"role": "assistant", "content": self.chat.decode(token_ids)})
 
-    def add_messages(self, new_messages: list[dict]) -> None:
-        """Append observations (tool results, user turns) and the next generation prompt."""
+    def add_messages(self, new_messages: list[dict], limit: int | None = None) -> bool:
+        """Append observations (tool results, user turns) and the next generation prompt.
+
+        With ``limit`` (the model's context length), nothing is appended and False comes
+        back when the context would then leave no room to generate."""
         last = self.turns[-1] if self.turns else None
         sampled = self.response_ids[last["offset"]:] if last else []
         ids = self.chat.continuation_ids(new_messages, sampled,
                                          last["finish_reason"] if last else "stop")
+        if limit is not None and len(self.prompt_ids) + len(self.response_ids) + len(ids) \
+                >= limit:
+            return False
         self.response_ids += ids
         self.response_mask += [0] * len(ids)
         self.response_logprobs += [0.0] * len(ids)
         self.messages += [dict(m) for m in new_messages]
+        return True
 
     def last_text(self) -> str:
         for m in reversed(self.messages):

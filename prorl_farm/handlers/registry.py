@@ -15,6 +15,7 @@ ENTRY_POINT_GROUP = "prorl_farm.handlers"
 BUILTIN = {
     "synthetic": "prorl_farm.handlers.synthetic:SyntheticHandler",
     "chat": "prorl_farm.handlers.chat:ChatHandler",
+    "math": "prorl_farm.handlers.math:MathHandler",
     "shell": "prorl_farm.handlers.shell:ShellHandler",
 }
 

@@ -1,0 +1,191 @@
+"""The agent loop through the real pipeline (API, pools, sandboxes), driven by a scripted
+policy that plays planned texts tokenised by the test tokenizer: tool calls, malformed
+calls, limits, and the math handler's grading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from prorl_farm.agent.parsers import HermesParser, Llama3JsonParser
+from tests.farm import wait_until
+from tests.policy_server import PolicyServer, text_planner
+
+pytestmark = pytest.mark.slow
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + \
+        "\n</tool_call>"
+
+
+PLANS = {
+    "good": [call("python", code="print(6 * 7)"), "So the answer is \\boxed{42}."],
+    "bad": [call("python", code="print(6 * 7)"), "I think it is \\boxed{41}."],
+    "hedge": ["It is \\boxed{41, 42, 43}."],
+    "late-box": ["Maybe \\boxed{42}? No: the answer is \\boxed{41}."],
+    "malformed": ["<tool_call>{not json</tool_call>", call("calculator", x=1),
+                  call("python", cod="1"), "Done: \\boxed{42}."],
+    "loop": [call("python", code="1 + 1")],  # calls forever
+    "slow-tool": [call("python", code="import time; time.sleep(30)"), "\\boxed{42}"],
+    "chatty": ["blah " * 40 + "\\boxed{42}"],
+    "two-calls": [call("python", code="x = 6") + "\n" + call("python", code="print(x * 7)"),
+                  "\\boxed{42}"],
+}
+
+
+@pytest.fixture(scope="module")
+def agent_farm(redis_server, tmp_path_factory, tiny_model):
+    from api import create_app
+    from prorl_farm.config import load_settings
+    from tests.conftest import make_pools
+    from tests.farm import farm_env
+
+    server = PolicyServer(planner=text_planner(str(tiny_model), PLANS))
+    overrides = dict(sandbox_dir=f"/tmp/prs-agent-{id(server) % 10_000}", run_concurrency=8)
+    pools = make_pools(redis_server, tmp_path_factory.mktemp("agent"), **overrides)
+    pools.start()
+    client = create_app(load_settings(farm_env(redis_server.url, **overrides))).test_client()
+    try:
+        yield client, server, tiny_model
+    finally:
+        pools.stop()
+        server.kill()
+        shutil.rmtree(overrides["sandbox_dir"], ignore_errors=True)
+
+
+def _register(client, server, tiny_model) -> str:
+    for b in client.get("/v1/backends").get_json()["backends"]:
+        client.delete(f"/v1/backends/{b['id']}")
+    resp = client.post("/v1/backends", json={"url": server.url, "kind": "vllm", "model": "tiny",
+                                             "tokenizer": str(tiny_model), "capacity": 64,
+                                             "policy_version": "7"})
+    assert resp.status_code == 201, resp.get_json()
+    return resp.get_json()["id"]
+
+
+def _math(client, cases: list[str], sampling: dict | None = None, **extra) -> list[dict]:
+    instances = [{"problem": f"[case:{c}] What is 6 times 7?", "answer": "42", **extra}
+                 for c in cases]
+    resp = client.post("/v1/jobs", json={"handler": "math", "instances": instances,
+                                         "sampling": sampling or {"max_tokens": 128},
+                                         "deadline_s": 120})
+    assert resp.status_code == 202, resp.get_json()
+    sub = resp.get_json()
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+               120, 0.2, "math batch")
+    return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+
+
+def _prefix_exact(job: dict, server: PolicyServer) -> None:
+    """Every prompt the policy received is prompt_ids + response_ids[:offset] of its turn."""
+    t = job["result"]
+    prompts = server.prompts[job["id"]]
+    assert len(prompts) == len(t["turns"])
+    for turn, prompt in zip(t["turns"], prompts):
+        assert prompt == t["prompt_ids"] + t["response_ids"][:turn["offset"]]
+    assert len(t["response_ids"]) == len(t["response_mask"]) == len(t["response_logprobs"])
+
+
+def test_math_episodes_with_tools_are_graded_on_the_final_answer(agent_farm, r):
+    client, server, tiny_model = agent_farm
+    _register(client, server, tiny_model)
+    good, bad, hedge, late, two = _math(client, ["good", "bad", "hedge", "late-box",
+                                                 "two-calls"])
+    for job in (good, bad, hedge, late, two):
+        assert job["state"] == "done", job["failure"]
+        _prefix_exact(job, server)
+        assert job["result"]["stats"]["end_reason"] == "answered"
+    assert good["reward"] == 1.0 and good["result"]["stats"]["calls"] == {"python": 1}
+    tool_turn = good["result"]["messages"][-2]
+    assert tool_turn["role"] == "tool" and tool_turn["content"].strip() == "42"
+    assert good["result"]["turns"][0]["policy_version"] == "7"
+    # The tools were offered through the chat template, and the answer is not in RUN's view.
+    prompt_text = good["result"]["messages"][0]["content"]
+    assert "42" not in prompt_text
+    assert bad["reward"] == 0.0 and bad["result"]["eval"]["verdict"] == "wrong"
+    assert hedge["reward"] == 0.0 and "several" in hedge["result"]["eval"]["verdict"]
+    assert late["reward"] == 0.0  # only the last box counts
+    assert two["reward"] == 1.0 and two["result"]["stats"]["calls"] == {"python": 2}
+    # Every sandbox is gone.
+    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 10, 0.1, "sandboxes stopped")
+
+
+def test_malformed_calls_and_limits_end_episodes_as_they_say(agent_farm, r):
+    client, server, tiny_model = agent_farm
+    _register(client, server, tiny_model)
+    malformed, loop = _math(client, ["malformed", "loop"], max_turns=4)
+    assert malformed["reward"] == 1.0
+    stats = malformed["result"]["stats"]
+    assert stats["malformed_calls"] == 3 and stats["end_reason"] == "answered"
+    errors = [m["content"] for m in malformed["result"]["messages"] if m["role"] == "tool"]
+    assert any("not valid JSON" in e for e in errors)
+    assert any("unknown tool 'calculator'" in e for e in errors)
+    assert any("'code' must be a string" in e for e in errors)
+    assert loop["result"]["stats"]["end_reason"] == "max_turns"
+    assert loop["result"]["stats"]["turns"] == 4 and loop["reward"] == 0.0
+    [slow] = _math(client, ["slow-tool"], call_timeout_s=1.0)
+    assert slow["reward"] == 1.0
+    observation = [m for m in slow["result"]["messages"] if m["role"] == "tool"][0]
+    assert "timed out" in observation["content"]
+    assert slow["result"]["stats"]["tool_s"] < 20
+    [tokens] = _math(client, ["loop"], sampling={"max_tokens": 64, "max_total_tokens": 60})
+    assert tokens["result"]["stats"]["end_reason"] == "max_tokens"
+    [context] = _math(client, ["loop"], sampling={"max_tokens": 64, "context_length": 420})
+    assert context["result"]["stats"]["end_reason"] == "context"
+    t = context["result"]
+    assert len(t["prompt_ids"]) + len(t["response_ids"]) < 420
+    [chatty] = _math(client, ["chatty"], sampling={"max_tokens": 16})
+    assert chatty["result"]["stats"]["end_reason"] == "max_tokens" and chatty["reward"] == 0.0
+    for job in (malformed, loop, slow, tokens, context, chatty):
+        _prefix_exact(job, server)
+    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 10, 0.1, "sandboxes stopped")
+
+
+def test_parsers():
+    hermes = HermesParser().parse('a<tool_call>{"name": "bash", "arguments": {"command": "ls"}}'
+                                  '</tool_call>b<tool_call>{"name": 3}</tool_call>'
+                                  '<tool_call>{"name": "x", "arguments": "{\\"a\\": 1}"}')
+    assert [(c.name, c.arguments) for c in hermes.calls] == [("bash", {"command": "ls"}),
+                                                             ("x", {"a": 1})]
+    assert len(hermes.errors) == 1
+    assert not HermesParser().parse("just an answer \\boxed{1}").any
+    llama = Llama3JsonParser().parse('<|python_tag|>{"name": "python", "parameters": '
+                                     '{"code": "1"}}; {"name": "bash", "parameters": '
+                                     '{"command": "ls"}}<|eom_id|>')
+    assert [c.name for c in llama.calls] == ["python", "bash"] and not llama.errors
+    assert not Llama3JsonParser().parse("The answer is 4.").any
+    assert Llama3JsonParser().parse('{"name": "python", "parameters": {').errors
+
+
+def test_a_tiny_real_model_runs_100_math_episodes_with_tools(agent_farm, dev_server, r):
+    """The tiny random model behind the dev server: every episode ends terminal, with its end
+    reason recorded, its trajectory prefix-exact (checked turn by turn by the farm), and no
+    sandbox left."""
+    client, _, tiny_model = agent_farm
+    for b in client.get("/v1/backends").get_json()["backends"]:
+        client.delete(f"/v1/backends/{b['id']}")
+    resp = client.post("/v1/backends", json={"url": dev_server, "kind": "vllm", "model": "tiny",
+                                             "tokenizer": str(tiny_model), "capacity": 8})
+    assert resp.status_code == 201
+    instances = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(25)]
+    resp = client.post("/v1/jobs", json={"handler": "math", "instances": instances, "n": 4,
+                                         "sampling": {"max_tokens": 12, "temperature": 1.0,
+                                                      "seed": 3, "max_turns": 3},
+                                         "deadline_s": 300})
+    sub = resp.get_json()
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+               300, 0.5, "100 math episodes")
+    jobs = [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+    assert len(jobs) == 100 and all(j["state"] == "done" for j in jobs), \
+        [j["failure"] for j in jobs if j["state"] != "done"][:3]
+    reasons = {j["result"]["stats"]["end_reason"] for j in jobs}
+    assert reasons <= {"answered", "max_tokens", "max_turns"} and reasons
+    for j in jobs:
+        t = j["result"]
+        assert all(turn["prefix_checked"] for turn in t["turns"])
+        assert sum(t["response_mask"]) == sum(turn["generated"] for turn in t["turns"])
+        assert j["reward"] in (0.0, 1.0)
+    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 20, 0.1, "sandboxes stopped")
