@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Blueprint
 
-from api.openapi import json_schema
+from api.openapi import handler_schema
 from api.services import services
 
 bp = Blueprint("handlers", __name__)
@@ -16,6 +16,8 @@ def list_handlers():
     out = []
     for name in registry.names():
         h = registry.get(name)
-        schema = json_schema(h.instance_schema) if h.instance_schema else {"type": "object"}
-        out.append({"name": name, "description": h.description, "instance_schema": schema})
+        out.append({"name": name, "description": h.description,
+                    "instance_schema": handler_schema(h),
+                    "visible_fields": list(h.visible_fields) if h.visible_fields is not None
+                    else None})
     return {"handlers": out}

@@ -29,7 +29,7 @@ def _check_size(body: dict, limit: int) -> None:
     if count * n > limit:
         field = "instances" if count > limit else "n"
         raise validation_error({field: [f"{count} instances x n={n} = {count * n} jobs; at "
-                                        f"most {limit} per request"]})
+                                        f"most {limit} per request"]}, "too_many_jobs")
 
 
 def _validated_submit(body: dict) -> dict:
@@ -55,7 +55,7 @@ def _validated_submit(body: dict) -> dict:
     limit = svc.settings.max_jobs_per_request
     if total > limit:
         raise validation_error({"n": [f"{len(normalised)} instances x n={req['n']} = {total} "
-                                      f"jobs; at most {limit} per request"]})
+                                      f"jobs; at most {limit} per request"]}, "too_many_jobs")
     req["instances"] = normalised
     return req
 

@@ -107,6 +107,13 @@ def json_schema(schema_cls) -> dict:
     return _inline(components["Root"], components)
 
 
+def handler_schema(handler) -> dict:
+    """A handler's instance schema as JSON Schema, with its cross-field constraints."""
+    schema = (json_schema(handler.instance_schema) if handler.instance_schema
+              else {"type": "object"})
+    return {**schema, **handler.instance_constraints}
+
+
 def build_openapi(registry) -> dict:
     """The document for an app with these handlers: a submission is one of the handlers,
     each with its instance schema, given as ``instance`` or as ``instances``."""
@@ -115,8 +122,7 @@ def build_openapi(registry) -> dict:
     variants = []
     for name in registry.names():
         handler = registry.get(name)
-        instance = (json_schema(handler.instance_schema) if handler.instance_schema
-                    else {"type": "object"})
+        instance = handler_schema(handler)
         for key, value in (("instance", instance),
                            ("instances", {"type": "array", "minItems": 1, "items": instance})):
             variants.append({"type": "object", "required": ["handler", key],

@@ -54,7 +54,9 @@ class SubmitSchema(Schema):
     instances = fields.List(fields.Raw(), validate=validate.Length(min=1),
                             metadata={"description": "task instances (objects)"})
     n = fields.Integer(load_default=1, strict=True, validate=validate.Range(min=1, max=4096),
-                       metadata={"description": "samples per instance"})
+                       metadata={"description": "samples per instance; instances x n may be at "
+                                 "most PRORL_MAX_JOBS_PER_REQUEST (10000), else 400 "
+                                 "too_many_jobs"})
     sampling = fields.Nested(SamplingSchema, load_default=dict)
     deadline_s = fields.Float(load_default=None, allow_none=True, allow_nan=False,
                               validate=validate.Range(min=0, min_inclusive=False,

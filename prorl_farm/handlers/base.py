@@ -32,6 +32,9 @@ class AgentHandler(ABC):
     # and gold patches stay out of RUN this way, whatever the loop puts in a prompt or a
     # sandbox. None: every field is visible (tasks with nothing to hide).
     visible_fields: ClassVar[tuple[str, ...] | None] = None
+    # JSON Schema keywords for what the instance schema checks across fields (e.g. "one
+    # of these two fields"), so the published schema states every constraint enforced.
+    instance_constraints: ClassVar[dict] = {}
 
     def visible_instance(self, instance: dict) -> dict:
         """What RUN may see of ``instance``."""

@@ -16,6 +16,7 @@ BUILTIN = {
     "synthetic": "prorl_farm.handlers.synthetic:SyntheticHandler",
     "chat": "prorl_farm.handlers.chat:ChatHandler",
     "math": "prorl_farm.handlers.math:MathHandler",
+    "code": "prorl_farm.handlers.code:CodeHandler",
     "shell": "prorl_farm.handlers.shell:ShellHandler",
 }
 

@@ -1,0 +1,163 @@
+"""``code``: a statement and hidden tests; the policy writes a Python program.
+
+Tests come in one of two styles: stdin/stdout pairs (Codeforces/TACO/APPS), or test code
+with an entry point (HumanEval's ``check(candidate)``, or MBPP's list of asserts). RUN sees
+the statement only; it may try things with the ``python`` tool, and its final program is the
+one it ``submit``s (``{"code": ...}``) or, failing that, the last ```python block of its final
+answer. EVAL runs that program against the tests in a fresh sandbox holding only the program,
+the tests and the farm's harness (``prorl_farm/graders/code_harness.py``), with per-test time
+and memory limits; the program never runs in the harness's process, so printing fake
+results, exiting early or patching ``assert`` earns nothing. Reward 1 only if every test
+passes; the pass fraction is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
+
+from prorl_farm.agent.loop import AgentLimits, run_episode
+from prorl_farm.agent.parsers import PARSERS, get_parser
+from prorl_farm.agent.tools import ToolRunner
+from prorl_farm.graders import source
+from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.sandbox.abstract import SandboxSpec
+from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.sandbox.grading import run_isolated
+
+DEFAULT_PROMPT = ("Write a Python program for the task below. You may try code with the python "
+                  "tool. When done, call submit with your complete program as \"code\" (or give "
+                  "it in a final ```python block).\n\n{statement}")
+
+
+class StdioTest(Schema):
+    class Meta:
+        unknown = RAISE
+
+    input = fields.String(required=True)
+    output = fields.String(required=True)
+
+
+class CodeInstance(Schema):
+    class Meta:
+        unknown = RAISE
+
+    statement = fields.String(required=True, validate=validate.Length(min=1, max=200_000))
+    tests = fields.List(fields.Nested(StdioTest), validate=validate.Length(min=1, max=1000))
+    test_code = fields.String(validate=validate.Length(min=1, max=1_000_000))
+    test_list = fields.List(fields.String(), validate=validate.Length(min=1, max=1000))
+    test_setup = fields.String(load_default="")
+    entry_point = fields.String(validate=validate.Regexp(r"^[A-Za-z_][A-Za-z0-9_]*$"))
+    canonical_solution = fields.String(load_default=None, allow_none=True)
+    time_limit_s = fields.Float(load_default=5.0, validate=validate.Range(min=0.1, max=600))
+    memory_mb = fields.Integer(load_default=512, strict=True,
+                               validate=validate.Range(min=16, max=65_536))
+    tools = fields.List(fields.String(validate=validate.OneOf(["python", "bash"])),
+                        load_default=lambda: ["python"])
+    system = fields.String(load_default=None, allow_none=True)
+    prompt_template = fields.String(load_default=DEFAULT_PROMPT)
+    parser = fields.String(load_default="hermes", validate=validate.OneOf(sorted(PARSERS)))
+    max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
+                               validate=validate.Range(min=1, max=1000))
+    call_timeout_s = fields.Float(load_default=None, allow_none=True,
+                                  validate=validate.Range(min=0.1, max=3600))
+
+    @validates_schema
+    def _one_style(self, data, **_):
+        stdio = "tests" in data
+        calls = "test_code" in data or "test_list" in data
+        if stdio == calls:
+            raise ValidationError("give stdin/stdout 'tests', or 'test_code'/'test_list' with "
+                                  "an 'entry_point'", "tests")
+        if calls and "entry_point" not in data:
+            raise ValidationError("required with test_code/test_list", "entry_point")
+
+
+_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def final_program(result: dict) -> str | None:
+    """The submitted program, or the last ```python block of the final answer."""
+    submitted = (result.get("submitted") or {})
+    if isinstance(submitted.get("code"), str) and submitted["code"].strip():
+        return submitted["code"]
+    if result.get("stats", {}).get("end_reason") != "answered":
+        return None
+    final = next((m["content"] for m in reversed(result.get("messages", []))
+                  if m["role"] == "assistant"), "")
+    blocks = _BLOCK.findall(final)
+    return blocks[-1] if blocks else None
+
+
+def tests_spec(inst: dict) -> dict:
+    spec = {"time_s": inst["time_limit_s"], "memory_mb": inst["memory_mb"]}
+    if inst.get("tests"):
+        return {**spec, "style": "stdio", "tests": inst["tests"]}
+    cases = inst.get("test_list") or [inst["test_code"]]
+    return {**spec, "style": "call", "entry_point": inst["entry_point"], "cases": cases,
+            "setup": inst.get("test_setup", "")}
+
+
+def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
+    spec = tests_spec(inst)
+    n = len(spec.get("tests") or spec.get("cases"))
+    files = {"solution.py": program, "tests.json": json.dumps(spec),
+             "code_harness.py": source("code_harness.py")}
+    out = run_isolated(ctx, files, ["python3", "-I", "-S", "code_harness.py"],
+                       timeout_s=n * (inst["time_limit_s"] + 2) + 10)
+    try:
+        verdict = json.loads(out["stdout"].strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"reward": 0.0, "pass_fraction": 0.0, "verdict": "the harness gave no verdict",
+                "harness_stderr": out["stderr"][-2000:]}
+    fraction = verdict["passed"] / verdict["total"] if verdict["total"] else 0.0
+    return {"reward": 1.0 if verdict["passed"] == verdict["total"] > 0 else 0.0,
+            "pass_fraction": round(fraction, 6), "tests": verdict["results"][:100]}
+
+
+class CodeHandler(AgentHandler):
+    name = "code"
+    description = ("Programming tasks with hidden tests (stdin/stdout or assert-based); reward "
+                   "1 if the final program passes them all, in a fresh sandbox.")
+    instance_schema = CodeInstance
+    instance_constraints = {"oneOf": [
+        {"required": ["tests"],
+         "not": {"anyOf": [{"required": ["test_code"]}, {"required": ["test_list"]}]}},
+        {"required": ["entry_point"], "not": {"required": ["tests"]},
+         "anyOf": [{"required": ["test_code"]}, {"required": ["test_list"]}]},
+    ]}
+    visible_fields = ("statement", "tools", "system", "prompt_template", "parser", "max_turns",
+                      "call_timeout_s", "time_limit_s", "memory_mb", "entry_point")
+
+    def init(self, ctx: JobContext) -> dict:
+        if not ctx.instance["tools"]:
+            return {}
+        sandbox = ctx.sandboxes.start(SandboxSpec(), ctx.job_id, ctx.requeues, ctx)
+        return {"sandbox": sandbox.to_dict()}
+
+    def run(self, ctx: JobContext) -> dict:
+        inst = ctx.instance
+        messages = ([{"role": "system", "content": inst["system"]}] if inst["system"] else [])
+        messages.append({"role": "user", "content": inst["prompt_template"].format(
+            statement=inst["statement"])})
+        limits = AgentLimits.from_job(inst, ctx.sampling)
+        client = ToolClient(ctx.state["sandbox"]["socket"]) if ctx.state.get("sandbox") \
+            else None
+        try:
+            runner = ToolRunner(client, limits.call_timeout_s) if client else None
+            traj, ep = run_episode(ctx, messages, inst["tools"] + ["submit"],
+                                   get_parser(inst["parser"]), limits, runner)
+        finally:
+            if client is not None:
+                client.close()
+        return {**traj.to_dict(), "stats": ep.stats(), "submitted": ep.submitted}
+
+    def eval(self, ctx: JobContext) -> dict:
+        if ctx.state.get("sandbox"):
+            ctx.sandboxes.stop(ctx.state["sandbox"])  # its slot is free for the grader's
+        program = final_program(ctx.result or {})
+        if program is None:
+            return {"reward": 0.0, "pass_fraction": 0.0, "verdict": "no program"}
+        return grade_program(ctx, program, ctx.instance)

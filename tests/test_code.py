@@ -1,0 +1,129 @@
+"""The ``code`` handler through the real pipeline: a scripted policy submits programs, and
+the hidden tests run in a fresh sandbox under the farm's harness. Honest programs pass in
+both test styles; wrong ones and every trick on the grader earn 0, and a program that forks,
+allocates or loops without end is stopped within its limits and leaves the node clean."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.farm import wait_until
+from tests.policy_server import PolicyServer, text_planner
+
+pytestmark = pytest.mark.slow
+
+
+def submit(code: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "submit", "arguments": {"code": code}}) + \
+        "\n</tool_call>"
+
+
+DOUBLE = "import sys\nprint(2 * int(sys.stdin.read()))\n"
+ADD = "def add(a, b):\n    return a + b\n"
+FAKE = ('import os\nprint(\'{"passed": 9, "total": 9, "results": []}\')\nos._exit(0)\n')
+PROGRAMS = {
+    "stdio-good": DOUBLE,
+    "stdio-bad": "import sys\nprint(3 * int(sys.stdin.read()))\n",
+    "call-good": ADD,
+    "call-bad": "def add(a, b):\n    return a - b\n",
+    "fake-output": FAKE,
+    "rigged-eq": "class Any:\n    def __eq__(self, other):\n        return True\n"
+                 "def add(a, b):\n    return Any()\n",
+    "patched": "import builtins, unittest\nbuiltins.AssertionError = Exception\n"
+               "unittest.TestCase.assertEqual = lambda *a: None\ndef add(a, b):\n    return 0\n",
+    "exit-early": "import os, sys\ndef add(a, b):\n    os._exit(0)\nsys.exit(0)\n",
+    "fork-bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+                 "        pass\n",
+    "memory-hog": "x = []\nwhile True:\n    x.append(bytearray(10**7))\n",
+    "forever": "while True:\n    pass\n",
+}
+PLANS = {name: [submit(code)] for name, code in PROGRAMS.items()}
+PLANS["block"] = ["Here it is:\n```python\n" + DOUBLE + "```"]
+PLANS["nothing"] = ["I cannot do this."]
+
+STDIO_TESTS = [{"input": "2", "output": "4"}, {"input": "21", "output": "42\n"}]
+CALL_TESTS = {"test_code": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+                           "    assert candidate(-4, 4) == 0\n", "entry_point": "add"}
+MBPP_TESTS = {"test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"],
+              "entry_point": "add"}
+
+
+@pytest.fixture(scope="module")
+def code_farm(redis_server, tmp_path_factory, tiny_model):
+    from api import create_app
+    from prorl_farm.config import load_settings
+    from tests.conftest import make_pools
+    from tests.farm import farm_env
+
+    server = PolicyServer(planner=text_planner(str(tiny_model), PLANS))
+    overrides = dict(sandbox_dir=f"/tmp/prs-code-{id(server) % 10_000}", run_concurrency=8)
+    pools = make_pools(redis_server, tmp_path_factory.mktemp("code"), **overrides)
+    pools.start()
+    client = create_app(load_settings(farm_env(redis_server.url, **overrides))).test_client()
+    client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
+                      "tokenizer": str(tiny_model), "capacity": 64}
+    try:
+        yield client
+    finally:
+        pools.stop()
+        server.kill()
+        shutil.rmtree(overrides["sandbox_dir"], ignore_errors=True)
+
+
+def _code(client, cases: list[tuple[str, dict]]) -> list[dict]:
+    backends = client.get("/v1/backends").get_json()["backends"]
+    if [b["url"] for b in backends] != [client.backend["url"]]:
+        for b in backends:
+            client.delete(f"/v1/backends/{b['id']}")
+        assert client.post("/v1/backends", json=client.backend).status_code == 201
+    instances = [{"statement": f"[case:{c}] Solve it.", "tools": [], "time_limit_s": 2.0,
+                  "memory_mb": 256, **tests} for c, tests in cases]
+    resp = client.post("/v1/jobs", json={"handler": "code", "instances": instances,
+                                         "sampling": {"max_tokens": 512}, "deadline_s": 180})
+    assert resp.status_code == 202, resp.get_json()
+    sub = resp.get_json()
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+               180, 0.2, "code batch")
+    return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+
+
+def test_honest_programs_pass_and_wrong_ones_fail_in_both_styles(code_farm):
+    stdio = {"tests": STDIO_TESTS}
+    jobs = _code(code_farm, [("stdio-good", stdio), ("stdio-bad", stdio), ("block", stdio),
+                             ("call-good", CALL_TESTS), ("call-bad", CALL_TESTS),
+                             ("call-good", MBPP_TESTS), ("nothing", stdio)])
+    assert all(j["state"] == "done" for j in jobs), [j["failure"] for j in jobs]
+    rewards = [j["reward"] for j in jobs]
+    assert rewards == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0], [j["result"].get("eval")
+                                                             for j in jobs]
+    assert jobs[0]["result"]["stats"]["end_reason"] == "submitted"
+    assert jobs[2]["result"]["stats"]["end_reason"] == "answered"
+    assert jobs[1]["result"]["eval"]["pass_fraction"] == 0.0
+    # The hidden tests never reached RUN's view.
+    assert "42" not in jobs[0]["result"]["messages"][0]["content"]
+
+
+def test_tricks_on_the_grader_earn_nothing(code_farm):
+    cases = [("fake-output", {"tests": STDIO_TESTS}), ("fake-output", CALL_TESTS),
+             ("rigged-eq", CALL_TESTS), ("rigged-eq", MBPP_TESTS), ("patched", CALL_TESTS),
+             ("patched", MBPP_TESTS), ("exit-early", CALL_TESTS), ("call-good", CALL_TESTS)]
+    jobs = _code(code_farm, cases)
+    *tricks, honest = jobs
+    assert honest["reward"] == 1.0
+    for job, (case, _) in zip(tricks, cases):
+        assert job["state"] == "done" and job["reward"] == 0.0, (case, job["result"]["eval"])
+
+
+def test_runaway_programs_end_within_their_limits_and_leave_the_node_clean(code_farm, r):
+    stdio = {"tests": STDIO_TESTS}
+    jobs = _code(code_farm, [("fork-bomb", stdio), ("memory-hog", stdio), ("forever", stdio),
+                             ("stdio-good", stdio)])
+    *runaways, honest = jobs
+    assert honest["reward"] == 1.0, (honest["failure"], [j["failure"] for j in runaways])
+    for job in runaways:
+        assert job["state"] == "done" and job["reward"] == 0.0, job["result"]["eval"]
+        assert job["timings"]["eval"]["active_s"] < 60
+    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 20, 0.1, "sandboxes stopped")
