@@ -66,7 +66,7 @@ def submit():
     req = _validated_submit(json_body())
     batch_id = req["batch_id"] or new_id()
     jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
-                                 req["sampling"], req["deadline_s"])
+                                 req["sampling"], req["deadline_s"], req["mode"])
     try:
         with svc.celery.producer_or_acquire() as producer:
             for job in jobs:

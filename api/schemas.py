@@ -66,6 +66,10 @@ class SubmitSchema(Schema):
     batch_id = fields.String(load_default=None, allow_none=True, validate=validate.Regexp(
         ID_RE, error="1-128 characters from A-Z a-z 0-9 _ . -"),
         metadata={"description": "add to this batch (created if new)"})
+    mode = fields.String(load_default="policy", validate=validate.OneOf(["policy",
+                                                                         "reference"]),
+                         metadata={"description": "reference: skip the policy and grade the "
+                                   "instance's own reference (answer, canonical solution)"})
 
     @validates_schema
     def _one_of_instance_instances(self, data, **_):
@@ -117,6 +121,7 @@ class JobSchema(Schema):
     instance_index = fields.Integer()
     sample_index = fields.Integer()
     requeues = fields.Integer()
+    mode = fields.String()
     attempts = fields.List(fields.Dict(), metadata={"description": "earlier attempts of a "
                                                      "re-queued job: stage, node, reason"})
     created_at = fields.Float()

@@ -53,6 +53,44 @@ def _cmd_api(args) -> int:
     return 0  # not reached
 
 
+def _read_jsonl(path: str) -> list[dict]:
+    import json
+
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as e:
+                    raise SystemExit(f"{path}:{number}: not JSON ({e})") from None
+    return rows
+
+
+def _cmd_validate(args) -> int:
+    """Grade every instance's own reference through a running farm; list those that fail."""
+    from prorl_farm.client import FarmClient
+
+    farm = FarmClient(args.url)
+    rows = _read_jsonl(args.file)
+    sub = farm.submit(args.handler, rows, mode="reference", deadline_s=args.deadline_s)
+    by_id = {j: i for i, j in enumerate(sub["job_ids"])}
+    bad = []
+    for job in farm.iter_results(sub["batch_id"], timeout_s=args.deadline_s + 60):
+        line = by_id[job["id"]] + 1
+        if job["state"] != "done":
+            bad.append((line, f"{job['state']}: {(job['failure'] or {}).get('kind')}: "
+                              f"{(job['failure'] or {}).get('message', '')[:300]}"))
+        elif job["reward"] != 1.0:
+            detail = (job.get("result") or {}).get("eval") or {}
+            why = detail.get("verdict") or detail.get("tests") or detail
+            bad.append((line, f"reference earns {job['reward']}: {str(why)[:300]}"))
+    for line, why in sorted(bad):
+        print(f"{args.file}:{line}: {why}")
+    print(f"{len(rows) - len(bad)} of {len(rows)} references pass")
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prorl-farm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -76,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--port", type=int, default=8100)
     sm.add_argument("--name", help="model name to report (default: the directory name)")
     sm.set_defaults(func=_cmd_serve_model)
+    v = sub.add_parser("validate", help="grade each instance's own reference (answer, "
+                       "canonical solution) through a running farm; list those that fail")
+    v.add_argument("file", metavar="FILE.jsonl")
+    v.add_argument("--handler", required=True)
+    v.add_argument("--url", default=os.environ.get("PRORL_URL", "http://127.0.0.1:8000"))
+    v.add_argument("--deadline-s", type=float, default=600.0)
+    v.set_defaults(func=_cmd_validate)
     tm = sub.add_parser("tiny-model", help="build a tiny random model and tokenizer offline")
     tm.add_argument("out", metavar="DIR")
     tm.add_argument("--seed", type=int, default=0)

@@ -36,6 +36,8 @@ class JobContext:
     instance_index: int = 0
     sample_index: int = 0
     requeues: int = 0  # how many times this job started over (a new attempt, new sandbox)
+    # "policy", or "reference": no policy; RUN hands the instance's own reference to EVAL.
+    mode: str = "policy"
     state: dict = field(default_factory=dict)
     result: dict | None = None
     # time.monotonic() after which the stage must stop (job deadline or stage time limit).

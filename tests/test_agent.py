@@ -189,3 +189,37 @@ def test_a_tiny_real_model_runs_100_math_episodes_with_tools(agent_farm, dev_ser
         assert sum(t["response_mask"]) == sum(turn["generated"] for turn in t["turns"])
         assert j["reward"] in (0.0, 1.0)
     wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 20, 0.1, "sandboxes stopped")
+
+
+STEM_PLANS = {
+    "choice-right": ["The force balances at B, so \\boxed{B}"],
+    "choice-wrong": ["\\boxed{C}"],
+    "choice-many": ["\\boxed{B or C}"],
+    "choice-line": ["Reasoning...\nAnswer: B"],
+    "value-right": ["About \\boxed{9.8}"],
+    "value-wrong": ["\\boxed{10.5}"],
+}
+
+
+def test_stem_questions_are_graded_by_choice_or_value(agent_farm):
+    client, server, tiny_model = agent_farm
+    server.planner = text_planner(str(tiny_model), {**PLANS, **STEM_PLANS})
+    try:
+        _register(client, server, tiny_model)
+        choices = ["a lever", "a pulley", "a wedge"]
+        instances = [{"question": f"[case:{c}] Which one?", "choices": choices, "answer": "B"}
+                     for c in ("choice-right", "choice-wrong", "choice-many", "choice-line")]
+        instances += [{"question": f"[case:{c}] g on Earth in m/s^2?", "answer": "9.8"}
+                      for c in ("value-right", "value-wrong")]
+        resp = client.post("/v1/jobs", json={"handler": "stem", "instances": instances,
+                                             "sampling": {"max_tokens": 64}})
+        sub = resp.get_json()
+        wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+                   60, 0.2, "stem batch")
+        jobs = [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+        assert [j["reward"] for j in jobs] == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], \
+            [(j["failure"], (j["result"] or {}).get("eval")) for j in jobs]
+        prompt = jobs[0]["result"]["messages"][0]["content"]
+        assert "B. a pulley" in prompt and "answer" not in jobs[0]["result"]  # RUN's view
+    finally:
+        server.planner = text_planner(str(tiny_model), PLANS)

@@ -39,10 +39,11 @@ class FarmClient:
 
     def submit(self, handler: str, instances: list[dict], n: int = 1,
                sampling: dict | None = None, deadline_s: float | None = None,
-               batch_id: str | None = None) -> dict:
-        """Submit instances x n jobs; returns {batch_id, job_ids}."""
+               batch_id: str | None = None, mode: str = "policy") -> dict:
+        """Submit instances x n jobs; returns {batch_id, job_ids}. ``mode="reference"``
+        grades each instance's own reference instead of a policy's answer."""
         body = {"handler": handler, "instances": instances, "n": n,
-                "sampling": sampling or {}, "deadline_s": deadline_s}
+                "sampling": sampling or {}, "deadline_s": deadline_s, "mode": mode}
         if batch_id:
             body["batch_id"] = batch_id
         return self._call("POST", "/v1/jobs", json=body)

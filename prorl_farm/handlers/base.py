@@ -65,6 +65,11 @@ class AgentHandler(ABC):
     def eval(self, ctx: JobContext) -> float | dict:
         """Score the outcome: a reward, or a dict with ``reward`` and more fields to keep."""
 
+    def reference(self, ctx: JobContext) -> dict:
+        """RUN in reference mode: the result EVAL grades, built from the instance's own
+        reference (its answer, canonical solution or gold patch) instead of a policy."""
+        raise InvalidInstance(f"the {self.name} handler has no reference mode")
+
     def cleanup(self, ctx: JobContext) -> None:  # noqa: B027 - optional hook
         """Release what INIT started, once the job is terminal in this worker. Default: no-op."""
 

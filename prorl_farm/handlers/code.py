@@ -21,6 +21,7 @@ from marshmallow import RAISE, Schema, ValidationError, fields, validate, valida
 from prorl_farm.agent.loop import AgentLimits, run_episode
 from prorl_farm.agent.parsers import PARSERS, get_parser
 from prorl_farm.agent.tools import ToolRunner
+from prorl_farm.errors import InvalidInstance
 from prorl_farm.graders import source
 from prorl_farm.handlers.base import AgentHandler, JobContext
 from prorl_farm.sandbox.abstract import SandboxSpec
@@ -131,8 +132,14 @@ class CodeHandler(AgentHandler):
     visible_fields = ("statement", "tools", "system", "prompt_template", "parser", "max_turns",
                       "call_timeout_s", "time_limit_s", "memory_mb", "entry_point")
 
+    def reference(self, ctx: JobContext) -> dict:
+        solution = ctx.instance.get("canonical_solution")
+        if not solution:
+            raise InvalidInstance("no canonical_solution to validate")
+        return {"submitted": {"code": solution}, "stats": {"end_reason": "submitted"}}
+
     def init(self, ctx: JobContext) -> dict:
-        if not ctx.instance["tools"]:
+        if not ctx.instance["tools"] or ctx.mode == "reference":
             return {}
         sandbox = ctx.sandboxes.start(SandboxSpec(), ctx.job_id, ctx.requeues, ctx)
         return {"sandbox": sandbox.to_dict()}

@@ -101,8 +101,13 @@ class MathHandler(AgentHandler):
     visible_fields = ("problem", "tools", "system", "prompt_template", "parser", "max_turns",
                       "call_timeout_s")
 
+    def reference(self, ctx: JobContext) -> dict:
+        answer = ctx.instance["answer"]
+        return {"messages": [{"role": "assistant", "content": f"\\boxed{{{answer}}}"}],
+                "stats": {"end_reason": "answered"}}
+
     def init(self, ctx: JobContext) -> dict:
-        if not ctx.instance["tools"]:
+        if not ctx.instance["tools"] or ctx.mode == "reference":
             return {}
         sandbox = ctx.sandboxes.start(SandboxSpec(), ctx.job_id, ctx.requeues, ctx)
         return {"sandbox": sandbox.to_dict()}

@@ -17,6 +17,7 @@ BUILTIN = {
     "chat": "prorl_farm.handlers.chat:ChatHandler",
     "math": "prorl_farm.handlers.math:MathHandler",
     "code": "prorl_farm.handlers.code:CodeHandler",
+    "stem": "prorl_farm.handlers.stem:StemHandler",
     "shell": "prorl_farm.handlers.shell:ShellHandler",
 }
 

@@ -48,6 +48,7 @@ def render_job(raw: dict, include_instance: bool = True) -> dict:
         "instance_index": int(raw.get("instance_index", 0)),
         "sample_index": int(raw.get("sample_index", 0)),
         "requeues": int(raw.get("requeues", 0)),
+        "mode": raw.get("mode") or "policy",
         # Earlier attempts of a re-queued job: why each ended (the newest few).
         "attempts": json.loads(raw["attempts"]) if raw.get("attempts") else [],
         "created_at": _f(raw, "created_at"),

@@ -100,6 +100,7 @@ class JobStore:
         n: int,
         sampling: dict,
         deadline_s: float | None,
+        mode: str = "policy",
     ) -> list[NewJob]:
         """Write every job of one request atomically (MULTI/EXEC), all waiting for INIT.
 
@@ -124,7 +125,7 @@ class JobStore:
                     "state": JobState.QUEUED.value, "stage": "init", "phase": "waiting",
                     "token": job.token, "queue": "init", "requeues": 0,
                     "created_at": f"{now:.6f}", "t_init_queued": f"{now:.6f}",
-                    "deadline_at": deadline_at,
+                    "deadline_at": deadline_at, "mode": mode,
                 })
         ids = [j.job_id for j in jobs]
         pipe.hsetnx(keys.batch(batch_id), "created_at", f"{now:.6f}")

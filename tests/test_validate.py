@@ -1,0 +1,70 @@
+"""Reference validation: `prorl-farm validate FILE.jsonl --handler H` grades each instance's
+own reference (math/stem answer, code canonical solution) through a running farm, passes
+every sample dataset, and names a planted broken instance with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prorl_farm.client import FarmClient
+from tests.conftest import make_pools
+from tests.farm import ROOT, free_port, wait_until
+from tests.test_hardening import _gunicorn, _stop
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def farm_url(redis_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("validate")
+    pools = make_pools(redis_server, tmp, sandbox_dir=f"/tmp/prs-val-{free_port()}")
+    port = free_port()
+    api = _gunicorn(pools.env, port, tmp / "api.log")
+    try:
+        pools.start()
+        url = f"http://127.0.0.1:{port}"
+        wait_until(FarmClient(url).ready, 30, 0.2, "api ready")
+        yield url, pools.env
+    finally:
+        _stop(api)
+        pools.stop()
+
+
+def _validate(url: str, env: dict, path, handler: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prorl_farm.cli", "validate", str(path),
+                           "--handler", handler, "--url", url, "--deadline-s", "120"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("handler", ["math", "stem", "code"])
+def test_every_sample_reference_passes(farm_url, handler):
+    url, env = farm_url
+    out = _validate(url, env, ROOT / "examples" / "data" / f"{handler}.jsonl", handler)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = (ROOT / "examples" / "data" / f"{handler}.jsonl").read_text()
+    lines = sum(1 for line in text.splitlines() if line.strip())
+    assert f"{lines} of {lines} references pass" in out.stdout
+
+
+def test_a_planted_broken_reference_is_named(farm_url, tmp_path):
+    url, env = farm_url
+    text = (ROOT / "examples" / "data" / "code.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows[2]["canonical_solution"] = "def is_palindrome(s):\n    return True\n"
+    del rows[4]["canonical_solution"]
+    path = tmp_path / "broken.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _validate(url, env, path, "code")
+    assert out.returncode == 1
+    assert f"{path}:3: reference earns 0.0" in out.stdout, out.stdout
+    assert f"{path}:5: failed: invalid_instance" in out.stdout, out.stdout
+    assert f"3 of {len(rows)} references pass" in out.stdout
+    math = tmp_path / "math.jsonl"
+    math.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n"
+                    + json.dumps({"problem": "2+2?", "answer": "\\frac{"}) + "\n")
+    out = _validate(url, env, math, "math")
+    assert out.returncode == 1 and f"{math}:2:" in out.stdout and f"{math}:1:" not in out.stdout
