@@ -18,14 +18,15 @@ import re
 
 from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
 
-from prorl_farm.agent.loop import AgentLimits, run_episode
-from prorl_farm.agent.parsers import PARSERS, get_parser
-from prorl_farm.agent.tools import ToolRunner
 from prorl_farm.errors import InvalidInstance
 from prorl_farm.graders import source
-from prorl_farm.handlers.base import AgentHandler, JobContext
-from prorl_farm.sandbox.abstract import SandboxSpec
-from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.handlers.agentic import (
+    AGENT_OPTIONS,
+    AgentOptions,
+    ToolAgentHandler,
+    final_answer,
+)
+from prorl_farm.handlers.base import JobContext
 from prorl_farm.sandbox.grading import run_isolated
 
 DEFAULT_PROMPT = ("Write a Python program for the task below. You may try code with the python "
@@ -41,10 +42,7 @@ class StdioTest(Schema):
     output = fields.String(required=True)
 
 
-class CodeInstance(Schema):
-    class Meta:
-        unknown = RAISE
-
+class CodeInstance(AgentOptions):
     statement = fields.String(required=True, validate=validate.Length(min=1, max=200_000))
     tests = fields.List(fields.Nested(StdioTest), validate=validate.Length(min=1, max=1000))
     test_code = fields.String(validate=validate.Length(min=1, max=1_000_000))
@@ -57,13 +55,7 @@ class CodeInstance(Schema):
                                validate=validate.Range(min=16, max=65_536))
     tools = fields.List(fields.String(validate=validate.OneOf(["python", "bash"])),
                         load_default=lambda: ["python"])
-    system = fields.String(load_default=None, allow_none=True)
     prompt_template = fields.String(load_default=DEFAULT_PROMPT)
-    parser = fields.String(load_default="hermes", validate=validate.OneOf(sorted(PARSERS)))
-    max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
-                               validate=validate.Range(min=1, max=1000))
-    call_timeout_s = fields.Float(load_default=None, allow_none=True,
-                                  validate=validate.Range(min=0.1, max=3600))
 
     @validates_schema
     def _one_style(self, data, **_):
@@ -84,11 +76,7 @@ def final_program(result: dict) -> str | None:
     submitted = (result.get("submitted") or {})
     if isinstance(submitted.get("code"), str) and submitted["code"].strip():
         return submitted["code"]
-    if result.get("stats", {}).get("end_reason") != "answered":
-        return None
-    final = next((m["content"] for m in reversed(result.get("messages", []))
-                  if m["role"] == "assistant"), "")
-    blocks = _BLOCK.findall(final)
+    blocks = _BLOCK.findall(final_answer(result))
     return blocks[-1] if blocks else None
 
 
@@ -118,7 +106,7 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
             "pass_fraction": round(fraction, 6), "tests": verdict["results"][:100]}
 
 
-class CodeHandler(AgentHandler):
+class CodeHandler(ToolAgentHandler):
     name = "code"
     description = ("Programming tasks with hidden tests (stdin/stdout or assert-based); reward "
                    "1 if the final program passes them all, in a fresh sandbox.")
@@ -129,8 +117,9 @@ class CodeHandler(AgentHandler):
         {"required": ["entry_point"], "not": {"required": ["tests"]},
          "anyOf": [{"required": ["test_code"]}, {"required": ["test_list"]}]},
     ]}
-    visible_fields = ("statement", "tools", "system", "prompt_template", "parser", "max_turns",
-                      "call_timeout_s", "time_limit_s", "memory_mb", "entry_point")
+    visible_fields = ("statement", "prompt_template", "time_limit_s", "memory_mb",
+                      "entry_point", *AGENT_OPTIONS)
+    extra_tools = ("submit",)
 
     def reference(self, ctx: JobContext) -> dict:
         solution = ctx.instance.get("canonical_solution")
@@ -138,27 +127,9 @@ class CodeHandler(AgentHandler):
             raise InvalidInstance("no canonical_solution to validate")
         return {"submitted": {"code": solution}, "stats": {"end_reason": "submitted"}}
 
-    def init(self, ctx: JobContext) -> dict:
-        if not ctx.instance["tools"] or ctx.mode == "reference":
-            return {}
-        sandbox = ctx.sandboxes.start(SandboxSpec(), ctx.job_id, ctx.requeues, ctx)
-        return {"sandbox": sandbox.to_dict()}
-
     def run(self, ctx: JobContext) -> dict:
         inst = ctx.instance
-        messages = ([{"role": "system", "content": inst["system"]}] if inst["system"] else [])
-        messages.append({"role": "user", "content": inst["prompt_template"].format(
-            statement=inst["statement"])})
-        limits = AgentLimits.from_job(inst, ctx.sampling)
-        client = ToolClient(ctx.state["sandbox"]["socket"]) if ctx.state.get("sandbox") \
-            else None
-        try:
-            runner = ToolRunner(client, limits.call_timeout_s) if client else None
-            traj, ep = run_episode(ctx, messages, inst["tools"] + ["submit"],
-                                   get_parser(inst["parser"]), limits, runner)
-        finally:
-            if client is not None:
-                client.close()
+        traj, ep = self.episode(ctx, inst["prompt_template"].format(statement=inst["statement"]))
         return {**traj.to_dict(), "stats": ep.stats(), "submitted": ep.submitted}
 
     def eval(self, ctx: JobContext) -> dict:

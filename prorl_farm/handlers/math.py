@@ -11,36 +11,23 @@ from __future__ import annotations
 
 import re
 
-from marshmallow import RAISE, Schema, fields, validate
+from marshmallow import fields, validate
 
-from prorl_farm.agent.loop import AgentLimits, run_episode
-from prorl_farm.agent.parsers import PARSERS, get_parser
-from prorl_farm.agent.tools import ToolRunner
-from prorl_farm.handlers.base import AgentHandler, JobContext
-from prorl_farm.sandbox.abstract import SandboxSpec
-from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler, final_answer
+from prorl_farm.handlers.base import JobContext
 
 DEFAULT_PROMPT = ("Solve the problem. You may run Python with the python tool. Put the final "
                   "answer in \\boxed{{}}.\n\n{problem}")
 
 
-class MathInstance(Schema):
-    class Meta:
-        unknown = RAISE
-
+class MathInstance(AgentOptions):
     problem = fields.String(required=True, validate=validate.Length(min=1, max=100_000))
     answer = fields.String(required=True, validate=validate.Length(min=1, max=1000))
     tools = fields.List(fields.String(validate=validate.OneOf(["python"])),
                         load_default=lambda: ["python"])
-    system = fields.String(load_default=None, allow_none=True)
     prompt_template = fields.String(load_default=DEFAULT_PROMPT)
-    parser = fields.String(load_default="hermes", validate=validate.OneOf(sorted(PARSERS)))
-    max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
-                               validate=validate.Range(min=1, max=1000))
     max_answer_chars = fields.Integer(load_default=200, strict=True,
                                       validate=validate.Range(min=1, max=10_000))
-    call_timeout_s = fields.Float(load_default=None, allow_none=True,
-                                  validate=validate.Range(min=0.1, max=3600))
 
 
 def last_boxed(text: str) -> str | None:
@@ -93,47 +80,19 @@ def _parse(parse, text: str):
             or parse(text, parsing_timeout=None))
 
 
-class MathHandler(AgentHandler):
+class MathHandler(ToolAgentHandler):
     name = "math"
     description = ("Math problems with an optional Python tool; reward by math-verify on the "
                    "final \\boxed{} answer.")
     instance_schema = MathInstance
-    visible_fields = ("problem", "tools", "system", "prompt_template", "parser", "max_turns",
-                      "call_timeout_s")
-
-    def reference(self, ctx: JobContext) -> dict:
-        answer = ctx.instance["answer"]
-        return {"messages": [{"role": "assistant", "content": f"\\boxed{{{answer}}}"}],
-                "stats": {"end_reason": "answered"}}
-
-    def init(self, ctx: JobContext) -> dict:
-        if not ctx.instance["tools"] or ctx.mode == "reference":
-            return {}
-        sandbox = ctx.sandboxes.start(SandboxSpec(), ctx.job_id, ctx.requeues, ctx)
-        return {"sandbox": sandbox.to_dict()}
+    visible_fields = ("problem", "prompt_template", *AGENT_OPTIONS)
 
     def run(self, ctx: JobContext) -> dict:
         inst = ctx.instance
-        messages = ([{"role": "system", "content": inst["system"]}] if inst["system"] else [])
-        messages.append({"role": "user",
-                         "content": inst["prompt_template"].format(problem=inst["problem"])})
-        limits = AgentLimits.from_job(inst, ctx.sampling)
-        client = ToolClient(ctx.state["sandbox"]["socket"]) if ctx.state.get("sandbox") \
-            else None
-        try:
-            runner = ToolRunner(client, limits.call_timeout_s) if client else None
-            traj, ep = run_episode(ctx, messages, inst["tools"], get_parser(inst["parser"]),
-                                   limits, runner)
-        finally:
-            if client is not None:
-                client.close()
+        traj, ep = self.episode(ctx, inst["prompt_template"].format(problem=inst["problem"]))
         return {**traj.to_dict(), "stats": ep.stats()}
 
     def eval(self, ctx: JobContext) -> dict:
-        result = ctx.result or {}
-        final = ""
-        if result.get("stats", {}).get("end_reason") == "answered":
-            final = next((m["content"] for m in reversed(result.get("messages", []))
-                          if m["role"] == "assistant"), "")
-        reward, why = grade(final, ctx.instance["answer"], ctx.instance["max_answer_chars"])
+        reward, why = grade(final_answer(ctx.result), ctx.instance["answer"],
+                            ctx.instance["max_answer_chars"])
         return {"reward": reward, "verdict": why}

@@ -12,32 +12,24 @@ from __future__ import annotations
 
 import re
 
-from marshmallow import RAISE, Schema, fields, validate
+from marshmallow import fields, validate
 
-from prorl_farm.agent.parsers import PARSERS
-from prorl_farm.handlers.math import MathHandler, grade, last_boxed
+from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler, final_answer
+from prorl_farm.handlers.base import JobContext
+from prorl_farm.handlers.math import grade, last_boxed
 
 CHOICE_PROMPT = ("Answer the question. Give the letter of the correct choice as \\boxed{{X}}."
                  "\n\n{question}\n\n{choices}")
 OPEN_PROMPT = "Answer the question. Put the final answer in \\boxed{{}}.\n\n{question}"
 
 
-class StemInstance(Schema):
-    class Meta:
-        unknown = RAISE
-
+class StemInstance(AgentOptions):
     question = fields.String(required=True, validate=validate.Length(min=1, max=100_000))
     choices = fields.List(fields.String(), validate=validate.Length(min=2, max=26))
     answer = fields.String(required=True, validate=validate.Length(min=1, max=1000))
     tools = fields.List(fields.String(validate=validate.OneOf(["python"])), load_default=list)
-    system = fields.String(load_default=None, allow_none=True)
-    parser = fields.String(load_default="hermes", validate=validate.OneOf(sorted(PARSERS)))
-    max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
-                               validate=validate.Range(min=1, max=1000))
     max_answer_chars = fields.Integer(load_default=200, strict=True,
                                       validate=validate.Range(min=1, max=10_000))
-    call_timeout_s = fields.Float(load_default=None, allow_none=True,
-                                  validate=validate.Range(min=0.1, max=3600))
 
 
 _ANSWER_LINE = re.compile(r"(?im)^\s*answer\s*[:：]\s*\(?([A-Z])\)?\s*$")
@@ -57,37 +49,25 @@ def grade_choice(final_text: str, reference: str, n_choices: int) -> tuple[float
     return (1.0, "correct") if letter.upper() == reference.strip().upper() else (0.0, "wrong")
 
 
-class StemHandler(MathHandler):
+class StemHandler(ToolAgentHandler):
     name = "stem"
     description = ("STEM questions: a choice letter, a number or an expression; exact choice "
                    "or math-verify.")
     instance_schema = StemInstance
-    visible_fields = ("question", "choices", "tools", "system", "parser", "max_turns",
-                      "call_timeout_s")
+    visible_fields = ("question", "choices", *AGENT_OPTIONS)
 
-    def run(self, ctx):
-        inst = dict(ctx.instance)
+    def run(self, ctx: JobContext) -> dict:
+        inst = ctx.instance
         if inst.get("choices"):
             listed = "\n".join(f"{chr(ord('A') + i)}. {c}" for i, c in enumerate(inst["choices"]))
-            inst["problem"] = CHOICE_PROMPT.format(question=inst["question"], choices=listed)
+            text = CHOICE_PROMPT.format(question=inst["question"], choices=listed)
         else:
-            inst["problem"] = OPEN_PROMPT.format(question=inst["question"])
-        inst["prompt_template"] = "{problem}"
-        ctx.instance = inst
-        return super().run(ctx)
+            text = OPEN_PROMPT.format(question=inst["question"])
+        traj, ep = self.episode(ctx, text)
+        return {**traj.to_dict(), "stats": ep.stats()}
 
-    def reference(self, ctx) -> dict:
-        return {"messages": [{"role": "assistant",
-                              "content": f"\\boxed{{{ctx.instance['answer']}}}"}],
-                "stats": {"end_reason": "answered"}}
-
-    def eval(self, ctx) -> dict:
-        result = ctx.result or {}
-        final = ""
-        if result.get("stats", {}).get("end_reason") == "answered":
-            final = next((m["content"] for m in reversed(result.get("messages", []))
-                          if m["role"] == "assistant"), "")
-        inst = ctx.instance
+    def eval(self, ctx: JobContext) -> dict:
+        inst, final = ctx.instance, final_answer(ctx.result)
         if inst.get("choices"):
             reward, why = grade_choice(final, inst["answer"], len(inst["choices"]))
         else:

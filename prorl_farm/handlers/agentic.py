@@ -1,0 +1,76 @@
+"""What the tool-using handlers (math, stem, code) share: the agent options of their
+instances, a sandbox for their tools, and one episode of the agent loop."""
+
+from __future__ import annotations
+
+from marshmallow import RAISE, Schema, fields, validate
+
+from prorl_farm.agent.loop import AgentLimits, Episode, run_episode
+from prorl_farm.agent.parsers import PARSERS, get_parser
+from prorl_farm.agent.tools import ToolRunner
+from prorl_farm.agent.trajectory import Trajectory
+from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.sandbox.abstract import SandboxSpec
+from prorl_farm.sandbox.client import ToolClient
+
+# Fields every agent instance may set, all visible to the policy.
+AGENT_OPTIONS = ("tools", "system", "parser", "max_turns", "call_timeout_s")
+
+
+class AgentOptions(Schema):
+    """The agent loop's per-instance options (handlers add their task fields and ``tools``)."""
+
+    class Meta:
+        unknown = RAISE
+
+    system = fields.String(load_default=None, allow_none=True)
+    parser = fields.String(load_default="hermes", validate=validate.OneOf(sorted(PARSERS)))
+    max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
+                               validate=validate.Range(min=1, max=1000))
+    call_timeout_s = fields.Float(load_default=None, allow_none=True,
+                                  validate=validate.Range(min=0.1, max=3600))
+
+
+class ToolAgentHandler(AgentHandler):
+    """INIT starts a sandbox when the instance asks for tools (never in reference mode);
+    :meth:`episode` runs the agent loop with them."""
+
+    # Tools offered beside the instance's own (e.g. ``submit``).
+    extra_tools: tuple[str, ...] = ()
+
+    def init(self, ctx: JobContext) -> dict:
+        if not ctx.instance.get("tools") or ctx.mode == "reference":
+            return {}
+        sandbox = ctx.sandboxes.start(SandboxSpec(), ctx.job_id, ctx.requeues, ctx)
+        return {"sandbox": sandbox.to_dict()}
+
+    def reference(self, ctx: JobContext) -> dict:
+        """Reference mode for answer tasks: the reference, boxed, as the final answer."""
+        return {"messages": [{"role": "assistant",
+                              "content": f"\\boxed{{{ctx.instance['answer']}}}"}],
+                "stats": {"end_reason": "answered"}}
+
+    def episode(self, ctx: JobContext, user_text: str) -> tuple[Trajectory, Episode]:
+        inst = ctx.instance
+        messages = ([{"role": "system", "content": inst["system"]}] if inst.get("system")
+                    else [])
+        messages.append({"role": "user", "content": user_text})
+        limits = AgentLimits.from_job(inst, ctx.sampling)
+        sandbox = ctx.state.get("sandbox")
+        client = ToolClient(sandbox["socket"]) if sandbox else None
+        try:
+            runner = ToolRunner(client, limits.call_timeout_s) if client else None
+            return run_episode(ctx, messages, list(inst.get("tools") or []) +
+                               list(self.extra_tools), get_parser(inst["parser"]), limits,
+                               runner)
+        finally:
+            if client is not None:
+                client.close()
+
+
+def final_answer(result: dict) -> str:
+    """The policy's final message, if the episode ended with an answer (else "")."""
+    if (result or {}).get("stats", {}).get("end_reason") != "answered":
+        return ""
+    return next((m["content"] for m in reversed(result.get("messages", []))
+                 if m["role"] == "assistant"), "")
