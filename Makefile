@@ -45,6 +45,7 @@ bench: bootstrap
 	$(PY) bench/pipeline.py
 	$(PY) bench/backends.py
 	$(PY) bench/tools.py
+	$(PY) bench/agent.py
 
 clean:
 	rm -rf $(VENV) .prorl .pytest_cache

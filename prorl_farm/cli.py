@@ -67,6 +67,35 @@ def _read_jsonl(path: str) -> list[dict]:
     return rows
 
 
+def _cmd_submit(args) -> int:
+    """Submit a dataset, follow the batch to its end, print the summary."""
+    import json
+
+    from prorl_farm.client import FarmClient
+    from prorl_farm.client.report import follow
+
+    farm = FarmClient(args.url)
+    sampling = json.loads(args.sampling) if args.sampling else {}
+    sub = farm.submit(args.handler, _read_jsonl(args.file), n=args.n, sampling=sampling,
+                      deadline_s=args.deadline_s)
+    print(f"batch {sub['batch_id']}: {len(sub['job_ids'])} jobs", file=sys.stderr)
+    print(json.dumps({"batch_id": sub["batch_id"], **follow(farm, sub["batch_id"],
+                                                             args.output)}, indent=2))
+    return 0
+
+
+def _cmd_watch(args) -> int:
+    import json
+
+    from prorl_farm.client import FarmClient
+    from prorl_farm.client.report import follow
+
+    farm = FarmClient(args.url)
+    print(json.dumps({"batch_id": args.batch, **follow(farm, args.batch, args.output)},
+                     indent=2))
+    return 0
+
+
 def _cmd_validate(args) -> int:
     """Grade every instance's own reference through a running farm; list those that fail."""
     from prorl_farm.client import FarmClient
@@ -114,6 +143,22 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--port", type=int, default=8100)
     sm.add_argument("--name", help="model name to report (default: the directory name)")
     sm.set_defaults(func=_cmd_serve_model)
+    url = os.environ.get("PRORL_URL", "http://127.0.0.1:8000")
+    s = sub.add_parser("submit", help="submit a JSONL dataset, show progress until the batch "
+                       "ends, then a summary (mean reward, pass@k, failures, end reasons)")
+    s.add_argument("file", metavar="FILE.jsonl")
+    s.add_argument("--handler", required=True)
+    s.add_argument("-n", type=int, default=1, help="samples per instance")
+    s.add_argument("--sampling", metavar="JSON", help='e.g. \'{"temperature": 1.0}\'')
+    s.add_argument("--deadline-s", type=float, default=None)
+    s.add_argument("--output", metavar="OUT.jsonl", help="write every finished job here")
+    s.add_argument("--url", default=url)
+    s.set_defaults(func=_cmd_submit)
+    w2 = sub.add_parser("watch", help="follow a batch submitted elsewhere, then summarise it")
+    w2.add_argument("batch")
+    w2.add_argument("--output", metavar="OUT.jsonl")
+    w2.add_argument("--url", default=url)
+    w2.set_defaults(func=_cmd_watch)
     v = sub.add_parser("validate", help="grade each instance's own reference (answer, "
                        "canonical solution) through a running farm; list those that fail")
     v.add_argument("file", metavar="FILE.jsonl")

@@ -68,3 +68,27 @@ def test_a_planted_broken_reference_is_named(farm_url, tmp_path):
                     + json.dumps({"problem": "2+2?", "answer": "\\frac{"}) + "\n")
     out = _validate(url, env, math, "math")
     assert out.returncode == 1 and f"{math}:2:" in out.stdout and f"{math}:1:" not in out.stdout
+
+
+def test_submit_and_watch_summarise_a_batch(farm_url, tmp_path):
+    url, env = farm_url
+    data = tmp_path / "synthetic.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"run_s": 0.05, "reward": 1.0}, {"run_s": 0.05, "reward": 0.0},
+        {"fail_stage": "run"})))
+    out_path = tmp_path / "out.jsonl"
+    out = subprocess.run([sys.executable, "-m", "prorl_farm.cli", "submit", str(data),
+                          "--handler", "synthetic", "-n", "3", "--output", str(out_path),
+                          "--url", url], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["jobs"] == 9 and summary["states"] == {"done": 6, "failed": 3}
+    assert summary["mean_reward"] == 0.5 and summary["failures"] == {"run_error": 3}
+    assert summary["pass@1"] == round(1 / 3, 4) and summary["pass@3"] == round(1 / 3, 4)
+    written = [json.loads(line) for line in out_path.read_text().splitlines()]
+    assert len(written) == 9 and {j["batch_id"] for j in written} == {summary["batch_id"]}
+    again = subprocess.run([sys.executable, "-m", "prorl_farm.cli", "watch",
+                            summary["batch_id"], "--url", url], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and json.loads(again.stdout) == summary
