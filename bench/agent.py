@@ -43,10 +43,52 @@ CALL = "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": "e
     "\n</tool_call>"
 
 
+def _in_flight(args, registry, manager, settings) -> float:
+    """Episodes/s with ``args.in_flight`` episodes running at once in one process."""
+    import threading
+
+    boxes = [manager.start(SandboxSpec()) for _ in range(args.in_flight)]
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        client = ToolClient(boxes[i].socket)
+        ctx = JobContext(job_id=f"flight-{i}", batch_id="bench", stage="run", token="t",
+                         node="bench", instance={}, sampling={}, backends=registry,
+                         sandboxes=manager, settings=settings)
+        try:
+            _, ep = run_episode(ctx, [{"role": "user", "content": "[case:echo] go"}],
+                                ["bash"], HermesParser(),
+                                AgentLimits(max_turns=args.flight_turns,
+                                            max_tokens_per_turn=64, max_total_tokens=10**6),
+                                ToolRunner(client, 30.0))
+            assert ep.turns == args.flight_turns, ep.stats()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            registry.release(f"flight-{i}")
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(args.in_flight)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for sb in boxes:
+        manager.stop(sb)
+    if errors:
+        raise errors[0]
+    return args.in_flight / wall
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--episodes", type=int, default=5)
     ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--in-flight", type=int, default=200,
+                    help="episodes run at once for the throughput figure")
+    ap.add_argument("--flight-turns", type=int, default=3)
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="prorl-bench-agent-"))
@@ -55,12 +97,14 @@ def main() -> None:
         build_tokenizer(tmp, corpus_bytes=300_000)
         server = PolicyServer(planner=text_planner(str(tmp), {"echo": [CALL]}))
         with private_redis() as url:
-            r = redis.Redis.from_url(url, decode_responses=True)
+            r = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+                url, max_connections=args.in_flight + 16, decode_responses=True))
             settings = load_settings({"PRORL_REDIS_URL": url})
             registry = BackendRegistry(r)
             registry.register(BackendSpec(url=server.url, kind="vllm", model="bench",
                                           tokenizer=str(tmp), capacity=1000))
-            manager = SandboxManager(r, "bench", "bwrap", root=str(sandbox_root))
+            manager = SandboxManager(r, "bench", "bwrap", root=str(sandbox_root),
+                                     max_sandboxes=args.in_flight + 8)
             turn_s, prompts = [], []
             for e in range(args.episodes):
                 sb = manager.start(SandboxSpec())
@@ -96,6 +140,7 @@ def main() -> None:
                 tool_s.append(time.perf_counter() - t0)
             client.close()
             manager.stop(sb)
+            throughput = _in_flight(args, registry, manager, settings)
         server.kill()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -113,6 +158,9 @@ def main() -> None:
         f"| tool round trip alone (`echo`) | {pct(tool_s, 50) * 1e3:.2f} | "
         f"{pct(tool_s, 99) * 1e3:.2f} |", "",
         f"Per-turn time / (policy + tool round trips): **{loop / floor:.2f}x**.", "",
+        f"{args.in_flight} episodes in flight at once ({args.flight_turns} turns each, one "
+        f"`echo` per turn, each in its own bwrap sandbox, sandboxes started beforehand): "
+        f"**{throughput:.1f} episodes/s** ({throughput * args.flight_turns:.0f} turns/s).", "",
     ]
     report(lines, args.record)
 
