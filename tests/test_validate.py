@@ -5,6 +5,7 @@ every sample dataset, and names a planted broken instance with the reason."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def farm_url(redis_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validate")
-    pools = make_pools(redis_server, tmp, sandbox_dir=f"/tmp/prs-val-{free_port()}")
+    sandbox_dir = f"/tmp/prs-val-{free_port()}"
+    pools = make_pools(redis_server, tmp, sandbox_dir=sandbox_dir)
     port = free_port()
     api = _gunicorn(pools.env, port, tmp / "api.log")
     try:
@@ -32,6 +34,7 @@ def farm_url(redis_server, tmp_path_factory):
     finally:
         _stop(api)
         pools.stop()
+        shutil.rmtree(sandbox_dir, ignore_errors=True)
 
 
 def _validate(url: str, env: dict, path, handler: str) -> subprocess.CompletedProcess:
