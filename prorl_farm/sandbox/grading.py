@@ -12,18 +12,21 @@ sandbox (its slot is free before the grader's is taken), add the hidden tests, r
 from __future__ import annotations
 
 from prorl_farm.context import JobContext
-from prorl_farm.sandbox.abstract import SandboxSpec
+from prorl_farm.sandbox.abstract import Limits, SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
+
+# A grader needs few processes: a fork bomb in the program under test stops here.
+GRADER_LIMITS = Limits(processes=64)
 
 
 def run_isolated(ctx: JobContext, files: dict[str, str | bytes], argv: list[str],
                  timeout_s: float, stdin: str | None = None,
-                 env: dict[str, str] | None = None) -> dict:
+                 env: dict[str, str] | None = None, limits: Limits = GRADER_LIMITS) -> dict:
     """Run ``argv`` in a fresh sandbox holding only ``files``; returns the ``exec`` result
     (exit_code, signal, stdout, stderr, timed_out). The sandbox is gone afterwards."""
     sandboxes = ctx.sandboxes
-    sandbox = sandboxes.start(SandboxSpec(workspace_files=files), ctx.job_id, ctx.requeues,
-                              ctx)
+    sandbox = sandboxes.start(SandboxSpec(workspace_files=files, limits=limits), ctx.job_id,
+                              ctx.requeues, ctx)
     client = ToolClient(sandbox.socket)
     try:
         timeout = max(0.1, min(timeout_s, ctx.remaining_s))

@@ -31,6 +31,9 @@ class Limits:
     processes: int = 512
     file_size_bytes: int = 4 * 1024**3
     open_files: int = 4096
+    # Scheduling priority: below the farm's own processes, so that whatever a sandbox runs
+    # (a fork bomb, a busy loop) cannot starve the pools' heartbeats or Redis.
+    nice: int = 15
 
 
 def kill_group(pid: int, sig: int) -> None:
@@ -98,6 +101,8 @@ def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
 
     def run() -> None:
         os.setsid()
+        if limits.nice:
+            os.nice(limits.nice)
         if procs_file is not None:
             with open(procs_file, "w") as f:
                 f.write(str(os.getpid()))
