@@ -51,11 +51,6 @@ def _validated_submit(body: dict) -> dict:
             errors[i] = e.details or {"_schema": [str(e)]}
     if errors:
         raise validation_error({"instances": errors}, "invalid_instance")
-    total = len(normalised) * req["n"]
-    limit = svc.settings.max_jobs_per_request
-    if total > limit:
-        raise validation_error({"n": [f"{len(normalised)} instances x n={req['n']} = {total} "
-                                      f"jobs; at most {limit} per request"]}, "too_many_jobs")
     req["instances"] = normalised
     return req
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -161,3 +162,45 @@ def farm_env(redis_url: str, **overrides) -> dict:
     })
     env.update({f"PRORL_{k.upper()}": str(v) for k, v in overrides.items()})
     return env
+
+
+@contextlib.contextmanager
+def scripted_farm(redis_url: str, log_dir: Path, tokenizer: str, plans: dict, tag: str):
+    """Real pools and an API test client, with a scripted policy server playing ``plans``
+    (see tests/policy_server.py); yields (client, server). Its sandbox directory goes with it.
+    """
+    from api import create_app
+    from prorl_farm.config import load_settings
+    from tests.policy_server import PolicyServer, text_planner
+
+    server = PolicyServer(planner=text_planner(tokenizer, plans))
+    overrides = dict(sandbox_dir=f"/tmp/prs-{tag}-{os.getpid()}", run_concurrency=8)
+    env = farm_env(redis_url, **overrides)
+    pools = Pools(env, log_dir)
+    try:
+        pools.start()
+        yield create_app(load_settings(env)).test_client(), server
+    finally:
+        pools.stop()
+        server.kill()
+        shutil.rmtree(overrides["sandbox_dir"], ignore_errors=True)
+
+
+def use_only_backend(client, **spec) -> str:
+    """Unregister every backend, register this one; returns its id."""
+    for b in client.get("/v1/backends").get_json()["backends"]:
+        client.delete(f"/v1/backends/{b['id']}")
+    resp = client.post("/v1/backends", json=spec)
+    assert resp.status_code == 201, resp.get_json()
+    return resp.get_json()["id"]
+
+
+def run_batch(client, body: dict, timeout_s: float = 120) -> list[dict]:
+    """Submit ``body`` to POST /v1/jobs, wait until the batch is complete, return its jobs
+    in submission order."""
+    resp = client.post("/v1/jobs", json=body)
+    assert resp.status_code == 202, resp.get_json()
+    sub = resp.get_json()
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+               timeout_s, 0.2, f"{body.get('handler')} batch")
+    return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]

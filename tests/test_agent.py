@@ -5,12 +5,11 @@ calls, limits, and the math handler's grading."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from prorl_farm.agent.parsers import HermesParser, Llama3JsonParser
-from tests.farm import wait_until
+from tests.farm import run_batch, scripted_farm, use_only_backend, wait_until
 from tests.policy_server import PolicyServer, text_planner
 
 pytestmark = pytest.mark.slow
@@ -38,45 +37,21 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def agent_farm(redis_server, tmp_path_factory, tiny_model):
-    from api import create_app
-    from prorl_farm.config import load_settings
-    from tests.conftest import make_pools
-    from tests.farm import farm_env
-
-    server = PolicyServer(planner=text_planner(str(tiny_model), PLANS))
-    overrides = dict(sandbox_dir=f"/tmp/prs-agent-{id(server) % 10_000}", run_concurrency=8)
-    pools = make_pools(redis_server, tmp_path_factory.mktemp("agent"), **overrides)
-    pools.start()
-    client = create_app(load_settings(farm_env(redis_server.url, **overrides))).test_client()
-    try:
+    with scripted_farm(redis_server.url, tmp_path_factory.mktemp("agent"), str(tiny_model),
+                       PLANS, "agent") as (client, server):
         yield client, server, tiny_model
-    finally:
-        pools.stop()
-        server.kill()
-        shutil.rmtree(overrides["sandbox_dir"], ignore_errors=True)
 
 
 def _register(client, server, tiny_model) -> str:
-    for b in client.get("/v1/backends").get_json()["backends"]:
-        client.delete(f"/v1/backends/{b['id']}")
-    resp = client.post("/v1/backends", json={"url": server.url, "kind": "vllm", "model": "tiny",
-                                             "tokenizer": str(tiny_model), "capacity": 64,
-                                             "policy_version": "7"})
-    assert resp.status_code == 201, resp.get_json()
-    return resp.get_json()["id"]
+    return use_only_backend(client, url=server.url, kind="vllm", model="tiny",
+                            tokenizer=str(tiny_model), capacity=64, policy_version="7")
 
 
 def _math(client, cases: list[str], sampling: dict | None = None, **extra) -> list[dict]:
     instances = [{"problem": f"[case:{c}] What is 6 times 7?", "answer": "42", **extra}
                  for c in cases]
-    resp = client.post("/v1/jobs", json={"handler": "math", "instances": instances,
-                                         "sampling": sampling or {"max_tokens": 128},
-                                         "deadline_s": 120})
-    assert resp.status_code == 202, resp.get_json()
-    sub = resp.get_json()
-    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
-               120, 0.2, "math batch")
-    return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+    return run_batch(client, {"handler": "math", "instances": instances,
+                              "sampling": sampling or {"max_tokens": 128}, "deadline_s": 120})
 
 
 def _prefix_exact(job: dict, server: PolicyServer) -> None:
@@ -165,20 +140,12 @@ def test_a_tiny_real_model_runs_100_math_episodes_with_tools(agent_farm, dev_ser
     reason recorded, its trajectory prefix-exact (checked turn by turn by the farm), and no
     sandbox left."""
     client, _, tiny_model = agent_farm
-    for b in client.get("/v1/backends").get_json()["backends"]:
-        client.delete(f"/v1/backends/{b['id']}")
-    resp = client.post("/v1/backends", json={"url": dev_server, "kind": "vllm", "model": "tiny",
-                                             "tokenizer": str(tiny_model), "capacity": 8})
-    assert resp.status_code == 201
+    use_only_backend(client, url=dev_server, kind="vllm", model="tiny",
+                     tokenizer=str(tiny_model), capacity=8)
     instances = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(25)]
-    resp = client.post("/v1/jobs", json={"handler": "math", "instances": instances, "n": 4,
-                                         "sampling": {"max_tokens": 12, "temperature": 1.0,
-                                                      "seed": 3, "max_turns": 3},
-                                         "deadline_s": 300})
-    sub = resp.get_json()
-    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
-               300, 0.5, "100 math episodes")
-    jobs = [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+    jobs = run_batch(client, {"handler": "math", "instances": instances, "n": 4,
+                              "sampling": {"max_tokens": 12, "temperature": 1.0, "seed": 3,
+                                           "max_turns": 3}, "deadline_s": 300}, 300)
     assert len(jobs) == 100 and all(j["state"] == "done" for j in jobs), \
         [j["failure"] for j in jobs if j["state"] != "done"][:3]
     reasons = {j["result"]["stats"]["end_reason"] for j in jobs}
@@ -211,12 +178,8 @@ def test_stem_questions_are_graded_by_choice_or_value(agent_farm):
                      for c in ("choice-right", "choice-wrong", "choice-many", "choice-line")]
         instances += [{"question": f"[case:{c}] g on Earth in m/s^2?", "answer": "9.8"}
                       for c in ("value-right", "value-wrong")]
-        resp = client.post("/v1/jobs", json={"handler": "stem", "instances": instances,
-                                             "sampling": {"max_tokens": 64}})
-        sub = resp.get_json()
-        wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
-                   60, 0.2, "stem batch")
-        jobs = [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+        jobs = run_batch(client, {"handler": "stem", "instances": instances,
+                                  "sampling": {"max_tokens": 64}}, 60)
         assert [j["reward"] for j in jobs] == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], \
             [(j["failure"], (j["result"] or {}).get("eval")) for j in jobs]
         prompt = jobs[0]["result"]["messages"][0]["content"]

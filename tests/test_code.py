@@ -6,12 +6,10 @@ allocates or loops without end is stopped within its limits and leaves the node 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from tests.farm import wait_until
-from tests.policy_server import PolicyServer, text_planner
+from tests.farm import run_batch, scripted_farm, use_only_backend, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -53,41 +51,20 @@ MBPP_TESTS = {"test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"],
 
 @pytest.fixture(scope="module")
 def code_farm(redis_server, tmp_path_factory, tiny_model):
-    from api import create_app
-    from prorl_farm.config import load_settings
-    from tests.conftest import make_pools
-    from tests.farm import farm_env
-
-    server = PolicyServer(planner=text_planner(str(tiny_model), PLANS))
-    overrides = dict(sandbox_dir=f"/tmp/prs-code-{id(server) % 10_000}", run_concurrency=8)
-    pools = make_pools(redis_server, tmp_path_factory.mktemp("code"), **overrides)
-    pools.start()
-    client = create_app(load_settings(farm_env(redis_server.url, **overrides))).test_client()
-    client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
-                      "tokenizer": str(tiny_model), "capacity": 64}
-    try:
+    with scripted_farm(redis_server.url, tmp_path_factory.mktemp("code"), str(tiny_model),
+                       PLANS, "code") as (client, server):
+        client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
+                          "tokenizer": str(tiny_model), "capacity": 64}
         yield client
-    finally:
-        pools.stop()
-        server.kill()
-        shutil.rmtree(overrides["sandbox_dir"], ignore_errors=True)
 
 
 def _code(client, cases: list[tuple[str, dict]]) -> list[dict]:
-    backends = client.get("/v1/backends").get_json()["backends"]
-    if [b["url"] for b in backends] != [client.backend["url"]]:
-        for b in backends:
-            client.delete(f"/v1/backends/{b['id']}")
-        assert client.post("/v1/backends", json=client.backend).status_code == 201
+    # Registered per call: a test's `r` fixture clears the farm's keys, backends included.
+    use_only_backend(client, **client.backend)
     instances = [{"statement": f"[case:{c}] Solve it.", "tools": [], "time_limit_s": 2.0,
                   "memory_mb": 256, **tests} for c, tests in cases]
-    resp = client.post("/v1/jobs", json={"handler": "code", "instances": instances,
-                                         "sampling": {"max_tokens": 512}, "deadline_s": 180})
-    assert resp.status_code == 202, resp.get_json()
-    sub = resp.get_json()
-    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
-               180, 0.2, "code batch")
-    return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+    return run_batch(client, {"handler": "code", "instances": instances,
+                              "sampling": {"max_tokens": 512}, "deadline_s": 180}, 180)
 
 
 def test_honest_programs_pass_and_wrong_ones_fail_in_both_styles(code_farm):

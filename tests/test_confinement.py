@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.farm import ROOT, Pools, farm_env, wait_until
+from tests.farm import ROOT, Pools, farm_env, run_batch, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap"),
                                                    reason="needs bubblewrap")]
@@ -88,13 +88,8 @@ def _sandbox_processes() -> list[int]:
 
 
 def _run(client, instances: list[dict], timeout_s: float = 120) -> list[dict]:
-    resp = client.post("/v1/jobs", json={"handler": "shell", "instances": instances,
-                                         "deadline_s": timeout_s})
-    assert resp.status_code == 202, resp.get_json()
-    sub = resp.get_json()
-    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
-               timeout_s, 0.2, "confinement batch")
-    return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+    return run_batch(client, {"handler": "shell", "instances": instances,
+                              "deadline_s": timeout_s}, timeout_s)
 
 
 HONEST = {"files": {"sol.py": "print(6 * 7)\n"}, "commands": ["python3 sol.py > out.txt"],

@@ -11,7 +11,7 @@ import requests
 from api import create_app
 from prorl_farm.agent.trajectory import ChatTokens, TokenMismatch, Trajectory
 from prorl_farm.config import load_settings
-from prorl_farm.handlers.chat import turn_seed
+from prorl_farm.llm.session import turn_seed
 from tests.conftest import make_pools
 from tests.farm import farm_env, wait_until
 

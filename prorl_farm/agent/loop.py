@@ -19,8 +19,8 @@ from prorl_farm.agent.parsers import ToolCall, ToolParser
 from prorl_farm.agent.tools import SCHEMAS, BadArguments, ToolRunner, truncate
 from prorl_farm.agent.trajectory import Trajectory, load_chat_tokens
 from prorl_farm.context import JobContext
-from prorl_farm.errors import BackendUnavailable, StageTimeout
-from prorl_farm.llm.session import BackendSession
+from prorl_farm.errors import StageTimeout
+from prorl_farm.llm.session import BackendSession, turn_seed
 
 # End reasons (recorded in the result's ``stats.end_reason``).
 SUBMITTED, ANSWERED, MAX_TURNS, MAX_TOKENS, CONTEXT, TIMEOUT = (
@@ -73,19 +73,6 @@ class Episode:
                 "tool_s": round(self.tool_s, 6), "llm_s": round(self.llm_s, 6)}
 
 
-# (instance, sample, turn) -> a reproducible seed, or None (from the chat handler).
-def _seed(ctx: JobContext, turn: int) -> int | None:
-    seed = ctx.sampling.get("seed")
-    if seed is None:
-        return None
-    mixed = seed * 1_000_003 + ctx.instance_index * 10_007 + ctx.sample_index * 101 + turn
-    return mixed % (2**31 - 1)
-
-
-SAMPLING_FOR_BACKEND = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
-                        "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
 def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser: ToolParser,
                 limits: AgentLimits, runner: ToolRunner | None) -> tuple[Trajectory, Episode]:
     """Drive one episode; returns the trajectory and what happened. Raises on backend
@@ -100,7 +87,7 @@ def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser:
     ep = Episode()
     offered = set(tools)
     try:
-        _loop(ctx, session, first.tokenizer, traj, ep, offered, parser, limits, runner)
+        _loop(ctx, session, traj, ep, offered, parser, limits, runner)
     except StageTimeout:
         if not traj.turns:
             raise
@@ -108,7 +95,7 @@ def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser:
     return traj, ep
 
 
-def _loop(ctx, session, tokenizer, traj, ep, offered, parser, limits, runner) -> None:
+def _loop(ctx, session, traj, ep, offered, parser, limits, runner) -> None:
     generated = 0
     for turn in range(limits.max_turns):
         ctx.check()
@@ -121,15 +108,12 @@ def _loop(ctx, session, tokenizer, traj, ep, offered, parser, limits, runner) ->
         if room <= 0:
             ep.end_reason = CONTEXT
             return
-        sampling = {k: v for k, v in ctx.sampling.items() if k in SAMPLING_FOR_BACKEND}
-        sampling.update(max_tokens=min(limits.max_tokens_per_turn, budget, room),
-                        seed=_seed(ctx, turn))
+        # The clients pass on only the sampling parameters a backend knows.
+        sampling = dict(ctx.sampling, max_tokens=min(limits.max_tokens_per_turn, budget, room),
+                        seed=turn_seed(ctx, turn))
         t0 = time.monotonic()
         got = session.generate(context, sampling)
         ep.llm_s += time.monotonic() - t0
-        if got.backend.tokenizer != tokenizer:
-            raise BackendUnavailable(f"fail-over backend {got.backend.id} uses another "
-                                     f"tokenizer ({got.backend.tokenizer})")
         g = got.generation
         traj.add_generation(context, g.token_ids, g.logprobs, g.finish_reason, got.backend.id,
                             got.backend.policy_version, got.backend.logprobs_mode)

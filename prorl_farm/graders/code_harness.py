@@ -84,9 +84,8 @@ def run_stdio(test, time_s, memory_mb):
         return False, "time limit"
     if proc.returncode != 0:
         return False, f"exit status {proc.returncode}"
-    out = proc.stdout.decode("utf-8", errors="replace")
-    return (normalise(out) == normalise(test["output"]),
-            "ok" if normalise(out) == normalise(test["output"]) else "wrong output")
+    ok = normalise(proc.stdout.decode("utf-8", errors="replace")) == normalise(test["output"])
+    return ok, "ok" if ok else "wrong output"
 
 
 CALL_SERVER = r'''

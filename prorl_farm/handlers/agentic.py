@@ -50,7 +50,13 @@ class ToolAgentHandler(AgentHandler):
                               "content": f"\\boxed{{{ctx.instance['answer']}}}"}],
                 "stats": {"end_reason": "answered"}}
 
-    def episode(self, ctx: JobContext, user_text: str) -> tuple[Trajectory, Episode]:
+    def episode(self, ctx: JobContext, user_text: str) -> dict:
+        """One episode from ``user_text``: the trajectory, the episode's ``stats`` and what
+        the policy ``submitted`` (the RUN result)."""
+        traj, ep = self._episode(ctx, user_text)
+        return {**traj.to_dict(), "stats": ep.stats(), "submitted": ep.submitted}
+
+    def _episode(self, ctx: JobContext, user_text: str) -> tuple[Trajectory, Episode]:
         inst = ctx.instance
         messages = ([{"role": "system", "content": inst["system"]}] if inst.get("system")
                     else [])

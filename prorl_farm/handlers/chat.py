@@ -12,9 +12,8 @@ from __future__ import annotations
 from marshmallow import RAISE, Schema, fields, validate
 
 from prorl_farm.agent.trajectory import Trajectory, load_chat_tokens
-from prorl_farm.errors import BackendUnavailable
 from prorl_farm.handlers.base import AgentHandler, JobContext
-from prorl_farm.llm.session import BackendSession
+from prorl_farm.llm.session import BackendSession, turn_seed
 
 
 class Message(Schema):
@@ -43,16 +42,6 @@ class ChatInstance(Schema):
     continue_on_length = fields.Boolean(load_default=False)
 
 
-def turn_seed(ctx: JobContext, turn: int) -> int | None:
-    """A distinct, reproducible seed per (instance, sample, turn) from the request's seed, so
-    the n samples of a group differ while a rerun of the batch repeats them."""
-    seed = ctx.sampling.get("seed")
-    if seed is None:
-        return None
-    mixed = (seed * 1_000_003 + ctx.instance_index * 10_007 + ctx.sample_index * 101 + turn)
-    return mixed % (2**31 - 1)
-
-
 class ChatHandler(AgentHandler):
     name = "chat"
     description = "Multi-turn chat with scripted observations; reward 1 if the answer appears."
@@ -74,9 +63,6 @@ class ChatHandler(AgentHandler):
             sent = traj.context()
             sampling = dict(ctx.sampling, seed=turn_seed(ctx, turn))
             t = session.generate(sent, sampling)
-            if t.backend.tokenizer != first.tokenizer:
-                raise BackendUnavailable(f"fail-over backend {t.backend.id} uses another "
-                                         f"tokenizer ({t.backend.tokenizer})")
             g = t.generation
             traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason, t.backend.id,
                                 t.backend.policy_version, t.backend.logprobs_mode)

@@ -129,8 +129,7 @@ class CodeHandler(ToolAgentHandler):
 
     def run(self, ctx: JobContext) -> dict:
         inst = ctx.instance
-        traj, ep = self.episode(ctx, inst["prompt_template"].format(statement=inst["statement"]))
-        return {**traj.to_dict(), "stats": ep.stats(), "submitted": ep.submitted}
+        return self.episode(ctx, inst["prompt_template"].format(statement=inst["statement"]))
 
     def eval(self, ctx: JobContext) -> dict:
         if ctx.state.get("sandbox"):

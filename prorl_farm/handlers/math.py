@@ -89,8 +89,7 @@ class MathHandler(ToolAgentHandler):
 
     def run(self, ctx: JobContext) -> dict:
         inst = ctx.instance
-        traj, ep = self.episode(ctx, inst["prompt_template"].format(problem=inst["problem"]))
-        return {**traj.to_dict(), "stats": ep.stats()}
+        return self.episode(ctx, inst["prompt_template"].format(problem=inst["problem"]))
 
     def eval(self, ctx: JobContext) -> dict:
         reward, why = grade(final_answer(ctx.result), ctx.instance["answer"],

@@ -63,8 +63,7 @@ class StemHandler(ToolAgentHandler):
             text = CHOICE_PROMPT.format(question=inst["question"], choices=listed)
         else:
             text = OPEN_PROMPT.format(question=inst["question"])
-        traj, ep = self.episode(ctx, text)
-        return {**traj.to_dict(), "stats": ep.stats()}
+        return self.episode(ctx, text)
 
     def eval(self, ctx: JobContext) -> dict:
         inst, final = ctx.instance, final_answer(ctx.result)

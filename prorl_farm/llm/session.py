@@ -14,6 +14,16 @@ from prorl_farm.llm.registry import Backend, BackendRegistry
 log = logging.getLogger(__name__)
 
 
+def turn_seed(ctx: JobContext, turn: int) -> int | None:
+    """A distinct, reproducible seed per (instance, sample, turn) from the request's seed, so
+    the n samples of a group differ while a rerun of the batch repeats them."""
+    seed = ctx.sampling.get("seed")
+    if seed is None:
+        return None
+    mixed = (seed * 1_000_003 + ctx.instance_index * 10_007 + ctx.sample_index * 101 + turn)
+    return mixed % (2**31 - 1)
+
+
 @dataclass
 class Turn:
     """One generation and where it came from."""
@@ -32,6 +42,9 @@ class BackendSession:
         self.retries = retries
         self.failovers = 0
         self._exclude = ""
+        # The tokenizer of the first backend the job got: a fail-over to a backend with
+        # another one would mix token vocabularies in one trajectory.
+        self.tokenizer: str | None = None
 
     def backend(self) -> Backend:
         """The backend this job is pinned to (pinning it now if it is not yet)."""
@@ -41,6 +54,11 @@ class BackendSession:
                 raise BackendUnavailable("no healthy, undrained LLM backend is registered")
             backend = self.registry.backend(backend_id)
             if backend is not None:
+                if self.tokenizer is None:
+                    self.tokenizer = backend.tokenizer
+                elif backend.tokenizer != self.tokenizer:
+                    raise BackendUnavailable(f"fail-over backend {backend.id} uses another "
+                                             f"tokenizer ({backend.tokenizer})")
                 return backend
             # Unregistered between acquire and read: the next acquire re-pins the job.
             self._fail_over(backend_id, "backend was unregistered", mark=False)

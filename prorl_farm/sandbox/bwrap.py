@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
@@ -53,7 +54,7 @@ ETC_ALLOW = (
     "debian_version", "fonts", "gai.conf", "host.conf", "hosts", "inputrc", "ld.so.cache",
     "ld.so.conf", "ld.so.conf.d", "locale.alias", "localtime", "magic", "magic.mime",
     "mime.types", "netconfig", "networks", "nsswitch.conf", "os-release", "profile",
-    "protocols", "python3", f"python3.{__import__('sys').version_info.minor}", "resolv.conf",
+    "protocols", "python3", f"python3.{sys.version_info.minor}", "resolv.conf",
     "services", "shells", "ssl", "terminfo", "timezone", "xml",
 )
 # Inside an allowed /etc entry, masked all the same.

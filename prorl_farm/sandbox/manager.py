@@ -19,7 +19,16 @@ from prorl_farm import keys
 from prorl_farm.errors import JobAborted, StageTimeout
 from prorl_farm.jobs.states import TERMINAL_STATES, JobState
 from prorl_farm.sandbox import cgroups
-from prorl_farm.sandbox.abstract import Runtime, Sandbox, SandboxError, SandboxSpec, processes_of
+from prorl_farm.sandbox.abstract import (
+    INSIDE_WORKSPACE,
+    Runtime,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+    processes_of,
+)
+from prorl_farm.sandbox.bwrap import SYSTEM
+from prorl_farm.sandbox.process import INSIDE_FARM
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +67,8 @@ def slot_ip(slot: int) -> str:
 
 
 # Inside paths an extra read-only bind may not take (the sandbox's own system and files).
-RESERVED_INSIDE = ("/proc", "/dev", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32",
-                   "/lib64", "/libx32", "/run", "/tmp", "/var/tmp", "/opt/prorl", "/workspace")
+RESERVED_INSIDE = (*SYSTEM, "/proc", "/dev", "/etc", "/run", "/tmp", "/var/tmp", INSIDE_FARM,
+                   INSIDE_WORKSPACE)
 
 
 def resolve_user(value: str) -> tuple[int, int] | None:

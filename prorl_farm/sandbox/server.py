@@ -20,6 +20,7 @@ import socketserver
 import sys
 import threading
 
+from prorl_farm.sandbox.process import INSIDE_FARM
 from prorl_farm.sandbox.protocol import FrameReader, ProtocolError, send_frame
 from prorl_farm.sandbox.tools import ToolError
 from prorl_farm.sandbox.tools.bash import BashSession
@@ -37,7 +38,7 @@ class Tools:
         self.bash.start()
         # The kernel is the agent's: it gets the packages the server itself sees.
         sites = os.pathsep.join(p for p in sys.path
-                                if p and ("site-packages" in p or p.startswith("/opt/prorl/")))
+                                if p and ("site-packages" in p or p.startswith(INSIDE_FARM)))
         self.ipython = IPythonSession(workspace, runtime_dir, env={"PYTHONPATH": sites})
         self.files = FileEditor(workspace)
         self._locks = {name: threading.Lock() for name in ("bash", "ipython", "files")}
