@@ -27,8 +27,11 @@ SECRET = f"SECRET-{uuid.uuid4().hex}"
 
 
 def _nobody_can_run_pools() -> bool:
+    from prorl_farm.sandbox.process import usable_by
+
     python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-    return os.geteuid() == 0 and bool(shutil.which("runuser")) and os.path.exists(python)
+    return (os.geteuid() == 0 and bool(shutil.which("runuser")) and os.path.exists(python)
+            and usable_by(str(ROOT / "prorl_farm"), 65534, 65534))
 
 
 @pytest.fixture(scope="module", params=["root", "nobody"])
@@ -45,7 +48,8 @@ def farm(request, redis_server, tmp_path_factory):
             pytest.skip("not root here: the unprivileged run covers this host")
         user = None  # already unprivileged: run the pools as we are
     elif user == "nobody" and not _nobody_can_run_pools():
-        pytest.skip("needs runuser and a system Python of this version")
+        pytest.skip("needs runuser, a system Python of this version, and a checkout user "
+                    "nobody can read")
     logs = tmp_path_factory.mktemp(f"confinement-{request.param}")
     sandbox_dir = f"/tmp/prs-conf-{os.getpid()}-{request.param}"
     os.makedirs(sandbox_dir, exist_ok=True)

@@ -28,7 +28,7 @@ from prorl_farm.sandbox.abstract import (
     processes_of,
 )
 from prorl_farm.sandbox.bwrap import SYSTEM
-from prorl_farm.sandbox.process import INSIDE_FARM
+from prorl_farm.sandbox.process import INSIDE_FARM, sandbox_python, usable_by
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,16 @@ def resolve_user(value: str) -> tuple[int, int] | None:
     return ids
 
 
+def _reaches_farm(run_as: tuple[int, int], python: str) -> bool:
+    """Whether a sandbox running as ``run_as`` can have the farm's interpreter and packages
+    bound in (bwrap, run as that user, must reach every source)."""
+    try:
+        binds = sandbox_python(run_as, python).binds
+    except SandboxError:
+        return False
+    return all(usable_by(host, *run_as) for host, _ in binds)
+
+
 def parse_paths(value: str) -> dict[str, str]:
     """``host[:inside],...`` -> {inside: host} (inside defaults to the host path)."""
     out = {}
@@ -162,6 +172,15 @@ class SandboxManager:
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)
         self.run_as = resolve_user(user)
+        if self.run_as is not None and user in ("", "auto") and not _reaches_farm(self.run_as,
+                                                                                python):
+            # A root farm installed where nobody cannot read it (under /root, in a private
+            # directory): bwrap, run as that user, could not bind the farm's files in.
+            log.warning("sandbox user uid %d cannot reach the farm's installation; sandboxes "
+                        "run as the farm's own uid (still uid 1000 without capabilities "
+                        "inside). Install the farm where that user can read it, or set "
+                        "PRORL_SANDBOX_USER", self.run_as[0])
+            self.run_as = None
         self.mount_roots = [p for p in mount_roots.split(",") if p.strip()]
         self.runtime = make_runtime(runtime, self.root, self.run_as, python,
                                     parse_paths(ro_paths))
