@@ -67,10 +67,9 @@ def farm(request, redis_server, tmp_path_factory):
         os.chmod(path, 0o644)  # world-readable: only confinement keeps it from an agent
     env = farm_env(redis_server.url, sandbox_dir=sandbox_dir, run_concurrency=8)
     pools = Pools(env, logs, user=None if user == "root" else user)
-    pools.start()
-    client = create_app(load_settings(env)).test_client()
     try:
-        yield client, planted, sandbox_dir, user
+        pools.start()
+        yield create_app(load_settings(env)).test_client(), planted, sandbox_dir, user
     finally:
         pools.stop()
         for path in planted.values():
