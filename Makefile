@@ -21,14 +21,16 @@ test: bootstrap
 bootstrap: system $(STAMP)
 
 # redis-server for the private Redis and the tests; bubblewrap for sandboxes; tmux for
-# the tool benchmark's baseline; chromium for the tests that look at Flower's pages.
+# the tool benchmark's baseline; chromium for the tests that look at Flower's pages; git
+# and the system Python's pytest for `swe` repositories and their tests inside sandboxes.
 system:
 	@if ! command -v redis-server >/dev/null || ! command -v bwrap >/dev/null \
-			|| ! command -v tmux >/dev/null || ! command -v chromium >/dev/null; then \
-		echo "installing redis-server, bubblewrap, tmux and chromium"; \
+			|| ! command -v tmux >/dev/null || ! command -v chromium >/dev/null \
+			|| ! command -v git >/dev/null || ! /usr/bin/python3 -c 'import pytest' 2>/dev/null; then \
+		echo "installing redis-server, bubblewrap, tmux, chromium, git and python3-pytest"; \
 		$(SUDO) apt-get update -q && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-			redis-server bubblewrap tmux chromium; \
+			redis-server bubblewrap tmux chromium git python3-pytest; \
 	fi
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml

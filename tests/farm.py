@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -165,18 +166,27 @@ def farm_env(redis_url: str, **overrides) -> dict:
 
 
 @contextlib.contextmanager
-def scripted_farm(redis_url: str, log_dir: Path, tokenizer: str, plans: dict, tag: str):
-    """Real pools and an API test client, with a scripted policy server playing ``plans``
-    (see tests/policy_server.py); yields (client, server). Its sandbox directory goes with it.
+def scripted_farm(redis_url: str, log_dir: Path, tokenizer: str, plans: dict, tag: str,
+                  user: str | None = None, **settings):
+    """Real pools (run as ``user``, default: as we are) and an API test client, with a
+    scripted policy server playing ``plans`` (see tests/policy_server.py); yields (client,
+    server). ``settings`` override the pools' PRORL_* settings. Its sandbox directory goes
+    with it.
     """
     from api import create_app
     from prorl_farm.config import load_settings
     from tests.policy_server import PolicyServer, text_planner
 
     server = PolicyServer(planner=text_planner(tokenizer, plans))
-    overrides = dict(sandbox_dir=f"/tmp/prs-{tag}-{os.getpid()}", run_concurrency=8)
+    overrides = dict(sandbox_dir=f"/tmp/prs-{tag}-{os.getpid()}", run_concurrency=8,
+                     **settings)
     env = farm_env(redis_url, **overrides)
-    pools = Pools(env, log_dir)
+    if user is not None:
+        os.makedirs(overrides["sandbox_dir"], exist_ok=True)
+        account = pwd.getpwnam(user)
+        os.chown(overrides["sandbox_dir"], account.pw_uid, account.pw_gid)
+        os.chmod(log_dir, 0o777)
+    pools = Pools(env, log_dir, user=user)
     try:
         pools.start()
         yield create_app(load_settings(env)).test_client(), server

@@ -1,6 +1,6 @@
 """Reference validation: `prorl-farm validate FILE.jsonl --handler H` grades each instance's
-own reference (math/stem answer, code canonical solution) through a running farm, passes
-every sample dataset, and names a planted broken instance with the reason."""
+own reference (math/stem answer, code canonical solution, swe gold patch) through a
+running farm, passes every sample dataset, and names a planted broken instance with the reason."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from prorl_farm.client import FarmClient
 from tests.conftest import make_pools
 from tests.farm import ROOT, free_port, wait_until
 from tests.test_hardening import _gunicorn, _stop
+from tests.test_swe import build_repos
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,9 @@ pytestmark = pytest.mark.slow
 def farm_url(redis_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validate")
     sandbox_dir = f"/tmp/prs-val-{free_port()}"
-    pools = make_pools(redis_server, tmp, sandbox_dir=sandbox_dir)
+    build_repos(tmp / "repos")  # the swe sample's repository
+    pools = make_pools(redis_server, tmp, sandbox_dir=sandbox_dir,
+                       sandbox_mount_roots=str(tmp / "repos"))
     port = free_port()
     api = _gunicorn(pools.env, port, tmp / "api.log")
     try:
@@ -43,7 +46,7 @@ def _validate(url: str, env: dict, path, handler: str) -> subprocess.CompletedPr
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("handler", ["math", "stem", "code"])
+@pytest.mark.parametrize("handler", ["math", "stem", "code", "swe"])
 def test_every_sample_reference_passes(farm_url, handler):
     url, env = farm_url
     out = _validate(url, env, ROOT / "examples" / "data" / f"{handler}.jsonl", handler)

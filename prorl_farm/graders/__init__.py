@@ -1,7 +1,7 @@
 """Graders: trusted programs that EVAL runs in a fresh sandbox (see
-:mod:`prorl_farm.sandbox.grading`). They use the standard library only, run under
-``python3 -I -S``, and print their verdict as the last line of their own stdout, which no
-program under test can reach."""
+:mod:`prorl_farm.sandbox.grading`). They use the standard library only (the repository
+tests' one adds pytest), run isolated (``python3 -I``), and print their verdict on their
+own stdout in a way no program under test can forge."""
 
 from pathlib import Path
 

@@ -19,6 +19,7 @@ BUILTIN = {
     "code": "prorl_farm.handlers.code:CodeHandler",
     "stem": "prorl_farm.handlers.stem:StemHandler",
     "shell": "prorl_farm.handlers.shell:ShellHandler",
+    "swe": "prorl_farm.handlers.swe:SweHandler",
 }
 
 

@@ -118,23 +118,29 @@ def parse_paths(value: str) -> dict[str, str]:
     return out
 
 
+def under_mount_roots(host: str, roots: list[str], what: str = "read-only path") -> str:
+    """The real path of ``host``, which an instance named (instances are untrusted input):
+    it must exist and lie under one of the operator's mount roots."""
+    real = os.path.realpath(host)
+    real_roots = [os.path.realpath(r) for r in roots]
+    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in real_roots):
+        raise SandboxError(f"{what} {host!r} is not under the operator's mount roots "
+                           "(PRORL_SANDBOX_MOUNT_ROOTS)")
+    if not os.path.exists(real):
+        raise SandboxError(f"{what} {host!r} does not exist")
+    return real
+
+
 def check_ro_paths(ro_paths: dict[str, str], roots: list[str]) -> dict[str, str]:
     """Extra read-only binds asked for by a handler or an instance: each host path must lie
     under one of the operator's mount roots, each inside path outside the sandbox's own."""
     out = {}
-    real_roots = [os.path.realpath(r) for r in roots]
     for inside, host in ro_paths.items():
         inside_n = os.path.normpath(inside)
         if not inside_n.startswith("/") or inside_n == "/" or any(
                 inside_n == r or inside_n.startswith(r + "/") for r in RESERVED_INSIDE):
             raise SandboxError(f"read-only path {inside!r}: not a place a sandbox may mount")
-        real = os.path.realpath(host)
-        if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in real_roots):
-            raise SandboxError(f"read-only path {host!r} is not under the operator's mount "
-                               "roots (PRORL_SANDBOX_MOUNT_ROOTS)")
-        if not os.path.exists(real):
-            raise SandboxError(f"read-only path {host!r} does not exist")
-        out[inside_n] = real
+        out[inside_n] = under_mount_roots(host, roots)
     return out
 
 
@@ -263,16 +269,19 @@ class SandboxManager:
         self.r.hdel(self.records_key, sandbox_id)
 
     def snapshot(self, sandbox: Sandbox | dict, max_bytes: int = 64 * 1024 * 1024,
-                 max_files: int = 10_000) -> dict[str, bytes]:
+                 max_files: int = 10_000, skip_dirs: tuple[str, ...] = ()
+                 ) -> dict[str, bytes]:
         """The regular files of a sandbox's workspace, read from the host side without
-        following any link the agent made (symlinks, devices, fifos are left out)."""
+        following any link the agent made (symlinks, devices, fifos are left out), and
+        without directories named in ``skip_dirs`` (e.g. ``.git``)."""
         if isinstance(sandbox, dict):
             sandbox = Sandbox.from_dict(sandbox)
         root = Path(sandbox.workspace)
         out: dict[str, bytes] = {}
         total = 0
         for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            dirnames[:] = [d for d in dirnames if d not in skip_dirs
+                           and not os.path.islink(os.path.join(dirpath, d))]
             for name in filenames:
                 path = os.path.join(dirpath, name)
                 try:

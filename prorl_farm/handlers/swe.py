@@ -1,0 +1,312 @@
+"""``swe``: resolve an issue in a repository (SWE-bench / SWE-Gym instances).
+
+INIT lays the repository's tree at ``base_commit`` into a fresh sandbox (from a local git
+repository or an archive under the operator's mount roots) with a *new* git history of one
+commit, so ``git log`` shows no future fix; then it runs the instance's ``setup`` commands.
+RUN is the agent loop with bash, the file editor and ``submit``; it never sees the gold
+``patch``, the ``test_patch`` or the test names. EVAL reads the agent's files from the host
+side, restores from the base commit every file it must not touch (the test patch's files,
+``conftest.py`` and the test configuration, ``.pth``/``sitecustomize`` files, compiled
+bytecode), and runs the named tests in a fresh sandbox under the farm's harness
+(``prorl_farm/graders/swe_harness.py``) after applying the test patch. Reward 1 only if
+every FAIL_TO_PASS and PASS_TO_PASS test passes (``resolved``); the diff against the base
+commit and each test's outcome are kept.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import io
+import json
+import os
+import posixpath
+import re
+import secrets
+import subprocess
+import tarfile
+
+from marshmallow import ValidationError, fields, validate
+
+from prorl_farm.errors import InvalidInstance, SandboxError
+from prorl_farm.graders import source
+from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler
+from prorl_farm.handlers.base import JobContext
+from prorl_farm.sandbox.abstract import Limits, SandboxSpec
+from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.sandbox.grading import run_isolated
+from prorl_farm.sandbox.manager import under_mount_roots
+
+DEFAULT_PROMPT = (
+    "The current directory is a checkout of the repository {repo}. Resolve the issue below "
+    "by editing its source files with the tools you have (you need not add tests; changes "
+    "to test files are discarded). When you are done, call submit.\n\n{problem_statement}")
+# Files the agent's changes never reach the graded tree through (restored from the base).
+PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini",
+                             "setup.cfg", "pyproject.toml", "sitecustomize.py",
+                             "usercustomize.py"})
+PROTECTED_SUFFIXES = (".pth", ".pyc", ".pyo")
+SKIP_DIRS = (".git", "__pycache__")
+GIT_IDENTITY = "-c user.name=prorl -c user.email=prorl@localhost"
+MAX_DIFF = 200_000
+
+
+class TestNames(fields.Field):
+    """A list of test ids, or (as SWE-bench stores them) a JSON string encoding one. The
+    published schema states the list."""
+
+    def __init__(self, **kwargs):
+        super().__init__(metadata={"type": "array", "maxItems": 10_000,
+                                   "items": {"type": "string", "minLength": 1}}, **kwargs)
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValidationError("not a JSON list of test ids") from e
+        if not isinstance(value, list) or not all(isinstance(t, str) and t for t in value):
+            raise ValidationError("must be a list of test ids (strings)")
+        if len(value) > 10_000:
+            raise ValidationError("at most 10000 tests")
+        return value
+
+
+
+class SweInstance(AgentOptions):
+    instance_id = fields.String(load_default="")
+    repo = fields.String(required=True, validate=validate.Regexp(r"^[\w.-]+/[\w.-]+$"))
+    base_commit = fields.String(required=True,
+                                validate=validate.Regexp(r"^[0-9a-fA-F]{7,40}$"))
+    problem_statement = fields.String(required=True,
+                                      validate=validate.Length(min=1, max=200_000))
+    patch = fields.String(load_default="")  # the gold patch (reference mode only)
+    test_patch = fields.String(required=True, validate=validate.Length(min=1))
+    FAIL_TO_PASS = TestNames(required=True)
+    PASS_TO_PASS = TestNames(load_default=list)
+    # Where the repository is, on the farm's nodes (under PRORL_SANDBOX_MOUNT_ROOTS): a git
+    # repository, or a .tar/.tar.gz of the tree at base_commit. Neither: the repository is
+    # looked up under each mount root as owner__name, owner/name or name.
+    repo_path = fields.String()
+    archive = fields.String()
+    image = fields.String(load_default="")  # an image per instance (apptainer runtime)
+    setup = fields.List(fields.String(), load_default=list)
+    python = fields.String(load_default="python3",
+                           validate=validate.Regexp(r"^[\w./+-]+$"))
+    test_timeout_s = fields.Float(load_default=900.0, validate=validate.Range(min=1,
+                                                                              max=86_400))
+    tools = fields.List(fields.String(validate=validate.OneOf(["bash", "python",
+                                                               "str_replace_editor"])),
+                        load_default=lambda: ["bash", "str_replace_editor"])
+    prompt_template = fields.String(load_default=DEFAULT_PROMPT)
+    # SWE-bench / SWE-Gym fields the farm carries but does not use.
+    hints_text = fields.String(load_default=None, allow_none=True)
+    created_at = fields.String(load_default=None, allow_none=True)
+    version = fields.String(load_default=None, allow_none=True)
+    environment_setup_commit = fields.String(load_default=None, allow_none=True)
+
+
+# -- the base tree ----------------------------------------------------------------------
+
+
+def _tar_files(data: bytes | None = None, path: str | None = None) -> dict[str, bytes]:
+    """The regular files of a tar (links, devices and unsafe names left out)."""
+    files = {}
+    with tarfile.open(fileobj=io.BytesIO(data) if data is not None else None, name=path,
+                      mode="r:*") as tar:
+        for member in tar:
+            name = posixpath.normpath(member.name)
+            if not member.isreg() or name.startswith(("/", "..")) or name == ".":
+                continue
+            files[name] = tar.extractfile(member).read()
+    return files
+
+
+@functools.lru_cache(maxsize=4)
+def _git_tree(repo: str, commit: str) -> dict[str, bytes]:
+    out = subprocess.run(["git", "-c", f"safe.directory={repo}", "-C", repo, "archive",
+                          "--format=tar", commit], capture_output=True, timeout=600,
+                         stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        raise InvalidInstance(f"base_commit {commit}: git archive failed in {repo}: "
+                              f"{out.stderr.decode(errors='replace')[-1000:]}")
+    return _tar_files(out.stdout)
+
+
+@functools.lru_cache(maxsize=4)
+def _archive_tree(path: str, mtime_ns: int, size: int) -> dict[str, bytes]:
+    return _tar_files(path=path)
+
+
+def base_tree(inst: dict, roots: list[str]) -> dict[str, bytes]:
+    """The repository's files at ``base_commit`` (read on this node, never in a sandbox)."""
+    try:
+        if inst.get("archive"):
+            path = under_mount_roots(inst["archive"], roots, "archive")
+            st = os.stat(path)
+            return _archive_tree(path, st.st_mtime_ns, st.st_size)
+        if inst.get("repo_path"):
+            return _git_tree(under_mount_roots(inst["repo_path"], roots, "repo_path"),
+                             inst["base_commit"])
+    except SandboxError as e:
+        raise InvalidInstance(str(e)) from e
+    owner, name = inst["repo"].split("/", 1)
+    for root in roots:
+        for candidate in (f"{owner}__{name}", f"{owner}/{name}", name):
+            path = os.path.realpath(os.path.join(root, candidate))
+            if os.path.isdir(path) and path.startswith(os.path.realpath(root) + os.sep):
+                return _git_tree(path, inst["base_commit"])
+    raise InvalidInstance(f"repository {inst['repo']} not found under the mount roots "
+                          f"({', '.join(roots) or 'none set: PRORL_SANDBOX_MOUNT_ROOTS'})")
+
+
+# -- what is graded ---------------------------------------------------------------------
+
+_PATCH_PATH = re.compile(r"^(?:diff --git a/(\S+) b/(\S+)|[-+]{3} [ab]/(\S+))", re.MULTILINE)
+
+
+def patch_paths(patch: str) -> set[str]:
+    """Every path a unified diff touches."""
+    return {posixpath.normpath(p) for m in _PATCH_PATH.finditer(patch) for p in m.groups()
+            if p}
+
+
+def is_protected(path: str, test_files: set[str]) -> bool:
+    name = posixpath.basename(path)
+    return (path in test_files or name in PROTECTED_NAMES or name.endswith(PROTECTED_SUFFIXES)
+            or any(part in SKIP_DIRS for part in path.split("/")))
+
+
+def graded_tree(base: dict[str, bytes], agent: dict[str, bytes], test_files: set[str]
+                ) -> tuple[dict[str, bytes], list[str]]:
+    """The agent's tree with every protected file as it was at the base commit; and the
+    protected paths whose changes were discarded."""
+    tree = dict(agent)
+    discarded = []
+    for path in set(base) | set(agent):
+        if is_protected(path, test_files):
+            if agent.get(path) != base.get(path):
+                discarded.append(path)
+            if path in base:
+                tree[path] = base[path]
+            else:
+                tree.pop(path, None)
+    return tree, sorted(discarded)
+
+
+def unified_diff(base: dict[str, bytes], tree: dict[str, bytes]) -> str:
+    """``git diff``-style patch from ``base`` to ``tree`` (binary files named only)."""
+    out = []
+    for path in sorted(set(base) | set(tree)):
+        a, b = base.get(path), tree.get(path)
+        if a == b:
+            continue
+        out.append(f"diff --git a/{path} b/{path}\n")
+        if a is None:
+            out.append("new file mode 100644\n")
+        elif b is None:
+            out.append("deleted file mode 100644\n")
+        try:
+            a_text, b_text = (a or b"").decode(), (b or b"").decode()
+        except UnicodeDecodeError:
+            out.append(f"Binary files a/{path} and b/{path} differ\n")
+            continue
+        for line in difflib.unified_diff(
+                a_text.splitlines(True), b_text.splitlines(True),
+                "/dev/null" if a is None else f"a/{path}",
+                "/dev/null" if b is None else f"b/{path}"):
+            out.append(line if line.endswith("\n")
+                       else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
+
+
+class SweHandler(ToolAgentHandler):
+    name = "swe"
+    description = ("Resolve a repository issue (SWE-bench / SWE-Gym fields) with bash and a "
+                   "file editor; reward 1 if the named tests pass after the test patch.")
+    instance_schema = SweInstance
+    visible_fields = ("instance_id", "repo", "base_commit", "problem_statement",
+                      "prompt_template", "image", *AGENT_OPTIONS)
+    extra_tools = ("submit",)
+
+    def init(self, ctx: JobContext) -> dict:
+        if ctx.mode == "reference":
+            return {}
+        inst = ctx.instance
+        files = base_tree(inst, ctx.sandboxes.mount_roots)
+        sandbox = ctx.sandboxes.start(SandboxSpec(workspace_files=files, image=inst["image"]),
+                                      ctx.job_id, ctx.requeues, ctx)
+        ctx.state = {"sandbox": sandbox.to_dict()}
+        client = ToolClient(sandbox.socket)
+        try:
+            commands = [f"if command -v git >/dev/null; then git init -q && git add -A && "
+                        f"git {GIT_IDENTITY} commit -q --no-verify -m base; fi",
+                        *inst["setup"]]
+            for command in commands:
+                ctx.check()
+                out = client.call("bash", abort_hook=ctx.on_abort, command=command,
+                                  timeout_s=max(0.1, min(600.0, ctx.remaining_s)))
+                if out["exit_code"] != 0:
+                    raise RuntimeError(f"setup command failed ({out['exit_code']}): "
+                                       f"{command}\n{out['output'][-2000:]}")
+        finally:
+            client.close()
+        return ctx.state
+
+    def reference(self, ctx: JobContext) -> dict:
+        if not ctx.instance.get("patch"):
+            raise InvalidInstance("no gold patch to validate")
+        return {"submitted": {"patch": ctx.instance["patch"]},
+                "stats": {"end_reason": "submitted"}}
+
+    def run(self, ctx: JobContext) -> dict:
+        inst = ctx.instance
+        return self.episode(ctx, inst["prompt_template"].format(
+            repo=inst["repo"], problem_statement=inst["problem_statement"]))
+
+    def eval(self, ctx: JobContext) -> dict:
+        inst = ctx.instance
+        base = base_tree(inst, ctx.sandboxes.mount_roots)
+        files: dict[str, str | bytes] = {}
+        discarded: list[str] = []
+        if ctx.mode == "reference":
+            tree, diff = base, inst["patch"]
+            files["grader/model.patch"] = inst["patch"]
+        else:
+            sandbox = ctx.state["sandbox"]
+            try:
+                agent = ctx.sandboxes.snapshot(sandbox, max_bytes=1 << 30, max_files=200_000,
+                                               skip_dirs=SKIP_DIRS)
+            finally:
+                ctx.sandboxes.stop(sandbox)  # nothing of the agent runs while tests do
+            tree, discarded = graded_tree(base, agent, patch_paths(inst["test_patch"]))
+            diff = unified_diff(base, tree)
+        tests = {"FAIL_TO_PASS": inst["FAIL_TO_PASS"], "PASS_TO_PASS": inst["PASS_TO_PASS"]}
+        spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"]}
+        files.update({f"repo/{p}": data for p, data in tree.items()})
+        files.update({"grader/spec.json": json.dumps(spec), "grader/test.patch":
+                      inst["test_patch"], "grader/swe_harness.py": source("swe_harness.py")})
+        nonce = secrets.token_hex(16)
+        out = run_isolated(ctx, files, [inst["python"], "-I", "grader/swe_harness.py"],
+                           timeout_s=inst["test_timeout_s"], stdin=nonce + "\n",
+                           limits=Limits(processes=256))
+        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded}
+        verdict = next((json.loads(line[len(nonce) + 1:]) for line in
+                        reversed(out["stdout"].splitlines()) if line.startswith(nonce + " ")),
+                       None)
+        if verdict is None:
+            why = "timed out" if out["timed_out"] else f"exit status {out['exit_code']}"
+            return {"reward": 0.0, "resolved": False, **kept,
+                    "verdict": f"the tests gave no verdict ({why})",
+                    "output": (out["stdout"] + out["stderr"])[-4000:]}
+        if "error" in verdict:
+            raise RuntimeError(f"swe grading failed: {verdict['error']}")
+        if verdict.get("applied") is False:
+            return {"reward": 0.0, "resolved": False, **kept,
+                    "verdict": f"the patch does not apply: {verdict['why']}"}
+        outcomes = verdict["outcomes"]
+        by_kind = {kind: {t: outcomes.get(t, "missing") for t in names}
+                   for kind, names in tests.items()}
+        resolved = all(o == "passed" for o in outcomes.values()) and bool(outcomes)
+        return {"reward": 1.0 if resolved else 0.0, "resolved": resolved, **kept,
+                "tests": by_kind}

@@ -1,0 +1,192 @@
+"""The ``swe`` handler through the real pipeline, on the sample repository of
+``examples/swe/build.py``: a scripted policy fixes the bug with editor calls (resolved, reward
+1) or leaves it (0); every trick on the grader (editing the tests, a conftest.py or a test
+configuration that forces passes, a printed fake verdict with an early exit, a ``pytest.py``
+shadowing the real one) earns 0; the repository's later history, the test patch and the
+host's copy of the repository are out of the agent's sight; and reference mode grades the
+gold patches. Run with the pools as root and as an unprivileged user."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.farm import ROOT, run_batch, scripted_farm, use_only_backend, wait_until
+from tests.test_confinement import _nobody_can_run_pools
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap") or
+                                                   not shutil.which("git"),
+                                                   reason="needs bubblewrap and git")]
+
+
+def _call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + \
+        "\n</tool_call>"
+
+
+def _edit(command: str, path: str, **args) -> str:
+    return _call("str_replace_editor", command=command, path=path, **args)
+
+
+SUBMIT = _call("submit")
+FORCE_PASS = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+              "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
+              "    outcome.get_result().outcome = 'passed'\n")
+FAKE = ('import os\nprint(\'{"outcomes": {"tests/test_calc.py::test_mul": "passed", '
+        '"tests/test_calc.py::test_add": "passed"}}\')\nos._exit(0)\n')
+PLANS = {
+    "good": [_edit("view", "calc/__init__.py"),
+             _edit("str_replace", "calc/__init__.py", old_str="result += b",
+                   new_str="result += a"), SUBMIT],
+    "bad": [_call("bash", command="cat calc/__init__.py"), SUBMIT],
+    "edit-tests": [_edit("create", "tests/test_calc.py",
+                         file_text="def test_add():\n    pass\n\n\ndef test_mul():\n    pass\n"),
+                   SUBMIT],
+    "conftest": [_edit("create", "conftest.py", file_text=FORCE_PASS), SUBMIT],
+    "config": [_edit("create", "calc/plugin.py", file_text=FORCE_PASS),
+               _edit("str_replace", "setup.cfg", old_str="testpaths = tests",
+                     new_str="testpaths = tests\naddopts = -p calc.plugin"), SUBMIT],
+    "fake-verdict": [_edit("insert", "calc/__init__.py", insert_line=0, new_str=FAKE), SUBMIT],
+    "shadow-pytest": [_edit("create", "pytest.py",
+                            file_text="def main(*args, **kwargs):\n    return 0\n"), SUBMIT],
+    "look": [_call("bash", command="git log --all --format=%s; cat {repo}/calc/__init__.py; "
+                   "grep -rlF 'mul(2, 3) == 6' . /tmp /opt /srv 2>/dev/null; echo looked"), SUBMIT],
+}
+
+
+def build_repos(dest: Path) -> list[dict]:
+    spec = importlib.util.spec_from_file_location("swe_build", ROOT / "examples/swe/build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build(dest)
+
+
+@pytest.fixture(scope="module", params=["root", "nobody"])
+def swe_farm(request, redis_server, tmp_path_factory, tiny_model):
+    user = request.param
+    if os.geteuid() != 0:
+        if user == "root":
+            pytest.skip("not root here: the unprivileged run covers this host")
+        user = None
+    elif user == "nobody":
+        if not _nobody_can_run_pools():
+            pytest.skip("needs runuser, a system Python of this version, and a checkout "
+                        "user nobody can read")
+    else:
+        user = None
+    repos = Path(tempfile.mkdtemp(prefix="prs-swe-repos-"))
+    os.chmod(repos, 0o755)
+    instances = build_repos(repos)
+    repo = repos / "prorl__calc"
+    plans = {k: [t.replace("{repo}", str(repo)) for t in v] for k, v in PLANS.items()}
+    tokenizer = str(tiny_model)
+    if user is not None:  # the tokenizer where the RUN pool's user can read it
+        tokenizer = shutil.copytree(tiny_model, Path(tempfile.mkdtemp(dir=repos)) / "tiny")
+        subprocess.run(["chmod", "-R", "a+rX", os.path.dirname(tokenizer)], check=True)
+    try:
+        with scripted_farm(redis_server.url, tmp_path_factory.mktemp(f"swe-{request.param}"),
+                           str(tokenizer), plans, f"swe-{request.param}", user=user,
+                           sandbox_mount_roots=str(repos)) as (client, server):
+            client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
+                              "tokenizer": str(tokenizer), "capacity": 64}
+            yield client, instances, repo
+    finally:
+        shutil.rmtree(repos, ignore_errors=True)
+
+
+def _swe(client, instances: list[dict], mode: str = "policy") -> list[dict]:
+    use_only_backend(client, **client.backend)
+    body = {"handler": "swe", "instances": instances, "sampling": {"max_tokens": 1024},
+            "deadline_s": 240}
+    if mode != "policy":
+        body["mode"] = mode
+    return run_batch(client, body, 240)
+
+
+def _case(instance: dict, case: str) -> dict:
+    return {**instance, "problem_statement": f"[case:{case}] {instance['problem_statement']}",
+            "test_timeout_s": 60}
+
+
+def test_a_fix_resolves_and_no_fix_does_not(swe_farm, r):
+    client, instances, _ = swe_farm
+    good, bad = _swe(client, [_case(instances[0], "good"), _case(instances[0], "bad")])
+    assert good["state"] == "done" and bad["state"] == "done", (good["failure"], bad["failure"])
+    assert good["reward"] == 1.0, good["result"]["eval"]
+    ev = good["result"]["eval"]
+    assert ev["resolved"] and ev["tests"] == {
+        "FAIL_TO_PASS": {"tests/test_calc.py::test_mul": "passed"},
+        "PASS_TO_PASS": {"tests/test_calc.py::test_add": "passed"}}
+    assert "-        result += b\n+        result += a\n" in ev["diff"]
+    assert good["result"]["stats"]["end_reason"] == "submitted"
+    assert bad["reward"] == 0.0 and bad["result"]["eval"]["tests"]["FAIL_TO_PASS"] == {
+        "tests/test_calc.py::test_mul": "failed"}
+    assert bad["result"]["eval"]["diff"] == ""
+    # RUN never saw the tests, the gold patch or the test names.
+    prompt = good["result"]["messages"][0]["content"]
+    assert "test_mul" not in prompt and "result += a" not in prompt
+    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 20, 0.1, "sandboxes stopped")
+
+
+def test_tricks_on_the_grader_earn_nothing(swe_farm, r):
+    client, instances, _ = swe_farm
+    tricks = ["edit-tests", "conftest", "config", "fake-verdict", "shadow-pytest"]
+    jobs = _swe(client, [_case(instances[0], c) for c in [*tricks, "good"]])
+    *tricked, honest = jobs
+    assert honest["reward"] == 1.0, honest["result"].get("eval")
+    for job, case in zip(tricked, tricks):
+        assert job["state"] == "done" and job["reward"] == 0.0, (case, job["result"]["eval"])
+    discarded = {case: job["result"]["eval"]["discarded"] for job, case in zip(tricked, tricks)}
+    assert discarded["edit-tests"] == ["tests/test_calc.py"]
+    assert discarded["conftest"] == ["conftest.py"]
+    assert discarded["config"] == ["setup.cfg"]
+    assert "no verdict" in tricked[3]["result"]["eval"]["verdict"]
+    assert tricked[4]["result"]["eval"]["tests"]["FAIL_TO_PASS"] == {
+        "tests/test_calc.py::test_mul": "failed"}
+
+
+def test_the_fix_history_and_the_host_repository_are_out_of_sight(swe_farm):
+    client, instances, _ = swe_farm
+    (job,) = _swe(client, [_case(instances[0], "look")])
+    assert job["state"] == "done" and job["reward"] == 0.0
+    seen = next(m["content"] for m in job["result"]["messages"] if m["role"] == "tool")
+    assert seen.split("\n")[0].strip() == "base", seen  # one commit: the base, made afresh
+    assert "Fix mul" not in seen and "result += a" not in seen, seen
+    assert "No such file" in seen and seen.split("looked")[0].rstrip().endswith("directory"), seen
+
+
+def test_reference_mode_grades_the_gold_patches(swe_farm):
+    client, instances, _ = swe_farm
+    wrong_fix = {**instances[0], "patch": instances[1]["patch"]}  # fixes the other bug
+    no_apply = {**instances[0], "patch": instances[0]["patch"].replace("result += b",
+                                                                       "result -= b")}
+    jobs = _swe(client, [*instances, wrong_fix, no_apply], mode="reference")
+    assert [j["reward"] for j in jobs] == [1.0, 1.0, 0.0, 0.0], [j["result"] for j in jobs]
+    assert "does not apply" in jobs[3]["result"]["eval"]["verdict"]
+
+
+def test_the_sample_dataset_names_the_built_repository(tmp_path):
+    built = build_repos(tmp_path)
+    shipped = [json.loads(line) for line in
+               (ROOT / "examples/data/swe.jsonl").read_text().splitlines() if line.strip()]
+    assert built == shipped
+
+
+def test_bad_instances_are_refused_or_fail_never_score(swe_farm):
+    client, instances, _ = swe_farm
+    resp = client.post("/v1/jobs", json={"handler": "swe", "instance": {
+        **instances[0], "base_commit": "--output=/tmp/x", "FAIL_TO_PASS": "not json"}})
+    assert resp.status_code == 400
+    fields = resp.get_json()["error"]["details"]["instances"]["0"]
+    assert set(fields) == {"base_commit", "FAIL_TO_PASS"}, fields
+    # A repository outside the operator's mount roots: the job fails, it is not graded.
+    (job,) = _swe(client, [{**_case(instances[0], "good"), "repo_path": "/etc"}])
+    assert job["state"] == "failed" and job["failure"]["kind"] == "invalid_instance", job
+    assert job["reward"] is None
