@@ -12,6 +12,7 @@ planned text of a case named in the prompt and tokenises it with the test tokeni
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections import Counter, defaultdict
@@ -59,6 +60,9 @@ class PolicyServer:
         self.fail = False  # answer 500
         self.requests: list[tuple[str, int]] = []  # (job, prompt length)
         self.in_flight = 0
+        self.dead = False
+        self.connections: set = set()  # open client sockets (kept alive between requests)
+        self.accepted = 0  # connections accepted, ever
         self._lock = threading.Lock()
         self._port = port
         self.start()
@@ -77,9 +81,21 @@ class PolicyServer:
         return f"http://127.0.0.1:{self._port}"
 
     def kill(self) -> None:
-        """Stop answering at once: connections are refused from now on."""
+        """Stop answering at once, as a dead process would: open connections are cut and
+        new ones refused."""
+        self.dead = True
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.drop_connections()
+
+    def drop_connections(self) -> None:
+        """Close every open connection (as a server does with idle kept-alive ones)."""
+        with self._lock:
+            for sock in list(self.connections):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def jobs(self) -> dict[str, int]:
         with self._lock:
@@ -103,6 +119,24 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+    def setup(self):
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as uvicorn
+        with self.owner._lock:
+            self.owner.connections.add(self.connection)
+            self.owner.accepted += 1
+
+    def finish(self):
+        with self.owner._lock:
+            self.owner.connections.discard(self.connection)
+        super().finish()
+
+    def handle_one_request(self):
+        if self.owner.dead:
+            self.close_connection = True
+            return
+        super().handle_one_request()
 
     def _send(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()

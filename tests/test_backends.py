@@ -290,3 +290,50 @@ def test_cancel_aborts_the_in_flight_request(llm_pools, servers, r):
     assert BackendRegistry(r).in_flight()[a] == 0
     # The stage stopped at once (the request's socket was shut), not after the 30 s reply.
     wait_until(lambda: r.zscore("prorl:active", job_id) is None, 5, what="slot freed")
+
+
+def test_requests_reuse_one_connection_and_survive_its_close():
+    """A client keeps its connection alive across requests; when the server has closed an
+    idle one, the next request goes out once more on a new connection, not as a failure."""
+    from prorl_farm.llm.clients import client_for
+
+    server = PolicyServer()
+    try:
+        client = client_for("vllm", server.url, "m", timeout_s=5, retries=0)
+        for _ in range(5):
+            assert len(client.generate([1, 2, 3], {"max_tokens": 4}).token_ids) == 4
+        assert server.accepted == 1 and len(server.requests) == 5
+        server.drop_connections()
+        wait_until(lambda: not server.connections, 5, what="connections closed")
+        assert len(client.generate([1, 2], {"max_tokens": 2}).token_ids) == 2
+        assert server.accepted == 2 and len(server.requests) == 6
+        client.close()
+        server.kill()
+        with pytest.raises(Exception, match="ConnectionRefused"):
+            client.generate([1], {"max_tokens": 1})
+    finally:
+        server.kill()
+
+
+def test_latency_is_recorded_for_every_request(settings, r):
+    """Turns within the pin's lifetime skip the pin's round trip; their latencies are still
+    folded into the backend's average, at the next pin or when the session closes."""
+    from prorl_farm.context import JobContext
+    from prorl_farm.llm.session import BackendSession
+
+    server = PolicyServer()
+    try:
+        registry = BackendRegistry(r)
+        b = registry.register(BackendSpec(url=server.url, kind="vllm", model="m",
+                                          tokenizer="t", capacity=4))
+        ctx = JobContext(job_id="j", batch_id="b", stage="run", token="t", node="n",
+                         instance={}, sampling={}, backends=registry, sandboxes=None,
+                         settings=settings)
+        with BackendSession(registry, ctx) as session:
+            for _ in range(7):
+                session.generate([1, 2, 3], {"max_tokens": 2})
+        info = registry.get(b)
+        assert int(info["requests_total"]) == 7 and float(info["latency_ms"]) > 0
+        assert registry.in_flight() == {b: 1}  # the job stays pinned until it ends
+    finally:
+        server.kill()

@@ -81,17 +81,18 @@ def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser:
     s = ctx.settings
     session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
                              request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
-    first = session.backend()
-    schemas = [SCHEMAS[t] for t in tools] or None
-    traj = Trajectory.start(load_chat_tokens(first.tokenizer), messages, schemas)
-    ep = Episode()
-    offered = set(tools)
-    try:
-        _loop(ctx, session, traj, ep, offered, parser, limits, runner)
-    except StageTimeout:
-        if not traj.turns:
-            raise
-        ep.end_reason = TIMEOUT
+    with session:
+        first = session.backend()
+        schemas = [SCHEMAS[t] for t in tools] or None
+        traj = Trajectory.start(load_chat_tokens(first.tokenizer), messages, schemas)
+        ep = Episode()
+        offered = set(tools)
+        try:
+            _loop(ctx, session, traj, ep, offered, parser, limits, runner)
+        except StageTimeout:
+            if not traj.turns:
+                raise
+            ep.end_reason = TIMEOUT
     return traj, ep
 
 

@@ -153,6 +153,12 @@ class DevHandler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # route through logging, not stderr
         log.debug("%s " + fmt, self.address_string(), *args)
 
+    def setup(self):
+        super().setup()
+        # Headers and body leave in two writes: without this, Nagle holds the body of a
+        # kept-alive connection's answer until the client's delayed ACK (40 ms).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     # -- plumbing -------------------------------------------------------------------------
 
     def _send(self, status: int, body: dict) -> None:

@@ -55,23 +55,25 @@ class ChatHandler(AgentHandler):
         s = ctx.settings
         session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
                                  request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
-        first = session.backend()
-        traj = Trajectory.start(load_chat_tokens(first.tokenizer), inst["messages"])
-        observations = inst.get("observations") or []
-        max_turns = inst.get("max_turns") or len(observations) + 1
-        for turn in range(max_turns):
-            sent = traj.context()
-            sampling = dict(ctx.sampling, seed=turn_seed(ctx, turn))
-            t = session.generate(sent, sampling)
-            g = t.generation
-            traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason, t.backend.id,
-                                t.backend.policy_version, t.backend.logprobs_mode)
-            stopped = g.finish_reason == "stop" or (
-                g.finish_reason == "length" and inst.get("continue_on_length"))
-            if turn >= len(observations) or not stopped or turn + 1 == max_turns:
-                break
-            traj.add_messages([{"role": inst["observation_role"],
-                                "content": observations[turn]}])
+        with session:
+            first = session.backend()
+            traj = Trajectory.start(load_chat_tokens(first.tokenizer), inst["messages"])
+            observations = inst.get("observations") or []
+            max_turns = inst.get("max_turns") or len(observations) + 1
+            for turn in range(max_turns):
+                sent = traj.context()
+                sampling = dict(ctx.sampling, seed=turn_seed(ctx, turn))
+                t = session.generate(sent, sampling)
+                g = t.generation
+                traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason,
+                                    t.backend.id, t.backend.policy_version,
+                                    t.backend.logprobs_mode)
+                stopped = g.finish_reason == "stop" or (
+                    g.finish_reason == "length" and inst.get("continue_on_length"))
+                if turn >= len(observations) or not stopped or turn + 1 == max_turns:
+                    break
+                traj.add_messages([{"role": inst["observation_role"],
+                                    "content": observations[turn]}])
         out = traj.to_dict()
         out["failovers"] = session.failovers
         return out

@@ -73,12 +73,13 @@ class SyntheticHandler(AgentHandler):
                                  request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
         prompt = [1, 2, 3]
         backends, versions = [], []
-        for _ in range(turns):
-            ctx.sleep(ctx.instance.get("run_s", 0.0) / turns)
-            t = session.generate(prompt, {"max_tokens": ctx.instance.get("llm_tokens", 4)})
-            prompt = prompt + t.generation.token_ids
-            backends.append(t.backend.id)
-            versions.append(t.backend.policy_version)
+        with session:
+            for _ in range(turns):
+                ctx.sleep(ctx.instance.get("run_s", 0.0) / turns)
+                t = session.generate(prompt, {"max_tokens": ctx.instance.get("llm_tokens", 4)})
+                prompt = prompt + t.generation.token_ids
+                backends.append(t.backend.id)
+                versions.append(t.backend.policy_version)
         if ctx.instance.get("fail_stage") == "run":
             raise SyntheticFailure("synthetic failure in run")
         return {"sandbox": ctx.state.get("sandbox"), "turns": turns, "backends": backends,

@@ -191,11 +191,21 @@ class BackendRegistry:
         out = self._call("ACQUIRE", job_id, exclude, "1" if self.audit else "")
         return out[0] if out else None
 
+    def pin(self, job_id: str, exclude: str = "",
+            latency: tuple[str, float, int] | None = None) -> Backend | None:
+        """:meth:`acquire`, returning the backend's request fields, and first recording
+        ``latency`` (backend id, mean ms, requests) of the job's earlier requests: one round
+        trip."""
+        lat = (latency[0], f"{latency[1]:.3f}", str(latency[2])) if latency else ("", "", "")
+        out = self._call("ACQUIRE", job_id, exclude, "1" if self.audit else "", *lat)
+        return Backend(*out[:1], *out[2:]) if out else None
+
     def release(self, job_id: str) -> str | None:
         return self._call("RELEASE", job_id) or None
 
-    def record_latency(self, backend_id: str, latency_ms: float) -> None:
-        self._call("RECORD_LATENCY", backend_id, f"{latency_ms:.3f}")
+    def record_latency(self, backend_id: str, latency_ms: float, requests: int = 1) -> None:
+        """Fold ``requests`` requests of mean ``latency_ms`` into the backend's average."""
+        self._call("RECORD_LATENCY", backend_id, f"{latency_ms:.3f}", str(requests))
 
     def audit_log(self) -> list[dict]:
         """Acquire audit records: chosen backend, its capacity, and the heap just after."""

@@ -32,17 +32,46 @@ local function release_backend(job)
 end
 """
 
-PRELUDE = keys.LUA + RELEASE_FN
+LATENCY_FN = r"""
+-- Fold n requests of mean latency ms into a backend's moving average (0.8 per request),
+-- if it is still registered.
+local function record_latency(b, ms, n)
+  n = n or 1
+  local bk = K.backend(b)
+  if redis.call('EXISTS', bk) == 0 then return 0 end
+  local old = tonumber(redis.call('HGET', bk, 'latency_ms') or '')
+  local keep = old and 0.8 ^ n or 0
+  redis.call('HSET', bk, 'latency_ms',
+             string.format('%.3f', keep * (old or 0) + (1 - keep) * ms))
+  redis.call('HINCRBY', bk, 'requests_total', n)
+  return 1
+end
+"""
+
+PRELUDE = keys.LUA + RELEASE_FN + LATENCY_FN
 
 # Pin a job to the least-loaded healthy, undrained backend (or return the one it is pinned
-# to). ARGV: job, exclude (a backend id not to pick, or ''), audit ('1' or '').
-# Returns {backend, 'sticky' | 'new'} or {} when no backend can take it.
+# to). ARGV: job, exclude (a backend id not to pick, or ''), audit ('1' or ''), and
+# optionally latency to record first (backend, mean ms, requests), so a turn costs one
+# round trip. Returns {backend, 'sticky' | 'new', url, kind, model, tokenizer,
+# policy_version, logprobs_mode} or {} when no backend can take it.
 ACQUIRE = r"""
 local job, exclude, audit = ARGV[1], ARGV[2], ARGV[3]
+if ARGV[4] and ARGV[4] ~= '' then
+  record_latency(ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]))
+end
+local FIELDS = {'url', 'kind', 'model', 'tokenizer', 'policy_version', 'logprobs_mode'}
+local function pinned(b, how)
+  local out = {b, how}
+  for _, v in ipairs(redis.call('HMGET', K.backend(b), unpack(FIELDS))) do
+    table.insert(out, v or '')
+  end
+  return out
+end
 local cur = redis.call('HGET', K.BACKEND_ASSIGN, job)
 if cur then
   if cur ~= exclude and redis.call('EXISTS', K.backend(cur)) == 1 then
-    return {cur, 'sticky'}
+    return pinned(cur, 'sticky')
   end
   release_backend(job)
 end
@@ -61,7 +90,7 @@ if audit == '1' then
   table.insert(snap, 2, cap)
   redis.call('RPUSH', K.BACKEND_AUDIT, cjson.encode(snap))
 end
-return {b, 'new'}
+return pinned(b, 'new')
 """
 
 # ARGV: job. Returns the backend released, or false.
@@ -92,11 +121,5 @@ return 1
 
 # Exponentially weighted request latency. ARGV: backend, latency_ms.
 RECORD_LATENCY = r"""
-local bk = K.backend(ARGV[1])
-if redis.call('EXISTS', bk) == 0 then return 0 end
-local ms = tonumber(ARGV[2])
-local old = tonumber(redis.call('HGET', bk, 'latency_ms') or '')
-redis.call('HSET', bk, 'latency_ms', string.format('%.3f', old and (0.8 * old + 0.2 * ms) or ms))
-redis.call('HINCRBY', bk, 'requests_total', 1)
-return 1
+return record_latency(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3] or '1'))
 """

@@ -1,9 +1,16 @@
 """A job's sticky connection to the LLM backends: every turn to the backend the job is
-pinned to, fail-over once to another if that backend fails, never hang."""
+pinned to, fail-over once to another if that backend fails, never hang.
+
+A turn costs one Redis round trip (the pin, with the backend's request fields and the
+latencies to record folded in) and none while the last pin is younger than ``PIN_TTL_S``:
+fast turns (a quick tool loop) skip it, so an unregistered backend is noticed within that
+time; a drained one keeps the jobs pinned to it anyway. Requests reuse one kept-alive
+connection per backend."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from prorl_farm.context import JobContext
@@ -12,6 +19,8 @@ from prorl_farm.llm.clients import Generation, client_for
 from prorl_farm.llm.registry import Backend, BackendRegistry
 
 log = logging.getLogger(__name__)
+
+PIN_TTL_S = 0.25
 
 
 def turn_seed(ctx: JobContext, turn: int) -> int | None:
@@ -45,43 +54,89 @@ class BackendSession:
         # The tokenizer of the first backend the job got: a fail-over to a backend with
         # another one would mix token vocabularies in one trajectory.
         self.tokenizer: str | None = None
+        # Latencies not yet recorded: backend, sum of ms, requests (with the next pin).
+        self._lat: list = ["", 0.0, 0]
+        self._pinned: Backend | None = None
+        self._pinned_at = 0.0
+        # One client (one kept-alive connection) per backend the job talks to.
+        self._client = None
+        self._client_for: tuple = ()
 
     def backend(self) -> Backend:
-        """The backend this job is pinned to (pinning it now if it is not yet)."""
-        while True:
-            backend_id = self.registry.acquire(self.ctx.job_id, self._exclude)
-            if backend_id is None:
-                raise BackendUnavailable("no healthy, undrained LLM backend is registered")
-            backend = self.registry.backend(backend_id)
-            if backend is not None:
-                if self.tokenizer is None:
-                    self.tokenizer = backend.tokenizer
-                elif backend.tokenizer != self.tokenizer:
-                    raise BackendUnavailable(f"fail-over backend {backend.id} uses another "
-                                             f"tokenizer ({backend.tokenizer})")
-                return backend
-            # Unregistered between acquire and read: the next acquire re-pins the job.
-            self._fail_over(backend_id, "backend was unregistered", mark=False)
+        """The backend this job is pinned to (pinning it now if it is not yet): one Redis
+        round trip, which also records the previous request's latency."""
+        if self._pinned is not None and time.monotonic() - self._pinned_at < PIN_TTL_S:
+            return self._pinned
+        backend = self.registry.pin(self.ctx.job_id, self._exclude, self._take_latency())
+        self._pinned, self._pinned_at = backend, time.monotonic()
+        if backend is None:
+            raise BackendUnavailable("no healthy, undrained LLM backend is registered")
+        if self.tokenizer is None:
+            self.tokenizer = backend.tokenizer
+        elif backend.tokenizer != self.tokenizer:
+            raise BackendUnavailable(f"fail-over backend {backend.id} uses another "
+                                     f"tokenizer ({backend.tokenizer})")
+        return backend
+
+    def _client_of(self, backend: Backend):
+        key = (backend.id, backend.kind, backend.url, backend.model)
+        if key != self._client_for:
+            self.close_client()
+            self._client = client_for(backend.kind, backend.url, backend.model,
+                                      retries=self.retries,
+                                      headers={"X-Prorl-Job": self.ctx.job_id})
+            self._client_for = key
+        self._client.timeout_s = min(self.request_timeout_s, max(1.0, self.ctx.remaining_s))
+        return self._client
 
     def generate(self, prompt_ids: list[int], sampling: dict) -> Turn:
         while True:
             self.ctx.check()
             backend = self.backend()
-            client = client_for(backend.kind, backend.url, backend.model,
-                                timeout_s=min(self.request_timeout_s,
-                                              max(1.0, self.ctx.remaining_s)),
-                                retries=self.retries,
-                                headers={"X-Prorl-Job": self.ctx.job_id})
+            client = self._client_of(backend)
             try:
                 gen = client.generate(prompt_ids, sampling, abort_hook=self.ctx.on_abort)
             except BackendError as e:
                 self.ctx.check()  # a deadline or cancellation explains the failure better
                 self._fail_over(backend.id, str(e), mark=True)
                 continue
-            self.registry.record_latency(backend.id, gen.latency_ms)
+            if self._lat[0] != backend.id:
+                self._flush_latency()
+                self._lat[0] = backend.id
+            self._lat[1] += gen.latency_ms
+            self._lat[2] += 1
             return Turn(gen, backend)
 
+    def _take_latency(self) -> tuple[str, float, int] | None:
+        backend, total, n = self._lat
+        self._lat = ["", 0.0, 0]
+        return (backend, total / n, n) if n else None
+
+    def _flush_latency(self) -> None:
+        latency = self._take_latency()
+        if latency is not None:
+            self.registry.record_latency(*latency)
+
+    def close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client, self._client_for = None, ()
+
+    def close(self) -> None:
+        """Record the last request's latency and close the connection (the job's backend
+        slot stays pinned: it is freed when the job ends)."""
+        self.close_client()
+        self._flush_latency()
+
+    def __enter__(self) -> BackendSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _fail_over(self, backend_id: str, why: str, mark: bool) -> None:
+        self.close_client()
+        self._pinned = None
         if mark:
             self.registry.mark_unhealthy(backend_id, why)
         self.registry.release(self.ctx.job_id)

@@ -49,6 +49,13 @@ class LLMClient(ABC):
         self.retry_backoff_s = retry_backoff_s
         # Extra request headers, e.g. X-Prorl-Job to trace a job's requests in server logs.
         self.headers = {"Content-Type": "application/json", **(headers or {})}
+        # One kept-alive connection, reused by the next request while the server keeps it.
+        self._conn: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     @abstractmethod
     def generate(self, prompt_ids: list[int], sampling: dict, abort_hook=None) -> Generation:
@@ -68,10 +75,34 @@ class LLMClient(ABC):
                 log.info("%s%s attempt %d failed: %s", self.url, path, attempt + 1, e)
         raise BackendError(f"{self.url}{path}: {last}") from last
 
-    def _post_once(self, path: str, body: dict, abort_hook) -> dict:
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """(connection, reused): the kept-alive one, or a new one."""
+        conn, self._conn = self._conn, None
+        if conn is not None and conn.sock is not None:
+            conn.sock.settimeout(self.timeout_s)
+            return conn, True
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self.host, self.port, timeout=self.timeout_s)
+        return cls(self.host, self.port, timeout=self.timeout_s), False
+
+    def _post_once(self, path: str, body: dict, abort_hook) -> dict:
+        data = json.dumps(body).encode()
+        conn, reused = self._connection()
+        if reused:
+            try:
+                return self._exchange(conn, path, data, abort_hook)
+            except _StaleConnection:
+                conn, _ = self._connection()  # the server closed it meanwhile: once more
+        try:
+            return self._exchange(conn, path, data, abort_hook)
+        except _StaleConnection as e:
+            cause = e.__cause__
+            raise BackendError(f"{type(cause).__name__}: {cause}") from cause
+
+    def _exchange(self, conn: http.client.HTTPConnection, path: str, data: bytes,
+                  abort_hook) -> dict:
         aborted = False
+        keep = False
+        sent = False
 
         def interrupt() -> None:
             nonlocal aborted
@@ -85,18 +116,30 @@ class LLMClient(ABC):
 
         remove = abort_hook(interrupt) if abort_hook else None
         try:
-            data = json.dumps(body).encode()
+            if conn.sock is None:
+                conn.connect()
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.request("POST", self.base_path + path, body=data, headers=self.headers)
+            sent = True
             resp = conn.getresponse()
             payload = resp.read()
+            keep = not resp.will_close and not aborted
         except (OSError, http.client.HTTPException) as e:
             if aborted:
                 raise JobAborted("request aborted") from e
+            if (not sent or isinstance(e, (http.client.RemoteDisconnected,
+                                           ConnectionResetError, BrokenPipeError))):
+                # Nothing was answered on this connection: a kept-alive one the server
+                # had closed (the caller retries once on a new one), or a refused connect.
+                raise _StaleConnection() from e
             raise BackendError(f"{type(e).__name__}: {e}") from e
         finally:
             if remove:
                 remove()
-            conn.close()
+            if keep:
+                self._conn = conn
+            else:
+                conn.close()
         if aborted:
             raise JobAborted("request aborted")
         if resp.status >= 500:
@@ -118,3 +161,7 @@ def _message(doc) -> str:
         if doc.get("message"):
             return str(doc["message"])
     return json.dumps(doc)[:300]
+
+
+class _StaleConnection(Exception):
+    """A request that got no answer because its connection was gone before it started."""
