@@ -9,7 +9,7 @@ from flask import Flask, jsonify
 from marshmallow import ValidationError
 from werkzeug.exceptions import HTTPException
 
-from prorl_farm.errors import NotFound
+from prorl_farm.errors import Conflict, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(NotFound)
     def _not_found(e: NotFound):
         return error_response(404, "not_found", str(e))
+
+    @app.errorhandler(Conflict)
+    def _conflict(e: Conflict):
+        return error_response(409, e.code, str(e))
 
     @app.errorhandler(HTTPException)
     def _http(e: HTTPException):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import re
 
-from flask import Blueprint
+from flask import Blueprint, request
 
 from api.errors import ApiError, validation_error
-from api.schemas import SubmitSchema
+from api.schemas import ID_RE, SubmitSchema
 from api.services import json_body, services
 from prorl_farm.celery_app import TASK_NAMES
 from prorl_farm.errors import InvalidInstance, NotFound
@@ -55,13 +58,42 @@ def _validated_submit(body: dict) -> dict:
     return req
 
 
+def _replay(record: dict, digest: str) -> tuple[dict, int]:
+    if record["digest"] != digest:
+        raise ApiError(409, "idempotency_conflict", "this idempotency_key was used for "
+                       "another request body", {"idempotency_key": ["used for another "
+                                                                     "request body"]})
+    if record.get("pending"):
+        raise ApiError(503, "submission_in_progress", "the first submit with this "
+                       "idempotency_key is still being written; retry")
+    return {"batch_id": record["batch_id"], "job_ids": record["job_ids"],
+            "replayed": True}, 200
+
+
 @bp.post("/v1/jobs")
 def submit():
     svc = services()
     req = _validated_submit(json_body())
+    key = req.pop("idempotency_key", None) or request.headers.get("Idempotency-Key")
+    idempotency = None
+    if key:
+        if not re.match(ID_RE, key):
+            raise validation_error({"idempotency_key": ["1-128 characters from A-Z a-z 0-9 "
+                                                        "_ . -"]})
+        digest = hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()
+        record = svc.store.reserve_idempotency(key, digest)
+        if record is not None:
+            return _replay(record, digest)
+        idempotency = (key, digest)
     batch_id = req["batch_id"] or new_id()
-    jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
-                                 req["sampling"], req["deadline_s"], req["mode"])
+    try:
+        jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
+                                     req["sampling"], req["deadline_s"], req["mode"],
+                                     idempotency)
+    except BaseException:
+        if key:
+            svc.store.forget_idempotency(key)
+        raise
     try:
         with svc.celery.producer_or_acquire() as producer:
             for job in jobs:
@@ -72,6 +104,8 @@ def submit():
         log.exception("publishing batch %s failed; cancelling its new jobs", batch_id)
         cancel_jobs(svc.store, svc.celery, [j.job_id for j in jobs],
                     "submission failed: broker unavailable")
+        if key:
+            svc.store.forget_idempotency(key)
         raise ApiError(503, "broker_unavailable", f"could not enqueue jobs: {e}") from e
     # Every push has completed: recorded, the reaper can tell a lost message from one that
     # merely waits behind others (see worker/reaper.py).

@@ -79,6 +79,9 @@ for _p, _summary in (("/healthz", "Process up"), ("/readyz", "Redis and pools re
     _spec.path(_p, operations={"get": _op(_summary)})
 _DOC = _spec.to_dict()
 _DOC["paths"]["/readyz"]["get"]["responses"]["503"] = {"description": "not ready"}
+_DOC["paths"]["/v1/jobs"]["post"]["responses"]["200"] = {
+    "description": "replayed: an earlier submit with this idempotency_key made these jobs",
+    "content": {"application/json": {"schema": _ref("SubmitResponse")}}}
 # Bounds that exclude their limit (marshmallow's min_inclusive=False), in OpenAPI 3.0 terms.
 for _schema, _field in (("Submit", "deadline_s"), ("Sampling", "top_p"),
                         ("Sampling", "repetition_penalty")):

@@ -70,6 +70,13 @@ class SubmitSchema(Schema):
                                                                          "reference"]),
                          metadata={"description": "reference: skip the policy and grade the "
                                    "instance's own reference (answer, canonical solution)"})
+    idempotency_key = fields.String(load_default=None, allow_none=True,
+                                    validate=validate.Regexp(
+                                        ID_RE, error="1-128 characters from A-Z a-z 0-9 _ . -"),
+                                    metadata={"description": "a submit retried with the same "
+                                              "key and body returns the first one's batch and "
+                                              "jobs (200, replayed) instead of new ones; the "
+                                              "same key with another body is a 409"})
 
     @validates_schema
     def _one_of_instance_instances(self, data, **_):
@@ -80,6 +87,8 @@ class SubmitSchema(Schema):
 class SubmitResponseSchema(Schema):
     batch_id = fields.String()
     job_ids = fields.List(fields.String())
+    replayed = fields.Boolean(metadata={"description": "true when an earlier submit with the "
+                                        "same idempotency_key made these jobs"})
 
 
 class ResultsQuerySchema(Schema):
@@ -111,6 +120,8 @@ class FailureSchema(Schema):
 
 class JobSchema(Schema):
     id = fields.String()
+    policy_version = fields.Integer(allow_none=True, metadata={
+        "description": "the oldest policy version among the job's LLM turns"})
     batch_id = fields.String()
     handler = fields.String()
     state = fields.String(metadata={"enum": ["queued", "init", "run", "eval", "done",
@@ -184,7 +195,9 @@ class BackendRegisterSchema(Schema):
                                         "the workers see it"})
     capacity = fields.Integer(load_default=1, strict=True,
                               validate=validate.Range(min=1, max=100_000))
-    policy_version = fields.String(load_default="0", validate=validate.Length(min=1, max=128))
+    policy_version = fields.Integer(load_default=0, strict=True, validate=validate.Range(
+        min=0, max=2**53), metadata={"description": "the policy's version (a trainer's step "
+                                     "count): an integer that only grows"})
     logprobs_mode = fields.String(load_default="", validate=validate.OneOf(
         ["", "raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]))
 
@@ -202,7 +215,9 @@ class BackendResumeSchema(Schema):
     class Meta:
         unknown = RAISE
 
-    policy_version = fields.String(required=True, validate=validate.Length(min=1, max=128))
+    policy_version = fields.Integer(required=True, strict=True, validate=validate.Range(
+        min=0, max=2**53), metadata={"description": "the version now served; lower than the "
+                                     "backend's current one: 409"})
 
 
 class BackendSchema(Schema):
@@ -212,7 +227,7 @@ class BackendSchema(Schema):
     model = fields.String()
     tokenizer = fields.String()
     capacity = fields.Integer()
-    policy_version = fields.String()
+    policy_version = fields.Integer()
     logprobs_mode = fields.String()
     healthy = fields.Boolean()
     drained = fields.Boolean()

@@ -15,6 +15,14 @@ class NotFound(FarmError, LookupError):
     """A job, batch or handler that does not exist (or whose record expired)."""
 
 
+class Conflict(FarmError, ValueError):
+    """A request that contradicts the farm's state (e.g. a policy version going back)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class InvalidInstance(FarmError, ValueError):
     """A task instance the handler cannot work with (maps to failure kind invalid_instance)."""
 

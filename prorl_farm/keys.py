@@ -34,6 +34,12 @@ def batch_counts(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}:counts"
 
 
+def idempotency(key: str) -> str:
+    """String: a submission's idempotency key -> JSON {digest, batch_id, job_ids} (or
+    {digest, pending} while that submission is being written)."""
+    return f"{PREFIX}idem:{key}"
+
+
 def batch_jobs(batch_id: str) -> str:
     """List: the batch's job ids in submission order."""
     return f"{PREFIX}batch:{batch_id}:jobs"

@@ -44,7 +44,7 @@ def agent_farm(redis_server, tmp_path_factory, tiny_model):
 
 def _register(client, server, tiny_model) -> str:
     return use_only_backend(client, url=server.url, kind="vllm", model="tiny",
-                            tokenizer=str(tiny_model), capacity=64, policy_version="7")
+                            tokenizer=str(tiny_model), capacity=64, policy_version=7)
 
 
 def _math(client, cases: list[str], sampling: dict | None = None, **extra) -> list[dict]:
@@ -76,7 +76,8 @@ def test_math_episodes_with_tools_are_graded_on_the_final_answer(agent_farm, r):
     assert good["reward"] == 1.0 and good["result"]["stats"]["calls"] == {"python": 1}
     tool_turn = good["result"]["messages"][-2]
     assert tool_turn["role"] == "tool" and tool_turn["content"].strip() == "42"
-    assert good["result"]["turns"][0]["policy_version"] == "7"
+    assert good["result"]["turns"][0]["policy_version"] == 7
+    assert good["policy_version"] == 7 and good["result"]["policy_version"] == 7
     # The tools were offered through the chat template, and the answer is not in RUN's view.
     prompt_text = good["result"]["messages"][0]["content"]
     assert "42" not in prompt_text

@@ -111,6 +111,25 @@ def test_submit_writes_jobs_and_init_messages(client, r):
     r.delete("init")
 
 
+def test_a_retried_submit_with_its_idempotency_key_makes_no_second_batch(client, r):
+    first = client.post("/v1/jobs", json={**GOOD, "idempotency_key": "step-7"})
+    assert first.status_code == 202
+    again = client.post("/v1/jobs", json={**GOOD, "idempotency_key": "step-7"})
+    assert again.status_code == 200
+    assert again.get_json() == {**first.get_json(), "replayed": True}
+    assert r.llen("init") == 2  # no second message, no second job
+    # The header works the same; another body under a used key is a conflict.
+    by_header = client.post("/v1/jobs", json=GOOD, headers={"Idempotency-Key": "step-7"})
+    assert by_header.status_code == 200 and by_header.get_json()["replayed"]
+    other = client.post("/v1/jobs", json={**GOOD, "n": 3, "idempotency_key": "step-7"})
+    assert other.status_code == 409
+    assert other.get_json()["error"]["code"] == "idempotency_conflict"
+    assert r.llen("init") == 2
+    assert client.post("/v1/jobs", json={**GOOD, "idempotency_key": "bad key!"}
+                       ).status_code == 400
+    r.delete("init")
+
+
 def test_bad_results_query_is_400(client, r):
     batch = client.post("/v1/jobs", json=GOOD).get_json()["batch_id"]
     r.delete("init")

@@ -73,8 +73,8 @@ def test_drain_unhealthy_unregister_leave_the_heap(registry, r):
     a, b = (registry.register(spec(f"http://127.0.0.1:{9100 + i}")) for i in range(2))
     registry.drain(a)
     assert {registry.acquire(f"j{i}") for i in range(5)} == {b}
-    registry.resume(a, "7")
-    assert registry.get(a)["policy_version"] == "7" and registry.get(a)["in_heap"]
+    registry.resume(a, 7)
+    assert registry.get(a)["policy_version"] == 7 and registry.get(a)["in_heap"]
     registry.mark_unhealthy(b, "boom")
     assert registry.acquire("k") == a and not registry.get(b)["in_heap"]
     registry.unregister(a)
@@ -144,8 +144,19 @@ def test_backend_api(client, r):
     drained = client.post(f"/v1/backends/{b['id']}/drain").get_json()
     assert drained["drained"] and not drained["in_heap"]
     assert client.post(f"/v1/backends/{b['id']}/resume", json={}).status_code == 400
-    resumed = client.post(f"/v1/backends/{b['id']}/resume", json={"policy_version": "3"})
-    assert resumed.get_json()["policy_version"] == "3" and resumed.get_json()["in_heap"]
+    resumed = client.post(f"/v1/backends/{b['id']}/resume", json={"policy_version": 3})
+    assert resumed.get_json()["policy_version"] == 3 and resumed.get_json()["in_heap"]
+    # Versions only grow: a lower one is refused and changes nothing; the same one is fine.
+    client.post(f"/v1/backends/{b['id']}/drain")
+    back = client.post(f"/v1/backends/{b['id']}/resume", json={"policy_version": 2})
+    assert back.status_code == 409
+    assert back.get_json()["error"]["code"] == "policy_version_regressed"
+    still = client.get(f"/v1/backends/{b['id']}").get_json()
+    assert still["policy_version"] == 3 and still["drained"]
+    assert client.post(f"/v1/backends/{b['id']}/resume", json={"policy_version": "4"}
+                       ).status_code == 400  # a number, not a string
+    assert client.post(f"/v1/backends/{b['id']}/resume", json={"policy_version": 3}
+                       ).status_code == 200
     assert client.delete(f"/v1/backends/{b['id']}").status_code == 200
     assert client.get(f"/v1/backends/{b['id']}").status_code == 404
     assert client.post("/v1/backends/nope/drain").status_code == 404
@@ -259,10 +270,11 @@ def test_drain_and_resume_with_policy_version(llm_pools, servers, r):
     jobs = finish(client, submit(client, [{"llm_turns": 2}], n=20))
     assert servers["a"].requests == []
     assert all(j["result"]["backends"] == [b, b] for j in jobs)
-    client.post(f"/v1/backends/{a}/resume", json={"policy_version": "v2"})
+    client.post(f"/v1/backends/{a}/resume", json={"policy_version": 2})
     client.post(f"/v1/backends/{b}/drain")
     jobs = finish(client, submit(client, [{"llm_turns": 2}], n=10))
-    assert all(j["result"]["policy_versions"] == ["v2", "v2"] for j in jobs)
+    assert all(j["result"]["policy_versions"] == [2, 2] for j in jobs)
+    assert all(j["policy_version"] == 2 for j in jobs)
     assert len(servers["a"].requests) == 20
 
 

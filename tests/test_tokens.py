@@ -147,7 +147,8 @@ def test_farm_trajectories_are_token_exact(chat_farm, dev_server, tiny_model, r)
     for kind in ("vllm", "sglang"):
         resp = client.post("/v1/backends", json={
             "url": dev_server, "kind": kind, "model": "tiny", "tokenizer": str(tiny_model),
-            "capacity": 4, "policy_version": f"p-{kind}", "logprobs_mode": "raw_logprobs"})
+            "capacity": 4, "policy_version": {"vllm": 11, "sglang": 12}[kind],
+            "logprobs_mode": "raw_logprobs"})
         ids[resp.get_json()["id"]] = kind
     instances = [{"messages": [{"role": "system", "content": "Be brief."},
                                {"role": "user", "content": f"def f{i}(x):"}],
@@ -182,7 +183,7 @@ def test_farm_trajectories_are_token_exact(chat_farm, dev_server, tiny_model, r)
         for turn in t["turns"]:
             off, n = turn["offset"], turn["generated"]
             assert mask[off:off + n] == [1] * n
-            assert turn["policy_version"] == f"p-{kind}"
+            assert turn["policy_version"] == {"vllm": 11, "sglang": 12}[kind]
             assert turn["logprobs_mode"] == "raw_logprobs" and turn["prefix_checked"]
             # Asking the server again with the same prompt and seed gives the same IDs and
             # logprobs: the trajectory holds exactly what was sampled.

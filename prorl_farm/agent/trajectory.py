@@ -107,7 +107,7 @@ class Trajectory:
         return self.prompt_ids + self.response_ids
 
     def add_generation(self, sent: list[int], token_ids: list[int], logprobs: list[float],
-                       finish_reason: str, backend: str, policy_version: str,
+                       finish_reason: str, backend: str, policy_version: int,
                        logprobs_mode: str) -> None:
         """Append what the backend sampled for prompt ``sent``, exactly as returned."""
         offset = len(self.response_ids)
@@ -153,4 +153,7 @@ class Trajectory:
         return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
                 "response_mask": self.response_mask,
                 "response_logprobs": self.response_logprobs, "turns": self.turns,
-                "messages": self.messages}
+                "messages": self.messages,
+                # The oldest policy any of its tokens came from (what staleness is about).
+                "policy_version": min((t["policy_version"] for t in self.turns),
+                                      default=None)}

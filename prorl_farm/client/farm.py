@@ -84,7 +84,7 @@ class FarmClient:
     # -- LLM backends ---------------------------------------------------------------------
 
     def register_backend(self, url: str, kind: str, model: str, tokenizer: str,
-                         capacity: int = 1, policy_version: str = "0",
+                         capacity: int = 1, policy_version: int = 0,
                          logprobs_mode: str = "") -> dict:
         return self._call("POST", "/v1/backends", json={
             "url": url, "kind": kind, "model": model, "tokenizer": tokenizer,
@@ -100,7 +100,7 @@ class FarmClient:
     def drain_backend(self, backend_id: str) -> dict:
         return self._call("POST", f"/v1/backends/{backend_id}/drain")
 
-    def resume_backend(self, backend_id: str, policy_version: str) -> dict:
+    def resume_backend(self, backend_id: str, policy_version: int) -> dict:
         return self._call("POST", f"/v1/backends/{backend_id}/resume",
                           json={"policy_version": policy_version})
 

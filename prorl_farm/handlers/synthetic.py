@@ -83,7 +83,8 @@ class SyntheticHandler(AgentHandler):
         if ctx.instance.get("fail_stage") == "run":
             raise SyntheticFailure("synthetic failure in run")
         return {"sandbox": ctx.state.get("sandbox"), "turns": turns, "backends": backends,
-                "policy_versions": versions, "failovers": session.failovers,
+                "policy_versions": versions, "policy_version": min(versions),
+                "failovers": session.failovers,
                 "tokens": len(prompt) - 3}
 
     def eval(self, ctx: JobContext) -> dict:

@@ -61,6 +61,8 @@ def render_job(raw: dict, include_instance: bool = True) -> dict:
         "filtered": state != JobState.DONE.value,
         "result": json.loads(raw["result"]) if raw.get("result") and terminal else None,
     }
+    # The oldest policy version among the job's turns (None: no LLM turn).
+    doc["policy_version"] = (doc["result"] or {}).get("policy_version")
     if include_instance:
         doc["instance"] = json.loads(raw.get("instance") or "null")
         doc["sampling"] = json.loads(raw.get("sampling", "{}"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -101,10 +102,13 @@ class JobStore:
         sampling: dict,
         deadline_s: float | None,
         mode: str = "policy",
+        idempotency: tuple[str, str] | None = None,
     ) -> list[NewJob]:
         """Write every job of one request atomically (MULTI/EXEC), all waiting for INIT.
 
-        Each instance is stored once and shared by its ``n`` samples."""
+        Each instance is stored once and shared by its ``n`` samples. ``idempotency`` (key,
+        digest): the key's record, reserved by :meth:`reserve_idempotency`, gets the jobs in
+        the same transaction."""
         now = self.server_time()
         deadline_at = f"{now + deadline_s:.6f}" if deadline_s else ""
         sampling_json = json.dumps(sampling)
@@ -138,8 +142,34 @@ class JobStore:
         pipe.sadd(keys.QUEUES, "init")
         if deadline_s:
             pipe.zadd(keys.DEADLINES, {i: now + deadline_s for i in ids})
+        if idempotency:
+            key, digest = idempotency
+            pipe.set(keys.idempotency(key), json.dumps(
+                {"digest": digest, "batch_id": batch_id, "job_ids": ids}), ex=self._ttl)
         pipe.execute()
         return jobs
+
+    def reserve_idempotency(self, key: str, digest: str, wait_s: float = 10.0) -> dict | None:
+        """Reserve ``key`` for a submission with body ``digest``: None if it is ours now;
+        else the earlier submission's record ({digest, batch_id, job_ids}), waiting up to
+        ``wait_s`` while that one is still being written."""
+        end = time.monotonic() + wait_s
+        pending = json.dumps({"digest": digest, "pending": True})
+        while True:
+            if self.r.set(keys.idempotency(key), pending, nx=True, ex=60):
+                return None
+            raw = self.r.get(keys.idempotency(key))
+            if raw is None:
+                continue  # the earlier one failed and let go: try again
+            record = json.loads(raw)
+            if not record.get("pending") or record["digest"] != digest \
+                    or time.monotonic() >= end:
+                return record
+            time.sleep(0.05)
+
+    def forget_idempotency(self, key: str) -> None:
+        """Let go of a key whose submission failed (a retry may create the jobs)."""
+        self.r.delete(keys.idempotency(key))
 
     # -- stage transitions ----------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from prorl_farm import keys
-from prorl_farm.errors import NotFound
+from prorl_farm.errors import Conflict, NotFound
 from prorl_farm.llm import scripts
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,14 @@ KINDS = ("vllm", "sglang")
 # SGLANG_RETURN_ORIGINAL_LOGPROB=1).
 DEFAULT_LOGPROBS_MODE = {"vllm": "raw_logprobs", "sglang": "processed_logprobs"}
 HEALTH_PATH = "/health"
+
+
+def _version(raw: str | None) -> int:
+    """A stored policy version (an integer; 0 for none)."""
+    try:
+        return int(raw or 0)
+    except ValueError:
+        return 0
 
 
 def probe(url: str, timeout_s: float = 2.0) -> str | None:
@@ -47,7 +55,7 @@ class BackendSpec:
     model: str
     tokenizer: str
     capacity: int = 1
-    policy_version: str = "0"
+    policy_version: int = 0
     logprobs_mode: str = ""
 
 
@@ -60,7 +68,7 @@ class Backend:
     kind: str
     model: str
     tokenizer: str
-    policy_version: str
+    policy_version: int
     logprobs_mode: str
 
 
@@ -107,9 +115,15 @@ class BackendRegistry:
         pipe.execute()
 
     def _update(self, backend_id: str, **fields) -> bool:
-        """Set fields and re-place the backend in (or out of) the heap; False if unknown."""
+        """Set fields and re-place the backend in (or out of) the heap; False if unknown.
+        Raises Conflict for a ``policy_version`` lower than the backend's."""
         flat = [x for kv in fields.items() for x in (kv[0], str(kv[1]))]
-        return self._call("UPDATE", backend_id, *flat) >= 0
+        out = self._call("UPDATE", backend_id, *flat)
+        if out == -2:
+            raise Conflict("policy_version_regressed", f"backend {backend_id}: policy_version "
+                           f"{fields.get('policy_version')} is lower than its current "
+                           f"{self.get(backend_id)['policy_version']} (versions only grow)")
+        return out >= 0
 
     def drain(self, backend_id: str) -> dict:
         """No new jobs; jobs already pinned finish (e.g. before a weight sync)."""
@@ -117,8 +131,9 @@ class BackendRegistry:
             raise NotFound(f"backend {backend_id!r} not found")
         return self.get(backend_id)
 
-    def resume(self, backend_id: str, policy_version: str) -> dict:
-        """Take new jobs again, sampling under ``policy_version`` from now on."""
+    def resume(self, backend_id: str, policy_version: int) -> dict:
+        """Take new jobs again, sampling under ``policy_version`` from now on (not lower
+        than the current one: Conflict)."""
         if not self._update(backend_id, drained=0, policy_version=policy_version):
             raise NotFound(f"backend {backend_id!r} not found")
         return self.get(backend_id)
@@ -152,7 +167,8 @@ class BackendRegistry:
         return {
             "id": raw["id"], "url": raw["url"], "kind": raw["kind"], "model": raw["model"],
             "tokenizer": raw["tokenizer"], "capacity": int(raw["capacity"]),
-            "policy_version": raw["policy_version"], "logprobs_mode": raw["logprobs_mode"],
+            "policy_version": _version(raw["policy_version"]),
+            "logprobs_mode": raw["logprobs_mode"],
             "healthy": raw["healthy"] == "1", "drained": raw["drained"] == "1",
             "in_heap": score is not None, "in_flight": int(inflight or 0),
             "load": float(score) if score is not None else None,
@@ -198,7 +214,10 @@ class BackendRegistry:
         trip."""
         lat = (latency[0], f"{latency[1]:.3f}", str(latency[2])) if latency else ("", "", "")
         out = self._call("ACQUIRE", job_id, exclude, "1" if self.audit else "", *lat)
-        return Backend(*out[:1], *out[2:]) if out else None
+        if not out:
+            return None
+        b, _how, url, kind, model, tokenizer, version, mode = out
+        return Backend(b, url, kind, model, tokenizer, _version(version), mode)
 
     def release(self, job_id: str) -> str | None:
         return self._call("RELEASE", job_id) or None

@@ -108,6 +108,12 @@ if redis.call('EXISTS', bk) == 0 then
   redis.call('ZREM', K.BACKEND_HEAP, b)
   return -1
 end
+for i = 2, #ARGV, 2 do
+  if ARGV[i] == 'policy_version' and
+      tonumber(ARGV[i + 1]) < (tonumber(redis.call('HGET', bk, 'policy_version')) or 0) then
+    return -2  -- a policy version only grows: nothing changed
+  end
+end
 for i = 2, #ARGV, 2 do redis.call('HSET', bk, ARGV[i], ARGV[i + 1]) end
 local h = redis.call('HMGET', bk, 'healthy', 'drained', 'capacity')
 if h[1] ~= '1' or h[2] == '1' then
