@@ -96,6 +96,16 @@ def _cmd_watch(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from prorl_farm.client import FarmClient
+
+    farm = FarmClient(args.url)
+    output = args.output or f"{args.batch}.{args.format}"
+    rows = farm.export(args.batch, output, args.format)
+    print(f"{rows} trajectories -> {output}", file=sys.stderr)
+    return 0
+
+
 def _cmd_validate(args) -> int:
     """Grade every instance's own reference through a running farm; list those that fail."""
     from prorl_farm.client import FarmClient
@@ -159,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     w2.add_argument("--output", metavar="OUT.jsonl")
     w2.add_argument("--url", default=url)
     w2.set_defaults(func=_cmd_watch)
+    e = sub.add_parser("export", help="write a batch's finished trajectories, one row each "
+                       "(every field of docs/trajectory.md)")
+    e.add_argument("batch")
+    e.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    e.add_argument("--output", metavar="PATH", help="default: BATCH.FORMAT")
+    e.add_argument("--url", default=url)
+    e.set_defaults(func=_cmd_export)
     v = sub.add_parser("validate", help="grade each instance's own reference (answer, "
                        "canonical solution) through a running farm; list those that fail")
     v.add_argument("file", metavar="FILE.jsonl")

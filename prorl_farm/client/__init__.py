@@ -1,5 +1,14 @@
 """Trainer-side SDK."""
 
-from prorl_farm.client.farm import FarmClient, FarmHTTPError
+from prorl_farm.client.farm import (
+    FarmBadRequest,
+    FarmClient,
+    FarmConflict,
+    FarmConnectionError,
+    FarmHTTPError,
+    FarmNotFound,
+    FarmUnavailable,
+)
 
-__all__ = ["FarmClient", "FarmHTTPError"]
+__all__ = ["FarmBadRequest", "FarmClient", "FarmConflict", "FarmConnectionError",
+           "FarmHTTPError", "FarmNotFound", "FarmUnavailable"]

@@ -1,8 +1,18 @@
-"""FarmClient: submit jobs, stream finished results, cancel — over the HTTP API v1."""
+"""FarmClient: submit jobs, stream finished results, cancel, manage backends, export — over
+the HTTP API v1.
+
+Safe to retry: a lost connection or a 503 is retried with exponential backoff. Every
+submit carries an idempotency key (one per call, made here unless given), so a submit
+retried after its answer was lost returns the same batch instead of a second one; reads,
+cancels, drain and resume are idempotent by nature; registering a backend is retried only
+when the request could not have reached the farm.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
+import uuid
 from collections.abc import Iterator
 
 import requests
@@ -11,7 +21,7 @@ from prorl_farm.errors import FarmError
 
 
 class FarmHTTPError(FarmError, RuntimeError):
-    """The API answered with an error document."""
+    """The API answered with an error document (subclasses by status)."""
 
     def __init__(self, status: int, error: dict):
         super().__init__(f"{status} {error.get('code')}: {error.get('message')}")
@@ -20,30 +30,87 @@ class FarmHTTPError(FarmError, RuntimeError):
         self.details = error.get("details")
 
 
+class FarmBadRequest(FarmHTTPError):
+    """400: the request is invalid (``details`` names the fields)."""
+
+
+class FarmNotFound(FarmHTTPError):
+    """404: no such job, batch or backend."""
+
+
+class FarmConflict(FarmHTTPError):
+    """409: an idempotency key reused with another body, a policy version going back."""
+
+
+class FarmUnavailable(FarmHTTPError):
+    """503 (after the retries): Redis, the broker or the pools are not there."""
+
+
+class FarmConnectionError(FarmError, ConnectionError):
+    """The farm could not be reached (after the retries)."""
+
+
+_BY_STATUS = {400: FarmBadRequest, 404: FarmNotFound, 409: FarmConflict,
+              503: FarmUnavailable}
+
+
+def _error(status: int, resp: requests.Response) -> FarmHTTPError:
+    try:
+        error = resp.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        error = {"code": "http_error", "message": resp.text[:500]}
+    return _BY_STATUS.get(status, FarmHTTPError)(status, error)
+
+
 class FarmClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 30.0):
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 30.0,
+                 retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self.http = requests.Session()
 
-    def _call(self, method: str, path: str, timeout_s: float | None = None, **kw) -> dict:
-        resp = self.http.request(method, self.base_url + path,
-                                 timeout=timeout_s or self.timeout_s, **kw)
-        if resp.status_code >= 400:
+    def _call(self, method: str, path: str, timeout_s: float | None = None,
+              retry: str = "all", **kw) -> dict:
+        """One API call. ``retry``: ``all`` (connection errors and 503), ``connect`` (only
+        where the request cannot have been received), ``none``."""
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries or retry == "none"
             try:
-                error = resp.json()["error"]
-            except (ValueError, KeyError):
-                error = {"code": "http_error", "message": resp.text[:500]}
-            raise FarmHTTPError(resp.status_code, error)
-        return resp.json()
+                resp = self.http.request(method, self.base_url + path,
+                                         timeout=timeout_s or self.timeout_s, **kw)
+            except requests.ConnectionError as e:
+                received = not isinstance(e, requests.ConnectTimeout) and \
+                    "NewConnectionError" not in repr(e)
+                if last or (retry == "connect" and received):
+                    raise FarmConnectionError(f"{method} {self.base_url}{path}: {e}") from e
+            except requests.Timeout as e:
+                if last or retry != "all":
+                    raise FarmConnectionError(f"{method} {self.base_url}{path}: {e}") from e
+            else:
+                if resp.status_code == 503 and not last:
+                    pass  # retried below
+                elif resp.status_code >= 400:
+                    raise _error(resp.status_code, resp)
+                else:
+                    return resp.json()
+            time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
+        raise AssertionError("unreachable")
+
+    # -- jobs and batches -----------------------------------------------------------------
 
     def submit(self, handler: str, instances: list[dict], n: int = 1,
                sampling: dict | None = None, deadline_s: float | None = None,
-               batch_id: str | None = None, mode: str = "policy") -> dict:
-        """Submit instances x n jobs; returns {batch_id, job_ids}. ``mode="reference"``
-        grades each instance's own reference instead of a policy's answer."""
+               batch_id: str | None = None, mode: str = "policy",
+               idempotency_key: str | None = None) -> dict:
+        """Submit instances x n jobs; returns {batch_id, job_ids} (and ``replayed`` when
+        the farm had this submit already). ``mode="reference"`` grades each instance's own
+        reference instead of a policy's answer."""
         body = {"handler": handler, "instances": instances, "n": n,
-                "sampling": sampling or {}, "deadline_s": deadline_s, "mode": mode}
+                "sampling": sampling or {}, "deadline_s": deadline_s, "mode": mode,
+                "idempotency_key": idempotency_key or uuid.uuid4().hex}
         if batch_id:
             body["batch_id"] = batch_id
         return self._call("POST", "/v1/jobs", json=body)
@@ -57,6 +124,9 @@ class FarmClient:
     def batch(self, batch_id: str) -> dict:
         return self._call("GET", f"/v1/batches/{batch_id}")
 
+    def batches(self, limit: int = 50) -> list[dict]:
+        return self._call("GET", "/v1/batches", params={"limit": limit})["batches"]
+
     def cancel_batch(self, batch_id: str) -> dict:
         return self._call("POST", f"/v1/batches/{batch_id}/cancel")
 
@@ -67,26 +137,52 @@ class FarmClient:
                           timeout_s=self.timeout_s + wait_s)
 
     def iter_results(self, batch_id: str, expected: int | None = None, wait_s: float = 10.0,
-                     timeout_s: float | None = None) -> Iterator[dict]:
-        """Yield finished jobs in the order they finished, until ``expected`` are seen."""
+                     timeout_s: float | None = None, cursor: str = "0-0",
+                     progress: bool | None = False) -> Iterator[dict]:
+        """Yield finished jobs in the order they finished, until ``expected`` are seen (by
+        default, the batch's total), long-polling the batch's stream: one request per page
+        or per ``wait_s`` of quiet, never a busy loop. ``progress``: a tqdm bar on stderr
+        (None: when stderr is a terminal)."""
         expected = self.batch(batch_id)["total"] if expected is None else expected
-        cursor, seen = "0-0", 0
+        seen = 0
         end = None if timeout_s is None else time.monotonic() + timeout_s
-        while seen < expected:
-            if end is not None and time.monotonic() > end:
-                raise TimeoutError(f"{seen}/{expected} results after {timeout_s} s")
-            page = self.results(batch_id, cursor, limit=1000, wait_s=wait_s)
-            cursor = page["cursor"]
-            for job in page["results"]:
-                seen += 1
-                yield job
+        bar = None
+        if progress or (progress is None and sys.stderr.isatty()):
+            from tqdm import tqdm
+
+            bar = tqdm(total=expected, unit="job", desc=batch_id[:12], file=sys.stderr)
+        try:
+            while seen < expected:
+                if end is not None and time.monotonic() > end:
+                    raise TimeoutError(f"{seen}/{expected} results after {timeout_s} s")
+                wait = wait_s if end is None else max(0.0, min(wait_s,
+                                                               end - time.monotonic()))
+                page = self.results(batch_id, cursor, limit=1000, wait_s=wait)
+                cursor = page["cursor"]
+                for job in page["results"]:
+                    seen += 1
+                    if bar is not None:
+                        bar.update(1)
+                    yield job
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def export(self, batch_id: str, path: str, format: str = "jsonl") -> int:
+        """Write every finished job of the batch to ``path``, one row per trajectory with
+        every field of docs/trajectory.md (``jsonl`` or ``parquet``); returns the rows."""
+        from prorl_farm.client.export import write_rows
+
+        total = self.batch(batch_id)["finished"]
+        rows = list(self.iter_results(batch_id, expected=total, wait_s=0.0))
+        return write_rows(rows, path, format)
 
     # -- LLM backends ---------------------------------------------------------------------
 
     def register_backend(self, url: str, kind: str, model: str, tokenizer: str,
                          capacity: int = 1, policy_version: int = 0,
                          logprobs_mode: str = "") -> dict:
-        return self._call("POST", "/v1/backends", json={
+        return self._call("POST", "/v1/backends", retry="connect", json={
             "url": url, "kind": kind, "model": model, "tokenizer": tokenizer,
             "capacity": capacity, "policy_version": policy_version,
             "logprobs_mode": logprobs_mode})
@@ -94,11 +190,30 @@ class FarmClient:
     def backends(self) -> list[dict]:
         return self._call("GET", "/v1/backends")["backends"]
 
+    def backend(self, backend_id: str) -> dict:
+        return self._call("GET", f"/v1/backends/{backend_id}")
+
     def unregister_backend(self, backend_id: str) -> dict:
-        return self._call("DELETE", f"/v1/backends/{backend_id}")
+        try:
+            return self._call("DELETE", f"/v1/backends/{backend_id}")
+        except FarmNotFound:
+            return {"id": backend_id, "unregistered": True}  # a retry after it went
 
     def drain_backend(self, backend_id: str) -> dict:
         return self._call("POST", f"/v1/backends/{backend_id}/drain")
+
+    def wait_drained(self, backend_id: str, timeout_s: float = 600.0,
+                     poll_s: float = 0.2) -> dict:
+        """Wait until a drained backend has no job in flight (before a weight sync)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            info = self.backend(backend_id)
+            if info["in_flight"] == 0:
+                return info
+            if time.monotonic() > end:
+                raise TimeoutError(f"backend {backend_id} still has {info['in_flight']} jobs "
+                                   f"in flight after {timeout_s} s")
+            time.sleep(poll_s)
 
     def resume_backend(self, backend_id: str, policy_version: int) -> dict:
         return self._call("POST", f"/v1/backends/{backend_id}/resume",
@@ -109,7 +224,7 @@ class FarmClient:
 
     def ready(self) -> bool:
         try:
-            self._call("GET", "/readyz", timeout_s=5)
+            self._call("GET", "/readyz", timeout_s=5, retry="none")
             return True
-        except (FarmHTTPError, requests.ConnectionError):
+        except (FarmHTTPError, FarmConnectionError):
             return False

@@ -21,8 +21,15 @@ class SyntheticInstance(Schema):
     run_s = fields.Float(**_seconds)
     eval_s = fields.Float(**_seconds)
     reward = fields.Float(load_default=1.0, allow_nan=False)
+    # Per sample: sample i of the instance earns rewards[i % len(rewards)] (groups whose
+    # rewards vary, for dynamic sampling).
+    rewards = fields.List(fields.Float(allow_nan=False), validate=validate.Length(min=1,
+                                                                                max=4096))
     fail_stage = fields.String(load_default=None, allow_none=True,
                                validate=validate.OneOf(STAGES))
+    # Only these samples fail at fail_stage (default: every sample).
+    fail_samples = fields.List(fields.Integer(strict=True, validate=validate.Range(min=0)),
+                               validate=validate.Length(max=4096))
     # "sleep": wait (I/O-bound stages); "compute": spin the CPU, checking for aborts.
     mode = fields.String(load_default="sleep", validate=validate.OneOf(["sleep", "compute"]))
     # RUN pins the job to an LLM backend and makes this many requests to it (each asking
@@ -56,7 +63,9 @@ class SyntheticHandler(AgentHandler):
             ctx.sleep(seconds)
         else:
             ctx.check()
-        if ctx.instance.get("fail_stage") == ctx.stage:
+        if ctx.instance.get("fail_stage") == ctx.stage and (
+                "fail_samples" not in ctx.instance
+                or ctx.sample_index in ctx.instance["fail_samples"]):
             raise SyntheticFailure(f"synthetic failure in {ctx.stage}")
 
     def init(self, ctx: JobContext) -> dict:
@@ -89,4 +98,7 @@ class SyntheticHandler(AgentHandler):
 
     def eval(self, ctx: JobContext) -> dict:
         self._work(ctx, ctx.instance.get("eval_s", 0.0))
+        rewards = ctx.instance.get("rewards")
+        if rewards:
+            return {"reward": rewards[ctx.sample_index % len(rewards)]}
         return {"reward": ctx.instance.get("reward", 1.0)}

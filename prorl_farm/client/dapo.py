@@ -1,0 +1,286 @@
+"""Dynamic sampling (DAPO) with asynchronous replenishment, on the trainer side.
+
+A training step asks for ``batch_groups`` prompt groups of ``n`` rollouts each. A group
+whose rewards all agree carries no gradient signal in GRPO/DAPO (its advantages are all
+zero), so the sampler drops it and keeps more groups in flight than the step needs, sized
+from the acceptance rate it has observed, topping the farm up as groups finish instead of
+waiting for a whole wave. It returns as soon as ``batch_groups`` groups qualify. What is
+still running then is either cancelled (the paper's stale-job cleanup) or carried into the
+next step, as are qualified groups the step did not need, as long as they are at most
+``staleness`` policy versions old; older ones are cancelled or dropped.
+
+    farm = FarmClient(url)
+    sampler = DynamicSampler(farm, prompts, handler="math", n=8, batch_groups=32)
+    for step in range(steps):
+        batch = sampler.next_batch(policy_version=step)   # list[Group]
+        ...   # adapters: prorl_farm.client.adapters
+        print(batch.stats)
+    sampler.close()
+
+Each group is submitted as its own batch (one instance, ``n`` samples), so a group is
+cancelled with one request. Failed rollouts (a job that failed or timed out) are never a
+zero reward: ``on_failure="drop_group"`` drops the group, ``"drop_rollout"`` keeps the
+group's other rollouts if at least two remain and their rewards vary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prorl_farm.client.farm import FarmClient, FarmNotFound
+
+
+@dataclass
+class Group:
+    """One prompt's rollouts."""
+
+    instance: dict
+    batch_id: str
+    job_ids: list[str]
+    submitted_version: int
+    submitted_at: float
+    jobs: dict[str, dict] = field(default_factory=dict)  # finished, by id
+    cursor: str = "0-0"
+
+    @property
+    def done(self) -> bool:
+        return len(self.jobs) == len(self.job_ids)
+
+    @property
+    def rollouts(self) -> list[dict]:
+        """The finished jobs, in sample order."""
+        return [self.jobs[j] for j in self.job_ids if j in self.jobs]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [j["reward"] for j in self.rollouts if j["state"] == "done"]
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy version among its rollouts' turns (the version at submit where
+        a rollout made no LLM turn)."""
+        versions = [j.get("policy_version") for j in self.rollouts]
+        return min([v for v in versions if v is not None] or [self.submitted_version])
+
+
+@dataclass
+class StepStats:
+    step: int
+    accepted: int = 0
+    filtered_zero_variance: int = 0
+    filtered_failed: int = 0
+    dropped_stale: int = 0
+    rollouts_dropped: int = 0  # failed rollouts dropped from groups kept
+    rollouts_wasted: int = 0  # finished or cancelled rollouts that no step trained on
+    carried_in: int = 0  # groups this step started with (finished or in flight)
+    submitted_groups: int = 0
+    wait_s: float = 0.0
+    in_flight_mean: float = 0.0  # rollouts in flight, averaged over the wait
+    utilisation: float | None = None  # in_flight_mean / the backends' total capacity
+    acceptance_rate: float = 0.0
+
+
+@dataclass
+class Batch:
+    groups: list[Group]
+    stats: StepStats
+
+    def __iter__(self) -> Iterator[Group]:
+        return iter(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+class DynamicSampler:
+    def __init__(self, farm: FarmClient, prompts: Iterable[dict], handler: str, n: int,
+                 batch_groups: int, sampling: dict | None = None,
+                 rollout_deadline_s: float | None = None, carry: bool = True,
+                 staleness: int = 1, on_failure: str = "drop_group",
+                 max_groups_in_flight: int | None = None, overprovision: float = 1.25,
+                 prior_acceptance: float = 0.5, poll_wait_s: float = 0.5):
+        if on_failure not in ("drop_group", "drop_rollout"):
+            raise ValueError("on_failure: drop_group or drop_rollout")
+        if n < 2:
+            raise ValueError("dynamic sampling needs n >= 2 rollouts per group")
+        self.farm = farm
+        self.prompts = iter(prompts)
+        self.handler = handler
+        self.n = n
+        self.batch_groups = batch_groups
+        self.sampling = sampling or {}
+        self.rollout_deadline_s = rollout_deadline_s
+        self.carry = carry
+        self.staleness = staleness
+        self.on_failure = on_failure
+        self.max_groups_in_flight = max_groups_in_flight or 4 * batch_groups
+        self.overprovision = overprovision
+        self.poll_wait_s = poll_wait_s
+        # Observed acceptance (accepted / finished groups), with a prior worth 4 groups.
+        self._seen = 4.0
+        self._accepted = 4.0 * prior_acceptance
+        self.in_flight: list[Group] = []
+        self.ready: list[Group] = []  # qualified, not yet trained on
+        self.exhausted = False
+        self.batch_ids: list[str] = []  # every group's batch, for audits
+        self.step = 0
+        self.history: list[StepStats] = []
+
+    # -- the acceptance rule -----------------------------------------------------------------
+
+    def _judge(self, group: Group, stats: StepStats) -> bool:
+        """Whether a finished group qualifies; trims failed rollouts under drop_rollout."""
+        failed = [j for j in group.rollouts if j["state"] != "done"]
+        if failed:
+            if self.on_failure == "drop_group" or len(group.rewards) < 2:
+                stats.filtered_failed += 1
+                stats.rollouts_wasted += len(group.job_ids)
+                return False
+            for job in failed:
+                group.jobs.pop(job["id"])
+                group.job_ids.remove(job["id"])
+            stats.rollouts_dropped += len(failed)
+        if len(set(group.rewards)) < 2:
+            stats.filtered_zero_variance += 1
+            stats.rollouts_wasted += len(group.job_ids)
+            return False
+        return True
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self._accepted / self._seen
+
+    # -- the farm side -------------------------------------------------------------------------
+
+    def _submit(self, count: int, version: int, stats: StepStats) -> None:
+        for instance in itertools.islice(self.prompts, count):
+            sub = self.farm.submit(self.handler, [instance], n=self.n, sampling=self.sampling,
+                                   deadline_s=self.rollout_deadline_s)
+            self.in_flight.append(Group(instance, sub["batch_id"], sub["job_ids"], version,
+                                        time.monotonic()))
+            self.batch_ids.append(sub["batch_id"])
+            stats.submitted_groups += 1
+            count -= 1
+        if count > 0:
+            self.exhausted = True
+
+    def _wanted_in_flight(self, missing: int) -> int:
+        if missing <= 0:
+            return 0
+        rate = max(self.acceptance_rate, 0.05)
+        return min(self.max_groups_in_flight, math.ceil(missing / rate * self.overprovision))
+
+    def _poll(self, wait_s: float) -> list[Group]:
+        """Fetch new results of the groups in flight; returns those that finished. Blocks
+        (long-poll) on the oldest group only, up to ``wait_s``, when nothing is new."""
+        finished: list[Group] = []
+        for i, group in enumerate(list(self.in_flight)):
+            try:
+                page = self.farm.results(group.batch_id, group.cursor, limit=1000,
+                                         wait_s=wait_s if i == 0 and not finished else 0.0)
+            except FarmNotFound:
+                page = {"results": [], "cursor": group.cursor}  # expired: treat as failed
+                for job_id in group.job_ids:
+                    group.jobs.setdefault(job_id, {"id": job_id, "state": "failed",
+                                                   "reward": None, "policy_version": None})
+            group.cursor = page["cursor"]
+            for job in page["results"]:
+                group.jobs[job["id"]] = job
+            if group.done:
+                finished.append(group)
+                self.in_flight.remove(group)
+        return finished
+
+    def _cancel(self, groups: list[Group], stats: StepStats) -> None:
+        for group in groups:
+            try:
+                self.farm.cancel_batch(group.batch_id)
+            except FarmNotFound:
+                pass
+            stats.rollouts_wasted += len(group.job_ids)
+
+    def _capacity(self) -> int | None:
+        try:
+            total = sum(b["capacity"] for b in self.farm.backends()
+                        if b["healthy"] and not b["drained"])
+        except Exception:  # noqa: BLE001 - utilisation is a nicety
+            return None
+        return total or None
+
+    # -- a step ------------------------------------------------------------------------------
+
+    def next_batch(self, policy_version: int, timeout_s: float | None = None) -> Batch:
+        """Block until ``batch_groups`` groups qualify (or the prompts run out, or
+        ``timeout_s`` passes: then the batch has fewer); returns them with the step's
+        stats."""
+        stats = StepStats(step=self.step)
+        self.step += 1
+        oldest = policy_version - self.staleness
+        # What the last step left: stale groups go, fresh ones count.
+        stale_ready = [g for g in self.ready if g.policy_version < oldest]
+        self.ready = [g for g in self.ready if g.policy_version >= oldest]
+        stats.dropped_stale += len(stale_ready)
+        stats.rollouts_wasted += sum(len(g.job_ids) for g in stale_ready)
+        stale = [g for g in self.in_flight if g.submitted_version < oldest]
+        self.in_flight = [g for g in self.in_flight if g.submitted_version >= oldest]
+        self._cancel(stale, stats)
+        stats.dropped_stale += len(stale)
+        stats.carried_in = len(self.ready) + len(self.in_flight)
+        accepted: list[Group] = self.ready[:self.batch_groups]
+        self.ready = self.ready[self.batch_groups:]
+        start = time.monotonic()
+        end = None if timeout_s is None else start + timeout_s
+        samples = []
+        while len(accepted) < self.batch_groups:
+            missing = self.batch_groups - len(accepted)
+            want = self._wanted_in_flight(missing) - len(self.in_flight)
+            if want > 0 and not self.exhausted:
+                self._submit(want, policy_version, stats)
+            if not self.in_flight:
+                break  # the prompts ran out
+            if end is not None and time.monotonic() >= end:
+                break
+            samples.append(sum(len(g.job_ids) - len(g.jobs) for g in self.in_flight))
+            wait = self.poll_wait_s if end is None else max(
+                0.0, min(self.poll_wait_s, end - time.monotonic()))
+            for group in self._poll(wait):
+                self._seen += 1
+                if group.policy_version < oldest:
+                    stats.dropped_stale += 1
+                    stats.rollouts_wasted += len(group.job_ids)
+                elif self._judge(group, stats):
+                    self._accepted += 1
+                    if len(accepted) < self.batch_groups:
+                        accepted.append(group)
+                    else:
+                        self.ready.append(group)
+        stats.wait_s = round(time.monotonic() - start, 3)
+        if not self.carry:
+            self._cancel(self.in_flight, stats)
+            self.in_flight = []
+            stats.rollouts_wasted += sum(len(g.job_ids) for g in self.ready)
+            self.ready = []
+        stats.accepted = len(accepted)
+        stats.in_flight_mean = round(sum(samples) / len(samples), 2) if samples else 0.0
+        capacity = self._capacity()
+        if capacity:
+            stats.utilisation = round(min(1.0, stats.in_flight_mean / capacity), 3)
+        stats.acceptance_rate = round(self.acceptance_rate, 3)
+        self.history.append(stats)
+        return Batch(accepted, stats)
+
+    def close(self) -> None:
+        """Cancel everything still in flight (nothing is left running on the farm)."""
+        self._cancel(self.in_flight, StepStats(step=self.step))
+        self.in_flight = []
+        self.ready = []
+
+    def __enter__(self) -> DynamicSampler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

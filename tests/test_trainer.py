@@ -1,0 +1,224 @@
+"""The trainer side against a real farm (pools, gunicorn API, Redis): an idempotent client
+that survives lost answers, dynamic sampling with asynchronous replenishment, integer
+policy versions through drain/resume, and trajectory export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from prorl_farm.client import FarmClient, FarmConflict, FarmNotFound
+from prorl_farm.client.dapo import DynamicSampler
+from tests.conftest import make_pools
+from tests.farm import ROOT, free_port, wait_until
+from tests.policy_server import PolicyServer
+from tests.test_hardening import _gunicorn, _stop
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def farm(redis_server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trainer")
+    sandbox_dir = f"/tmp/prs-trainer-{free_port()}"
+    pools = make_pools(redis_server, tmp, sandbox_dir=sandbox_dir, run_concurrency=64,
+                       init_concurrency=32, eval_concurrency=32)
+    port = free_port()
+    api = _gunicorn(pools.env, port, tmp / "api.log")
+    try:
+        pools.start()
+        url = f"http://127.0.0.1:{port}"
+        wait_until(FarmClient(url).ready, 30, 0.2, "api ready")
+        yield url, pools.env
+    finally:
+        _stop(api)
+        pools.stop()
+        shutil.rmtree(sandbox_dir, ignore_errors=True)
+
+
+class LossyProxy:
+    """Forwards HTTP to the farm, but for the first ``lose`` requests it drops the
+    connection after the farm answered: the client never sees the answer."""
+
+    def __init__(self, target_port: int, lose: int):
+        self.target_port, self.lose = target_port, lose
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn, socket.create_connection(("127.0.0.1", self.target_port)) as up:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length")), 0)
+            while len(body) < length:
+                body += conn.recv(65536)
+            up.sendall(head.replace(b"keep-alive", b"close") + b"\r\n\r\n" + body)
+            answer = b""
+            while chunk := up.recv(65536):
+                answer += chunk
+            if self.lose > 0:
+                self.lose -= 1
+                return  # the farm did the work; the answer is lost
+            conn.sendall(answer)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_submit_whose_answer_is_lost_is_retried_into_the_same_batch(farm):
+    url, _ = farm
+    port = int(url.rsplit(":", 1)[1])
+    proxy = LossyProxy(port, lose=2)
+    try:
+        client = FarmClient(f"http://127.0.0.1:{proxy.port}", backoff_s=0.05)
+        sub = client.submit("synthetic", [{"reward": 0.5}], n=3)
+    finally:
+        proxy.close()
+    assert sub["replayed"] is True  # the third try found the first one's batch
+    direct = FarmClient(url)
+    batch = direct.batch(sub["batch_id"])
+    assert batch["total"] == 3  # one batch of 3 jobs, not three
+    jobs = list(direct.iter_results(sub["batch_id"], timeout_s=60))
+    assert sorted(j["id"] for j in jobs) == sorted(sub["job_ids"])
+    # Typed errors.
+    with pytest.raises(FarmNotFound):
+        direct.job("no-such-job")
+    with pytest.raises(FarmConflict):
+        direct.submit("synthetic", [{"reward": 1.0}], idempotency_key=f"k-{sub['batch_id']}")
+        direct.submit("synthetic", [{"reward": 0.0}], idempotency_key=f"k-{sub['batch_id']}")
+
+
+def test_policy_versions_grow_through_drain_wait_and_resume(farm):
+    url, _ = farm
+    client = FarmClient(url)
+    server = PolicyServer(delay_s=0.2)
+    try:
+        for b in client.backends():
+            client.unregister_backend(b["id"])
+        b = client.register_backend(server.url, "vllm", "m", "t", capacity=8,
+                                    policy_version=3)["id"]
+        sub = client.submit("synthetic", [{"llm_turns": 3}], n=4)
+        wait_until(lambda: client.backend(b)["in_flight"] > 0, 20, what="jobs pinned")
+        client.drain_backend(b)
+        assert client.wait_drained(b, timeout_s=60)["in_flight"] == 0
+        with pytest.raises(FarmConflict):
+            client.resume_backend(b, 2)
+        client.resume_backend(b, 4)
+        jobs = list(client.iter_results(sub["batch_id"], timeout_s=60))
+        assert all(j["state"] == "done" and j["policy_version"] == 3 for j in jobs)
+        sub = client.submit("synthetic", [{"llm_turns": 2}], n=2)
+        jobs = list(client.iter_results(sub["batch_id"], timeout_s=60))
+        assert [j["result"]["policy_versions"] for j in jobs] == [[4, 4], [4, 4]]
+        client.unregister_backend(b)
+    finally:
+        server.kill()
+
+
+def _prompts(count: int):
+    """A mix: groups whose rewards agree, groups whose rewards vary, groups with a failed
+    rollout; stragglers of different lengths."""
+    for i in range(count):
+        kind = i % 4
+        base = {"run_s": 0.05 + 0.1 * (i % 3), "tag": i}
+        if kind == 0:
+            yield {**base, "rewards": [1.0]}  # all agree: no signal
+        elif kind == 3:
+            yield {**base, "rewards": [0.0, 1.0], "fail_stage": "eval", "fail_samples": [0]}
+        else:
+            yield {**base, "rewards": [0.0, 1.0, 1.0]}
+
+
+def _synthetic(prompts):
+    for p in prompts:
+        yield {k: v for k, v in p.items() if k != "tag"}
+
+
+def test_dynamic_sampling_fills_each_step_with_groups_that_carry_signal(farm):
+    url, _ = farm
+    client = FarmClient(url)
+    sampler = DynamicSampler(client, _synthetic(_prompts(400)), "synthetic", n=4,
+                             batch_groups=6, rollout_deadline_s=60, staleness=1)
+    seen_batches = []
+    try:
+        for step in range(3):
+            batch = sampler.next_batch(policy_version=step, timeout_s=120)
+            stats = batch.stats
+            assert len(batch) == 6 and stats.accepted == 6
+            for group in batch:
+                rewards = group.rewards
+                assert len(rewards) == 4 and len(set(rewards)) > 1, rewards
+                assert all(j["state"] == "done" for j in group.rollouts)
+                seen_batches.append(group.batch_id)
+            assert stats.filtered_zero_variance + stats.filtered_failed > 0 or step > 0
+            assert 0 < stats.acceptance_rate < 1
+        total = sampler.history
+        assert sum(s.filtered_zero_variance for s in total) > 0
+        assert sum(s.filtered_failed for s in total) > 0
+        assert sum(s.carried_in for s in total[1:]) > 0  # the surplus went to the next step
+        # A jump of more than `staleness` versions: everything carried is stale.
+        before = len(sampler.ready) + len(sampler.in_flight)
+        batch = sampler.next_batch(policy_version=10, timeout_s=120)
+        assert batch.stats.dropped_stale == before and batch.stats.carried_in == 0
+        assert all(g.submitted_version == 10 for g in batch)
+    finally:
+        sampler.close()
+    assert len(set(seen_batches)) == len(seen_batches)  # no group trained on twice
+    # Nothing left running on the farm.
+    wait_until(lambda: all(client.batch(b)["complete"] for b in sampler.batch_ids), 60,
+               what="every group terminal")
+
+
+def test_drop_rollout_keeps_the_rest_of_a_group(farm):
+    url, _ = farm
+    client = FarmClient(url)
+    prompts = [{"rewards": [0.0, 1.0, 1.0, 0.0], "fail_stage": "eval", "fail_samples": [3]}
+               for _ in range(4)]
+    with DynamicSampler(client, prompts, "synthetic", n=4, batch_groups=2,
+                        on_failure="drop_rollout", carry=False) as sampler:
+        batch = sampler.next_batch(policy_version=0, timeout_s=60)
+    assert len(batch) == 2 and batch.stats.rollouts_dropped == 2
+    assert all(sorted(g.rewards) == [0.0, 1.0, 1.0] for g in batch)
+
+
+def test_export_writes_every_trajectory_field(farm, tmp_path):
+    url, env = farm
+    client = FarmClient(url)
+    sub = client.submit("synthetic", [{"rewards": [0.0, 1.0]}, {"fail_stage": "run"}], n=2)
+    list(client.iter_results(sub["batch_id"], timeout_s=60))
+    out = subprocess.run([sys.executable, "-m", "prorl_farm.cli", "export", sub["batch_id"],
+                          "--format", "parquet", "--output", str(tmp_path / "b.parquet"),
+                          "--url", url], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "b.parquet").to_pylist()
+    assert client.export(sub["batch_id"], str(tmp_path / "b.jsonl")) == 4
+    rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert len(table) == len(rows) == 4
+    fields = {"prompt_ids", "response_ids", "response_mask", "response_logprobs", "turns",
+              "reward", "state", "failure", "filtered", "timings", "messages",
+              "policy_version"}
+    assert fields <= set(rows[0]) and fields <= set(table[0])
+    failed = [r for r in rows if r["state"] == "failed"]
+    assert len(failed) == 2 and all(r["reward"] is None and r["filtered"] for r in failed)
+    assert sorted(r["reward"] for r in table if r["state"] == "done") == [0.0, 1.0]
+    assert {r["job_id"] for r in table} == set(sub["job_ids"])
