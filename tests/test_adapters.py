@@ -1,0 +1,81 @@
+"""The trainer adapters: VeRL's DataProto tensors and NeMo RL's message logs and flat
+batch, built from farm trajectories without re-tokenising anything."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prorl_farm.client.adapters import to_nemo_rl, to_verl
+
+
+def _job(prompt, response, mask, reward, state="done", version=3):
+    logprobs = [-0.1 * (i + 1) if m else 0.0 for i, m in enumerate(mask)]
+    return {"id": f"j{len(prompt)}{len(response)}{reward}", "state": state, "reward": reward,
+            "policy_version": version,
+            "result": {"prompt_ids": prompt, "response_ids": response, "response_mask": mask,
+                       "response_logprobs": logprobs}}
+
+
+# Two groups; in the second, a failed rollout (left out, never a zero reward).
+GROUPS = [
+    [_job([5, 6, 7], [10, 11, 90, 91, 12], [1, 1, 0, 0, 1], 1.0),
+     _job([5, 6, 7], [13], [1], 0.0)],
+    [_job([8, 9], [14, 15, 92, 16, 17, 18], [1, 1, 0, 1, 1, 1], 0.5),
+     _job([8, 9], [], [], None, state="failed")],
+]
+
+
+def test_verl_layout_lines_up_tokens_masks_logprobs_and_scores():
+    out = to_verl(GROUPS, pad_token_id=0)
+    t = out["batch"]
+    assert t["prompts"].shape == (3, 3) and t["responses"].shape == (3, 6)
+    assert t["prompts"][2].tolist() == [0, 8, 9]  # left-padded
+    assert t["responses"][1].tolist() == [13, 0, 0, 0, 0, 0]  # right-padded
+    assert np.array_equal(t["input_ids"], np.concatenate([t["prompts"], t["responses"]], 1))
+    for i, job in enumerate([GROUPS[0][0], GROUPS[0][1], GROUPS[1][0]]):
+        res = job["result"]
+        real = t["input_ids"][i][t["attention_mask"][i] == 1].tolist()
+        assert real == res["prompt_ids"] + res["response_ids"]
+        n = len(res["response_ids"])
+        assert t["response_mask"][i, :n].tolist() == res["response_mask"]
+        assert t["response_mask"][i, n:].sum() == 0
+        assert t["rollout_log_probs"][i, :n].tolist() == pytest.approx(
+            res["response_logprobs"])
+        # The reward sits on the last response token, nowhere else.
+        assert t["token_level_scores"][i, n - 1] == job["reward"]
+        assert t["token_level_scores"][i].sum() == job["reward"]
+        # Positions count real tokens from 0.
+        pos = t["position_ids"][i][t["attention_mask"][i] == 1]
+        assert pos.tolist() == list(range(len(real)))
+    assert out["non_tensor_batch"]["uid"].tolist() == ["0", "0", "1"]
+    assert out["non_tensor_batch"]["policy_version"].tolist() == [3, 3, 3]
+
+
+def test_nemo_rl_layout_keeps_message_boundaries_and_flat_alignment():
+    out = to_nemo_rl(GROUPS)
+    log = out["message_log"][0]
+    assert [m["role"] for m in log] == ["user", "assistant", "environment", "assistant"]
+    assert [m["token_ids"].tolist() for m in log] == [[5, 6, 7], [10, 11], [90, 91], [12]]
+    assert log[1]["generation_logprobs"].tolist() == pytest.approx([-0.1, -0.2])
+    flat = out["flat"]
+    assert flat["input_lengths"].tolist() == [8, 4, 8]
+    assert flat["input_ids"][0].tolist() == [5, 6, 7, 10, 11, 90, 91, 12]
+    assert flat["token_mask"][0].tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert flat["generation_logprobs"][0].tolist() == pytest.approx(
+        [0, 0, 0, -0.1, -0.2, 0, 0, -0.5])
+    assert flat["input_ids"][1].tolist() == [5, 6, 7, 13, 0, 0, 0, 0]
+    assert flat["total_reward"].tolist() == [1.0, 0.0, 0.5]
+    assert flat["idx"].tolist() == [0, 0, 1]
+
+
+def test_torch_tensors_where_torch_is_importable():
+    torch = pytest.importorskip("torch")
+    out = to_verl(GROUPS, as_torch=True)
+    assert isinstance(out["batch"]["input_ids"], torch.Tensor)
+    assert out["batch"]["input_ids"].dtype == torch.int64
+
+
+def test_nothing_finished_is_an_error_not_an_empty_batch():
+    with pytest.raises(ValueError, match="no finished"):
+        to_verl([[GROUPS[1][1]]])
