@@ -5,11 +5,14 @@ policy versions through drain/resume, and trajectory export."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -106,6 +109,46 @@ def test_a_submit_whose_answer_is_lost_is_retried_into_the_same_batch(farm):
         direct.submit("synthetic", [{"reward": 0.0}], idempotency_key=f"k-{sub['batch_id']}")
 
 
+def test_an_api_restart_mid_batch_loses_and_duplicates_nothing(farm, tmp_path):
+    """The API process is killed (SIGKILL) while a client streams a batch's results and
+    another submits; both carry on once it is back: every job seen once, one batch made."""
+    _, env = farm
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    api = _gunicorn(env, port, tmp_path / "api-1.log")
+    wait_until(FarmClient(url).ready, 30, 0.2, "api ready")
+    client = FarmClient(url, backoff_s=0.2, retries=10)
+    sub = client.submit("synthetic", [{"run_s": 0.4, "rewards": [0.0, 1.0]}], n=60)
+    seen, late = [], {}
+
+    def stream():
+        seen.extend(j["id"] for j in client.iter_results(sub["batch_id"], wait_s=1.0,
+                                                         timeout_s=120))
+
+    def submit_while_down():
+        late["sub"] = FarmClient(url, backoff_s=0.2, retries=10).submit(
+            "synthetic", [{"reward": 1.0}], n=5)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_until(lambda: len(seen) > 0 or reader.is_alive(), 10)
+    time.sleep(0.5)
+    os.killpg(api.pid, signal.SIGKILL)
+    api.wait()
+    writer = threading.Thread(target=submit_while_down)
+    writer.start()
+    time.sleep(2.0)  # down for a while: the writer's first tries are refused
+    api = _gunicorn(env, port, tmp_path / "api-2.log")
+    try:
+        reader.join(timeout=150)
+        writer.join(timeout=60)
+        assert not reader.is_alive() and not writer.is_alive()
+        assert sorted(seen) == sorted(sub["job_ids"])  # each job once, none lost
+        assert client.batch(late["sub"]["batch_id"])["total"] == 5  # one submission
+    finally:
+        _stop(api)
+
+
 def test_policy_versions_grow_through_drain_wait_and_resume(farm):
     url, _ = farm
     client = FarmClient(url)
@@ -166,6 +209,7 @@ def test_dynamic_sampling_fills_each_step_with_groups_that_carry_signal(farm):
                 rewards = group.rewards
                 assert len(rewards) == 4 and len(set(rewards)) > 1, rewards
                 assert all(j["state"] == "done" for j in group.rollouts)
+                assert group.policy_version >= step - 1  # within the staleness bound
                 seen_batches.append(group.batch_id)
             assert stats.filtered_zero_variance + stats.filtered_failed > 0 or step > 0
             assert 0 < stats.acceptance_rate < 1
@@ -184,6 +228,22 @@ def test_dynamic_sampling_fills_each_step_with_groups_that_carry_signal(farm):
     # Nothing left running on the farm.
     wait_until(lambda: all(client.batch(b)["complete"] for b in sampler.batch_ids), 60,
                what="every group terminal")
+
+
+def test_without_carry_over_the_surplus_ends_cancelled_in_the_farm(farm):
+    url, _ = farm
+    client = FarmClient(url)
+    prompts = ({"rewards": [0.0, 1.0], "run_s": 0.05 if i < 3 else 5.0} for i in range(40))
+    sampler = DynamicSampler(client, prompts, "synthetic", n=2, batch_groups=2, carry=False,
+                             prior_acceptance=0.2)
+    batch = sampler.next_batch(policy_version=0, timeout_s=60)
+    assert len(batch) == 2 and not sampler.in_flight and not sampler.ready
+    surplus = [b for b in sampler.batch_ids if b not in {g.batch_id for g in batch}]
+    assert surplus and batch.stats.rollouts_wasted >= 2 * (len(surplus) - 1)
+    wait_until(lambda: all(client.batch(b)["complete"] for b in surplus), 30,
+               what="surplus terminal")
+    states = {j["state"] for b in surplus for j in client.iter_results(b, timeout_s=30)}
+    assert "cancelled" in states and states <= {"cancelled", "done"}
 
 
 def test_drop_rollout_keeps_the_rest_of_a_group(farm):
