@@ -48,6 +48,7 @@ bench: bootstrap
 	$(PY) bench/backends.py
 	$(PY) bench/tools.py
 	$(PY) bench/agent.py
+	$(PY) bench/dapo.py
 
 clean:
 	rm -rf $(VENV) .prorl .pytest_cache

@@ -47,9 +47,11 @@ def prompts(seed: int):
             yield {"run_s": run_s, "rewards": [0.0, 1.0, 1.0, 0.0, 1.0]}
 
 
-def naive(farm: FarmClient, source, groups: int, n: int, steps: int) -> list[dict]:
+def naive(farm: FarmClient, source, groups: int, n: int, steps: int, train_s: float
+          ) -> list[dict]:
     out = []
     for _ in range(steps):
+        time.sleep(train_s)
         t0, wasted, accepted = time.monotonic(), 0, 0
         while accepted < groups:
             batch = [next(source) for _ in range(groups - accepted)]
@@ -66,12 +68,13 @@ def naive(farm: FarmClient, source, groups: int, n: int, steps: int) -> list[dic
     return out
 
 
-def dynamic(farm: FarmClient, source, groups: int, n: int, steps: int, carry: bool
-            ) -> list[dict]:
+def dynamic(farm: FarmClient, source, groups: int, n: int, steps: int, train_s: float,
+            carry: bool) -> list[dict]:
     out = []
     with DynamicSampler(farm, source, "synthetic", n=n, batch_groups=groups, carry=carry,
                         staleness=1, poll_wait_s=0.2) as sampler:
         for step in range(steps):
+            time.sleep(train_s)  # the trainer's update: carried rollouts keep running
             t0 = time.monotonic()
             batch = sampler.next_batch(policy_version=step)
             assert len(batch) == groups
@@ -84,6 +87,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--train-s", type=float, default=1.0,
+                    help="the trainer's update between steps (not counted as batch time)")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="prorl-bench-dapo-"))
@@ -102,11 +107,12 @@ def main() -> None:
                     raise TimeoutError("api")
                 time.sleep(0.2)
             results = {
-                "naive": naive(farm, prompts(1), args.groups, args.n, args.steps),
+                "naive": naive(farm, prompts(1), args.groups, args.n, args.steps,
+                               args.train_s),
                 "replenish": dynamic(farm, prompts(1), args.groups, args.n, args.steps,
-                                     carry=False),
+                                     args.train_s, carry=False),
                 "carry": dynamic(farm, prompts(1), args.groups, args.n, args.steps,
-                                 carry=True),
+                                 args.train_s, carry=True),
             }
     finally:
         procs.stop()
@@ -117,7 +123,8 @@ def main() -> None:
         f"### dapo — {date.today()} — {machine()}", "",
         f"{args.steps} steps of {args.groups} groups x n={args.n} with varying rewards; "
         "`synthetic` rollouts, run time log-normal (median 0.3 s, capped 8 s), about half "
-        f"the prompts without signal; pools {POOLS}:", "",
+        f"the prompts without signal; {args.train_s:g} s of training between steps (not "
+        f"counted); pools {POOLS}:", "",
         "| strategy | time per batch (s) | rollouts wasted per batch |", "|---|---|---|",
         *[f"| {k} | {mean[k]:.2f} | {wasted[k]:.1f} |" for k in results], "",
         f"Naive / asynchronous replenishment: **{mean['naive'] / mean['replenish']:.2f}x**; "
