@@ -254,7 +254,8 @@ def test_drop_rollout_keeps_the_rest_of_a_group(farm):
     with DynamicSampler(client, prompts, "synthetic", n=4, batch_groups=2,
                         on_failure="drop_rollout", carry=False) as sampler:
         batch = sampler.next_batch(policy_version=0, timeout_s=60)
-    assert len(batch) == 2 and batch.stats.rollouts_dropped == 2
+    # One failed rollout dropped per group judged (a third may finish in the same poll).
+    assert len(batch) == 2 and batch.stats.rollouts_dropped >= 2
     assert all(sorted(g.rewards) == [0.0, 1.0, 1.0] for g in batch)
 
 
