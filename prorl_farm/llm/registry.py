@@ -61,7 +61,7 @@ class BackendSpec:
 
 @dataclass(frozen=True)
 class Backend:
-    """What a worker needs to talk to a backend, read fresh for every turn."""
+    """What a worker needs to talk to a backend, read with every pin (:meth:`pin`)."""
 
     id: str
     url: str
@@ -188,14 +188,6 @@ class BackendRegistry:
             except NotFound:
                 continue  # unregistered while we listed
         return out
-
-    def backend(self, backend_id: str) -> Backend | None:
-        """The fields a worker needs for one request, or None if unregistered."""
-        vals = self.r.hmget(keys.backend(backend_id), "url", "kind", "model", "tokenizer",
-                            "policy_version", "logprobs_mode")
-        if vals[0] is None:
-            return None
-        return Backend(backend_id, *vals)
 
     def in_flight(self) -> dict[str, int]:
         return {k: int(v) for k, v in self.r.hgetall(keys.BACKEND_INFLIGHT).items()}
