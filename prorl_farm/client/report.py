@@ -5,7 +5,6 @@ jobs written out as JSON Lines."""
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter, defaultdict
 from math import comb
 
@@ -45,25 +44,16 @@ def summarise(jobs: list[dict]) -> dict:
 def follow(farm: FarmClient, batch_id: str, output: str | None = None,
            progress: bool = True) -> dict:
     """Stream the batch's results until it is complete; returns the summary."""
-    total = farm.batch(batch_id)["total"]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="job", desc=batch_id[:12], file=sys.stderr,
-                   disable=not sys.stderr.isatty())
     jobs = []
     out = open(output, "w") if output else None  # noqa: SIM115 - closed below
     try:
-        for job in farm.iter_results(batch_id, expected=total, wait_s=10.0):
+        # The bar where stderr is a terminal (None), never when progress is off.
+        for job in farm.iter_results(batch_id, wait_s=10.0,
+                                     progress=None if progress else False):
             jobs.append(job)
             if out is not None:
                 out.write(json.dumps(job) + "\n")
-            if bar is not None:
-                bar.update(1)
     finally:
-        if bar is not None:
-            bar.close()
         if out is not None:
             out.close()
     return summarise(jobs)

@@ -75,3 +75,20 @@ class AgentHandler(ABC):
 
     def on_failure(self, ctx: JobContext, kind: str, message: str) -> None:  # noqa: B027
         """Called when a stage of this handler failed the job. Default: no-op."""
+
+
+def sandbox_bash(ctx: JobContext, client, command: str, timeout_s: float) -> dict:
+    """One command in the job's sandbox shell (a ToolClient), checked for cancellation and
+    deadline first, and given at most ``timeout_s`` and what is left of the deadline."""
+    ctx.check()
+    timeout = min(timeout_s, max(0.1, ctx.remaining_s))
+    return client.call("bash", abort_hook=ctx.on_abort, command=command, timeout_s=timeout)
+
+
+def run_setup(ctx: JobContext, client, commands: list[str], timeout_s: float) -> None:
+    """Run an instance's setup commands in order; the first that fails fails the stage."""
+    for command in commands:
+        out = sandbox_bash(ctx, client, command, timeout_s)
+        if out["exit_code"] != 0:
+            raise RuntimeError(f"setup command failed ({out['exit_code']}): {command}\n"
+                               f"{out['output'][-2000:]}")

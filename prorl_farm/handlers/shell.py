@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from marshmallow import RAISE, Schema, fields, validate
 
-from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.handlers.base import AgentHandler, JobContext, run_setup, sandbox_bash
 from prorl_farm.sandbox.abstract import SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
 from prorl_farm.sandbox.grading import agent_files, run_isolated
@@ -42,22 +42,13 @@ class ShellHandler(AgentHandler):
     def _client(self, ctx: JobContext) -> ToolClient:
         return ToolClient(ctx.state["sandbox"]["socket"])
 
-    def _bash(self, ctx: JobContext, client: ToolClient, command: str) -> dict:
-        ctx.check()
-        timeout = min(ctx.instance["command_timeout_s"], max(0.1, ctx.remaining_s))
-        return client.call("bash", abort_hook=ctx.on_abort, command=command, timeout_s=timeout)
-
     def init(self, ctx: JobContext) -> dict:
         spec = SandboxSpec(workspace_files=ctx.instance["files"], network=ctx.instance["network"])
         sandbox = ctx.sandboxes.start(spec, ctx.job_id, ctx.requeues, ctx)
         ctx.state = {"sandbox": sandbox.to_dict()}
         client = self._client(ctx)
         try:
-            for command in ctx.instance["setup"]:
-                out = self._bash(ctx, client, command)
-                if out["exit_code"] != 0:
-                    raise RuntimeError(f"setup command failed ({out['exit_code']}): {command}\n"
-                                       f"{out['output'][-2000:]}")
+            run_setup(ctx, client, ctx.instance["setup"], ctx.instance["command_timeout_s"])
         finally:
             client.close()
         return ctx.state
@@ -67,7 +58,7 @@ class ShellHandler(AgentHandler):
         steps = []
         try:
             for command in ctx.instance["commands"]:
-                out = self._bash(ctx, client, command)
+                out = sandbox_bash(ctx, client, command, ctx.instance["command_timeout_s"])
                 steps.append({"command": command, **out})
         finally:
             client.close()

@@ -31,7 +31,7 @@ from marshmallow import ValidationError, fields, validate
 from prorl_farm.errors import InvalidInstance, SandboxError
 from prorl_farm.graders import source
 from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler
-from prorl_farm.handlers.base import JobContext
+from prorl_farm.handlers.base import JobContext, run_setup
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
 from prorl_farm.sandbox.grading import run_isolated
@@ -49,6 +49,7 @@ PROTECTED_SUFFIXES = (".pth", ".pyc", ".pyo")
 SKIP_DIRS = (".git", "__pycache__")
 GIT_IDENTITY = "-c user.name=prorl -c user.email=prorl@localhost"
 MAX_DIFF = 200_000
+SETUP_TIMEOUT_S = 600.0  # per setup command
 
 
 class TestNames(fields.Field):
@@ -239,16 +240,9 @@ class SweHandler(ToolAgentHandler):
         ctx.state = {"sandbox": sandbox.to_dict()}
         client = ToolClient(sandbox.socket)
         try:
-            commands = [f"if command -v git >/dev/null; then git init -q && git add -A && "
-                        f"git {GIT_IDENTITY} commit -q --no-verify -m base; fi",
-                        *inst["setup"]]
-            for command in commands:
-                ctx.check()
-                out = client.call("bash", abort_hook=ctx.on_abort, command=command,
-                                  timeout_s=max(0.1, min(600.0, ctx.remaining_s)))
-                if out["exit_code"] != 0:
-                    raise RuntimeError(f"setup command failed ({out['exit_code']}): "
-                                       f"{command}\n{out['output'][-2000:]}")
+            fresh_history = (f"if command -v git >/dev/null; then git init -q && git add -A "
+                             f"&& git {GIT_IDENTITY} commit -q --no-verify -m base; fi")
+            run_setup(ctx, client, [fresh_history, *inst["setup"]], SETUP_TIMEOUT_S)
         finally:
             client.close()
         return ctx.state
