@@ -196,6 +196,47 @@ def scripted_farm(redis_url: str, log_dir: Path, tokenizer: str, plans: dict, ta
         shutil.rmtree(overrides["sandbox_dir"], ignore_errors=True)
 
 
+def gunicorn_api(env: dict, port: int, log_path) -> subprocess.Popen:
+    """The API under gunicorn, as deployed (its own process group)."""
+    log = open(log_path, "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "2",
+         "--threads", "8", "--bind", f"127.0.0.1:{port}", "api.wsgi:app"],
+        env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def http_farm(redis_url: str, log_dir: Path, tag: str, **settings):
+    """Real pools and the API under gunicorn on a free port; yields (url, env). ``settings``
+    override the PRORL_* settings. Its sandbox directory goes with it."""
+    from prorl_farm.client import FarmClient
+
+    sandbox_dir = f"/tmp/prs-{tag}-{free_port()}"
+    pools = Pools(farm_env(redis_url, sandbox_dir=sandbox_dir, **settings), log_dir)
+    port = free_port()
+    api = gunicorn_api(pools.env, port, log_dir / "api.log")
+    try:
+        pools.start()
+        url = f"http://127.0.0.1:{port}"
+        wait_until(FarmClient(url).ready, 30, 0.2, "api ready")
+        yield url, pools.env
+    finally:
+        stop_process(api)
+        pools.stop()
+        shutil.rmtree(sandbox_dir, ignore_errors=True)
+
+
 def use_only_backend(client, **spec) -> str:
     """Unregister every backend, register this one; returns its id."""
     for b in client.get("/v1/backends").get_json()["backends"]:

@@ -15,28 +15,9 @@ import redis
 
 from prorl_farm.client import FarmClient
 from tests.conftest import make_pools
-from tests.farm import ROOT, RedisServer, farm_env, wait_until
+from tests.farm import ROOT, RedisServer, farm_env, gunicorn_api, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def _gunicorn(env: dict, port: int, log_path) -> subprocess.Popen:
-    log = open(log_path, "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "2",
-         "--threads", "8", "--bind", f"127.0.0.1:{port}", "api.wsgi:app"],
-        env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def test_parallel_submitters_with_deep_queues_lose_no_healthy_job(redis_server, r, tmp_path):
@@ -48,7 +29,7 @@ def test_parallel_submitters_with_deep_queues_lose_no_healthy_job(redis_server, 
     pools = make_pools(redis_server, tmp_path, heartbeat_stale_s=2, reap_interval_s=0.2,
                        run_concurrency=64)
     port = free_port()
-    api = _gunicorn(pools.env, port, tmp_path / "api.log")
+    api = gunicorn_api(pools.env, port, tmp_path / "api.log")
     try:
         pools.start()
         farm = FarmClient(f"http://127.0.0.1:{port}")
@@ -81,7 +62,7 @@ def test_parallel_submitters_with_deep_queues_lose_no_healthy_job(redis_server, 
         assert states == {"done": 10_000}, states
         assert r.zcard("prorl:active") == 0
     finally:
-        _stop(api)
+        stop_process(api)
         pools.stop()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,31 +17,17 @@ import pytest
 
 from prorl_farm.client import FarmClient, FarmConflict, FarmNotFound
 from prorl_farm.client.dapo import DynamicSampler
-from tests.conftest import make_pools
-from tests.farm import ROOT, free_port, wait_until
+from tests.farm import ROOT, free_port, gunicorn_api, http_farm, stop_process, wait_until
 from tests.policy_server import PolicyServer
-from tests.test_hardening import _gunicorn, _stop
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def farm(redis_server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("trainer")
-    sandbox_dir = f"/tmp/prs-trainer-{free_port()}"
-    pools = make_pools(redis_server, tmp, sandbox_dir=sandbox_dir, run_concurrency=64,
-                       init_concurrency=32, eval_concurrency=32)
-    port = free_port()
-    api = _gunicorn(pools.env, port, tmp / "api.log")
-    try:
-        pools.start()
-        url = f"http://127.0.0.1:{port}"
-        wait_until(FarmClient(url).ready, 30, 0.2, "api ready")
-        yield url, pools.env
-    finally:
-        _stop(api)
-        pools.stop()
-        shutil.rmtree(sandbox_dir, ignore_errors=True)
+    with http_farm(redis_server.url, tmp_path_factory.mktemp("trainer"), "trainer",
+                   run_concurrency=64, init_concurrency=32, eval_concurrency=32) as farm:
+        yield farm
 
 
 class LossyProxy:
@@ -115,7 +100,7 @@ def test_an_api_restart_mid_batch_loses_and_duplicates_nothing(farm, tmp_path):
     _, env = farm
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    api = _gunicorn(env, port, tmp_path / "api-1.log")
+    api = gunicorn_api(env, port, tmp_path / "api-1.log")
     wait_until(FarmClient(url).ready, 30, 0.2, "api ready")
     client = FarmClient(url, backoff_s=0.2, retries=10)
     sub = client.submit("synthetic", [{"run_s": 0.4, "rewards": [0.0, 1.0]}], n=60)
@@ -138,7 +123,7 @@ def test_an_api_restart_mid_batch_loses_and_duplicates_nothing(farm, tmp_path):
     writer = threading.Thread(target=submit_while_down)
     writer.start()
     time.sleep(2.0)  # down for a while: the writer's first tries are refused
-    api = _gunicorn(env, port, tmp_path / "api-2.log")
+    api = gunicorn_api(env, port, tmp_path / "api-2.log")
     try:
         reader.join(timeout=150)
         writer.join(timeout=60)
@@ -146,7 +131,7 @@ def test_an_api_restart_mid_batch_loses_and_duplicates_nothing(farm, tmp_path):
         assert sorted(seen) == sorted(sub["job_ids"])  # each job once, none lost
         assert client.batch(late["sub"]["batch_id"])["total"] == 5  # one submission
     finally:
-        _stop(api)
+        stop_process(api)
 
 
 def test_policy_versions_grow_through_drain_wait_and_resume(farm):

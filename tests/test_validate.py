@@ -5,16 +5,12 @@ running farm, passes every sample dataset, and names a planted broken instance w
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from prorl_farm.client import FarmClient
-from tests.conftest import make_pools
-from tests.farm import ROOT, free_port, wait_until
-from tests.test_hardening import _gunicorn, _stop
+from tests.farm import ROOT, http_farm
 from tests.test_swe import build_repos
 
 pytestmark = pytest.mark.slow
@@ -23,21 +19,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def farm_url(redis_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validate")
-    sandbox_dir = f"/tmp/prs-val-{free_port()}"
     build_repos(tmp / "repos")  # the swe sample's repository
-    pools = make_pools(redis_server, tmp, sandbox_dir=sandbox_dir,
-                       sandbox_mount_roots=str(tmp / "repos"))
-    port = free_port()
-    api = _gunicorn(pools.env, port, tmp / "api.log")
-    try:
-        pools.start()
-        url = f"http://127.0.0.1:{port}"
-        wait_until(FarmClient(url).ready, 30, 0.2, "api ready")
-        yield url, pools.env
-    finally:
-        _stop(api)
-        pools.stop()
-        shutil.rmtree(sandbox_dir, ignore_errors=True)
+    with http_farm(redis_server.url, tmp, "val",
+                   sandbox_mount_roots=str(tmp / "repos")) as farm:
+        yield farm
 
 
 def _validate(url: str, env: dict, path, handler: str) -> subprocess.CompletedProcess:
