@@ -144,7 +144,9 @@ def test_policy_versions_grow_through_drain_wait_and_resume(farm):
         b = client.register_backend(server.url, "vllm", "m", "t", capacity=8,
                                     policy_version=3)["id"]
         sub = client.submit("synthetic", [{"llm_turns": 3}], n=4)
-        wait_until(lambda: client.backend(b)["in_flight"] > 0, 20, what="jobs pinned")
+        # every job pinned (one turn at version 3) before the drain; a job that had not
+        # reached the backend yet would wait out the drain and run wholly at version 4
+        wait_until(lambda: client.backend(b)["in_flight"] == 4, 20, what="jobs pinned")
         client.drain_backend(b)
         assert client.wait_drained(b, timeout_s=60)["in_flight"] == 0
         with pytest.raises(FarmConflict):
