@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from celery import Celery
-from flask import Flask
+from flask import Flask, request
 
+from prorl_farm.access import AllowList, parse_allow_list, token_ok
 from prorl_farm.celery_app import create_celery_app
 from prorl_farm.config import Settings, load_settings
 from prorl_farm.errors import ConfigError
@@ -24,6 +25,29 @@ class FarmServices:
     registry: HandlerRegistry
     celery: Celery
     backends: BackendRegistry
+    allow_list: AllowList
+
+
+# Never behind the token: liveness and readiness probes, and the dashboard's page itself
+# (it holds no data; it asks for the token when the farm's reads need one).
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/", "/dashboard.js"})
+READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _require_token(app: Flask, settings: Settings) -> None:
+    from api.errors import error_response
+
+    @app.before_request
+    def _check():
+        if request.path in OPEN_PATHS or (request.method in READS
+                                          and not settings.api_read_auth):
+            return None
+        if token_ok(request.headers.get("Authorization"), settings.api_token):
+            return None
+        resp, status = error_response(401, "unauthorized", "this farm needs "
+                                      "'Authorization: Bearer <token>' (PRORL_API_TOKEN)")
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="prorl-farm"'
+        return resp, status
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -43,7 +67,10 @@ def create_app(settings: Settings | None = None) -> Flask:
         registry=HandlerRegistry(settings.handlers),
         celery=create_celery_app(settings),
         backends=BackendRegistry(store.r),
+        allow_list=parse_allow_list(settings.backend_allow),
     )
+    if settings.api_token:
+        _require_token(app, settings)
     for module in (jobs, batches, handlers, health, openapi, backends):
         app.register_blueprint(module.bp)
     errors.register_error_handlers(app)

@@ -7,6 +7,7 @@ from flask import Blueprint, request
 from api.errors import ApiError
 from api.schemas import BackendRegisterSchema, BackendResumeSchema, RegisterQuerySchema
 from api.services import json_body, services
+from prorl_farm.access import backend_url_refusal
 from prorl_farm.llm.registry import BackendSpec, probe
 
 bp = Blueprint("backends", __name__)
@@ -20,6 +21,10 @@ def register():
     """
     query = RegisterQuerySchema().load(request.args.to_dict())
     spec = BackendSpec(**BackendRegisterSchema().load(json_body()))
+    svc = services()
+    refusal = backend_url_refusal(spec.url, svc.allow_list, svc.settings.redis_url)
+    if refusal:
+        raise ApiError(403, "backend_not_allowed", f"url: {refusal}", {"url": [refusal]})
     error = probe(spec.url)
     if error and query["probe"] == "strict":
         raise ApiError(422, "backend_unhealthy", f"url: {error}", {"url": [error]})

@@ -52,6 +52,10 @@ def _validated_submit(body: dict) -> dict:
             normalised.append(handler.validate_instance(instance))
         except InvalidInstance as e:
             errors[i] = e.details or {"_schema": [str(e)]}
+            continue
+        refused = handler.refusals(normalised[-1], svc.settings)
+        if refused:
+            errors[i] = refused
     if errors:
         raise validation_error({"instances": errors}, "invalid_instance")
     req["instances"] = normalised

@@ -14,7 +14,7 @@ from prorl_farm.errors import ConfigError
 def _cmd_up(args) -> int:
     from prorl_farm.supervisor import Supervisor
 
-    return Supervisor(load_settings(), dev_model=args.dev_model).run()
+    return Supervisor(load_settings(), dev_model=args.dev_model, auth=args.auth).run()
 
 
 def _cmd_serve_model(args) -> int:
@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dev-model", metavar="DIR",
                     help="also serve this local Hugging Face model on the CPU (serve-model) and "
                     "register it as a backend")
+    up.add_argument("--auth", action="store_true",
+                    help="require an API token for mutating calls: PRORL_API_TOKEN, or one "
+                    "made up and printed (always so when PRORL_API_HOST is not loopback)")
     up.set_defaults(func=_cmd_up)
     w = sub.add_parser("worker", help="run one stage's worker pool in the foreground")
     w.add_argument("stage", choices=STAGES)

@@ -88,6 +88,16 @@ class Settings:
     sandbox_mount_roots: str = ""
     # Extra handlers without packaging: "name=module:Class,other=module:Class".
     handlers: str = ""
+    # Access. With a token, every mutating API call needs "Authorization: Bearer <token>";
+    # read_auth extends that to every read but the probes (/healthz, /readyz).
+    api_token: str = ""
+    api_read_auth: bool = False
+    # Hosts and CIDRs (besides loopback) whose URLs may be registered as LLM backends.
+    backend_allow: str = ""
+    # Whether an instance may ask for a sandbox with the outside network (shell `network`).
+    sandbox_network: bool = False
+    # Flower's basic auth, "user:password"; required when the farm binds a non-loopback host.
+    flower_basic_auth: str = ""
 
     def pool(self, stage: str) -> PoolSettings:
         if stage not in STAGES:
@@ -183,6 +193,11 @@ def load_settings(environ=None, **overrides) -> Settings:
         max_jobs_per_request=_env(environ, "MAX_JOBS_PER_REQUEST", int, d.max_jobs_per_request),
         max_wait_s=_env(environ, "MAX_WAIT_S", float, d.max_wait_s),
         handlers=_env(environ, "HANDLERS", str, d.handlers),
+        api_token=_env(environ, "API_TOKEN", str, d.api_token),
+        api_read_auth=_env(environ, "API_READ_AUTH", _bool, d.api_read_auth),
+        backend_allow=_env(environ, "BACKEND_ALLOW", str, d.backend_allow),
+        sandbox_network=_env(environ, "SANDBOX_NETWORK", _bool, d.sandbox_network),
+        flower_basic_auth=_env(environ, "FLOWER_BASIC_AUTH", str, d.flower_basic_auth),
         task_events=_env(environ, "TASK_EVENTS", _bool, d.task_events),
         llm_request_timeout_s=_env(environ, "LLM_REQUEST_TIMEOUT_S", float,
                                    d.llm_request_timeout_s),
@@ -210,5 +225,10 @@ def load_settings(environ=None, **overrides) -> Settings:
             f"PRORL_HEARTBEAT_STALE_S={values['heartbeat_stale_s']:g} must be at least 3 x "
             f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g}: a live worker "
             "would be taken for dead")
+    if values["flower_basic_auth"] and ":" not in values["flower_basic_auth"]:
+        raise ConfigError("PRORL_FLOWER_BASIC_AUTH: expected user:password")
+    from prorl_farm.access import parse_allow_list
+
+    parse_allow_list(values["backend_allow"])  # a bad entry stops start-up with its name
     values.update(overrides)
     return dataclasses.replace(d, **values)

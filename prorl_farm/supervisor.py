@@ -11,8 +11,10 @@ supervisor should the supervisor itself be killed).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -139,8 +141,29 @@ def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
             client.close()
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Supervisor:
-    def __init__(self, settings: Settings, dev_model: str | None = None):
+    def __init__(self, settings: Settings, dev_model: str | None = None, auth: bool = False):
+        # Off loopback, the API needs a token and Flower a password: made up if not given.
+        exposed = not is_loopback(settings.api_host)
+        self.generated: list[str] = []
+        if (auth or exposed) and not settings.api_token:
+            settings = dataclasses.replace(settings, api_token=secrets.token_urlsafe(24))
+            self.generated.append("api_token")
+        if exposed and not settings.flower_basic_auth:
+            settings = dataclasses.replace(
+                settings, flower_basic_auth=f"prorl:{secrets.token_urlsafe(16)}")
+            self.generated.append("flower_basic_auth")
         self.settings = settings
         self.dev_model = str(Path(dev_model).resolve()) if dev_model else None
         self.dev_model_port = free_port() if dev_model else None
@@ -160,12 +183,15 @@ class Supervisor:
         self.children = [Child(f"worker-{st}", cli + ["worker", st], self.logs / f"{st}.log")
                          for st in STAGES]
         self.children.append(Child("api", cli + ["api"], self.logs / "api.log"))
+        # Flower's control API (revoke, shut down workers, resize pools) is unauthenticated
+        # only on loopback; elsewhere Flower, API included, is behind basic auth.
+        flower_env = ({"FLOWER_BASIC_AUTH": s.flower_basic_auth} if s.flower_basic_auth
+                      else {"FLOWER_UNAUTHENTICATED_API": "1"})
         self.children.append(Child(
             "flower",
             self._python("-m", "celery", "-A", "prorl_farm.celery_app", "--broker", redis_url,
                          "flower", f"--port={s.flower_port}", f"--address={s.api_host}"),
-            self.logs / "flower.log", env={"FLOWER_UNAUTHENTICATED_API": "1"},
-            after_ready=True))
+            self.logs / "flower.log", env=flower_env, after_ready=True))
         if self.dev_model:
             self.children.append(Child(
                 "dev-model", cli + ["serve-model", "--model", self.dev_model,
@@ -268,6 +294,9 @@ class Supervisor:
             # Flower runs here, so the pools send task events unless told otherwise.
             env = dict(os.environ, PRORL_REDIS_URL=url)
             env.setdefault("PRORL_TASK_EVENTS", "1")
+            if self.settings.api_token:
+                env["PRORL_API_TOKEN"] = self.settings.api_token
+                self._write_secret("api-token", self.settings.api_token)
             self._plan(url)
             for child in self.children:
                 if not child.after_ready:
@@ -285,6 +314,13 @@ class Supervisor:
             return self._monitor(env)
         finally:
             self.stop()
+
+    def _write_secret(self, name: str, value: str) -> None:
+        path = self.home / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value + "\n")
+        os.chmod(path, 0o600)
 
     def _register_dev_model(self, redis_url: str) -> None:
         from prorl_farm.llm.registry import BackendRegistry, BackendSpec
@@ -317,11 +353,18 @@ class Supervisor:
             "  pools   " + ", ".join(f"{st}: {s.pool(st).pool} x{s.pool(st).concurrency}"
                                       for st in STAGES),
             f"  node    {s.node}",
-        ] + ([f"  model   {self.dev_model} on http://127.0.0.1:{self.dev_model_port} "
-              f"(backend {self.dev_backend_id})"] if self.dev_model else []) + [
-            f"  logs    {self.logs}/",
-            "Ctrl-C stops everything.",
         ]
+        if s.api_token:
+            lines.append(f"  token   {s.api_token}   (Authorization: Bearer; also in "
+                         f"{self.home / 'api-token'}; clients read PRORL_API_TOKEN)"
+                         if "api_token" in self.generated else
+                         "  token   from PRORL_API_TOKEN (mutating calls need it)")
+        if "flower_basic_auth" in self.generated:
+            lines.append(f"  Flower login  {s.flower_basic_auth}")
+        if self.dev_model:
+            lines.append(f"  model   {self.dev_model} on http://127.0.0.1:{self.dev_model_port} "
+                         f"(backend {self.dev_backend_id})")
+        lines += [f"  logs    {self.logs}/", "Ctrl-C stops everything."]
         print("\n".join(lines), flush=True)
 
     def _on_signal(self, signum, _frame) -> None:

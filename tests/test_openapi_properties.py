@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 
 # Statuses a valid request may still get: 404 (a generated id names nothing), 409 (an
 # idempotency key drawn twice with another body; a lower policy version), 422 (an
-# unreachable backend under ?probe=strict), 202/201/200 (accepted).
-ALLOWED_4XX = {404, 409, 422}
+# unreachable backend under ?probe=strict), 403 (a backend URL outside the allow-list),
+# 202/201/200 (accepted).
+ALLOWED_4XX = {403, 404, 409, 422}
 
 
 def _fuzz(app, r, mode: GenerationMode, judge) -> list[str]:

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import requests
 
-from prorl_farm.client import FarmClient
+from prorl_farm.client import FarmClient, FarmUnauthorized
 from tests.farm import ROOT, SANDBOX_DIR, free_port, wait_until
 
 pytestmark = pytest.mark.slow
@@ -77,11 +77,23 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
                PRORL_FLOWER_PORT=str(flower_port), PRORL_NODE="upnode",
                PRORL_SANDBOX_DIR=SANDBOX_DIR,
                PRORL_HEARTBEAT_STALE_S="5", PRORL_LOG_LEVEL="WARNING")
-    proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up"], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up", "--auth"], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        farm = FarmClient(f"http://127.0.0.1:{api_port}")
-        wait_until(farm.ready, 60, 0.25, "readyz")
+        anonymous = FarmClient(f"http://127.0.0.1:{api_port}", token="")
+        wait_until(anonymous.ready, 60, 0.25, "readyz")  # reads need no token by default
+        # --auth made up a token: written for the operator (owner-only), and required
+        token_file = tmp_path / "farm" / "api-token"
+        assert token_file.stat().st_mode & 0o077 == 0
+        token = token_file.read_text().strip()
+        with pytest.raises(FarmUnauthorized):
+            anonymous.submit("synthetic", [{"run_s": 0}])
+        with pytest.raises(FarmUnauthorized):
+            FarmClient(f"http://127.0.0.1:{api_port}", token=token + "x").submit(
+                "synthetic", [{"run_s": 0}])
+        assert anonymous.batches() == []  # nothing was enqueued
+        farm = FarmClient(f"http://127.0.0.1:{api_port}", token=token)
+
         def flower_up() -> bool:  # Flower starts once the farm is ready
             try:
                 return requests.get(f"http://127.0.0.1:{flower_port}/", timeout=10).ok
@@ -120,6 +132,7 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "prorl-farm is up" in out and f"http://127.0.0.1:{api_port}" in out
+        assert f"token   {token}" in out
         assert _alive(everything) == []
     finally:
         if proc.poll() is None:

@@ -7,8 +7,9 @@ from prorl_farm.client.farm import (
     FarmConnectionError,
     FarmHTTPError,
     FarmNotFound,
+    FarmUnauthorized,
     FarmUnavailable,
 )
 
 __all__ = ["FarmBadRequest", "FarmClient", "FarmConflict", "FarmConnectionError",
-           "FarmHTTPError", "FarmNotFound", "FarmUnavailable"]
+           "FarmHTTPError", "FarmNotFound", "FarmUnauthorized", "FarmUnavailable"]

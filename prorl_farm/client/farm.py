@@ -10,6 +10,7 @@ when the request could not have reached the farm.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -34,6 +35,11 @@ class FarmBadRequest(FarmHTTPError):
     """400: the request is invalid (``details`` names the fields)."""
 
 
+class FarmUnauthorized(FarmHTTPError):
+    """401/403: no or a wrong API token, or a request the farm's rules refuse (a backend
+    URL outside its allow-list)."""
+
+
 class FarmNotFound(FarmHTTPError):
     """404: no such job, batch or backend."""
 
@@ -50,7 +56,8 @@ class FarmConnectionError(FarmError, ConnectionError):
     """The farm could not be reached (after the retries)."""
 
 
-_BY_STATUS = {400: FarmBadRequest, 404: FarmNotFound, 409: FarmConflict,
+_BY_STATUS = {400: FarmBadRequest, 401: FarmUnauthorized, 403: FarmUnauthorized,
+              404: FarmNotFound, 409: FarmConflict,
               503: FarmUnavailable}
 
 
@@ -64,13 +71,19 @@ def _error(status: int, resp: requests.Response) -> FarmHTTPError:
 
 class FarmClient:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 30.0,
-                 retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0):
+                 retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
+                 token: str | None = None):
+        """``token``: the farm's API token (default: ``PRORL_API_TOKEN`` from the
+        environment), sent as ``Authorization: Bearer``."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.http = requests.Session()
+        token = os.environ.get("PRORL_API_TOKEN") if token is None else token
+        if token:
+            self.http.headers["Authorization"] = f"Bearer {token}"
 
     def _call(self, method: str, path: str, timeout_s: float | None = None,
               retry: str = "all", **kw) -> dict:

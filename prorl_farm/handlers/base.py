@@ -53,6 +53,11 @@ class AgentHandler(ABC):
         except SchemaError as e:
             raise InvalidInstance("invalid instance", e.normalized_messages()) from e
 
+    def refusals(self, instance: dict, settings) -> dict:
+        """Field errors for a valid instance that this farm's settings do not allow (e.g. a
+        sandbox with the outside network); {} if it may run."""
+        return {}
+
     @abstractmethod
     def init(self, ctx: JobContext) -> dict | None:
         """Start the job's environment (sandbox, workspace); return state for RUN and EVAL."""

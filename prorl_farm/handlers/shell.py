@@ -39,6 +39,12 @@ class ShellHandler(AgentHandler):
     instance_schema = ShellInstance
     visible_fields = ("files", "setup", "commands", "command_timeout_s", "network")
 
+    def refusals(self, instance: dict, settings) -> dict:
+        if instance["network"] and not settings.sandbox_network:
+            return {"network": ["this farm does not give sandboxes the outside network "
+                                "(an operator enables it with PRORL_SANDBOX_NETWORK=1)"]}
+        return {}
+
     def _client(self, ctx: JobContext) -> ToolClient:
         return ToolClient(ctx.state["sandbox"]["socket"])
 

@@ -171,8 +171,9 @@ class SandboxManager:
     def __init__(self, r: redis.Redis, node: str, runtime: str = "auto",
                  root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64,
                  user: str = "auto", python: str = "", ro_paths: str = "",
-                 mount_roots: str = ""):
+                 mount_roots: str = "", allow_network: bool = True):
         self.r = r
+        self.allow_network = allow_network
         self.node = node
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -212,6 +213,9 @@ class SandboxManager:
                 time.sleep(0.2)
 
     def start(self, spec: SandboxSpec, job_id: str = "", requeues: int = 0, ctx=None) -> Sandbox:
+        if spec.network and not self.allow_network:
+            raise SandboxError("this node does not give sandboxes the outside network "
+                               "(PRORL_SANDBOX_NETWORK)")
         sandbox_id = uuid.uuid4().hex[:12]
         slot = self._slot(sandbox_id, ctx)
         base = self.root / sandbox_id

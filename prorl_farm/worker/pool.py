@@ -72,7 +72,8 @@ def _sandbox_manager(r, settings: Settings):
                               settings.sandbox_max, user=settings.sandbox_user,
                               python=settings.sandbox_python,
                               ro_paths=settings.sandbox_ro_paths,
-                              mount_roots=settings.sandbox_mount_roots)
+                              mount_roots=settings.sandbox_mount_roots,
+                              allow_network=settings.sandbox_network)
     except Exception:
         log.exception("sandboxes are unavailable on this node")
         return None
