@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from celery import Celery
-from flask import Flask, request
+from flask import Flask, g, request
 
 from prorl_farm.access import AllowList, parse_allow_list, token_ok
 from prorl_farm.celery_app import create_celery_app
@@ -14,6 +15,7 @@ from prorl_farm.errors import ConfigError
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
+from prorl_farm.metrics import LatencyRecorder
 
 
 @dataclass
@@ -26,12 +28,27 @@ class FarmServices:
     celery: Celery
     backends: BackendRegistry
     allow_list: AllowList
+    latency: LatencyRecorder
 
 
 # Never behind the token: liveness and readiness probes, and the dashboard's page itself
 # (it holds no data; it asks for the token when the farm's reads need one).
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/", "/dashboard.js"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/"})
 READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _time_requests(app: Flask, recorder: LatencyRecorder) -> None:
+    @app.before_request
+    def _start():
+        g.prorl_t0 = time.perf_counter()
+
+    @app.after_request
+    def _observe(resp):
+        t0 = g.get("prorl_t0")
+        if t0 is not None:
+            rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+            recorder.observe(f"api:{request.method}:{rule}", time.perf_counter() - t0)
+        return resp
 
 
 def _require_token(app: Flask, settings: Settings) -> None:
@@ -52,7 +69,7 @@ def _require_token(app: Flask, settings: Settings) -> None:
 
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the API. ``settings`` defaults to the PRORL_* environment (tests pass their own)."""
-    from api import backends, batches, errors, handlers, health, jobs, openapi
+    from api import backends, batches, dashboard, errors, handlers, health, jobs, openapi
 
     settings = settings or load_settings()
     if not settings.redis_url:
@@ -68,10 +85,12 @@ def create_app(settings: Settings | None = None) -> Flask:
         celery=create_celery_app(settings),
         backends=BackendRegistry(store.r),
         allow_list=parse_allow_list(settings.backend_allow),
+        latency=LatencyRecorder(store.r),
     )
+    _time_requests(app, app.extensions["prorl"].latency)
     if settings.api_token:
         _require_token(app, settings)
-    for module in (jobs, batches, handlers, health, openapi, backends):
+    for module in (jobs, batches, handlers, health, openapi, backends, dashboard):
         app.register_blueprint(module.bp)
     errors.register_error_handlers(app)
     return app

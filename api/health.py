@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from flask import Blueprint, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from api.services import services
-from prorl_farm import keys
 from prorl_farm.config import STAGES
-from prorl_farm.jobs.states import ALL_STATES
+from prorl_farm.metrics import collect
 
 bp = Blueprint("health", __name__)
 
@@ -32,22 +32,18 @@ def readyz():
 
 @bp.get("/metrics")
 def metrics():
-    """Prometheus text format."""
-    r = services().store.r
-    stats = r.hgetall(keys.STATS)
-    queues = sorted(r.smembers(keys.QUEUES))
-    pipe = r.pipeline(transaction=False)
-    for q in queues:
-        pipe.zcard(keys.queued(q))
-    pipe.zcard(keys.ACTIVE)
-    *waiting, active = pipe.execute()
-    lines = ["# HELP prorl_jobs_finished_total Jobs that reached a terminal state.",
-             "# TYPE prorl_jobs_finished_total counter"]
-    for state in ALL_STATES[-3:]:
-        lines.append(f'prorl_jobs_finished_total{{state="{state}"}} {int(stats.get(state, 0))}')
-    lines += ["# HELP prorl_jobs_waiting Jobs waiting on a queue.",
-              "# TYPE prorl_jobs_waiting gauge"]
-    lines += [f'prorl_jobs_waiting{{queue="{q}"}} {n}' for q, n in zip(queues, waiting)]
-    lines += ["# HELP prorl_jobs_held Jobs held (reserved or running) by a live worker.",
-              "# TYPE prorl_jobs_held gauge", f"prorl_jobs_held {active}"]
-    return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
+    """Prometheus text format: every series of :func:`prorl_farm.metrics.collect`."""
+    svc = services()
+    registry = CollectorRegistry(auto_describe=False)
+    families = collect(svc.store.r, svc.backends.list(),
+                       svc.store.live_pools(svc.settings.heartbeat_stale_s))
+    registry.register(_Fixed(families))
+    return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
+
+
+class _Fixed:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)

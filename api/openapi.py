@@ -59,6 +59,12 @@ _spec.path("/v1/batches", operations={"get": _op(
 _spec.path("/v1/batches/{batch_id}/results", operations={"get": _op(
     "Finished results after a cursor", out="Results",
     params=[_path_param("batch_id"), {"in": "query", "schema": s.ResultsQuerySchema}])})
+_spec.path("/v1/batches/{batch_id}/stats", operations={"get": _op(
+    "Progress, rate and ETA, reward mean and distribution, failures by kind with examples",
+    params=[_path_param("batch_id")])})
+_spec.path("/v1/overview", operations={"get": _op(
+    "The farm at a glance: queues, stage waits, pools, backends, sandboxes, newest batches",
+    params=[{"in": "query", "schema": s.OverviewQuerySchema}])})
 _spec.path("/v1/batches/{batch_id}/cancel", operations={
     "post": _op("Cancel a batch", params=[_path_param("batch_id")])})
 _spec.path("/v1/handlers", operations={"get": _op("List handlers")})

@@ -113,6 +113,14 @@ class BatchListQuerySchema(Schema):
     limit = fields.Integer(load_default=50, validate=validate.Range(min=1, max=1000))
 
 
+class OverviewQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    batches = fields.Integer(load_default=10, validate=validate.Range(min=1, max=50),
+                             metadata={"description": "how many of the newest batches"})
+
+
 class FailureSchema(Schema):
     kind = fields.String()
     message = fields.String()

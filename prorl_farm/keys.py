@@ -80,6 +80,25 @@ DEADLINES = f"{PREFIX}deadlines"
 POOLS = f"{PREFIX}pools"
 # Hash: terminal state -> number of jobs that ended in it (farm lifetime, for /metrics).
 STATS = f"{PREFIX}stats"
+# Hash: state -> jobs in it now (every state; terminal ones count up, as STATS).
+STATE_COUNTS = f"{PREFIX}metrics:states"
+# Hash: failure kind -> jobs that failed with it (farm lifetime).
+FAILURE_KINDS = f"{PREFIX}metrics:failures"
+# Hash: "<mode>:<outcome>" -> reaper actions (re-queues, failures, expired deadlines).
+REAPER_ACTIONS = f"{PREFIX}metrics:reaper"
+# Hash: node -> sandboxes started there (farm lifetime).
+SANDBOXES_STARTED = f"{PREFIX}metrics:sandboxes-started"
+# Set: histogram names of API routes ("api:<method>:<route>") that served a request.
+API_ROUTES = f"{PREFIX}metrics:api-routes"
+# Set: every node that ever started a sandbox (where /metrics looks for live ones).
+SANDBOX_NODES = f"{PREFIX}metrics:sandbox-nodes"
+
+
+def histogram(name: str) -> str:
+    """Hash: a histogram's buckets (``b<i>``, not cumulative), ``sum`` and ``count``."""
+    return f"{PREFIX}metrics:hist:{name}"
+
+
 # String: held (with a unique value) by the pool process running a reaper sweep right now.
 REAPER_LOCK = f"{PREFIX}reaper:lock"
 # String: set when a sweep starts, expiring after the reap interval (one sweep per interval).
@@ -130,9 +149,9 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 
 _LUA_CONSTANTS = ("CLAIMED", "QUEUES", "ACTIVE", "DEADLINES", "POOLS", "STATS", "BATCHES",
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
-                  "BACKEND_AUDIT")
+                  "BACKEND_AUDIT", "STATE_COUNTS", "FAILURE_KINDS", "REAPER_ACTIONS")
 _LUA_FUNCTIONS = ("job", "instance", "batch", "batch_counts", "batch_jobs", "batch_stream",
-                  "queued", "published", "backend")
+                  "queued", "published", "backend", "histogram")
 
 
 def _lua() -> str:

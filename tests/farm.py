@@ -255,3 +255,48 @@ def run_batch(client, body: dict, timeout_s: float = 120) -> list[dict]:
     wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
                timeout_s, 0.2, f"{body.get('handler')} batch")
     return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+
+
+def scrape(client) -> dict[tuple, float]:
+    """GET /metrics through a Flask test client (or a URL): {(sample name, sorted labels):
+    value}, parsed by prometheus_client's own parser (a malformed exposition fails here)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if isinstance(client, str):
+        import requests
+
+        resp = requests.get(client.rstrip("/") + "/metrics", timeout=10)
+        assert resp.status_code == 200
+        text = resp.text
+    else:
+        resp = client.get("/metrics")
+        assert resp.status_code == 200
+        text = resp.get_data(as_text=True)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _chromium(profile, *args: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
+    import pytest
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.skip("chromium is not installed (make test installs it)")
+    return subprocess.run(
+        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={profile}", "--virtual-time-budget=8000", *args],
+        capture_output=True, text=True, timeout=timeout_s)
+
+
+def chromium_dom(url: str, profile) -> str:
+    """The page's DOM after its scripts ran (headless Chromium)."""
+    return _chromium(profile, "--dump-dom", url).stdout
+
+
+def chromium_screenshot(url: str, profile, path, size: str = "1400,1100") -> Path:
+    """A PNG of the page after its scripts ran."""
+    out = _chromium(profile, f"--screenshot={path}", f"--window-size={size}",
+                    "--hide-scrollbars", url)
+    assert Path(path).exists(), out.stderr[-2000:]
+    return Path(path)

@@ -11,7 +11,7 @@ import pytest
 from api import create_app
 from prorl_farm.config import load_settings
 from tests.conftest import make_pools
-from tests.farm import farm_env, wait_until
+from tests.farm import farm_env, scrape, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +141,13 @@ def test_sigkill_of_run_pool_mid_batch_leaves_no_job_stuck(farm, r):
     assert all(j["attempts"][0]["stage"] == "run" for j in jobs if j["requeues"])
     assert all(j["reward"] == 1.0 for j in jobs if j["state"] == "done")
     assert r.zcard("prorl:active") == 0
+    # The operator sees what the reaper did, and nothing is left in a non-terminal state.
+    m = scrape(client)
+    reaped = sum(v for (name, labels), v in m.items()
+                 if name == "prorl_reaper_actions_total" and ("outcome", "requeue") in labels)
+    assert reaped == len(requeued)
+    assert all(m[("prorl_jobs", (("state", s),))] == 0 for s in ("queued", "init", "run",
+                                                                  "eval"))
 
 
 def test_worker_lost_after_requeues_run_out(farm):

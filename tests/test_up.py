@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 import requests
 
 from prorl_farm.client import FarmClient, FarmUnauthorized
-from tests.farm import ROOT, SANDBOX_DIR, free_port, wait_until
+from tests.farm import ROOT, SANDBOX_DIR, chromium_dom, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,32 +40,20 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
-def _chromium_dom(url: str, profile) -> str:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("chromium is not installed (make test installs it)")
-    out = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={profile}", "--virtual-time-budget=8000",
-         "--dump-dom", url], capture_output=True, text=True, timeout=90)
-    return out.stdout
-
-
 def _flower_pages_in_chromium(port: int, tmp_path) -> None:
     """What an operator sees in Flower: every pool as a worker, every farm queue on the
     broker page, and the failed jobs' stage tasks as FAILURE with their failure kind."""
     base = f"http://127.0.0.1:{port}"
-    workers = _chromium_dom(f"{base}/workers", tmp_path / "chromium")
+    workers = chromium_dom(f"{base}/workers", tmp_path / "chromium")
     for pool in ("init-", "run-", "eval-"):
         assert pool in workers, f"{pool} pool missing from Flower's workers page"
-    broker = _chromium_dom(f"{base}/broker", tmp_path / "chromium")
+    broker = chromium_dom(f"{base}/broker", tmp_path / "chromium")
     for queue in ("init", "run.upnode", "eval.upnode"):
         assert f'<tr id="{queue}">' in broker, f"queue {queue} missing from /broker: {broker}"
     tasks = requests.get(f"{base}/api/tasks", timeout=10).json().values()
     failed = [t for t in tasks if t.get("state") == "FAILURE"]
     assert failed and all("eval_error" in (t.get("exception") or "") for t in failed), failed
-    page = _chromium_dom(f"{base}/tasks", tmp_path / "chromium")
+    page = chromium_dom(f"{base}/tasks", tmp_path / "chromium")
     assert "FAILURE" in page and "SUCCESS" in page
 
 

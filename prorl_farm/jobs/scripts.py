@@ -15,6 +15,7 @@ finished_at failure_kind failure_message hstate result reward`` and
 from prorl_farm import keys
 from prorl_farm.config import STAGES
 from prorl_farm.llm.scripts import RELEASE_FN
+from prorl_farm.metrics import LUA_OBSERVE
 
 # Fields that belong to one attempt: a re-queued job starts again without them.
 ATTEMPT_FIELDS = ["hstate", "result", "node", "worker", "reward"] + [
@@ -22,7 +23,7 @@ ATTEMPT_FIELDS = ["hstate", "result", "node", "worker", "reward"] + [
 # Earlier attempts' failures kept in a re-queued job's ``attempts`` (the newest).
 MAX_ATTEMPT_HISTORY = 5
 
-PRELUDE = keys.LUA + RELEASE_FN + r"""
+PRELUDE = keys.LUA + RELEASE_FN + LUA_OBSERVE + r"""
 local TERMINAL = {done = true, failed = true, cancelled = true}
 local ATTEMPT_FIELDS = {""" + ", ".join(f"'{f}'" for f in ATTEMPT_FIELDS) + r"""}
 local function now_s()
@@ -38,6 +39,14 @@ local function set_state(jk, old, new, batch)
   local ck = K.batch_counts(batch)
   redis.call('HINCRBY', ck, old, -1)
   redis.call('HINCRBY', ck, new, 1)
+  redis.call('HINCRBY', K.STATE_COUNTS, old, -1)
+  redis.call('HINCRBY', K.STATE_COUNTS, new, 1)
+end
+
+-- A stage's active time, from its start field, into the stage's histogram.
+local function observe_active(jk, stage, now)
+  local start = redis.call('HGET', jk, 't_' .. stage .. '_start')
+  if start then observe('active:' .. stage, now - tonumber(start)) end
 end
 
 -- Drop a job from the indexes of the queue it waits on.
@@ -53,10 +62,14 @@ local function finish(id, jk, state, kind, msg, ttl, now)
   local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token',
                        'instance_id')
   local old, stage, phase, batch, queue, token, inst = j[1], j[2], j[3], j[4], j[5], j[6], j[7]
-  if phase == 'active' then redis.call('HSET', jk, 't_' .. stage .. '_end', fmt(now)) end
+  if phase == 'active' then
+    redis.call('HSET', jk, 't_' .. stage .. '_end', fmt(now))
+    observe_active(jk, stage, now)
+  end
   redis.call('HSET', jk, 'phase', 'end', 'finished_at', fmt(now))
   if kind ~= '' then
     redis.call('HSET', jk, 'failure_kind', kind, 'failure_message', msg)
+    if state == 'failed' then redis.call('HINCRBY', K.FAILURE_KINDS, kind, 1) end
   end
   set_state(jk, old, state, batch)
   release_backend(id)
@@ -93,6 +106,7 @@ if j[5] and j[5] ~= '' and tonumber(j[5]) <= now then
   return {'expired'}
 end
 redis.call('HSET', jk, 'phase', 'active', 'worker', worker, 't_' .. stage .. '_start', fmt(now))
+if j[8] then observe('wait:' .. stage, now - tonumber(j[8])) end
 set_state(jk, j[1], stage, j[6])
 redis.call('ZADD', K.ACTIVE, now, id)
 if j[7] and j[8] then
@@ -122,6 +136,7 @@ if not j[1] then return 'missing' end
 if TERMINAL[j[1]] then return 'terminal' end
 if j[1] ~= from or j[3] ~= token or j[2] ~= 'active' then return 'stale' end
 local now = now_s()
+observe_active(jk, from, now)
 redis.call('HSET', jk, 't_' .. from .. '_end', fmt(now), 'stage', to, 'phase', 'waiting',
   'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now), 'node', node, field, value)
 set_state(jk, j[1], to, j[4])
@@ -214,8 +229,10 @@ local now = now_s()
 local n = tonumber(j[4] or '0')
 if n >= maxrq then
   finish(id, jk, 'failed', 'worker_lost', msg, ttl, now)
+  redis.call('HINCRBY', K.REAPER_ACTIONS, mode .. ':failed', 1)
   return 'failed'
 end
+redis.call('HINCRBY', K.REAPER_ACTIONS, mode .. ':requeue', 1)
 -- A clean attempt: nothing of the last one but the count and a line of history.
 local history = j[9] and cjson.decode(j[9]) or {}
 table.insert(history, {attempt = n, stage = j[6], node = j[8] or cjson.null, reason = msg,
@@ -246,6 +263,7 @@ for _, id in ipairs(ids) do
   local state = redis.call('HGET', jk, 'state')
   if state and not TERMINAL[state] then
     finish(id, jk, 'failed', 'timeout', 'job deadline passed', ttl, now)
+    redis.call('HINCRBY', K.REAPER_ACTIONS, 'deadline:failed', 1)
     n = n + 1
   else
     redis.call('ZREM', K.DEADLINES, id)

@@ -136,6 +136,7 @@ class JobStore:
         pipe.hsetnx(keys.batch(batch_id), "handler", handler)
         pipe.hincrby(keys.batch(batch_id), "total", len(jobs))
         pipe.hincrby(keys.batch_counts(batch_id), JobState.QUEUED.value, len(jobs))
+        pipe.hincrby(keys.STATE_COUNTS, JobState.QUEUED.value, len(jobs))
         pipe.rpush(keys.batch_jobs(batch_id), *ids)
         pipe.zadd(keys.BATCHES, {batch_id: now}, nx=True)
         pipe.zadd(keys.queued("init"), {i: now for i in ids})

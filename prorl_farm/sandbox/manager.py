@@ -43,7 +43,11 @@ local slots, cap, id, hint = KEYS[1], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[
 if redis.call('HLEN', slots) >= cap then return -1 end
 for i = 0, cap - 1 do
   local s = (hint + i) % cap
-  if redis.call('HSETNX', slots, s, id) == 1 then return s end
+  if redis.call('HSETNX', slots, s, id) == 1 then
+    redis.call('HINCRBY', KEYS[2], ARGV[4], 1)
+    redis.call('SADD', KEYS[3], ARGV[4])
+    return s
+  end
 end
 return -1
 """
@@ -202,9 +206,10 @@ class SandboxManager:
     def _slot(self, sandbox_id: str, ctx=None) -> int:
         """A free slot; waits (does not fail) while the node is at its cap."""
         while True:
-            slot = self._alloc(keys=[self.slots_key],
+            slot = self._alloc(keys=[self.slots_key, keys.SANDBOXES_STARTED,
+                                     keys.SANDBOX_NODES],
                                args=[self.max_sandboxes, sandbox_id,
-                                     uuid.uuid4().int % self.max_sandboxes])
+                                     uuid.uuid4().int % self.max_sandboxes, self.node])
             if slot >= 0:
                 return int(slot)
             if ctx is not None:

@@ -1,0 +1,209 @@
+"""Farm-wide metrics, kept in Redis so that every process (API workers, pools on every
+node) adds to the same series and any API process can serve them.
+
+Histograms are Redis hashes of fixed buckets (``b1``..``bN`` not cumulative, then ``b<N+1>``
+for +Inf, and ``sum``), observed inside the job scripts (no extra round trip) or, for the
+API's request latency, flushed from each process about once a second.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+
+from prorl_farm import keys
+
+# Seconds: queue waits and stage times span milliseconds (no-op stages) to an hour (a SWE
+# agent's RUN).
+BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+             30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+LUA_OBSERVE = "local BUCKETS = {" + ", ".join(repr(b) for b in BUCKETS_S) + "}\n" + r"""
+local function observe(name, v)
+  if v < 0 then v = 0 end
+  local i = #BUCKETS + 1
+  for b = 1, #BUCKETS do
+    if v <= BUCKETS[b] then i = b break end
+  end
+  local hk = K.histogram(name)
+  redis.call('HINCRBY', hk, 'b' .. i, 1)
+  redis.call('HINCRBYFLOAT', hk, 'sum', string.format('%.6f', v))
+end
+"""
+
+
+def bucket_index(value: float) -> int:
+    """1-based bucket of ``value`` (len(BUCKETS_S) + 1 for +Inf), as LUA_OBSERVE picks it."""
+    for i, bound in enumerate(BUCKETS_S, 1):
+        if value <= bound:
+            return i
+    return len(BUCKETS_S) + 1
+
+
+def read_histogram(raw: dict) -> tuple[list[tuple[str, float]], float]:
+    """A histogram hash -> (cumulative buckets as prometheus_client wants them, sum)."""
+    out, total = [], 0
+    for i, bound in enumerate((*BUCKETS_S, float("inf")), 1):
+        total += int(raw.get(f"b{i}", 0))
+        out.append(("+Inf" if bound == float("inf") else repr(bound), total))
+    return out, float(raw.get("sum", 0.0))
+
+
+class LatencyRecorder:
+    """Request latency by route, observed in process and added to Redis at most once per
+    ``flush_s`` (one pipelined round trip for everything seen since)."""
+
+    def __init__(self, r: redis.Redis, flush_s: float = 1.0):
+        self.r, self.flush_s = r, flush_s
+        self._lock = threading.Lock()
+        self._pending: dict[str, dict[str, float]] = {}
+        self._last = time.monotonic()
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self._lock:
+            h = self._pending.setdefault(name, {})
+            b = f"b{bucket_index(seconds)}"
+            h[b] = h.get(b, 0) + 1
+            h["sum"] = h.get("sum", 0.0) + seconds
+            if time.monotonic() - self._last < self.flush_s:
+                return
+            pending, self._pending, self._last = self._pending, {}, time.monotonic()
+        self._flush(pending)
+
+    def _flush(self, pending: dict) -> None:
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.sadd(keys.API_ROUTES, *pending)
+            for name, h in pending.items():
+                hk = keys.histogram(name)
+                for field, value in h.items():
+                    if field == "sum":
+                        pipe.hincrbyfloat(hk, field, value)
+                    else:
+                        pipe.hincrby(hk, field, int(value))
+            pipe.execute()
+        except redis.RedisError:
+            pass  # metrics never fail a request
+
+
+def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> list:
+    """Every farm metric family, read from Redis in two pipelined round trips."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    from prorl_farm.config import STAGES
+    from prorl_farm.jobs.states import ALL_STATES, TERMINAL_STATES
+
+    queues = sorted(r.smembers(keys.QUEUES))
+    nodes = sorted(r.smembers(keys.SANDBOX_NODES))
+    hist_names = [f"{kind}:{stage}" for kind in ("wait", "active") for stage in STAGES]
+    api_names = sorted(r.smembers(keys.API_ROUTES))
+    pipe = r.pipeline(transaction=False)
+    for name in (keys.STATE_COUNTS, keys.STATS, keys.FAILURE_KINDS, keys.REAPER_ACTIONS,
+                 keys.SANDBOXES_STARTED):
+        pipe.hgetall(name)
+    for q in queues:
+        pipe.zcard(keys.queued(q))
+    pipe.zcard(keys.ACTIVE)
+    for node in nodes:
+        pipe.hlen(keys.sandbox_slots(node))
+    for name in hist_names + api_names:
+        pipe.hgetall(keys.histogram(name))
+    out = pipe.execute()
+    states, stats, failures, reaper, started = out[:5]
+    out = out[5:]
+    depths, held, out = out[:len(queues)], out[len(queues)], out[len(queues) + 1:]
+    live, hists = out[:len(nodes)], out[len(nodes):]
+
+    fams = []
+    g = GaugeMetricFamily("prorl_jobs", "Jobs now in each non-terminal state.",
+                          labels=["state"])
+    terminal = {s.value for s in TERMINAL_STATES}
+    for state in ALL_STATES:
+        if state not in terminal:
+            g.add_metric([state], max(0, int(states.get(state, 0))))
+    fams.append(g)
+    c = CounterMetricFamily("prorl_jobs_finished", "Jobs that reached a terminal state.",
+                            labels=["state"])
+    for state in sorted(terminal):
+        c.add_metric([state], int(stats.get(state, 0)))
+    fams.append(c)
+    c = CounterMetricFamily("prorl_jobs_failed", "Failed jobs by failure kind.",
+                            labels=["kind"])
+    for kind, n in sorted(failures.items()):
+        c.add_metric([kind], int(n))
+    fams.append(c)
+    for kind, doc in (("wait", "Time a job waited on a stage's queue."),
+                      ("active", "Time a stage ran (claim to hand-off or end).")):
+        h = HistogramMetricFamily(f"prorl_stage_{kind}_seconds", doc, labels=["stage"])
+        for stage in STAGES:
+            buckets, total = read_histogram(hists[hist_names.index(f"{kind}:{stage}")])
+            h.add_metric([stage], buckets, total)
+        fams.append(h)
+    g = GaugeMetricFamily("prorl_queue_depth", "Jobs waiting on each queue.", labels=["queue"])
+    for q, n in zip(queues, depths):
+        g.add_metric([q], n)
+    fams.append(g)
+    fams.append(GaugeMetricFamily("prorl_jobs_held", "Jobs held (reserved or running) by a "
+                                  "live worker.", value=held))
+    g = GaugeMetricFamily("prorl_pool_heartbeat_age_seconds", "Age of each live pool's "
+                          "heartbeat.", labels=["stage", "node"])
+    for pool, age in sorted(pools.items()):
+        stage, _, node = pool.partition(":")
+        g.add_metric([stage, node], age)
+    fams.append(g)
+    per_backend = {
+        "in_flight": ("Jobs pinned to the backend now.", lambda b: b["in_flight"]),
+        "capacity": ("The backend's registered capacity.", lambda b: b["capacity"]),
+        "load": ("In-flight / capacity (its min-heap score; absent when out of the heap).",
+                 lambda b: b["load"]),
+        "latency_ms": ("Moving average of the backend's request latency.",
+                       lambda b: b["latency_ms"]),
+        "healthy": ("1 if the last probe or request succeeded.", lambda b: int(b["healthy"])),
+        "drained": ("1 while drained (no new jobs).", lambda b: int(b["drained"])),
+        "policy_version": ("The policy version the backend serves.",
+                           lambda b: b["policy_version"]),
+    }
+    for name, (doc, get) in per_backend.items():
+        g = GaugeMetricFamily(f"prorl_backend_{name}", doc, labels=["backend", "model"])
+        for b in backends:
+            value = get(b)
+            if value is not None:
+                g.add_metric([b["id"], b["model"]], value)
+        fams.append(g)
+    c = CounterMetricFamily("prorl_backend_requests", "LLM requests sent to the backend.",
+                            labels=["backend", "model"])
+    for b in backends:
+        c.add_metric([b["id"], b["model"]], b["requests_total"])
+    fams.append(c)
+    g = GaugeMetricFamily("prorl_sandboxes_live", "Sandboxes running on each node.",
+                          labels=["node"])
+    for node, n in zip(nodes, live):
+        g.add_metric([node], n)
+    fams.append(g)
+    c = CounterMetricFamily("prorl_sandboxes_started", "Sandboxes started on each node.",
+                            labels=["node"])
+    for node in nodes:
+        c.add_metric([node], int(started.get(node, 0)))
+    fams.append(c)
+    c = CounterMetricFamily("prorl_reaper_actions", "Reaper actions: re-queues and failures "
+                            "by how the job was found (active: stale heartbeat, queued: dead "
+                            "node's queue, orphan, lost message; deadline).",
+                            labels=["mode", "outcome"])
+    for key, n in sorted(reaper.items()):
+        mode, _, outcome = key.partition(":")
+        c.add_metric([mode, outcome], int(n))
+    fams.append(c)
+    h = HistogramMetricFamily("prorl_api_request_seconds", "API request latency by route.",
+                              labels=["method", "route"])
+    for name, raw in zip(api_names, hists[len(hist_names):]):
+        _, method, route = name.split(":", 2)
+        buckets, total = read_histogram(raw)
+        h.add_metric([method, route], buckets, total)
+    fams.append(h)
+    return fams

@@ -1,0 +1,169 @@
+"""What the dashboard shows: the farm at a glance, and one batch in detail.
+
+Everything is read from Redis in a few pipelined round trips; nothing here writes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from prorl_farm import keys
+from prorl_farm.config import STAGES
+from prorl_farm.jobs.states import ALL_STATES
+from prorl_farm.metrics import BUCKETS_S, read_histogram
+
+# Finished jobs the rate of a batch is measured over (its newest ones).
+RATE_WINDOW = 200
+# Example messages kept per failure kind.
+EXAMPLES = 3
+
+
+def _quantile(raw: dict, q: float) -> float | None:
+    """Upper bound of the bucket holding quantile ``q`` of a histogram hash."""
+    buckets, _ = read_histogram(raw)
+    total = buckets[-1][1]
+    if total == 0:
+        return None
+    for (_bound, count), upper in zip(buckets, (*BUCKETS_S, math.inf)):
+        if count >= q * total:
+            return upper if upper != math.inf else None
+    return None
+
+
+def _rate(entries: list, now_ms: int) -> float | None:
+    """Jobs per second from a batch stream's newest entries (their IDs are Redis ms times)."""
+    if not entries:
+        return None
+    first = min(int(entry_id.split("-")[0]) for entry_id, _ in entries)
+    # Up to now, not to the newest finish: a batch that stalls shows a falling rate.
+    return len(entries) / max(1.0, (now_ms - first) / 1000)
+
+
+def batch_progress(r, summaries: list[dict], now: float) -> list[dict]:
+    """Adds ``rate_per_s`` (over its newest finished jobs) and ``eta_s`` to each summary."""
+    pipe = r.pipeline(transaction=False)
+    for s in summaries:
+        pipe.xrevrange(keys.batch_stream(s["batch_id"]), count=RATE_WINDOW)
+    for s, entries in zip(summaries, pipe.execute()):
+        rate = None if s["complete"] else _rate(entries, int(now * 1000))
+        s["rate_per_s"] = round(rate, 3) if rate else None
+        left = s["total"] - s["finished"]
+        s["eta_s"] = round(left / rate, 1) if rate and left else (0.0 if not left else None)
+    return summaries
+
+
+def farm_overview(store, backends, settings, batches: int = 10) -> dict:
+    """Queues, stages, pools, backends, sandboxes, jobs by state, and the newest batches."""
+    r = store.r
+    now = store.server_time()
+    queues = sorted(r.smembers(keys.QUEUES))
+    nodes = sorted(r.smembers(keys.SANDBOX_NODES))
+    pipe = r.pipeline(transaction=False)
+    for q in queues:
+        pipe.zcard(keys.queued(q))
+        pipe.zrange(keys.queued(q), 0, 0, withscores=True)
+    for stage in STAGES:
+        pipe.hgetall(keys.histogram(f"wait:{stage}"))
+        pipe.hgetall(keys.histogram(f"active:{stage}"))
+    for node in nodes:
+        pipe.hlen(keys.sandbox_slots(node))
+    pipe.hgetall(keys.SANDBOXES_STARTED)
+    pipe.hgetall(keys.STATE_COUNTS)
+    pipe.hgetall(keys.FAILURE_KINDS)
+    pipe.hgetall(keys.REAPER_ACTIONS)
+    out = pipe.execute()
+    queue_rows = []
+    for i, q in enumerate(queues):
+        depth, oldest = out[2 * i], out[2 * i + 1]
+        stage, _, node = q.partition(".")
+        queue_rows.append({"queue": q, "stage": stage, "node": node or None, "depth": depth,
+                           "oldest_wait_s": round(now - oldest[0][1], 3) if oldest else None})
+    out = out[2 * len(queues):]
+    stages = {}
+    for i, stage in enumerate(STAGES):
+        wait, active = out[2 * i], out[2 * i + 1]
+        stages[stage] = {kind: _hist_summary(raw) for kind, raw in (("wait", wait),
+                                                                     ("active", active))}
+    out = out[2 * len(STAGES):]
+    live, (started, states, failures, reaper) = out[:len(nodes)], out[len(nodes):]
+    pools = store.live_pools(settings.heartbeat_stale_s)
+    return {
+        "now": now,
+        "node_count": len({p.split(":", 1)[1] for p in pools}),
+        "pools": [{"stage": p.split(":", 1)[0], "node": p.split(":", 1)[1], "age_s": age}
+                  for p, age in sorted(pools.items())],
+        "queues": queue_rows,
+        "stages": stages,
+        "jobs": {s: max(0, int(states.get(s, 0))) for s in ALL_STATES},
+        "failures": {k: int(v) for k, v in sorted(failures.items())},
+        "reaper": {k: int(v) for k, v in sorted(reaper.items())},
+        "sandboxes": [{"node": n, "live": int(lv), "started": int(started.get(n, 0))}
+                      for n, lv in zip(nodes, live)],
+        "backends": backends,
+        "batches": batch_progress(r, store.recent_batches(batches), now),
+    }
+
+
+def _hist_summary(raw: dict) -> dict:
+    buckets, total = read_histogram(raw)
+    count = buckets[-1][1]
+    return {"count": count, "mean_s": round(total / count, 6) if count else None,
+            "p50_s": _quantile(raw, 0.5), "p90_s": _quantile(raw, 0.9),
+            "p99_s": _quantile(raw, 0.99)}
+
+
+def _reward_histogram(rewards: list[float]) -> list[dict]:
+    """Counts per distinct value when there are few (0/1 rewards), else ten equal bins."""
+    if not rewards:
+        return []
+    distinct = Counter(rewards)
+    if len(distinct) <= 10:
+        return [{"low": v, "high": v, "count": n} for v, n in sorted(distinct.items())]
+    lo, hi = min(rewards), max(rewards)
+    width = (hi - lo) / 10
+    counts = [0] * 10
+    for x in rewards:
+        counts[min(9, int((x - lo) / width))] += 1
+    return [{"low": round(lo + i * width, 6), "high": round(lo + (i + 1) * width, 6),
+             "count": n} for i, n in enumerate(counts)]
+
+
+def batch_stats(store, batch_id: str) -> dict:
+    """One batch: progress, rate and ETA, rewards (mean and distribution), failures by kind
+    with examples, end-to-end time quantiles."""
+    summary = store.batch_summary(batch_id)  # 404 for an unknown batch
+    ids = store.batch_job_ids(batch_id)
+    pipe = store.r.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hmget(keys.job(job_id), "state", "reward", "failure_kind", "failure_message",
+                   "created_at", "finished_at")
+    rows = pipe.execute()
+    rewards, durations, failures = [], [], {}
+    for job_id, (state, reward, kind, message, created, finished) in zip(ids, rows):
+        if state == "done" and reward not in (None, ""):
+            rewards.append(float(reward))
+        if kind and state in ("failed", "cancelled"):
+            f = failures.setdefault(kind, {"kind": kind, "state": state, "count": 0,
+                                           "examples": []})
+            f["count"] += 1
+            if len(f["examples"]) < EXAMPLES:
+                f["examples"].append({"job_id": job_id, "message": (message or "")[:500]})
+        if created and finished:
+            durations.append(float(finished) - float(created))
+    durations.sort()
+
+    def q(p: float) -> float | None:
+        return round(durations[min(len(durations) - 1, int(p * len(durations)))], 3) \
+            if durations else None
+
+    [summary] = batch_progress(store.r, [summary], store.server_time())
+    return {
+        **summary,
+        "reward": {"count": len(rewards),
+                   "mean": round(sum(rewards) / len(rewards), 6) if rewards else None,
+                   "histogram": _reward_histogram(rewards)},
+        "failures": sorted(failures.values(), key=lambda f: -f["count"]),
+        "duration_s": {"p50": q(0.5), "p90": q(0.9), "max": durations[-1] if durations
+                       else None},
+    }

@@ -1,0 +1,103 @@
+"""The dashboard at GET /, looked at in headless Chromium against a real farm: batches with
+progress, reward and failures; queues, backends, sandboxes; a job page with its
+conversation and tool calls. Screenshots of each page are taken (and kept when
+PRORL_SCREENSHOT_DIR names a directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from prorl_farm.client import FarmClient
+from tests.farm import chromium_dom, chromium_screenshot, http_farm, wait_until
+from tests.policy_server import PolicyServer, text_planner
+
+pytestmark = pytest.mark.slow
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + \
+        "\n</tool_call>"
+
+
+PLANS = {"good": [call("python", code="print(6 * 7)"), "So the answer is \\boxed{42}."],
+         "wrong": ["It is \\boxed{41}."]}
+# Written by the "policy" side: must show as text, never become markup.
+HOSTILE = '<img id="pwned" src="x" onerror="document.title=1">'
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def _keep(shot: Path) -> None:
+    out = os.environ.get("PRORL_SCREENSHOT_DIR")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(out) / shot.name)
+
+
+def test_dashboard_pages_in_chromium(redis_server, r, tmp_path, tiny_model):
+    server = PolicyServer(planner=text_planner(str(tiny_model), PLANS))
+    try:
+        with http_farm(redis_server.url, tmp_path, "dash", run_concurrency=8) as (url, _):
+            farm = FarmClient(url)
+            backend = farm.register_backend(server.url, "vllm", "tiny", str(tiny_model),
+                                            capacity=8, policy_version=5)["id"]
+            agent = farm.submit("math", [
+                {"problem": f"[case:good] {HOSTILE} What is 6 times 7?", "answer": "42"},
+                {"problem": "[case:wrong] What is 6 times 7?", "answer": "42"}])
+            mixed = farm.submit("synthetic", [{"reward": 1.0}, {"reward": 0.0},
+                                              {"fail_stage": "eval"}], n=2)
+            slow = farm.submit("synthetic", [{"run_s": 30}], n=2)  # in flight while we look
+            for sub in (agent, mixed):
+                list(farm.iter_results(sub["batch_id"], timeout_s=90))
+            wait_until(lambda: farm.batch(slow["batch_id"])["counts"]["run"] == 2, 30)
+            good_job = agent["job_ids"][0]
+            assert farm.job(good_job)["reward"] == 1.0
+
+            home = chromium_dom(url + "/", tmp_path / "profile")
+            for text in (agent["batch_id"], mixed["batch_id"], slow["batch_id"], "complete",
+                         backend, "healthy", "run.testnode", "eval_error", "testnode",
+                         "Queues and stages", "Nodes"):
+                assert text in home, f"{text!r} missing from the dashboard"
+            assert "node(s)" in home and "updated" in home  # the script ran and drew
+
+            batch = chromium_dom(f"{url}/#batch={mixed['batch_id']}", tmp_path / "profile")
+            assert "mean 0.500 over 4 finished job(s)" in batch, batch[-3000:]
+            assert "eval_error (failed): 2" in batch
+            assert "synthetic failure in eval" in batch  # an example message
+
+            job = chromium_dom(f"{url}/#job={good_job}", tmp_path / "profile")
+            assert "print(6 * 7)" in job and "\\boxed{42}" in job
+            assert 'class="call"' in job  # the tool call stands out
+            assert 'class="msg tool"' in job and "42" in job  # its observation
+            assert "Timings" in job and "queue wait" in job
+            # The policy-side text is shown as text: no element was made from it.
+            assert "&lt;img id=\"pwned\"" in job and '<img id="pwned"' not in job
+
+            for name, page in (("home", "/"), ("batch", f"/#batch={mixed['batch_id']}"),
+                               ("job", f"/#job={good_job}")):
+                shot = chromium_screenshot(url + page, tmp_path / "profile",
+                                           tmp_path / f"dashboard-{name}.png")
+                width, height = _png_size(shot)
+                assert (width, height) == (1400, 1100) and shot.stat().st_size > 20_000
+                _keep(shot)
+            farm.cancel_batch(slow["batch_id"])
+    finally:
+        server.kill()
+
+
+def test_dashboard_asks_for_the_token_when_reads_need_it(redis_server, r, tmp_path):
+    with http_farm(redis_server.url, tmp_path, "dash-auth", api_token="t0k",
+                   api_read_auth=1) as (url, _):
+        dom = chromium_dom(url + "/", tmp_path / "profile")
+        assert 'id="auth" style="display: block;"' in dom
+        assert "the API token is needed" in dom
