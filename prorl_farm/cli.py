@@ -53,6 +53,28 @@ def _cmd_api(args) -> int:
     return 0  # not reached
 
 
+def _cmd_check_pool(args) -> int:
+    """Exit 0 if this node's pool of the stage heartbeats (container and Slurm health
+    checks), else 1 with the reason."""
+    from prorl_farm.jobs.store import JobStore
+
+    s = load_settings()
+    if not s.redis_url:
+        print("PRORL_REDIS_URL must be set", file=sys.stderr)
+        return 2
+    store = JobStore.from_settings(s)
+    try:
+        age = store.live_pools(s.heartbeat_stale_s).get(f"{args.stage}:{s.node}")
+    except Exception as e:
+        print(f"redis: {e}", file=sys.stderr)
+        return 1
+    if age is None:
+        print(f"no live {args.stage} pool on node {s.node}", file=sys.stderr)
+        return 1
+    print(f"{args.stage} pool on {s.node}: heartbeat {age:.1f} s ago")
+    return 0
+
+
 def _read_jsonl(path: str) -> list[dict]:
     import json
 
@@ -147,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("celery_args", nargs=argparse.REMAINDER,
                    help="extra arguments passed to `celery worker`")
     w.set_defaults(func=_cmd_worker)
+    cp = sub.add_parser("check-pool", help="exit 0 if this node's (PRORL_NODE) pool of "
+                        "STAGE heartbeats; for health checks")
+    cp.add_argument("stage", choices=STAGES)
+    cp.set_defaults(func=_cmd_check_pool)
     a = sub.add_parser("api", help="serve the HTTP API with gunicorn")
     a.set_defaults(func=_cmd_api)
     sm = sub.add_parser("serve-model", help="serve a local causal LM on the CPU with vLLM and "

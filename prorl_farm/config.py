@@ -114,6 +114,24 @@ class Settings:
         return 2 * max(self.pool(s).timeout_s for s in STAGES) + 3600.0
 
 
+# Read outside Settings: the CLI's farm URL and log level; clients' API token is
+# PRORL_API_TOKEN, a setting too.
+OTHER_ENV = ("PRORL_URL", "PRORL_LOG_LEVEL")
+
+
+def env_names() -> set[str]:
+    """Every PRORL_* variable the farm reads (settings and OTHER_ENV)."""
+
+    class Recorder(dict):
+        def get(self, key, default=None):
+            seen.add(key)
+            return default
+
+    seen: set[str] = set()
+    load_settings(Recorder())
+    return seen | set(OTHER_ENV)
+
+
 def _bool(raw: str) -> bool:
     if raw.lower() in ("1", "true", "yes", "on"):
         return True

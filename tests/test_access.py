@@ -148,3 +148,45 @@ def test_off_loopback_up_makes_up_a_token_and_puts_flower_behind_basic_auth():
     given = Supervisor(load_settings(env, api_host="0.0.0.0", api_token="mine",
                                      flower_basic_auth="ops:pw"))
     assert given.settings.api_token == "mine" and given.generated == []
+
+
+def test_flower_off_loopback_refuses_without_the_password(redis_server, tmp_path):
+    """Flower as `up` starts it on a non-loopback address: every page and its API (which can
+    revoke tasks and stop workers) need the basic-auth password."""
+    import os
+    import subprocess
+
+    import requests
+
+    from prorl_farm.supervisor import Supervisor
+    from tests.farm import free_port, stop_process, wait_until
+
+    port = free_port()
+    sup = Supervisor(load_settings(farm_env(redis_server.url), api_host="0.0.0.0",
+                                   flower_port=port))
+    sup._plan(redis_server.url)
+    flower = next(c for c in sup.children if c.name == "flower")
+    log = open(tmp_path / "flower.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(flower.argv, env={**os.environ, **flower.env}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return requests.get(base + "/healthcheck", timeout=2).ok
+            except requests.ConnectionError:
+                return False
+
+        wait_until(up, 30, 0.2, "flower")
+        user, _, password = flower.env["FLOWER_BASIC_AUTH"].partition(":")
+        for path in ("/", "/workers", "/api/workers", "/api/tasks"):
+            assert requests.get(base + path, timeout=10).status_code == 401, path
+            assert requests.get(base + path, auth=(user, "wrong"), timeout=10
+                                ).status_code == 401, path
+        assert requests.post(base + "/api/worker/shutdown/x", timeout=10).status_code in (
+            401, 403)
+        assert requests.get(base + "/workers", auth=(user, password), timeout=10).ok
+    finally:
+        stop_process(proc)
+        log.close()
