@@ -96,6 +96,9 @@ class Settings:
     backend_allow: str = ""
     # Whether an instance may ask for a sandbox with the outside network (shell `network`).
     sandbox_network: bool = False
+    # On SIGTERM, re-queue what this pool holds (and what waits on its node's queue) at once
+    # instead of finishing it: for nodes that go away with their sandboxes (Slurm's scancel).
+    requeue_on_stop: bool = False
     # Flower's basic auth, "user:password"; required when the farm binds a non-loopback host.
     flower_basic_auth: str = ""
 
@@ -216,6 +219,7 @@ def load_settings(environ=None, **overrides) -> Settings:
         backend_allow=_env(environ, "BACKEND_ALLOW", str, d.backend_allow),
         sandbox_network=_env(environ, "SANDBOX_NETWORK", _bool, d.sandbox_network),
         flower_basic_auth=_env(environ, "FLOWER_BASIC_AUTH", str, d.flower_basic_auth),
+        requeue_on_stop=_env(environ, "REQUEUE_ON_STOP", _bool, d.requeue_on_stop),
         task_events=_env(environ, "TASK_EVENTS", _bool, d.task_events),
         llm_request_timeout_s=_env(environ, "LLM_REQUEST_TIMEOUT_S", float,
                                    d.llm_request_timeout_s),

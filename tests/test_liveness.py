@@ -180,3 +180,41 @@ def test_jobs_waiting_on_a_dead_nodes_queue_are_reaped(farm, r):
     assert any("no live run pool on node testnode" in j["failure"]["message"] for j in jobs)
     assert all(j["requeues"] == 1 for j in jobs)
     assert r.zcard("prorl:queued:run.testnode") == 0 and r.zcard("prorl:active") == 0
+
+
+def test_a_node_stopped_with_requeue_on_stop_hands_its_jobs_to_another(redis_server, r,
+                                                                        tmp_path):
+    """SIGTERM to a node's pools (scancel of a worker node): what it held and what waited on
+    its queues starts again at INIT on another node at once, failing nothing and without
+    spending a re-queue; nothing waits for the heartbeat stale time (set long here)."""
+    settings = dict(requeue_on_stop=1, heartbeat_stale_s=120, run_concurrency=2,
+                    max_requeues=0)
+    leaving = make_pools(redis_server, tmp_path / "a", node="leaving", **settings)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    leaving.start()
+    staying = None
+    try:
+        app = create_app(load_settings(farm_env(redis_server.url, **settings)))
+        client = app.test_client()
+        sub = submit(client, [{"run_s": 3.0}], n=6)
+        # Two run, four wait on run.leaving behind them.
+        wait_until(lambda: r.zcard("prorl:queued:run.leaving") == 4, 30, what="queued")
+        t0 = time.monotonic()
+        leaving.stop()
+        staying = make_pools(redis_server, tmp_path / "b", node="staying", **settings)
+        staying.start()
+        summary = wait_batch(client, sub["batch_id"], timeout_s=60)
+        assert summary["counts"]["done"] == 6, summary
+        assert time.monotonic() - t0 < 40  # not the 120 s stale time
+        jobs = [job(client, i) for i in sub["job_ids"]]
+        assert {j["node"] for j in jobs} == {"staying"}
+        assert all(j["requeues"] == 0 for j in jobs)  # max_requeues=0, yet none failed
+        assert all("node leaving left" in j["attempts"][-1]["reason"] for j in jobs)
+        m = scrape(client)
+        assert m[("prorl_reaper_actions_total", (("mode", "leave"),
+                                                 ("outcome", "requeue")))] == 6
+    finally:
+        leaving.stop()
+        if staying is not None:
+            staying.stop()

@@ -202,7 +202,9 @@ return abort
 # ARGV: job, mode, cutoff (epoch s: a heartbeat older than this is dead), expected token,
 # queue ('' for mode 'active'), max_requeues, new_token, ttl_s, message, max history.
 # Modes: 'active' (stale heartbeat), 'queued' (waiting on a dead node's queue), 'orphan'
-# (its message was reserved by a dead worker), 'lost' (its message left the queue unclaimed).
+# (its message was reserved by a dead worker), 'lost' (its message left the queue unclaimed),
+# 'leave' (its node is being stopped: re-queued at once, whatever its phase, without
+# counting against max_requeues: the job did nothing wrong).
 # Returns 'alive' | 'gone' | 'moved' | 'requeue' (caller publishes to init, then calls
 # HANDED_OFF) | 'failed'.
 REAP = r"""
@@ -222,12 +224,14 @@ local beat = redis.call('ZSCORE', K.ACTIVE, id)
 if beat and tonumber(beat) >= cutoff then return 'alive' end
 if mode == 'active' then
   if not beat then return 'moved' end
+elseif mode == 'leave' then
+  if j[2] == 'end' then return 'moved' end
 elseif j[2] ~= 'waiting' or (mode ~= 'orphan' and j[3] ~= queue) then
   return 'moved'
 end
 local now = now_s()
 local n = tonumber(j[4] or '0')
-if n >= maxrq then
+if n >= maxrq and mode ~= 'leave' then
   finish(id, jk, 'failed', 'worker_lost', msg, ttl, now)
   redis.call('HINCRBY', K.REAPER_ACTIONS, mode .. ':failed', 1)
   return 'failed'
@@ -241,7 +245,8 @@ while #history > keep do table.remove(history, 1) end
 unqueue(id, j[3])
 redis.call('HDEL', jk, unpack(ATTEMPT_FIELDS))
 redis.call('HSET', jk, 'stage', 'init', 'phase', 'waiting', 'token', new, 'queue', 'init',
-  'requeues', n + 1, 't_init_queued', fmt(now), 'attempts', cjson.encode(history))
+  'requeues', mode == 'leave' and n or n + 1, 't_init_queued', fmt(now),
+  'attempts', cjson.encode(history))
 set_state(jk, j[1], 'queued', j[5])
 release_backend(id)
 redis.call('ZADD', K.queued('init'), now, id)

@@ -52,6 +52,10 @@ class Liveness:
         with self._lock:
             self._running[(ctx.job_id, ctx.token)] = ctx
 
+    def running_pairs(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._running)
+
     def untrack(self, ctx: JobContext) -> None:
         with self._lock:
             self._running.pop((ctx.job_id, ctx.token), None)

@@ -17,11 +17,12 @@ from celery import Celery
 from celery.exceptions import WorkerShutdown
 from celery.signals import worker_process_init, worker_ready, worker_shutting_down
 
+from prorl_farm import keys
 from prorl_farm.celery_app import TASK_NAMES, create_celery_app, queue_for, stage_of_queue
 from prorl_farm.config import STAGES, Settings, load_settings
 from prorl_farm.errors import StageFailed
 from prorl_farm.handlers.registry import HandlerRegistry
-from prorl_farm.jobs.states import StageOutcome
+from prorl_farm.jobs.states import Reap, StageOutcome
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
 from prorl_farm.worker import logs
@@ -61,6 +62,33 @@ class WorkerFarm:
 
     def requeue(self, job_id: str, token: str) -> None:
         self.publish("init", job_id, token, "init")
+
+    def leave(self) -> int:
+        """This node is going away (PRORL_REQUEUE_ON_STOP and SIGTERM): re-queue at INIT,
+        for another node, every job this pool holds and every job waiting on its node's
+        queue; the stages still running them are aborted (their token moved on). Returns
+        how many jobs were re-queued."""
+        node = self.settings.node
+        held = set(self.liveness.running_pairs()) | set(_reserved_requests())
+        if self.stage != "init":
+            waiting = self.store.r.zrange(keys.queued(queue_for(self.stage, node)), 0, -1)
+            held |= {(j, t) for j, t in zip(waiting, self.store.tokens(waiting)) if t}
+        n = sum(self.hand_back(job_id, token) for job_id, token in sorted(held))
+        self.liveness.tick()  # aborts the stages still running those jobs
+        log.warning("%s pool on %s leaving: %d job(s) re-queued for other nodes", self.stage,
+                    node, n)
+        return n
+
+    def hand_back(self, job_id: str, token: str) -> bool:
+        """Re-queue one job at INIT for another node (this one is leaving)."""
+        outcome, new_token = self.store.reap(
+            job_id, "leave", float("inf"), token, "",
+            f"node {self.settings.node} left: its {self.stage} pool was stopped")
+        if outcome is not Reap.REQUEUE:
+            return False
+        self.requeue(job_id, new_token)
+        self.store.handed_off([(job_id, new_token)])
+        return True
 
 
 def _sandbox_manager(r, settings: Settings):
@@ -122,7 +150,12 @@ def execute_stage(stage: str, job_id: str, token: str) -> str:
     """The body of a stage task. A stage that failed its job ends in Celery's FAILURE state
     (the job store is already updated, and the message is acked: nothing runs again), so
     Flower and Celery's events tell failed jobs from finished ones."""
-    result = get_farm(stage).runner(stage, job_id, token)
+    farm = get_farm(stage)
+    if _shutdown_requested and farm.settings.requeue_on_stop:
+        # Delivered while this node leaves: never start it here (its sandboxes are going).
+        farm.hand_back(job_id, token)
+        return "handed back: this node is leaving"
+    result = farm.runner(stage, job_id, token)
     if result.outcome is StageOutcome.FAILED and result.failure is not None:
         raise StageFailed(*result.failure)
     if result.outcome is StageOutcome.ABORTED:
@@ -170,6 +203,11 @@ def _on_shutdown(**_):
     global _shutdown_requested
     _shutdown_requested = True
     if _farm is not None:
+        if _farm.settings.requeue_on_stop and os.getpid() == _main_pid:
+            try:
+                _farm.leave()
+            except Exception:
+                log.exception("could not re-queue this pool's jobs; the reaper will")
         _farm.liveness.stop()
 
 
