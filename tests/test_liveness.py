@@ -211,9 +211,11 @@ def test_a_node_stopped_with_requeue_on_stop_hands_its_jobs_to_another(redis_ser
         assert {j["node"] for j in jobs} == {"staying"}
         assert all(j["requeues"] == 0 for j in jobs)  # max_requeues=0, yet none failed
         assert all("node leaving left" in j["attempts"][-1]["reason"] for j in jobs)
+        # Each job at least once (one delivered to the leaving INIT pool meanwhile is handed
+        # back again).
         m = scrape(client)
         assert m[("prorl_reaper_actions_total", (("mode", "leave"),
-                                                 ("outcome", "requeue")))] == 6
+                                                 ("outcome", "requeue")))] >= 6
     finally:
         leaving.stop()
         if staying is not None:
