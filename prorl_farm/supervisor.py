@@ -347,7 +347,8 @@ class Supervisor:
         s = self.settings
         lines = [
             "prorl-farm is up",
-            f"  API     http://{s.api_host}:{s.api_port}   (GET /readyz, /openapi.json)",
+            f"  API     http://{s.api_host}:{s.api_port}   (dashboard at /; /metrics, "
+            "/openapi.json)",
             f"  Flower  http://{s.api_host}:{s.flower_port}",
             f"  Redis   {url}" + ("   (private)" if self.redis else ""),
             "  pools   " + ", ".join(f"{st}: {s.pool(st).pool} x{s.pool(st).concurrency}"

@@ -203,12 +203,15 @@ def _on_shutdown(**_):
     global _shutdown_requested
     _shutdown_requested = True
     if _farm is not None:
-        if _farm.settings.requeue_on_stop and os.getpid() == _main_pid:
+        leaving = _farm.settings.requeue_on_stop and os.getpid() == _main_pid
+        if leaving:
             try:
                 _farm.leave()
             except Exception:
                 log.exception("could not re-queue this pool's jobs; the reaper will")
         _farm.liveness.stop()
+        if leaving:  # gone at once for /readyz, the dashboard and the reaper
+            _farm.store.r.zrem(keys.POOLS, f"{_farm.stage}:{_farm.settings.node}")
 
 
 def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The farm's head: Redis (append-only, password), the API (token) and Flower (basic auth),
+# in the foreground. Publishes $PRORL_SHARED/head.env for the worker nodes and clients:
+# PRORL_REDIS_URL, PRORL_URL, PRORL_API_TOKEN, PRORL_FLOWER_URL, PRORL_FLOWER_BASIC_AUTH.
+#
+# Environment: PRORL_HEAD_HOST (the name workers reach, default: this host),
+# PRORL_REDIS_PORT (6379), PRORL_API_PORT (8000), PRORL_FLOWER_PORT (5555), PRORL_API_TOKEN,
+# PRORL_FLOWER_BASIC_AUTH (user:password), PRORL_REDIS_DIR (default $PRORL_SHARED/redis),
+# and any PRORL_* setting of the API.
+here=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")
+source "$here/common.sh"
+
+host=${PRORL_HEAD_HOST:-$(hostname -f 2>/dev/null || hostname)}
+redis_port=${PRORL_REDIS_PORT:-6379}
+api_port=${PRORL_API_PORT:-8000}
+flower_port=${PRORL_FLOWER_PORT:-5555}
+redis_dir=${PRORL_REDIS_DIR:-$PRORL_SHARED/redis}
+mkdir -p "$redis_dir"
+
+# A restarted head keeps its credentials, so running worker nodes reconnect.
+if [ -f "$HEAD_ENV" ]; then
+  set -a; source "$HEAD_ENV"; set +a
+  password=${PRORL_REDIS_PASSWORD:-}
+fi
+password=${password:-$(secret)}
+token=${PRORL_API_TOKEN:-$(secret)}
+flower_auth=${PRORL_FLOWER_BASIC_AUTH:-prorl:$(secret)}
+rm -f "$HEAD_ENV"
+
+# The password in a 0600 config file, not on a command line other users can read.
+conf="$redis_dir/redis.conf"
+cat >"$conf" <<CONF
+port $redis_port
+bind 0.0.0.0
+requirepass $password
+dir $redis_dir
+appendonly yes
+appendfsync everysec
+save ""
+daemonize no
+CONF
+url="redis://:$password@$host:$redis_port/0"
+
+start_child redis "$LOG_DIR/head-redis.log" redis-server "$conf"
+export PRORL_REDIS_URL=$url PRORL_API_HOST=0.0.0.0 PRORL_API_PORT=$api_port \
+       PRORL_API_TOKEN=$token
+"$PY" - "$url" <<'PY'
+import sys, time, redis
+r, end = redis.Redis.from_url(sys.argv[1]), time.monotonic() + 120
+while True:
+    try:
+        r.ping(); break
+    except redis.exceptions.BusyLoadingError:
+        pass  # loading a large append-only file
+    except redis.exceptions.ConnectionError:
+        pass
+    if time.monotonic() > end:
+        sys.exit("redis did not start")
+    time.sleep(0.2)
+PY
+start_child api "$LOG_DIR/head-api.log" "$PY" -m prorl_farm.cli api
+FLOWER_BASIC_AUTH=$flower_auth start_child flower "$LOG_DIR/head-flower.log" \
+  "$PY" -m celery -A prorl_farm.celery_app --broker "$url" flower \
+  --port="$flower_port" --address=0.0.0.0
+wait_http "http://127.0.0.1:$api_port/healthz" 120
+
+tmp="$HEAD_ENV.tmp.$$"
+cat >"$tmp" <<ENV
+PRORL_REDIS_URL=$url
+PRORL_REDIS_PASSWORD=$password
+PRORL_URL=http://$host:$api_port
+PRORL_API_TOKEN=$token
+PRORL_FLOWER_URL=http://$host:$flower_port
+PRORL_FLOWER_BASIC_AUTH=$flower_auth
+PRORL_HEAD_JOB=${SLURM_JOB_ID:-}
+ENV
+mv "$tmp" "$HEAD_ENV"
+say "head up: API http://$host:$api_port, Flower http://$host:$flower_port; $HEAD_ENV written"
+supervise
