@@ -42,20 +42,22 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str 
 class RedisServer:
     """A private redis-server on a free port, data in ``tmp``."""
 
-    def __init__(self, tmp: Path, appendonly: bool = False):
+    def __init__(self, tmp: Path, appendonly: bool = False, fsync: str = "everysec"):
         if not shutil.which("redis-server"):
             raise RuntimeError("redis-server is not installed (make test installs it)")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.tmp = tmp
         self.appendonly = appendonly
+        self.fsync = fsync
         tmp.mkdir(parents=True, exist_ok=True)
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-             str(self.tmp), "--save", "", "--appendonly", "yes" if self.appendonly else "no"],
+             str(self.tmp), "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+             "--appendfsync", self.fsync],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         wait_until(lambda: self._ping(client), 10, what="redis-server")
@@ -76,6 +78,11 @@ class RedisServer:
 
     def stop(self) -> None:
         self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        """kill -9: no shutdown, no final write (what survives is what was fsynced)."""
+        self.proc.kill()
         self.proc.wait(timeout=10)
 
 
