@@ -49,6 +49,8 @@ bench: bootstrap
 	$(PY) bench/tools.py
 	$(PY) bench/agent.py
 	$(PY) bench/dapo.py
+	$(PY) bench/load.py
+	$(PY) bench/scaling.py
 
 clean:
 	rm -rf $(VENV) .prorl .pytest_cache

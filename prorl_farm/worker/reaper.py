@@ -55,8 +55,11 @@ class Reaper:
         if not force and not self.store.try_lock(keys.REAPER_PACE, self._me,
                                                  self.settings.reap_interval_s):
             return {}
-        # Held for the whole sweep; expires by itself should this process die mid-sweep.
-        if not self.store.try_lock(keys.REAPER_LOCK, self._me, 60.0):
+        # Held for the whole sweep; expires by itself should this process die mid-sweep (or
+        # Redis restart from a file that still holds it). Kept short: sweeps that overlap
+        # after it expires are safe (REAP acts once per attempt), a long pause is not.
+        if not self.store.try_lock(keys.REAPER_LOCK, self._me,
+                                   max(2.5, 5 * self.settings.reap_interval_s)):
             return {}
         try:
             counts = self._sweep()
