@@ -17,7 +17,7 @@ def list_handlers():
     for name in registry.names():
         h = registry.get(name)
         out.append({"name": name, "description": h.description,
-                    "instance_schema": handler_schema(h),
+                    "instance_schema": handler_schema(h, services().settings),
                     "visible_fields": list(h.visible_fields) if h.visible_fields is not None
                     else None})
     return {"handlers": out}

@@ -116,14 +116,19 @@ def json_schema(schema_cls) -> dict:
     return _inline(components["Root"], components)
 
 
-def handler_schema(handler) -> dict:
-    """A handler's instance schema as JSON Schema, with its cross-field constraints."""
+def handler_schema(handler, settings=None) -> dict:
+    """A handler's instance schema as JSON Schema, with its cross-field constraints and
+    what this farm's settings allow of it."""
     schema = (json_schema(handler.instance_schema) if handler.instance_schema
               else {"type": "object"})
-    return {**schema, **handler.instance_constraints}
+    schema = {**schema, **handler.instance_constraints}
+    if settings is not None:
+        for name, rule in handler.allowed_by(settings).items():
+            schema["properties"][name] = {**schema["properties"][name], **rule}
+    return schema
 
 
-def build_openapi(registry) -> dict:
+def build_openapi(registry, settings=None) -> dict:
     """The document for an app with these handlers: a submission is one of the handlers,
     each with its instance schema, given as ``instance`` or as ``instances``."""
     doc = copy.deepcopy(_DOC)
@@ -131,7 +136,7 @@ def build_openapi(registry) -> dict:
     variants = []
     for name in registry.names():
         handler = registry.get(name)
-        instance = handler_schema(handler)
+        instance = handler_schema(handler, settings)
         for key, value in (("instance", instance),
                            ("instances", {"type": "array", "minItems": 1, "items": instance})):
             variants.append({"type": "object", "required": ["handler", key],
@@ -152,5 +157,6 @@ def openapi():
     if "prorl_openapi" not in ext:
         with _docs_lock:
             if "prorl_openapi" not in ext:
-                ext["prorl_openapi"] = build_openapi(ext["prorl"].registry)
+                ext["prorl_openapi"] = build_openapi(ext["prorl"].registry,
+                                                     ext["prorl"].settings)
     return ext["prorl_openapi"]

@@ -190,3 +190,17 @@ def test_flower_off_loopback_refuses_without_the_password(redis_server, tmp_path
     finally:
         stop_process(proc)
         log.close()
+
+
+def test_the_openapi_document_states_the_network_rule(settings, r):
+    from api import create_app
+
+    def network(s) -> dict:
+        doc = create_app(s).test_client().get("/openapi.json").get_json()
+        shell = next(v for v in doc["components"]["schemas"]["Submit"]["oneOf"]
+                     if v["properties"]["handler"]["enum"] == ["shell"] and "instance" in
+                     v["properties"])
+        return shell["properties"]["instance"]["properties"]["network"]
+
+    assert network(settings)["enum"] == [False]
+    assert "enum" not in network(dataclasses.replace(settings, sandbox_network=True))

@@ -53,6 +53,11 @@ class AgentHandler(ABC):
         except SchemaError as e:
             raise InvalidInstance("invalid instance", e.normalized_messages()) from e
 
+    def allowed_by(self, settings) -> dict:
+        """JSON Schema narrowing of instance fields under these settings (for the OpenAPI
+        document), matching :meth:`refusals`: {field: schema}."""
+        return {}
+
     def refusals(self, instance: dict, settings) -> dict:
         """Field errors for a valid instance that this farm's settings do not allow (e.g. a
         sandbox with the outside network); {} if it may run."""

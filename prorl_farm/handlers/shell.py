@@ -39,6 +39,9 @@ class ShellHandler(AgentHandler):
     instance_schema = ShellInstance
     visible_fields = ("files", "setup", "commands", "command_timeout_s", "network")
 
+    def allowed_by(self, settings) -> dict:
+        return {} if settings.sandbox_network else {"network": {"enum": [False]}}
+
     def refusals(self, instance: dict, settings) -> dict:
         if instance["network"] and not settings.sandbox_network:
             return {"network": ["this farm does not give sandboxes the outside network "
