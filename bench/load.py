@@ -96,10 +96,11 @@ def main() -> None:
                 while left:
                     n = min(args.chunk, left)
                     t0 = time.perf_counter()
-                    resp = sess.post(base + "/v1/jobs", json={
-                        "handler": "synthetic", "instances": [{**STAGE, "tag": k}], "n": n},
-                        timeout=120)
-                    resp.raise_for_status()
+                    body = {"handler": "synthetic", "n": n,
+                            "instances": [{**STAGE, "payload": str(k)}]}
+                    resp = sess.post(base + "/v1/jobs", json=body, timeout=120)
+                    if resp.status_code != 202:
+                        raise SystemExit(f"submit: {resp.status_code} {resp.text[:500]}")
                     with lock:
                         submit_s.append(time.perf_counter() - t0)
                         batches.append(resp.json()["batch_id"])
