@@ -6,6 +6,9 @@ It speaks the routes the farm uses of vLLM (``POST /v1/completions`` with token-
 tested without a GPU. Logprobs are raw: ``log_softmax`` of the model's logits before
 temperature, top-k and top-p (vLLM's default ``raw_logprobs``); sampling applies them.
 Requests run one at a time; a client that disconnects aborts its generation.
+``POST /update_weights_from_disk {"model_path": ...}`` (SGLang's weight-sync route) loads
+new weights from local safetensors between requests: a trainer drains the backend, saves,
+calls it, and resumes the backend with the new policy version.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class DevModel:
         self._cache_kw = ("cache" if "cache" in inspect.signature(self.model.forward).parameters
                           else "past_key_values")
         self.lock = threading.Lock()
+        self.weights_path = str(self.dir)
+        self.weight_loads = 0
 
     def _forward(self, ids, cache):
         kwargs = {"input_ids": ids, "use_cache": True}
@@ -124,6 +129,42 @@ class DevModel:
                 if step + 1 < max_tokens:
                     logits, cache = self._forward(torch.tensor([[token]]), cache)
         return Sampled(out_ids, logprobs, "length", None, len(prompt))
+
+    def load_weights(self, path: str) -> dict:
+        """Load new weights into the served model: safetensors, a file or a directory of
+        ``*.safetensors`` (what ``save_pretrained`` writes). Everything is read and checked
+        (names, shapes) first, then copied in under the sampling lock: a request that comes
+        meanwhile waits, and no request ever sees a half-loaded model."""
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        files = [p] if p.is_file() else sorted(p.glob("*.safetensors")) if p.is_dir() else []
+        if not files:
+            raise BadRequest(f"model_path: no .safetensors file at {path}")
+        state: dict = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        own = self.model.state_dict()
+        # Tied weights (embeddings = output layer) are saved once: a key may be missing if
+        # it shares its storage with one that is present.
+        by_ptr: dict[int, set[str]] = {}
+        for k, v in own.items():
+            by_ptr.setdefault(v.data_ptr(), set()).add(k)
+        missing = {k for k in set(own) - set(state)
+                   if not (by_ptr[own[k].data_ptr()] & set(state))}
+        unknown = set(state) - set(own)
+        shapes = [k for k in set(state) & set(own) if tuple(state[k].shape) != tuple(own[k].shape)]
+        if missing or unknown or shapes:
+            raise BadRequest(f"model_path: weights do not fit this model (missing "
+                             f"{sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}, shape "
+                             f"mismatch {sorted(shapes)[:5]})")
+        with self.lock, self.torch.no_grad():
+            for k, v in state.items():
+                own[k].copy_(v.to(own[k].dtype))
+            self.weights_path = str(p)
+            self.weight_loads += 1
+        return {"success": True, "message": f"loaded {len(state)} tensors from {p}",
+                "weight_loads": self.weight_loads}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -202,7 +243,8 @@ class DevHandler(BaseHTTPRequestHandler):
                 "max_model_len": m.max_len, "root": str(m.dir)}]})
         elif self.path == "/get_model_info":
             self._send(200, {"model_path": str(m.dir), "tokenizer_path": str(m.dir),
-                             "is_generation": True})
+                             "is_generation": True, "weights_path": m.weights_path,
+                             "weight_loads": m.weight_loads})
         else:
             self._error(404, f"no route {self.path}")
 
@@ -213,6 +255,12 @@ class DevHandler(BaseHTTPRequestHandler):
                 self._send(200, self._completions(body))
             elif self.path == "/generate":
                 self._send(200, self._generate(body))
+            elif self.path == "/update_weights_from_disk":
+                # SGLang's route and body: {"model_path": ...}.
+                path = body.get("model_path")
+                if not isinstance(path, str) or not path:
+                    raise BadRequest("model_path: a local path is required")
+                self._send(200, self.model.load_weights(path))
             else:
                 self._error(404, f"no route {self.path}")
         except BadRequest as e:

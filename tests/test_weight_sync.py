@@ -1,0 +1,121 @@
+"""Weight sync on the dev model server: new safetensors weights load between requests (never
+half-loaded), and a farm backend goes drain -> load -> resume with the next policy version,
+its turns afterwards carrying that version and sampled from the new weights."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import requests
+import torch
+
+from prorl_farm.dev.devserver import DevModel, make_server
+from tests.farm import wait_until
+
+PROMPT = [5, 17, 42, 99, 7]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    model = DevModel(tiny_model)
+    server = make_server(model)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield model, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _completion(url: str, max_tokens: int = 6, **kw) -> dict:
+    resp = requests.post(url + "/v1/completions", json={
+        "model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+        "logprobs": 1, "return_token_ids": True, **kw}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+def _teacher_forced(model_dir, ids: list[int], n_new: int) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        logits = m(torch.tensor([ids])).logits[0]
+    lp = torch.log_softmax(logits, -1)
+    start = len(ids) - n_new
+    return [float(lp[p - 1, ids[p]]) for p in range(start, len(ids))]
+
+
+def _perturbed(tiny_model, out, scale: float):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    m.save_pretrained(str(out))  # safetensors, tied embeddings saved once
+    return out
+
+
+def _sampled(choice: dict) -> tuple[list[int], list[float]]:
+    ids = choice["token_ids"]
+    return ids, [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+
+def test_new_weights_load_between_requests_and_are_what_samples(served, tiny_model, tmp_path):
+    model, url = served
+    before_ids, before_lp = _sampled(_completion(url))
+    new = _perturbed(tiny_model, tmp_path / "step1", 0.5)
+    resp = requests.post(url + "/update_weights_from_disk", json={"model_path": str(new)},
+                         timeout=60)
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+    info = requests.get(url + "/get_model_info", timeout=10).json()
+    assert info["weights_path"] == str(new) and info["weight_loads"] >= 1
+    ids, lp = _sampled(_completion(url))
+    assert (ids, lp) != (before_ids, before_lp)
+    # What it samples now is the new model's distribution, to fp32 precision.
+    expected = _teacher_forced(new, PROMPT + ids, len(ids))
+    assert max(abs(a - b) for a, b in zip(lp, expected)) < 1e-4
+
+
+def test_weights_that_do_not_fit_are_refused_and_change_nothing(served, tiny_model, tmp_path):
+    from prorl_farm.dev.tiny import build_tiny_model
+
+    model, url = served
+    before = _sampled(_completion(url))
+    other = build_tiny_model(tmp_path / "other", hidden_size=32)
+    for body, why in (({"model_path": str(other)}, "do not fit"),
+                      ({"model_path": str(tmp_path / "nothing")}, "no .safetensors"),
+                      ({}, "required")):
+        resp = requests.post(url + "/update_weights_from_disk", json=body, timeout=60)
+        assert resp.status_code == 400 and why in resp.text, resp.text
+    assert _sampled(_completion(url)) == before
+
+
+def test_a_load_waits_for_the_generation_in_progress(served, tiny_model, tmp_path):
+    """The lock: a load requested mid-generation waits for it, so that generation is
+    sampled wholly from the old weights (every one of its 400 tokens), and the next from
+    the new."""
+    model, url = served
+    new = _perturbed(tiny_model, tmp_path / "step2", 0.3)
+    ended = {}
+
+    def long_generation():
+        ended["choice"] = _completion(url, max_tokens=400, ignore_eos=True)
+
+    old_path = model.weights_path
+    t = threading.Thread(target=long_generation)
+    t.start()
+    wait_until(model.lock.locked, 10, 0.001, "the generation to start")
+    resp = requests.post(url + "/update_weights_from_disk", json={"model_path": str(new)},
+                         timeout=60)
+    t.join()
+    assert resp.status_code == 200
+    ids, lp = _sampled(ended["choice"])
+    assert len(ids) == 400
+    expected = _teacher_forced(old_path, PROMPT + ids, len(ids))
+    assert max(abs(a - b) for a, b in zip(lp, expected)) < 1e-4
+    ids, lp = _sampled(_completion(url))
+    assert max(abs(a - b) for a, b in zip(lp, _teacher_forced(new, PROMPT + ids, len(ids)))
+               ) < 1e-4
