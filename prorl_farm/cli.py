@@ -27,7 +27,7 @@ def _cmd_serve_model(args) -> int:
 def _cmd_tiny_model(args) -> int:
     from prorl_farm.dev.tiny import build_tiny_model
 
-    print(build_tiny_model(args.out, seed=args.seed))
+    print(build_tiny_model(args.out, seed=args.seed, chars=args.chars))
     return 0
 
 
@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     tm = sub.add_parser("tiny-model", help="build a tiny random model and tokenizer offline")
     tm.add_argument("out", metavar="DIR")
     tm.add_argument("--seed", type=int, default=0)
+    tm.add_argument("--chars", action="store_true",
+                    help="a character-level tokenizer (45 tokens), for the arith RL loop")
     tm.set_defaults(func=_cmd_tiny_model)
     return p
 

@@ -87,15 +87,60 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 2000, corpus_bytes: int = 2
     return fast
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies use."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+# The characters of ChatML's role names and of the arith task: a vocabulary of about 45.
+CHAR_ALPHABET = "0123456789+-=?\n abcdefghijklmnopqrstuvwxyz"
+
+
+def build_char_tokenizer(out_dir: Path):
+    """A character-level tokenizer (one token per character, ChatML's special tokens kept
+    whole): small enough that a tiny model learns the arith task in a minute. Byte-level
+    BPE with no merges, so that it loads the same as a Qwen2 tokenizer (which transformers
+    may rebuild from the vocabulary for a Qwen2 model)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_char = _bytes_to_unicode()
+    tokens = [*SPECIAL_TOKENS, *(byte_char[b] for b in CHAR_ALPHABET.encode())]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None,
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHATML_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return fast
+
+
 def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2000,
-                     hidden_size: int = 64, layers: int = 2) -> Path:
-    """Write a tokenizer and a random Qwen2 model to ``out_dir``; returns the directory."""
+                     hidden_size: int = 64, layers: int = 2, chars: bool = False) -> Path:
+    """Write a tokenizer and a random Qwen2 model to ``out_dir``; returns the directory.
+    ``chars``: the character-level tokenizer (the arith RL loop) instead of the BPE one."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok = build_char_tokenizer(out) if chars else build_tokenizer(out, vocab_size=vocab_size)
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,

@@ -20,6 +20,7 @@ BUILTIN = {
     "stem": "prorl_farm.handlers.stem:StemHandler",
     "shell": "prorl_farm.handlers.shell:ShellHandler",
     "swe": "prorl_farm.handlers.swe:SweHandler",
+    "arith": "prorl_farm.handlers.arith:ArithHandler",
 }
 
 
