@@ -9,7 +9,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 UP_ARGS ?=
 
-.PHONY: up test bootstrap system lint bench clean
+.PHONY: up test bootstrap system lint bench grpo clean
 
 up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
@@ -51,6 +51,11 @@ bench: bootstrap
 	$(PY) bench/dapo.py
 	$(PY) bench/load.py
 	$(PY) bench/scaling.py
+
+# GRPO on the CPU with every rollout from a farm it starts (examples/grpo_cpu.py).
+GRPO_ARGS ?=
+grpo: bootstrap
+	$(PY) examples/grpo_cpu.py $(GRPO_ARGS)
 
 clean:
 	rm -rf $(VENV) .prorl .pytest_cache

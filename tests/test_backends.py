@@ -105,6 +105,13 @@ def test_terminal_transitions_release_the_slot(settings, r):
     store.reap(jobs[2].job_id, "active", store.server_time() + 1, jobs[2].token, "", "dead")
     assert registry.in_flight()[bid] == 0
     assert registry.get(bid)["load"] == 0.0
+    # A stage that has not noticed its job ended yet cannot pin it again (a slot would be
+    # held for a job that is over: found by the RL loop, whose sampler cancels surplus
+    # groups mid-turn).
+    assert registry.acquire(jobs[0].job_id) is None
+    assert registry.pin(jobs[0].job_id) is None
+    assert registry.in_flight()[bid] == 0
+    assert registry.acquire(jobs[1].job_id) == bid  # not terminal: pins as before
 
 
 def test_backend_api(client, r):

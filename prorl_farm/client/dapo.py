@@ -82,6 +82,10 @@ class StepStats:
     in_flight_mean: float = 0.0  # rollouts in flight, averaged over the wait
     utilisation: float | None = None  # in_flight_mean / the backends' total capacity
     acceptance_rate: float = 0.0
+    # Over every rollout that finished (done) in the groups judged this step, kept or not:
+    # the policy's mean reward, unbiased by the filter.
+    reward_mean: float | None = None
+    rollouts_judged: int = 0
 
 
 @dataclass
@@ -235,6 +239,7 @@ class DynamicSampler:
         start = time.monotonic()
         end = None if timeout_s is None else start + timeout_s
         samples = []
+        rewards: list[float] = []
         while len(accepted) < self.batch_groups:
             missing = self.batch_groups - len(accepted)
             want = self._wanted_in_flight(missing) - len(self.in_flight)
@@ -249,6 +254,7 @@ class DynamicSampler:
                 0.0, min(self.poll_wait_s, end - time.monotonic()))
             for group in self._poll(wait):
                 self._seen += 1
+                rewards += group.rewards
                 if group.policy_version < oldest:
                     stats.dropped_stale += 1
                     stats.rollouts_wasted += len(group.job_ids)
@@ -265,6 +271,8 @@ class DynamicSampler:
             stats.rollouts_wasted += sum(len(g.job_ids) for g in self.ready)
             self.ready = []
         stats.accepted = len(accepted)
+        stats.rollouts_judged = len(rewards)
+        stats.reward_mean = round(sum(rewards) / len(rewards), 4) if rewards else None
         stats.in_flight_mean = round(sum(samples) / len(samples), 2) if samples else 0.0
         capacity = self._capacity()
         if capacity:

@@ -60,6 +60,10 @@ local job, exclude, audit = ARGV[1], ARGV[2], ARGV[3]
 if ARGV[4] and ARGV[4] ~= '' then
   record_latency(ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]))
 end
+-- A job that ended (cancelled, failed, done) never takes a slot: its terminal transition
+-- already released it, and a stage that has not noticed yet must not pin it again.
+local state = redis.call('HGET', K.job(job), 'state')
+if state == 'done' or state == 'failed' or state == 'cancelled' then return {} end
 local FIELDS = {'url', 'kind', 'model', 'tokenizer', 'policy_version', 'logprobs_mode'}
 local function pinned(b, how)
   local out = {b, how}

@@ -1,0 +1,385 @@
+"""GRPO on a CPU with every rollout from the farm: a tiny model learns single-digit addition.
+
+What it does, end to end:
+1. Builds a character-level tokenizer and a tiny Qwen2 (about 126k parameters) offline.
+2. A short supervised warm start on correct sums (without it RL tends to collapse onto the
+   most common sum).
+3. Starts a farm with `prorl-farm up --dev-model` (a private Redis, the API, the three pools,
+   the CPU model server registered as a backend at policy version 0).
+4. Each step asks the dynamic sampler (DAPO: groups whose rewards all agree are dropped and
+   replaced while the step waits) for ``--groups`` groups of ``--n`` rollouts of the
+   ``arith`` task, turns them into a VeRL-layout batch with the adapter, checks the
+   recorded logprobs against a teacher-forced recomputation, and takes PPO-clip steps with
+   the recorded logprobs as the old policy (group-normalised advantages, clip-higher).
+5. After each update: save the weights (safetensors), drain the backend, wait until nothing
+   is in flight, load the weights into the model server, resume with the next policy
+   version. Every trajectory of step k must carry version k on every turn.
+
+Prints a row per step, writes ``history.json`` and the reward curve ``reward.png``.
+
+    .venv/bin/python examples/grpo_cpu.py [--steps 60] [--out grpo-run]      # or: make grpo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import requests  # noqa: E402
+import torch  # noqa: E402
+
+from prorl_farm.client import FarmClient  # noqa: E402
+from prorl_farm.client.adapters import to_verl  # noqa: E402
+from prorl_farm.client.dapo import DynamicSampler  # noqa: E402
+from prorl_farm.handlers.arith import prompt_messages  # noqa: E402
+from prorl_farm.supervisor import free_port  # noqa: E402
+
+
+@dataclass
+class Config:
+    steps: int = 60
+    groups: int = 16  # prompt groups per training batch
+    n: int = 8  # rollouts per group
+    lr: float = 1e-3
+    warm_steps: int = 60
+    warm_lr: float = 3e-3
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO's clip-higher
+    minibatches: int = 4
+    epochs: int = 2  # passes over each batch (PPO-clip keeps them near the old policy)
+    max_tokens: int = 4
+    seed: int = 0
+    threads: int = 1
+
+
+# -- the model --------------------------------------------------------------------------
+
+
+def build(out: Path, seed: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from prorl_farm.dev.tiny import build_tiny_model
+
+    hf_logging.disable_progress_bar()
+    path = build_tiny_model(out / "init", seed=seed, chars=True)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return path, tok, model
+
+
+def prompt_ids(tok, a: int, b: int) -> list[int]:
+    ids = tok.apply_chat_template(prompt_messages(a, b), add_generation_prompt=True,
+                                  tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def warm_start(model, tok, cfg: Config, rng: random.Random) -> None:
+    """Supervised steps on correct sums: cross-entropy on the answer and its end token."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.warm_lr)
+    model.train()
+    for _ in range(cfg.warm_steps):
+        rows, labels = [], []
+        for _ in range(32):
+            a, b = rng.randrange(10), rng.randrange(10)
+            p = prompt_ids(tok, a, b)
+            answer = tok.encode(str(a + b), add_special_tokens=False) + [end]
+            rows.append(p + answer)
+            labels.append([-100] * len(p) + answer)
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [end] * (width - len(r)) for r in rows])
+        lab = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
+        loss = model(input_ids=ids, labels=lab).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok) -> float:
+    """Share of the 100 prompts answered exactly (greedy, then the end token)."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    ids = torch.tensor([prompt_ids(tok, a, b) for a, b in pairs])
+    for _ in range(3):
+        nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], 1)
+    tail = ids[:, -3:].tolist()
+    good = 0
+    for (a, b), t in zip(pairs, tail):
+        want = tok.encode(str(a + b), add_special_tokens=False) + [end]
+        good += t[:len(want)] == want
+    return good / len(pairs)
+
+
+def response_logprobs(model, batch: dict) -> torch.Tensor:
+    """Teacher-forced logprob of every response token: (batch, response length)."""
+    p = batch["prompts"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"])
+    lp = torch.log_softmax(out.logits[:, p - 1:-1].float(), -1)
+    return lp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def advantages(batch: dict, uids) -> torch.Tensor:
+    """GRPO: each rollout's reward against its group's mean, in units of its std."""
+    rewards = batch["token_level_scores"].sum(-1)
+    adv = torch.zeros_like(rewards)
+    for uid in set(uids):
+        idx = torch.tensor([i for i, u in enumerate(uids) if u == uid])
+        r = rewards[idx]
+        adv[idx] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    return adv
+
+
+def update(model, opt, batch: dict, uids, cfg: Config, rng: random.Random) -> dict:
+    """PPO-clip with the farm's recorded logprobs as the old policy; token-level mean."""
+    mask = batch["response_mask"].float()
+    old = batch["rollout_log_probs"].float()
+    with torch.no_grad():
+        recomputed = response_logprobs(model, batch)
+    drift = float(((recomputed - old).abs() * mask).max())
+    adv = advantages(batch, list(uids)).unsqueeze(-1)
+    size = max(1, -(-len(uids) // cfg.minibatches))
+    model.train()
+    losses = []
+    order = []
+    for _ in range(cfg.epochs):
+        shuffled = list(range(len(uids)))
+        rng.shuffle(shuffled)
+        order += [shuffled[i:i + size] for i in range(0, len(shuffled), size)]
+    for chunk in order:
+        idx = torch.tensor(chunk)
+        mb = {k: v[idx] for k, v in batch.items()}
+        new = response_logprobs(model, mb)
+        ratio = torch.exp(new - old[idx])
+        surrogate = torch.minimum(ratio * adv[idx],
+                                  ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv[idx])
+        m = mask[idx]
+        loss = -(surrogate * m).sum() / m.sum().clamp(min=1)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return {"logprob_drift": drift, "loss": sum(losses) / len(losses)}
+
+
+# -- the farm ---------------------------------------------------------------------------
+
+
+class LocalFarm:
+    """`prorl-farm up --dev-model DIR` in the background, stopped (SIGTERM) on exit."""
+
+    def __init__(self, model_dir: Path, home: Path):
+        self.api_port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
+        env.update(PRORL_HOME=str(home), PRORL_API_PORT=str(self.api_port),
+                   PRORL_FLOWER_PORT=str(free_port()), PRORL_LOG_LEVEL="WARNING",
+                   PRORL_SANDBOX_DIR=f"/tmp/prs-grpo-{self.api_port}",
+                   PRORL_TASK_EVENTS="0", PYTHONPATH=str(ROOT))
+        home.mkdir(parents=True, exist_ok=True)
+        self.log = open(home / "up.out", "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prorl_farm.cli", "up", "--dev-model", str(model_dir)],
+            env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.api_port}"
+        self.client = FarmClient(self.url)
+        end = time.monotonic() + 180
+        while not (self.client.ready() and self.client.backends()):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.stop()
+                raise SystemExit(f"the farm did not come up; see {home}/up.out and logs/")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def sync_weights(farm: FarmClient, backend: dict, model, path: Path, version: int) -> None:
+    """Save, drain, wait for nothing in flight, load into the server, resume at ``version``."""
+    model.save_pretrained(str(path))
+    farm.drain_backend(backend["id"])
+    farm.wait_drained(backend["id"], timeout_s=120)
+    resp = requests.post(backend["url"] + "/update_weights_from_disk",
+                         json={"model_path": str(path)}, timeout=120)
+    if resp.status_code != 200 or not resp.json().get("success"):
+        raise RuntimeError(f"weight sync failed: {resp.status_code} {resp.text[:300]}")
+    farm.resume_backend(backend["id"], version)
+
+
+def prompts(rng: random.Random):
+    while True:
+        yield {"a": rng.randrange(10), "b": rng.randrange(10)}
+
+
+# -- the loop ---------------------------------------------------------------------------
+
+
+def train(cfg: Config, out: Path, log=print) -> dict:
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    init_dir, tok, model = build(out, cfg.seed)
+    t0 = time.monotonic()
+    warm_start(model, tok, cfg, rng)
+    acc0 = greedy_accuracy(model, tok)
+    log(f"warm start: {cfg.warm_steps} steps in {time.monotonic() - t0:.1f} s, greedy "
+        f"accuracy {acc0:.2f}")
+    model.save_pretrained(str(init_dir))  # the farm's model server starts from these
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    farm = LocalFarm(init_dir, out / "farm")
+    history: list[dict] = []
+    violations: list[str] = []
+    try:
+        client = farm.client
+        [backend] = client.backends()
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        sampler = DynamicSampler(client, prompts(rng), "arith", n=cfg.n,
+                                 batch_groups=cfg.groups, carry=False, staleness=0,
+                                 sampling={"temperature": 1.0, "max_tokens": cfg.max_tokens},
+                                 rollout_deadline_s=120)
+        log(f"{'step':>4} {'reward':>6} {'acc':>4} {'filt':>4} {'sample_s':>8} "
+            f"{'update_s':>8} {'sync_s':>6} {'|dlogp|':>8}")
+        with sampler:
+            for step in range(cfg.steps):
+                t0 = time.monotonic()
+                batch = sampler.next_batch(policy_version=step, timeout_s=300)
+                sample_s = time.monotonic() - t0
+                for group in batch:
+                    for job in group.rollouts:
+                        for turn in (job.get("result") or {}).get("turns", []):
+                            if turn["policy_version"] != step:
+                                violations.append(f"step {step}: job {job['id']} turn at "
+                                                  f"version {turn['policy_version']}")
+                verl = to_verl(batch, pad_token_id=pad, as_torch=True)
+                t1 = time.monotonic()
+                upd = update(model, opt, verl["batch"], verl["non_tensor_batch"]["uid"], cfg,
+                             rng)
+                update_s = time.monotonic() - t1
+                t2 = time.monotonic()
+                sync_weights(client, backend, model, out / "weights", step + 1)
+                sync_s = time.monotonic() - t2
+                s = batch.stats
+                row = {"step": step, "reward": s.reward_mean, "accepted": s.accepted,
+                       "filtered": s.filtered_zero_variance + s.filtered_failed,
+                       "rollouts": s.rollouts_judged, "sample_s": round(sample_s, 3),
+                       "update_s": round(update_s, 3), "sync_s": round(sync_s, 3),
+                       "logprob_drift": upd["logprob_drift"], "loss": upd["loss"],
+                       "policy_version": step}
+                history.append(row)
+                log(f"{step:>4} {row['reward']:>6.3f} {row['accepted']:>4} "
+                    f"{row['filtered']:>4} {sample_s:>8.2f} {update_s:>8.2f} {sync_s:>6.2f} "
+                    f"{row['logprob_drift']:>8.1e}")
+        acc1 = greedy_accuracy(model, tok)
+        # Nothing left behind: every job of every group terminal, no backend slot held.
+        unfinished = [b for b in sampler.batch_ids if not client.batch(b)["complete"]]
+        deadline = time.monotonic() + 30
+        while unfinished and time.monotonic() < deadline:
+            time.sleep(0.2)
+            unfinished = [b for b in unfinished if not client.batch(b)["complete"]]
+        in_flight = client.backend(backend["id"])["in_flight"]
+    finally:
+        farm.stop()
+    result = {"config": asdict(cfg), "history": history, "greedy_accuracy": [acc0, acc1],
+              "version_violations": violations, "unfinished_batches": unfinished,
+              "backend_in_flight": in_flight}
+    (out / "history.json").write_text(json.dumps(result, indent=1))
+    plot(out / "reward.png", [r["reward"] for r in history])
+    first = sum(r["reward"] for r in history[:10]) / max(1, len(history[:10]))
+    last = sum(r["reward"] for r in history[-10:]) / max(1, len(history[-10:]))
+    log(f"mean reward, first 10 steps {first:.3f} -> last 10 {last:.3f}; greedy accuracy "
+        f"{acc0:.2f} -> {acc1:.2f}; curve: {out / 'reward.png'}")
+    return result
+
+
+# -- a PNG without plotting libraries -----------------------------------------------------
+
+
+def plot(path: Path, ys: list[float], width: int = 640, height: int = 320) -> None:
+    """The reward per step (blue) and its 10-step moving average (red) on [0, 1]."""
+    img = bytearray(b"\xff" * (width * height * 3))
+    left, right, top, bottom = 40, width - 10, 10, height - 30
+
+    def put(x: int, y: int, rgb) -> None:
+        if 0 <= x < width and 0 <= y < height:
+            i = (y * width + x) * 3
+            img[i:i + 3] = bytes(rgb)
+
+    def line(x0, y0, x1, y1, rgb, thick=1) -> None:
+        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
+        for k in range(steps + 1):
+            x = round(x0 + (x1 - x0) * k / steps)
+            y = round(y0 + (y1 - y0) * k / steps)
+            for d in range(thick):
+                put(x, y + d, rgb)
+
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):  # grid on reward 0, .25, ... 1
+        y = round(bottom - frac * (bottom - top))
+        line(left, y, right, y, (220, 220, 220))
+    line(left, top, left, bottom, (0, 0, 0))
+    line(left, bottom, right, bottom, (0, 0, 0))
+    if ys:
+        def xy(i, v):
+            x = left + (right - left) * i / max(1, len(ys) - 1)
+            return round(x), round(bottom - max(0.0, min(1.0, v)) * (bottom - top))
+
+        avg = [sum(ys[max(0, i - 9):i + 1]) / len(ys[max(0, i - 9):i + 1])
+               for i in range(len(ys))]
+        for series, rgb, thick in ((ys, (70, 110, 220), 1), (avg, (220, 50, 50), 2)):
+            pts = [xy(i, v) for i, v in enumerate(series)]
+            for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+                line(x0, y0, x1, y1, rgb, thick)
+    raw = b"".join(b"\x00" + bytes(img[y * width * 3:(y + 1) * width * 3])
+                   for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n"
+                     + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = Config()
+    for name, value in asdict(d).items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    ap.add_argument("--out", default="grpo-run", help="where weights, logs, history.json "
+                    "and reward.png go")
+    args = vars(ap.parse_args(argv))
+    # SIGTERM unwinds like Ctrl-C, so the farm this started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    out = Path(args.pop("out")).resolve()
+    result = train(Config(**args), out)
+    return 1 if result["version_violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
