@@ -15,7 +15,7 @@ up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
 
 test: bootstrap
-	$(VENV)/bin/ruff check prorl_farm api workers tests bench
+	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bootstrap: system $(STAMP)
@@ -41,7 +41,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	touch $(STAMP)
 
 lint: bootstrap
-	$(VENV)/bin/ruff check prorl_farm api workers tests bench
+	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
 
 bench: bootstrap
 	$(PY) bench/pipeline.py
