@@ -193,8 +193,7 @@ class LocalFarm:
         env.update(PRORL_HOME=str(home), PRORL_API_PORT=str(self.api_port),
                    PRORL_FLOWER_PORT=str(free_port()), PRORL_LOG_LEVEL="WARNING",
                    PRORL_SANDBOX_DIR=f"/tmp/prs-grpo-{self.api_port}",
-                   PRORL_TASK_EVENTS="0", PYTHONPATH=str(ROOT),
-                   PRORL_RUN_CONCURRENCY=os.environ.get("GRPO_RUN_CONCURRENCY", "8"))
+                   PRORL_TASK_EVENTS="0", PYTHONPATH=str(ROOT))
         home.mkdir(parents=True, exist_ok=True)
         self.log = open(home / "up.out", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(

@@ -186,13 +186,15 @@ def test_farm_trajectories_are_token_exact(chat_farm, dev_server, tiny_model, r)
             assert turn["policy_version"] == {"vllm": 11, "sglang": 12}[kind]
             assert turn["logprobs_mode"] == "raw_logprobs" and turn["prefix_checked"]
             # Asking the server again with the same prompt and seed gives the same IDs and
-            # logprobs: the trajectory holds exactly what was sampled.
+            # logprobs: the trajectory holds exactly what was sampled. (Logprobs to fp32
+            # rounding: the server batches concurrent requests, and a padded batch's
+            # numerics differ in the last bits, as on vLLM.)
             again = resample(dev_server, kind, full[:len(t["prompt_ids"]) + off], n,
                              turn_seed(SimpleNamespace(sampling={"seed": 11}, **{
                                  k: job[k] for k in ("instance_index", "sample_index")}),
                                  t["turns"].index(turn)))
             assert again[0] == resp_ids[off:off + n]
-            assert again[1] == lps[off:off + n]
+            assert max(abs(a - b) for a, b in zip(again[1], lps[off:off + n])) < 1e-5
         assert len(t["turns"]) >= 1 and t["messages"][0]["content"] == "Be brief."
     assert kinds_used == {"vllm", "sglang"}
     turns = [len(j["result"]["turns"]) for j in jobs]

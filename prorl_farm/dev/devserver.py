@@ -5,7 +5,9 @@ It speaks the routes the farm uses of vLLM (``POST /v1/completions`` with token-
 ``GET /get_model_info``), token IDs in and out, so the whole farm can be developed and
 tested without a GPU. Logprobs are raw: ``log_softmax`` of the model's logits before
 temperature, top-k and top-p (vLLM's default ``raw_logprobs``); sampling applies them.
-Requests run one at a time; a client that disconnects aborts its generation.
+Requests that arrive together are generated together (one padded forward pass per token,
+each with its own sampling parameters and seed); a client that disconnects aborts its
+generation.
 ``POST /update_weights_from_disk {"model_path": ...}`` (SGLang's weight-sync route) loads
 new weights from local safetensors between requests: a trainer drains the backend, saves,
 calls it, and resumes the backend with the new policy version.
@@ -22,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -40,6 +42,31 @@ class Sampled:
     finish_reason: str  # "stop" | "length" | "abort"
     stop_token: int | None
     prompt_len: int
+
+
+# Requests generated together in one padded batch, at most.
+MAX_BATCH = 64
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stops: set
+    gen: object
+    aborted: object
+    out: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    result: Sampled | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def finish(self, reason: str, stop_token: int | None = None) -> None:
+        self.result = Sampled(self.out, self.logprobs, reason, stop_token, len(self.prompt))
+        self.done.set()
 
 
 class DevModel:
@@ -72,16 +99,20 @@ class DevModel:
         self.lock = threading.Lock()
         self.weights_path = str(self.dir)
         self.weight_loads = 0
+        self._pending: list[_Request] = []
+        self._pending_cv = threading.Condition()
+        threading.Thread(target=self._scheduler, name="dev-model-batches", daemon=True).start()
 
-    def _forward(self, ids, cache):
-        kwargs = {"input_ids": ids, "use_cache": True}
+    def _forward(self, ids, cache, mask, pos):
+        kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                  "use_cache": True}
         if cache is not None:
             kwargs[self._cache_kw] = cache
         out = self.model(**kwargs)
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = out.past_key_values
-        return out.logits[0, -1].float(), new_cache
+        return out.logits[:, -1].float(), new_cache
 
     def _pick(self, logits, temperature: float, top_p: float, top_k: int, gen) -> int:
         torch = self.torch
@@ -103,6 +134,9 @@ class DevModel:
                top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
                stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
                aborted=lambda: False) -> Sampled:
+        """Sample one completion. Requests that wait together are generated together, one
+        padded forward pass per token for all of them, each with its own sampling
+        parameters and seeded generator; a request returns as soon as it ends."""
         torch = self.torch
         if not prompt:
             raise BadRequest("prompt must not be empty")
@@ -111,24 +145,76 @@ class DevModel:
         if len(prompt) + max_tokens > self.max_len:
             raise BadRequest(f"This model's maximum context length is {self.max_len} tokens; "
                              f"the prompt has {len(prompt)} and max_tokens is {max_tokens}")
-        stops = set(stop_token_ids or []) | (set() if ignore_eos else self.eos_ids)
-        gen = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
-        out_ids: list[int] = []
-        logprobs: list[float] = []
-        with self.lock, torch.no_grad():
-            logits, cache = self._forward(torch.tensor([prompt]), None)
-            for step in range(max_tokens):
+        req = _Request(prompt=list(prompt), max_tokens=max_tokens, temperature=temperature,
+                       top_p=top_p, top_k=top_k,
+                       stops=set(stop_token_ids or []) | (set() if ignore_eos
+                                                           else self.eos_ids),
+                       gen=torch.Generator().manual_seed(
+                           seed if seed is not None else secrets.randbits(63)),
+                       aborted=aborted)
+        with self._pending_cv:
+            self._pending.append(req)
+            self._pending_cv.notify()
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def _scheduler(self) -> None:
+        while True:
+            with self._pending_cv:
+                while not self._pending:
+                    self._pending_cv.wait()
+                batch = self._pending[:MAX_BATCH]
+                del self._pending[:MAX_BATCH]
+            with self.lock:  # weight loads happen between batches
+                try:
+                    self._generate_batch(batch)
+                except Exception as e:  # noqa: BLE001 - every waiter must hear of it
+                    log.exception("generation failed")
+                    for r in batch:
+                        if not r.done.is_set():
+                            r.error = e
+                            r.done.set()
+
+    def _generate_batch(self, batch: list[_Request]) -> None:
+        torch = self.torch
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)  # left-padded
+            mask[i, width - len(r.prompt):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        live = list(range(len(batch)))
+        with torch.no_grad():
+            logits, cache = self._forward(ids, None, mask, pos)
+            step = 0
+            while live:
                 raw = torch.log_softmax(logits, -1)
-                token = self._pick(logits, temperature, top_p, top_k, gen)
-                out_ids.append(token)
-                logprobs.append(float(raw[token]))
-                if token in stops:
-                    return Sampled(out_ids, logprobs, "stop", token, len(prompt))
-                if step % 8 == 7 and aborted():
-                    return Sampled(out_ids, logprobs, "abort", None, len(prompt))
-                if step + 1 < max_tokens:
-                    logits, cache = self._forward(torch.tensor([[token]]), cache)
-        return Sampled(out_ids, logprobs, "length", None, len(prompt))
+                nxt = torch.zeros(len(batch), dtype=torch.long)
+                for i in list(live):
+                    r = batch[i]
+                    token = self._pick(logits[i], r.temperature, r.top_p, r.top_k, r.gen)
+                    r.out.append(token)
+                    r.logprobs.append(float(raw[i, token]))
+                    nxt[i] = token
+                    if token in r.stops:
+                        r.finish("stop", token)
+                    elif len(r.out) >= r.max_tokens:
+                        r.finish("length")
+                    elif step % 8 == 7 and r.aborted():
+                        r.finish("abort")
+                    if r.done.is_set():
+                        live.remove(i)
+                if not live:
+                    break
+                alive = torch.zeros((len(batch), 1), dtype=torch.long)
+                alive[live] = 1
+                mask = torch.cat([mask, alive], 1)
+                pos = pos[:, -1:] + 1
+                logits, cache = self._forward(nxt.unsqueeze(1), cache, mask, pos)
+                step += 1
 
     def load_weights(self, path: str) -> dict:
         """Load new weights into the served model: safetensors, a file or a directory of
