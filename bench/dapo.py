@@ -29,10 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, private_redis, report  # noqa: E402
-from bench.pipeline import Processes, farm_env, start_farm  # noqa: E402
+from bench.pipeline import Processes, start_farm_api  # noqa: E402
 from prorl_farm.client import FarmClient  # noqa: E402
 from prorl_farm.client.dapo import DynamicSampler  # noqa: E402
-from prorl_farm.supervisor import free_port  # noqa: E402
 
 POOLS = {"init": 16, "run": 96, "eval": 16}
 
@@ -95,17 +94,7 @@ def main() -> None:
     procs = Processes()
     try:
         with private_redis() as url:
-            start_farm(procs, url, POOLS, tmp, events=False)
-            port = free_port()
-            procs.start([sys.executable, "-m", "gunicorn", "--worker-class", "gthread",
-                         "--workers", "2", "--threads", "16", "--bind", f"127.0.0.1:{port}",
-                         "api.wsgi:app"], farm_env(url, POOLS, events=False), tmp / "api.log")
-            farm = FarmClient(f"http://127.0.0.1:{port}")
-            end = time.monotonic() + 30
-            while not farm.ready():
-                if time.monotonic() > end:
-                    raise TimeoutError("api")
-                time.sleep(0.2)
+            farm = FarmClient(start_farm_api(procs, url, POOLS, tmp))
             results = {
                 "naive": naive(farm, prompts(1), args.groups, args.n, args.steps,
                                args.train_s),

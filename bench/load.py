@@ -25,8 +25,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine, pct, private_redis, report  # noqa: E402
-from bench.pipeline import Processes, farm_env, start_farm  # noqa: E402
-from prorl_farm.supervisor import free_port  # noqa: E402
+from bench.pipeline import Processes, start_farm_api  # noqa: E402
 
 POOLS = {"init": 16, "run": 64, "eval": 16}
 STAGE = {"init_s": 0.0, "run_s": 0.05, "eval_s": 0.0}
@@ -54,22 +53,7 @@ def main() -> None:
     procs = Processes()
     try:
         with private_redis() as url:
-            start_farm(procs, url, POOLS, tmp, events=False)
-            port = free_port()
-            procs.start([sys.executable, "-m", "gunicorn", "--worker-class", "gthread",
-                         "--workers", "2", "--threads", "16", "--bind", f"127.0.0.1:{port}",
-                         "api.wsgi:app"], farm_env(url, POOLS, events=False), tmp / "api.log")
-            base = f"http://127.0.0.1:{port}"
-            end = time.monotonic() + 30
-            while True:
-                try:
-                    if requests.get(base + "/readyz", timeout=2).ok:
-                        break
-                except requests.ConnectionError:
-                    pass
-                if time.monotonic() > end:
-                    raise TimeoutError("api")
-                time.sleep(0.2)
+            base = start_farm_api(procs, url, POOLS, tmp)
             r = redis.Redis.from_url(url, decode_responses=True)
             # Baseline: reads on the idle farm (one small finished batch to read).
             s = requests.Session()

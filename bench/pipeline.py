@@ -85,6 +85,22 @@ def start_farm(procs, url, pools, tmp, events: bool = True) -> None:
              60, "pools ready")
 
 
+def start_farm_api(procs, url, pools, tmp) -> str:
+    """The pools (events off) and the API under gunicorn (2 workers x 16 threads) on a free
+    port; returns the API's base URL once /readyz passes."""
+    from prorl_farm.client import FarmClient
+    from prorl_farm.supervisor import free_port
+
+    start_farm(procs, url, pools, tmp, events=False)
+    port = free_port()
+    procs.start([sys.executable, "-m", "gunicorn", "--worker-class", "gthread",
+                 "--workers", "2", "--threads", "16", "--bind", f"127.0.0.1:{port}",
+                 "api.wsgi:app"], farm_env(url, pools, events=False), tmp / "api.log")
+    base = f"http://127.0.0.1:{port}"
+    wait_for(FarmClient(base).ready, 30, "api")
+    return base
+
+
 def farm_run(url: str, instances: list[dict], batch: str) -> list[dict]:
     """Submit through the API app, wait for the batch; return the job docs."""
     from api import create_app

@@ -20,6 +20,16 @@ LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is loopback only (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def token_ok(header: str | None, token: str) -> bool:
     """Whether an ``Authorization`` header carries ``Bearer <token>`` (constant time)."""
     scheme, _, given = (header or "").partition(" ")
@@ -44,8 +54,7 @@ def parse_allow_list(raw: str) -> AllowList:
         try:
             networks.append(ipaddress.ip_network(item, strict=False))
         except ValueError:
-            if not all(part.isalnum() or part.replace("-", "").isalnum()
-                       for part in item.split(".")):
+            if not all(part.replace("-", "").isalnum() for part in item.split(".")):
                 raise ConfigError(f"PRORL_BACKEND_ALLOW: {item!r} is neither a host name, an "
                                   "address nor a CIDR") from None
             hosts.append(item.lower())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import redis
 
@@ -88,8 +89,57 @@ class LatencyRecorder:
             pass  # metrics never fail a request
 
 
+@dataclass
+class FarmCounters:
+    """What /metrics and the dashboard read, in one pipelined round trip (after the sets
+    that name the queues, nodes and API routes)."""
+
+    queues: dict[str, tuple[int, float | None]]  # queue -> (depth, oldest enqueue time)
+    held: int  # jobs held by a live worker
+    live: dict[str, int]  # node -> live sandboxes
+    started: dict  # node -> sandboxes started
+    states: dict
+    stats: dict
+    failures: dict
+    reaper: dict
+    hists: dict[str, dict]  # "wait:<stage>" / "active:<stage>" -> histogram hash
+    api: dict[str, dict]  # "api:<method>:<route>" -> histogram hash
+
+
+def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
+    from prorl_farm.config import STAGES
+
+    queues = sorted(r.smembers(keys.QUEUES))
+    nodes = sorted(r.smembers(keys.SANDBOX_NODES))
+    hist_names = [f"{kind}:{stage}" for kind in ("wait", "active") for stage in STAGES]
+    api_names = sorted(r.smembers(keys.API_ROUTES)) if api else []
+    pipe = r.pipeline(transaction=False)
+    for name in (keys.STATE_COUNTS, keys.STATS, keys.FAILURE_KINDS, keys.REAPER_ACTIONS,
+                 keys.SANDBOXES_STARTED):
+        pipe.hgetall(name)
+    for q in queues:
+        pipe.zcard(keys.queued(q))
+        pipe.zrange(keys.queued(q), 0, 0, withscores=True)
+    pipe.zcard(keys.ACTIVE)
+    for node in nodes:
+        pipe.hlen(keys.sandbox_slots(node))
+    for name in hist_names + api_names:
+        pipe.hgetall(keys.histogram(name))
+    out = pipe.execute()
+    states, stats, failures, reaper, started = out[:5]
+    out = out[5:]
+    queue_rows = {q: (out[2 * i], out[2 * i + 1][0][1] if out[2 * i + 1] else None)
+                  for i, q in enumerate(queues)}
+    out = out[2 * len(queues):]
+    held, out = out[0], out[1:]
+    live, hists = dict(zip(nodes, out[:len(nodes)])), out[len(nodes):]
+    return FarmCounters(queue_rows, held, live, started, states, stats, failures, reaper,
+                        dict(zip(hist_names, hists)), dict(zip(api_names,
+                                                               hists[len(hist_names):])))
+
+
 def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> list:
-    """Every farm metric family, read from Redis in two pipelined round trips."""
+    """Every farm metric family."""
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -99,26 +149,9 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
     from prorl_farm.config import STAGES
     from prorl_farm.jobs.states import ALL_STATES, TERMINAL_STATES
 
-    queues = sorted(r.smembers(keys.QUEUES))
-    nodes = sorted(r.smembers(keys.SANDBOX_NODES))
-    hist_names = [f"{kind}:{stage}" for kind in ("wait", "active") for stage in STAGES]
-    api_names = sorted(r.smembers(keys.API_ROUTES))
-    pipe = r.pipeline(transaction=False)
-    for name in (keys.STATE_COUNTS, keys.STATS, keys.FAILURE_KINDS, keys.REAPER_ACTIONS,
-                 keys.SANDBOXES_STARTED):
-        pipe.hgetall(name)
-    for q in queues:
-        pipe.zcard(keys.queued(q))
-    pipe.zcard(keys.ACTIVE)
-    for node in nodes:
-        pipe.hlen(keys.sandbox_slots(node))
-    for name in hist_names + api_names:
-        pipe.hgetall(keys.histogram(name))
-    out = pipe.execute()
-    states, stats, failures, reaper, started = out[:5]
-    out = out[5:]
-    depths, held, out = out[:len(queues)], out[len(queues)], out[len(queues) + 1:]
-    live, hists = out[:len(nodes)], out[len(nodes):]
+    snap = read_counters(r)
+    states, stats, failures, reaper, started = (snap.states, snap.stats, snap.failures,
+                                                snap.reaper, snap.started)
 
     fams = []
     g = GaugeMetricFamily("prorl_jobs", "Jobs now in each non-terminal state.",
@@ -142,15 +175,15 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
                       ("active", "Time a stage ran (claim to hand-off or end).")):
         h = HistogramMetricFamily(f"prorl_stage_{kind}_seconds", doc, labels=["stage"])
         for stage in STAGES:
-            buckets, total = read_histogram(hists[hist_names.index(f"{kind}:{stage}")])
+            buckets, total = read_histogram(snap.hists[f"{kind}:{stage}"])
             h.add_metric([stage], buckets, total)
         fams.append(h)
     g = GaugeMetricFamily("prorl_queue_depth", "Jobs waiting on each queue.", labels=["queue"])
-    for q, n in zip(queues, depths):
+    for q, (n, _) in snap.queues.items():
         g.add_metric([q], n)
     fams.append(g)
     fams.append(GaugeMetricFamily("prorl_jobs_held", "Jobs held (reserved or running) by a "
-                                  "live worker.", value=held))
+                                  "live worker.", value=snap.held))
     g = GaugeMetricFamily("prorl_pool_heartbeat_age_seconds", "Age of each live pool's "
                           "heartbeat.", labels=["stage", "node"])
     for pool, age in sorted(pools.items()):
@@ -183,12 +216,12 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
     fams.append(c)
     g = GaugeMetricFamily("prorl_sandboxes_live", "Sandboxes running on each node.",
                           labels=["node"])
-    for node, n in zip(nodes, live):
+    for node, n in snap.live.items():
         g.add_metric([node], n)
     fams.append(g)
     c = CounterMetricFamily("prorl_sandboxes_started", "Sandboxes started on each node.",
                             labels=["node"])
-    for node in nodes:
+    for node in snap.live:
         c.add_metric([node], int(started.get(node, 0)))
     fams.append(c)
     c = CounterMetricFamily("prorl_reaper_actions", "Reaper actions: re-queues and failures "
@@ -201,7 +234,7 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
     fams.append(c)
     h = HistogramMetricFamily("prorl_api_request_seconds", "API request latency by route.",
                               labels=["method", "route"])
-    for name, raw in zip(api_names, hists[len(hist_names):]):
+    for name, raw in snap.api.items():
         _, method, route = name.split(":", 2)
         buckets, total = read_histogram(raw)
         h.add_metric([method, route], buckets, total)

@@ -11,7 +11,7 @@ from collections import Counter
 from prorl_farm import keys
 from prorl_farm.config import STAGES
 from prorl_farm.jobs.states import ALL_STATES
-from prorl_farm.metrics import BUCKETS_S, read_histogram
+from prorl_farm.metrics import BUCKETS_S, read_counters, read_histogram
 
 # Finished jobs the rate of a batch is measured over (its newest ones).
 RATE_WINDOW = 200
@@ -57,36 +57,14 @@ def farm_overview(store, backends, settings, batches: int = 10) -> dict:
     """Queues, stages, pools, backends, sandboxes, jobs by state, and the newest batches."""
     r = store.r
     now = store.server_time()
-    queues = sorted(r.smembers(keys.QUEUES))
-    nodes = sorted(r.smembers(keys.SANDBOX_NODES))
-    pipe = r.pipeline(transaction=False)
-    for q in queues:
-        pipe.zcard(keys.queued(q))
-        pipe.zrange(keys.queued(q), 0, 0, withscores=True)
-    for stage in STAGES:
-        pipe.hgetall(keys.histogram(f"wait:{stage}"))
-        pipe.hgetall(keys.histogram(f"active:{stage}"))
-    for node in nodes:
-        pipe.hlen(keys.sandbox_slots(node))
-    pipe.hgetall(keys.SANDBOXES_STARTED)
-    pipe.hgetall(keys.STATE_COUNTS)
-    pipe.hgetall(keys.FAILURE_KINDS)
-    pipe.hgetall(keys.REAPER_ACTIONS)
-    out = pipe.execute()
+    snap = read_counters(r, api=False)
     queue_rows = []
-    for i, q in enumerate(queues):
-        depth, oldest = out[2 * i], out[2 * i + 1]
+    for q, (depth, oldest) in snap.queues.items():
         stage, _, node = q.partition(".")
         queue_rows.append({"queue": q, "stage": stage, "node": node or None, "depth": depth,
-                           "oldest_wait_s": round(now - oldest[0][1], 3) if oldest else None})
-    out = out[2 * len(queues):]
-    stages = {}
-    for i, stage in enumerate(STAGES):
-        wait, active = out[2 * i], out[2 * i + 1]
-        stages[stage] = {kind: _hist_summary(raw) for kind, raw in (("wait", wait),
-                                                                     ("active", active))}
-    out = out[2 * len(STAGES):]
-    live, (started, states, failures, reaper) = out[:len(nodes)], out[len(nodes):]
+                           "oldest_wait_s": round(now - oldest, 3) if oldest is not None else None})
+    stages = {stage: {kind: _hist_summary(snap.hists[f"{kind}:{stage}"])
+                      for kind in ("wait", "active")} for stage in STAGES}
     pools = store.live_pools(settings.heartbeat_stale_s)
     return {
         "now": now,
@@ -95,11 +73,11 @@ def farm_overview(store, backends, settings, batches: int = 10) -> dict:
                   for p, age in sorted(pools.items())],
         "queues": queue_rows,
         "stages": stages,
-        "jobs": {s: max(0, int(states.get(s, 0))) for s in ALL_STATES},
-        "failures": {k: int(v) for k, v in sorted(failures.items())},
-        "reaper": {k: int(v) for k, v in sorted(reaper.items())},
-        "sandboxes": [{"node": n, "live": int(lv), "started": int(started.get(n, 0))}
-                      for n, lv in zip(nodes, live)],
+        "jobs": {s: max(0, int(snap.states.get(s, 0))) for s in ALL_STATES},
+        "failures": {k: int(v) for k, v in sorted(snap.failures.items())},
+        "reaper": {k: int(v) for k, v in sorted(snap.reaper.items())},
+        "sandboxes": [{"node": n, "live": int(lv), "started": int(snap.started.get(n, 0))}
+                      for n, lv in snap.live.items()],
         "backends": backends,
         "batches": batch_progress(r, store.recent_batches(batches), now),
     }

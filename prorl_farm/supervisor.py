@@ -27,6 +27,7 @@ from pathlib import Path
 
 import redis
 
+from prorl_farm.access import is_loopback
 from prorl_farm.config import STAGES, Settings
 
 log = logging.getLogger(__name__)
@@ -139,17 +140,6 @@ def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
             time.sleep(0.05)
         finally:
             client.close()
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Supervisor:

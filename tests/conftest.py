@@ -53,6 +53,15 @@ def make_pools(redis_server, tmp_path, **overrides) -> Pools:
     return pools
 
 
+@pytest.fixture(scope="module")
+def pools(redis_server, tmp_path_factory):
+    """The three pools with the default test settings, shared by a module's tests."""
+    p = make_pools(redis_server, tmp_path_factory.mktemp("pools"))
+    p.start()
+    yield p
+    p.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny random Qwen2 and a BPE tokenizer with a ChatML template, built offline."""

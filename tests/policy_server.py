@@ -23,6 +23,12 @@ def scripted_tokens(prompt: list[int], n: int) -> list[int]:
     return [10 + (len(prompt) + i) % 50 for i in range(n)]
 
 
+def tool_call(name: str, **arguments) -> str:
+    """A hermes-format tool call, as a policy writes it."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + \
+        "\n</tool_call>"
+
+
 def text_planner(tokenizer_path: str, plans: dict[str, list[str]], marker: str = "[case:",
                  end_token: str = "<|im_end|>"):
     """A planner for ChatML prompts: the case is named in the prompt as ``[case:NAME]``; the

@@ -4,20 +4,14 @@ calls, limits, and the math handler's grading."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from prorl_farm.agent.parsers import HermesParser, Llama3JsonParser
 from tests.farm import run_batch, scripted_farm, use_only_backend, wait_until
 from tests.policy_server import PolicyServer, text_planner
+from tests.policy_server import tool_call as call
 
 pytestmark = pytest.mark.slow
-
-
-def call(name: str, **arguments) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + \
-        "\n</tool_call>"
 
 
 PLANS = {

@@ -5,7 +5,6 @@ PRORL_SCREENSHOT_DIR names a directory)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import struct
@@ -16,13 +15,9 @@ import pytest
 from prorl_farm.client import FarmClient
 from tests.farm import chromium_dom, chromium_screenshot, http_farm, wait_until
 from tests.policy_server import PolicyServer, text_planner
+from tests.policy_server import tool_call as call
 
 pytestmark = pytest.mark.slow
-
-
-def call(name: str, **arguments) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + \
-        "\n</tool_call>"
 
 
 PLANS = {"good": [call("python", code="print(6 * 7)"), "So the answer is \\boxed{42}."],

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import make_pools
 from tests.farm import scrape, wait_until
 from tests.policy_server import PolicyServer
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def pools(redis_server, tmp_path_factory):
-    p = make_pools(redis_server, tmp_path_factory.mktemp("pools"))
-    p.start()
-    yield p
-    p.stop()
 
 
 def _value(m: dict, name: str, **labels) -> float:

@@ -8,18 +8,9 @@ import time
 import pytest
 
 from prorl_farm.celery_app import TASK_NAMES
-from tests.conftest import make_pools
 from tests.farm import wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def pools(redis_server, tmp_path_factory):
-    p = make_pools(redis_server, tmp_path_factory.mktemp("pools"))
-    p.start()
-    yield p
-    p.stop()
 
 
 def submit(client, instances, n=1, **kw):

@@ -56,18 +56,20 @@ def _farm_processes(shared) -> list[str]:
     return out
 
 
-def _running(cluster, job_id: str) -> bool:
-    return cluster.state(job_id) == "RUNNING"
-
-
-def test_slurm_head_workers_scale_out_scancel_and_nothing_left(cluster, tmp_path):
-    shared = tmp_path / "shared"
+def _submit_env(shared, **settings) -> dict:
+    """The submitter's environment: the scripts' settings, fresh ports, no PRORL_* of ours."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_SHARED=str(shared), PRORL_FARM_DIR=str(ROOT), PRORL_PYTHON=sys.executable,
                PRORL_HEAD_HOST="127.0.0.1", PRORL_REDIS_PORT=str(free_port()),
                PRORL_API_PORT=str(free_port()), PRORL_FLOWER_PORT=str(free_port()),
-               PRORL_HEARTBEAT_STALE_S="60", PRORL_RUN_CONCURRENCY="4",
-               PRORL_LOG_LEVEL="WARNING")
+               PRORL_LOG_LEVEL="WARNING", **{f"PRORL_{k.upper()}": v for k, v in
+                                              settings.items()})
+    return env
+
+
+def test_slurm_head_workers_scale_out_scancel_and_nothing_left(cluster, tmp_path):
+    shared = tmp_path / "shared"
+    env = _submit_env(shared, heartbeat_stale_s="60", run_concurrency="4")
     sbatch_args = ["--chdir", str(tmp_path), "--cpus-per-task=1", "--mem=100M"]
     head = cluster.sbatch(ROOT / "slurm" / "head.sbatch", *sbatch_args, env=env)
     workers = [cluster.sbatch(ROOT / "slurm" / "workers.sbatch", *sbatch_args, env=env)]
@@ -130,11 +132,7 @@ def test_slurm_head_workers_scale_out_scancel_and_nothing_left(cluster, tmp_path
 def test_slurm_one_allocation_farm(cluster, tmp_path):
     """farm.sbatch: head and a worker node as srun steps of one job."""
     shared = tmp_path / "shared"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
-    env.update(PRORL_SHARED=str(shared), PRORL_FARM_DIR=str(ROOT), PRORL_PYTHON=sys.executable,
-               PRORL_HEAD_HOST="127.0.0.1", PRORL_REDIS_PORT=str(free_port()),
-               PRORL_API_PORT=str(free_port()), PRORL_FLOWER_PORT=str(free_port()),
-               PRORL_LOG_LEVEL="WARNING")
+    env = _submit_env(shared)
     job = cluster.sbatch(ROOT / "slurm" / "farm.sbatch", "--nodes=1", "--chdir", str(tmp_path),
                          "--cpus-per-task=1", "--mem=100M", env=env)
     try:

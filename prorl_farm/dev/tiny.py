@@ -63,7 +63,6 @@ def _corpus(max_bytes: int) -> list[str]:
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 2000, corpus_bytes: int = 2_000_000):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -72,6 +71,13 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 2000, corpus_bytes: int = 2
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_corpus(corpus_bytes), trainer=trainer)
+    return _save_chatml(tok, out_dir)
+
+
+def _save_chatml(tok, out_dir: Path):
+    """Wrap a ``tokenizers`` tokenizer with ChatML's special tokens and template; save it."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None,
                                    eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
@@ -110,7 +116,6 @@ def build_char_tokenizer(out_dir: Path):
     BPE with no merges, so that it loads the same as a Qwen2 tokenizer (which transformers
     may rebuild from the vocabulary for a Qwen2 model)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     byte_char = _bytes_to_unicode()
     tokens = [*SPECIAL_TOKENS, *(byte_char[b] for b in CHAR_ALPHABET.encode())]
@@ -118,17 +123,7 @@ def build_char_tokenizer(out_dir: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None,
-                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHATML_TEMPLATE
-    fast.save_pretrained(str(out_dir))
-    cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg["chat_template"] = CHATML_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    return fast
+    return _save_chatml(tok, out_dir)
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2000,
