@@ -51,6 +51,8 @@ bench: bootstrap
 	$(PY) bench/dapo.py
 	$(PY) bench/load.py
 	$(PY) bench/scaling.py
+	$(PY) bench/submit.py
+	$(PY) bench/recovery.py
 
 # GRPO on the CPU with every rollout from a farm it starts (examples/grpo_cpu.py).
 GRPO_ARGS ?=

@@ -13,6 +13,7 @@ from prorl_farm.celery_app import create_celery_app
 from prorl_farm.config import Settings, load_settings
 from prorl_farm.errors import ConfigError
 from prorl_farm.handlers.registry import HandlerRegistry
+from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
 from prorl_farm.metrics import LatencyRecorder
@@ -29,6 +30,7 @@ class FarmServices:
     backends: BackendRegistry
     allow_list: AllowList
     latency: LatencyRecorder
+    messages: StageMessages
 
 
 # Never behind the token: liveness and readiness probes, and the dashboard's page itself
@@ -78,14 +80,16 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
     store = JobStore.from_settings(settings, settings.api_threads + 8)
+    celery = create_celery_app(settings)
     app.extensions["prorl"] = FarmServices(
         settings=settings,
         store=store,
         registry=HandlerRegistry(settings.handlers),
-        celery=create_celery_app(settings),
+        celery=celery,
         backends=BackendRegistry(store.r),
         allow_list=parse_allow_list(settings.backend_allow),
         latency=LatencyRecorder(store.r),
+        messages=StageMessages(celery),
     )
     _time_requests(app, app.extensions["prorl"].latency)
     if settings.api_token:

@@ -76,6 +76,12 @@ def register_error_handlers(app: Flask) -> None:
     def _redis_down(e: Exception):
         return error_response(503, "redis_unavailable", f"job store unreachable: {e}")
 
+    @app.errorhandler(redis.exceptions.OutOfMemoryError)
+    def _redis_full(e: Exception):
+        # Writes of one request go in one transaction (or script): refused, none landed.
+        return error_response(503, "redis_out_of_memory", "job store out of memory "
+                              f"(maxmemory); nothing of this request was written: {e}")
+
     @app.errorhandler(Exception)
     def _internal(e: Exception):
         log.exception("unhandled error")

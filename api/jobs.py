@@ -12,7 +12,6 @@ from flask import Blueprint, request
 from api.errors import ApiError, validation_error
 from api.schemas import ID_RE, SubmitSchema
 from api.services import json_body, services
-from prorl_farm.celery_app import TASK_NAMES
 from prorl_farm.errors import InvalidInstance, NotFound
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
@@ -91,29 +90,15 @@ def submit():
         idempotency = (key, digest)
     batch_id = req["batch_id"] or new_id()
     try:
+        # One transaction: the jobs, their INIT messages and the idempotency record land
+        # together or not at all (jobs/messages.py).
         jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
                                      req["sampling"], req["deadline_s"], req["mode"],
-                                     idempotency)
+                                     idempotency, svc.messages)
     except BaseException:
         if key:
             svc.store.forget_idempotency(key)
         raise
-    try:
-        with svc.celery.producer_or_acquire() as producer:
-            for job in jobs:
-                svc.celery.send_task(TASK_NAMES["init"], args=[job.job_id, job.token],
-                                     queue="init", task_id=job.token, producer=producer)
-    except Exception as e:
-        # The broker failed mid-way: take back every job of this request, sent or not.
-        log.exception("publishing batch %s failed; cancelling its new jobs", batch_id)
-        cancel_jobs(svc.store, svc.celery, [j.job_id for j in jobs],
-                    "submission failed: broker unavailable")
-        if key:
-            svc.store.forget_idempotency(key)
-        raise ApiError(503, "broker_unavailable", f"could not enqueue jobs: {e}") from e
-    # Every push has completed: recorded, the reaper can tell a lost message from one that
-    # merely waits behind others (see worker/reaper.py).
-    svc.store.handed_off([(j.job_id, j.token) for j in jobs])
     return {"batch_id": batch_id, "job_ids": [j.job_id for j in jobs]}, 202
 
 

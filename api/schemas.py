@@ -241,8 +241,14 @@ class BackendSchema(Schema):
     drained = fields.Boolean()
     in_heap = fields.Boolean()
     in_flight = fields.Integer()
-    load = fields.Float(allow_none=True)
+    load = fields.Float(metadata={"description": "in_flight / capacity"})
+    expected_delay_ms = fields.Float(allow_none=True, metadata={
+        "description": "the min-heap's key: how long a new job's turn would take here, "
+                       "service_ms x max(1, (in_flight + 1) / capacity); null out of the heap"})
     latency_ms = fields.Float(allow_none=True)
+    service_ms = fields.Float(allow_none=True, metadata={
+        "description": "moving average of request latency less the queueing its load "
+                       "explains"})
     jobs_total = fields.Integer()
     requests_total = fields.Integer()
     last_error = fields.String(allow_none=True)

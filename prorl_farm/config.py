@@ -54,7 +54,13 @@ class Settings:
     # and how old a heartbeat may get before the reaper declares the worker dead.
     heartbeat_interval_s: float = 0.5
     heartbeat_stale_s: float = 30.0
-    reap_interval_s: float = 2.0
+    # A worker process whose presence connection is gone (it died) has its jobs recovered
+    # once their heartbeat is this old, without waiting for heartbeat_stale_s.
+    presence_grace_s: float = 1.5
+    # Off where Redis's client list says nothing about worker processes (a proxy in front
+    # of Redis, CLIENT disabled): then only heartbeat age tells a dead worker.
+    presence: bool = True
+    reap_interval_s: float = 1.0
     # A job whose worker died starts again at INIT at most this many times, then fails worker_lost.
     max_requeues: int = 1
     # API limits.
@@ -208,6 +214,8 @@ def load_settings(environ=None, **overrides) -> Settings:
         result_ttl_s=_env(environ, "RESULT_TTL_S", float, d.result_ttl_s),
         heartbeat_interval_s=_env(environ, "HEARTBEAT_INTERVAL_S", float, d.heartbeat_interval_s),
         heartbeat_stale_s=_env(environ, "HEARTBEAT_STALE_S", float, d.heartbeat_stale_s),
+        presence_grace_s=_env(environ, "PRESENCE_GRACE_S", float, d.presence_grace_s),
+        presence=_env(environ, "PRESENCE", _bool, d.presence),
         reap_interval_s=_env(environ, "REAP_INTERVAL_S", float, d.reap_interval_s),
         max_requeues=_env(environ, "MAX_REQUEUES", int, d.max_requeues),
         max_body_bytes=_env(environ, "MAX_BODY_BYTES", int, d.max_body_bytes),
@@ -247,6 +255,13 @@ def load_settings(environ=None, **overrides) -> Settings:
             f"PRORL_HEARTBEAT_STALE_S={values['heartbeat_stale_s']:g} must be at least 3 x "
             f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g}: a live worker "
             "would be taken for dead")
+    if not (2 * values["heartbeat_interval_s"] <= values["presence_grace_s"]
+            <= values["heartbeat_stale_s"]):
+        raise ConfigError(
+            f"PRORL_PRESENCE_GRACE_S={values['presence_grace_s']:g} must lie between 2 x "
+            f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g} (a live worker "
+            "reconnects within a tick) and PRORL_HEARTBEAT_STALE_S="
+            f"{values['heartbeat_stale_s']:g}")
     if values["flower_basic_auth"] and ":" not in values["flower_basic_auth"]:
         raise ConfigError("PRORL_FLOWER_BASIC_AUTH: expected user:password")
     from prorl_farm.access import parse_allow_list

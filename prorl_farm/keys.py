@@ -78,6 +78,9 @@ ACTIVE = f"{PREFIX}active"
 DEADLINES = f"{PREFIX}deadlines"
 # Sorted set: "<stage>:<node>" -> last heartbeat of any pool of that stage on that node.
 POOLS = f"{PREFIX}pools"
+# Client name of each worker process's presence connection (worker/liveness.py):
+# "<prefix><stage>:<node>:<host>:<pid>:<random>".
+PRESENCE_PREFIX = "prorl-worker:"
 # Hash: terminal state -> number of jobs that ended in it (farm lifetime, for /metrics).
 STATS = f"{PREFIX}stats"
 # Hash: state -> jobs in it now (every state; terminal ones count up, as STATS).
@@ -124,6 +127,9 @@ BACKEND_INFLIGHT = f"{PREFIX}backends:inflight"
 BACKEND_ASSIGN = f"{PREFIX}backends:assign"
 # List: acquire audit records (only with PRORL_BACKEND_AUDIT=1, for tests and debugging).
 BACKEND_AUDIT = f"{PREFIX}backends:audit"
+# String: moving average of every backend's per-request service time (ms), the guess for a
+# backend that has served nothing yet.
+BACKEND_SERVICE_REF = f"{PREFIX}backends:service_ref"
 
 # -- sandboxes --------------------------------------------------------------------------
 
@@ -149,7 +155,8 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 
 _LUA_CONSTANTS = ("CLAIMED", "QUEUES", "ACTIVE", "DEADLINES", "POOLS", "STATS", "BATCHES",
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
-                  "BACKEND_AUDIT", "STATE_COUNTS", "FAILURE_KINDS", "REAPER_ACTIONS")
+                  "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
+                  "REAPER_ACTIONS")
 _LUA_FUNCTIONS = ("job", "instance", "batch", "batch_counts", "batch_jobs", "batch_stream",
                   "queued", "published", "backend", "histogram")
 

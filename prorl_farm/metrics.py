@@ -193,10 +193,14 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
     per_backend = {
         "in_flight": ("Jobs pinned to the backend now.", lambda b: b["in_flight"]),
         "capacity": ("The backend's registered capacity.", lambda b: b["capacity"]),
-        "load": ("In-flight / capacity (its min-heap score; absent when out of the heap).",
-                 lambda b: b["load"]),
+        "load": ("In-flight / capacity.", lambda b: b["load"]),
+        "expected_delay_ms": ("Its min-heap key: a new job's expected turn time there "
+                              "(absent when out of the heap).",
+                              lambda b: b["expected_delay_ms"]),
         "latency_ms": ("Moving average of the backend's request latency.",
                        lambda b: b["latency_ms"]),
+        "service_ms": ("Moving average of its service time (latency less queueing).",
+                       lambda b: b["service_ms"]),
         "healthy": ("1 if the last probe or request succeeded.", lambda b: int(b["healthy"])),
         "drained": ("1 while drained (no new jobs).", lambda b: int(b["drained"])),
         "policy_version": ("The policy version the backend serves.",

@@ -150,8 +150,12 @@ def test_sigkill_of_run_pool_mid_batch_leaves_no_job_stuck(farm, r):
                                                                   "eval"))
 
 
-def test_worker_lost_after_requeues_run_out(farm):
-    pools, client = farm(max_requeues=0)
+@pytest.mark.parametrize("presence", [True, False], ids=["presence", "heartbeat-age-only"])
+def test_worker_lost_after_requeues_run_out(farm, presence):
+    # With presence, the heartbeat stale time is set far beyond the test's waits: only the
+    # pool's vanished Redis connection can tell that it died. Without, heartbeat age does.
+    pools, client = farm(max_requeues=0, presence=int(presence),
+                         heartbeat_stale_s=600 if presence else 3)
     sub = submit(client, [{"run_s": 30}], n=3)
     wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()
                ["counts"]["run"] == 3, 20, what="jobs in run")
@@ -163,7 +167,7 @@ def test_worker_lost_after_requeues_run_out(farm):
     for job_id in sub["job_ids"]:
         j = job(client, job_id)
         assert j["failure"]["kind"] == "worker_lost" and j["reward"] is None
-        assert "heartbeat" in j["failure"]["message"]
+        assert ("process is gone" if presence else "heartbeat") in j["failure"]["message"]
 
 
 def test_jobs_waiting_on_a_dead_nodes_queue_are_reaped(farm, r):

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
+from prorl_farm.celery_app import create_celery_app
+from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.states import JobState
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.worker.kombu import message_args
 
 
 def make(settings, r, n=1, **kw):
     store = JobStore.from_settings(settings)
     jobs = store.create_jobs("b", "synthetic", [{}], n, {}, kw.get("deadline_s"))
     return store, jobs
+
+
+def _messages(settings) -> StageMessages:
+    return StageMessages(create_celery_app(settings))
 
 
 def counts(r):
@@ -155,8 +163,8 @@ def test_reaper_finds_a_message_lost_in_transit(settings, r):
     store, (lost, newer) = make(settings, r, n=2)
     settings = dataclasses.replace(settings, heartbeat_stale_s=0.5)
     store.settings = settings
-    requeued = []
-    reaper = Reaper(store, settings, lambda job, token: requeued.append(job))
+    reaper = Reaper(store, settings, _messages(settings))
+    before = r.llen("init")
     for job in (lost, newer):
         store.claim(job.job_id, "init", job.token, "w")
         token = store.advance(job.job_id, "init", job.token, "run", "run.n", "n", "hstate", "{}")
@@ -169,9 +177,12 @@ def test_reaper_finds_a_message_lost_in_transit(settings, r):
     time.sleep(0.6)
     store.pool_beat("run", "n")  # the node's RUN pool is alive: only the message is gone
     counts = reaper.sweep(force=True)
-    assert requeued == [lost.job_id] and counts["requeue"] == 1
     raw = store.get_raw(lost.job_id)
+    assert counts["requeue"] == 1
     assert raw["state"] == "queued" and "its message was lost" in raw["attempts"]
+    # Its new INIT message went with the re-queue, carrying its new token.
+    assert r.llen("init") == before + 1
+    assert message_args(json.loads(r.lindex("init", 0))) == [lost.job_id, raw["token"]]
 
 
 def test_messages_published_out_of_order_are_not_taken_for_lost(settings, r):
@@ -190,8 +201,7 @@ def test_messages_published_out_of_order_are_not_taken_for_lost(settings, r):
     assert store.claim(b.job_id, "init", b.token, "w")[0] == "ok"
     store.finish(b.job_id, JobState.DONE, token=b.token)
     store.handed_off([(a.job_id, a.token)])  # A's push completes only now
-    requeued = []
-    reaper = Reaper(store, settings, lambda job, token: requeued.append(job))
+    reaper = Reaper(store, settings, _messages(settings))
     time.sleep(0.5)
-    reaper.sweep(force=True)
-    assert requeued == [] and store.get_raw(a.job_id)["token"] == a.token
+    counts = reaper.sweep(force=True)
+    assert "requeue" not in counts and store.get_raw(a.job_id)["token"] == a.token

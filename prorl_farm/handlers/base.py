@@ -48,8 +48,11 @@ class AgentHandler(ABC):
             raise InvalidInstance("instance must be a JSON object", {"_schema": ["Not an object."]})
         if self.instance_schema is None:
             return instance
+        schema = self.__dict__.get("_schema")
+        if schema is None:  # one per handler: loads keep no state on it
+            schema = self._schema = self.instance_schema()
         try:
-            return self.instance_schema().load(instance)
+            return schema.load(instance)
         except SchemaError as e:
             raise InvalidInstance("invalid instance", e.normalized_messages()) from e
 

@@ -7,7 +7,7 @@ across nodes whatever their clocks say. Outcome strings are the values of the en
 :mod:`prorl_farm.jobs.states`.
 
 Job hash fields: ``id batch_id handler instance_id instance_index sample_index sampling
-state stage phase token queue node worker requeues attempts created_at deadline_at
+state stage phase token queue node worker holder requeues attempts created_at deadline_at
 finished_at failure_kind failure_message hstate result reward`` and
 ``t_<stage>_{queued,start,end}``.
 """
@@ -18,7 +18,7 @@ from prorl_farm.llm.scripts import RELEASE_FN
 from prorl_farm.metrics import LUA_OBSERVE
 
 # Fields that belong to one attempt: a re-queued job starts again without them.
-ATTEMPT_FIELDS = ["hstate", "result", "node", "worker", "reward"] + [
+ATTEMPT_FIELDS = ["hstate", "result", "node", "worker", "holder", "reward"] + [
     f"t_{stage}_{k}" for stage in STAGES for k in ("queued", "start", "end")]
 # Earlier attempts' failures kept in a re-queued job's ``attempts`` (the newest).
 MAX_ATTEMPT_HISTORY = 5
@@ -88,12 +88,14 @@ local function finish(id, jk, state, kind, msg, ttl, now)
 end
 """
 
-# Claim a stage for a worker. ARGV: job, stage, token, worker, ttl_s.
+# Claim a stage for a worker. ARGV: job, stage, token, worker, ttl_s, holder (the worker
+# process's presence name, or ''; its heartbeats keep it up to date from then on).
 # Returns {"ok", <HGETALL>, <instance JSON>} | {"missing"} | {"terminal"} | {"stale"} |
 # {"expired"}. "stale": a redelivery of a stage that already ran or runs, or of an
 # earlier attempt.
 CLAIM = r"""
 local id, stage, token, worker, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local holder = ARGV[6]
 local jk = K.job(id)
 local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'token', 'deadline_at', 'batch_id',
                      'queue', 't_' .. stage .. '_queued', 'instance_id')
@@ -106,6 +108,7 @@ if j[5] and j[5] ~= '' and tonumber(j[5]) <= now then
   return {'expired'}
 end
 redis.call('HSET', jk, 'phase', 'active', 'worker', worker, 't_' .. stage .. '_start', fmt(now))
+if holder and holder ~= '' then redis.call('HSET', jk, 'holder', holder) end
 if j[8] then observe('wait:' .. stage, now - tonumber(j[8])) end
 set_state(jk, j[1], stage, j[6])
 redis.call('ZADD', K.ACTIVE, now, id)
@@ -124,12 +127,14 @@ return {'ok', redis.call('HGETALL', jk), inst}
 """
 
 # Hand a job from a finished stage to the next one's queue.
-# ARGV: job, from_stage, token, to_stage, new_token, queue, node, field, value.
-# The job stays in the active set under this worker's heartbeat until HANDED_OFF runs
-# after the publish, so a crash between the two is caught by the reaper.
+# ARGV: job, from_stage, token, to_stage, new_token, queue, node, field, value, message.
+# With a message (the next stage's, for new_token; see jobs/messages.py) the script pushes
+# it and records it published: the whole hand-off is this one call. Without ('') the
+# caller publishes, and the job stays in the active set under this worker's heartbeat until
+# HANDED_OFF runs after the publish, so a crash between the two is caught by the reaper.
 ADVANCE = r"""
 local id, from, token, to, new = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local queue, node, field, value = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local queue, node, field, value, message = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local jk = K.job(id)
 local j = redis.call('HMGET', jk, 'state', 'phase', 'token', 'batch_id')
 if not j[1] then return 'missing' end
@@ -139,11 +144,54 @@ local now = now_s()
 observe_active(jk, from, now)
 redis.call('HSET', jk, 't_' .. from .. '_end', fmt(now), 'stage', to, 'phase', 'waiting',
   'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now), 'node', node, field, value)
+redis.call('HDEL', jk, 'holder')  -- whoever takes the next stage heartbeats it
 set_state(jk, j[1], to, j[4])
 release_backend(id)  -- a backend slot is held within a stage, never across a hand-off
 redis.call('ZADD', K.queued(queue), now, id)
 redis.call('SADD', K.QUEUES, queue)
+if message and message ~= '' then
+  redis.call('LPUSH', queue, message)
+  redis.call('ZREM', K.ACTIVE, id)
+  redis.call('ZADD', K.published(queue), now, id)
+end
 return 'ok'
+"""
+
+# Submission: the jobs of one request, waiting for INIT, with their INIT messages pushed and
+# recorded as published. Run inside the submission's MULTI/EXEC (with the instances, batch
+# and idempotency writes). ARGV: batch, handler, sampling JSON, deadline_at ('' = none),
+# mode, created_at, then per job: id, token, instance id, instance index, sample index, message
+# ('' = none: the caller publishes it and then records it with HANDED_OFF).
+CREATE_JOBS = r"""
+local batch, handler, sampling, deadline_at = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local mode, created = ARGV[5], ARGV[6]
+-- Queued and published at the time of the push itself, not of the request: submissions
+-- running side by side push in an order their request times need not follow, and the
+-- reaper's FIFO test (CLAIM) relies on the order of these times being the push order.
+local nowf = now_s()
+local now = fmt(nowf)
+local queued, published = K.queued('init'), K.published('init')
+local pending = {}
+for i = 7, #ARGV, 6 do
+  local id = ARGV[i]
+  redis.call('HSET', K.job(id), 'id', id, 'batch_id', batch, 'handler', handler,
+    'instance_id', ARGV[i + 2], 'instance_index', ARGV[i + 3], 'sample_index', ARGV[i + 4],
+    'sampling', sampling, 'state', 'queued', 'stage', 'init', 'phase', 'waiting',
+    'token', ARGV[i + 1], 'queue', 'init', 'requeues', 0, 'created_at', created,
+    't_init_queued', now, 'deadline_at', deadline_at, 'mode', mode)
+  redis.call('ZADD', queued, nowf, id)
+  if deadline_at ~= '' then redis.call('ZADD', K.DEADLINES, tonumber(deadline_at), id) end
+  if ARGV[i + 5] ~= '' then
+    redis.call('ZADD', published, nowf, id)
+    pending[#pending + 1] = ARGV[i + 5]
+  end
+  if #pending == 1000 then
+    redis.call('LPUSH', 'init', unpack(pending))
+    pending = {}
+  end
+end
+if #pending > 0 then redis.call('LPUSH', 'init', unpack(pending)) end
+return (#ARGV - 6) / 6
 """
 
 # After the publish of each job's message (submit, hand-off, re-queue): record that its push
@@ -177,17 +225,21 @@ for i = 7, #ARGV, 2 do redis.call('HSET', jk, ARGV[i], ARGV[i + 1]) end
 return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s())
 """
 
-# Refresh the heartbeat of jobs a worker holds (reserved or running).
-# ARGV: job/token pairs. Returns the flat job/token pairs the worker must abort: the job is
+# Refresh the heartbeat of jobs a worker holds (reserved or running), and record which
+# process holds each (``holder``: its presence name, see worker/liveness.py).
+# ARGV: holder, then job/token pairs. Returns the flat job/token pairs the worker must abort: the job is
 # gone, terminal, or has moved on to another attempt.
 HEARTBEAT = r"""
 local now = now_s()
+local holder = ARGV[1]
 local abort = {}
-for i = 1, #ARGV, 2 do
+for i = 2, #ARGV, 2 do
   local id, tok = ARGV[i], ARGV[i + 1]
-  local j = redis.call('HMGET', K.job(id), 'state', 'token')
+  local jk = K.job(id)
+  local j = redis.call('HMGET', jk, 'state', 'token', 'holder')
   if j[1] and not TERMINAL[j[1]] and j[2] == tok then
     redis.call('ZADD', K.ACTIVE, now, id)
+    if j[3] ~= holder then redis.call('HSET', jk, 'holder', holder) end
   else
     abort[#abort + 1] = id
     abort[#abort + 1] = tok
@@ -200,17 +252,17 @@ return abort
 # the job still carries the token the caller saw, so overlapping sweeps cannot reap one
 # attempt twice.
 # ARGV: job, mode, cutoff (epoch s: a heartbeat older than this is dead), expected token,
-# queue ('' for mode 'active'), max_requeues, new_token, ttl_s, message, max history.
+# queue ('' for mode 'active'), max_requeues, new_token, ttl_s, message, max history, and
+# the new INIT message for new_token ('' = the caller publishes it, then calls HANDED_OFF).
 # Modes: 'active' (stale heartbeat), 'queued' (waiting on a dead node's queue), 'orphan'
 # (its message was reserved by a dead worker), 'lost' (its message left the queue unclaimed),
 # 'leave' (its node is being stopped: re-queued at once, whatever its phase, without
 # counting against max_requeues: the job did nothing wrong).
-# Returns 'alive' | 'gone' | 'moved' | 'requeue' (caller publishes to init, then calls
-# HANDED_OFF) | 'failed'.
+# Returns 'alive' | 'gone' | 'moved' | 'requeue' | 'failed'.
 REAP = r"""
 local id, mode, cutoff, expect, queue = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local maxrq, new, ttl, msg = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8]), ARGV[9]
-local keep = tonumber(ARGV[10])
+local keep, message = tonumber(ARGV[10]), ARGV[11]
 local jk = K.job(id)
 local j = redis.call('HMGET', jk, 'state', 'phase', 'queue', 'requeues', 'batch_id', 'stage',
                      'token', 'node', 'attempts')
@@ -250,9 +302,15 @@ redis.call('HSET', jk, 'stage', 'init', 'phase', 'waiting', 'token', new, 'queue
 set_state(jk, j[1], 'queued', j[5])
 release_backend(id)
 redis.call('ZADD', K.queued('init'), now, id)
--- A fresh heartbeat until the caller has published the new INIT message (HANDED_OFF drops
--- it): should the publish fail, the job goes stale again and a later sweep finds it.
-redis.call('ZADD', K.ACTIVE, now, id)
+if message and message ~= '' then
+  redis.call('LPUSH', 'init', message)
+  redis.call('ZREM', K.ACTIVE, id)
+  redis.call('ZADD', K.published('init'), now, id)
+else
+  -- A fresh heartbeat until the caller has published the new INIT message (HANDED_OFF
+  -- drops it): should the publish fail, the job goes stale again and a sweep finds it.
+  redis.call('ZADD', K.ACTIVE, now, id)
+end
 return 'requeue'
 """
 

@@ -64,11 +64,10 @@ class Reap(str, Enum):
 class StageOutcome(str, Enum):
     """What one stage task did (the Celery task's return value, and its log line)."""
 
-    HANDED_OFF = "handed off"  # the next stage's message is published
+    HANDED_OFF = "handed off"  # the next stage's message is pushed, with the job's move
     DONE = "done"  # EVAL finished the job
     FAILED = "failed"  # the stage failed the job
     ABORTED = "aborted"  # the job ended elsewhere (cancelled, timed out, reaped)
     STALE = "stale"  # the job moved on before this stage could record its outcome
-    PUBLISH_FAILED = "publish failed"  # the reaper will re-queue it
     NOT_RUN = "not run"  # claim refused (redelivery, terminal, expired)
 

@@ -70,6 +70,7 @@ class Backend:
     tokenizer: str
     policy_version: int
     logprobs_mode: str
+    in_flight: int = 0  # jobs pinned to it when this pin was read (this one included)
 
 
 class BackendRegistry:
@@ -171,8 +172,11 @@ class BackendRegistry:
             "logprobs_mode": raw["logprobs_mode"],
             "healthy": raw["healthy"] == "1", "drained": raw["drained"] == "1",
             "in_heap": score is not None, "in_flight": int(inflight or 0),
-            "load": float(score) if score is not None else None,
+            "load": int(inflight or 0) / max(1, int(raw["capacity"])),
+            # The heap's key: a new job's expected turn time there (absent out of the heap).
+            "expected_delay_ms": round(float(score), 3) if score is not None else None,
             "latency_ms": float(raw["latency_ms"]) if raw.get("latency_ms") else None,
+            "service_ms": float(raw["service_ms"]) if raw.get("service_ms") else None,
             "jobs_total": int(raw.get("jobs_total", 0)),
             "requests_total": int(raw.get("requests_total", 0)),
             "last_error": raw.get("last_error") or None,
@@ -200,31 +204,38 @@ class BackendRegistry:
         return out[0] if out else None
 
     def pin(self, job_id: str, exclude: str = "",
-            latency: tuple[str, float, int] | None = None) -> Backend | None:
+            latency: tuple[str, float, int, float | None] | None = None) -> Backend | None:
         """:meth:`acquire`, returning the backend's request fields, and first recording
-        ``latency`` (backend id, mean ms, requests) of the job's earlier requests: one round
-        trip."""
-        lat = (latency[0], f"{latency[1]:.3f}", str(latency[2])) if latency else ("", "", "")
+        ``latency`` (backend id, mean ms, requests, the in-flight count their pins saw or
+        None) of the job's earlier requests: one round trip."""
+        lat = ((latency[0], f"{latency[1]:.3f}", str(latency[2]),
+                "" if latency[3] is None else f"{latency[3]:.3f}") if latency
+               else ("", "", "", ""))
         out = self._call("ACQUIRE", job_id, exclude, "1" if self.audit else "", *lat)
         if not out:
             return None
-        b, _how, url, kind, model, tokenizer, version, mode = out
-        return Backend(b, url, kind, model, tokenizer, _version(version), mode)
+        b, _how, url, kind, model, tokenizer, version, mode, in_flight = out
+        return Backend(b, url, kind, model, tokenizer, _version(version), mode, int(in_flight))
 
     def release(self, job_id: str) -> str | None:
         return self._call("RELEASE", job_id) or None
 
-    def record_latency(self, backend_id: str, latency_ms: float, requests: int = 1) -> None:
-        """Fold ``requests`` requests of mean ``latency_ms`` into the backend's average."""
-        self._call("RECORD_LATENCY", backend_id, f"{latency_ms:.3f}", str(requests))
+    def record_latency(self, backend_id: str, latency_ms: float, requests: int = 1,
+                       load: float | None = None) -> None:
+        """Fold ``requests`` requests of mean ``latency_ms`` into the backend's averages;
+        ``load``: the backend's in-flight count while they ran (now's if None)."""
+        self._call("RECORD_LATENCY", backend_id, f"{latency_ms:.3f}", str(requests),
+                   "" if load is None else f"{load:.3f}")
 
     def audit_log(self) -> list[dict]:
-        """Acquire audit records: chosen backend, its capacity, and the heap just after."""
+        """Acquire audit records: the chosen backend, the one the job asked not to get (or
+        ''), the jobs pinned to the chosen one before, and the heap's keys as the pick saw
+        them."""
         out = []
         for row in self.r.lrange(keys.BACKEND_AUDIT, 0, -1):
             snap = json.loads(row)
-            chosen, cap, flat = snap[0], float(snap[1]), snap[2:]
-            out.append({"chosen": chosen, "capacity": cap,
+            chosen, exclude, in_flight, flat = snap[0], snap[1], snap[2], snap[3:]
+            out.append({"chosen": chosen, "exclude": exclude, "in_flight": int(in_flight),
                         "scores": {flat[i]: float(flat[i + 1]) for i in range(0, len(flat), 2)}})
         return out
 

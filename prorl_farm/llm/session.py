@@ -55,7 +55,7 @@ class BackendSession:
         # another one would mix token vocabularies in one trajectory.
         self.tokenizer: str | None = None
         # Latencies not yet recorded: backend, sum of ms, requests (with the next pin).
-        self._lat: list = ["", 0.0, 0]
+        self._lat: list = ["", 0.0, 0, 0]  # backend, total ms, requests, summed load
         self._pinned: Backend | None = None
         self._pinned_at = 0.0
         # One client (one kept-alive connection) per backend the job talks to.
@@ -105,12 +105,13 @@ class BackendSession:
                 self._lat[0] = backend.id
             self._lat[1] += gen.latency_ms
             self._lat[2] += 1
+            self._lat[3] += backend.in_flight  # the load its pin saw (at most PIN_TTL_S ago)
             return Turn(gen, backend)
 
-    def _take_latency(self) -> tuple[str, float, int] | None:
-        backend, total, n = self._lat
-        self._lat = ["", 0.0, 0]
-        return (backend, total / n, n) if n else None
+    def _take_latency(self) -> tuple[str, float, int, float] | None:
+        backend, total, n, load = self._lat
+        self._lat = ["", 0.0, 0, 0]
+        return (backend, total / n, n, load / n) if n else None
 
     def _flush_latency(self) -> None:
         latency = self._take_latency()

@@ -9,8 +9,12 @@ the process holds, so the cost does not grow with the number of threads in the p
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable, Iterable
+
+import redis
 
 from prorl_farm import keys
 from prorl_farm.config import Settings
@@ -28,6 +32,55 @@ ReservedSource = Callable[[], Iterable[tuple[str, str]]]
 JANITOR_EVERY = 10
 
 
+class Presence:
+    """A worker process's presence: a Redis connection of its own, named after the process.
+
+    The kernel closes a dead process's sockets (kill -9 included), so Redis drops the
+    connection at once, and the reaper, which lists Redis's clients, knows within one sweep
+    that the process is gone, instead of waiting for its heartbeats to go stale. A live
+    process keeps its connection however slow or busy it is (a stalled tick does not make it
+    look dead); it pings every tick, which reconnects (and renames) it after a drop.
+    """
+
+    def __init__(self, settings: Settings, stage: str):
+        self.name = (f"{keys.PRESENCE_PREFIX}{stage}:{settings.node}:"
+                     f"{socket.gethostname().replace(' ', '_')}:{os.getpid()}:"
+                     f"{os.urandom(4).hex()}")
+        self.r = redis.Redis.from_url(settings.redis_url, client_name=self.name,
+                                      single_connection_client=True, socket_timeout=10,
+                                      socket_connect_timeout=10)
+
+    def beat(self) -> None:
+        try:
+            self.r.ping()
+        except redis.exceptions.RedisError as e:
+            # Heartbeats go on without it; the reaper then judges by their age alone.
+            log.warning("presence connection: %s", e)
+
+    def close(self) -> None:
+        self.r.close()
+
+
+def present(r, settle_s: float) -> dict[str, str] | None:
+    """The worker processes connected now: {presence name: "<stage>:<node>"}. None where
+    that cannot be trusted: a Redis that started less than ``settle_s`` ago may not have
+    seen every live process reconnect yet (callers fall back to heartbeat age)."""
+    try:
+        if int(r.info("server").get("uptime_in_seconds", 0)) < settle_s:
+            return None
+        clients = r.client_list(_type="normal")
+    except redis.exceptions.ResponseError as e:  # CLIENT or INFO refused (renamed, ACL)
+        log.warning("worker presence unavailable (%s); set PRORL_PRESENCE=0", e)
+        return None
+    out = {}
+    for client in clients:
+        name = client.get("name") or ""
+        if name.startswith(keys.PRESENCE_PREFIX):
+            stage, node = name[len(keys.PRESENCE_PREFIX):].split(":", 2)[:2]
+            out[name] = f"{stage}:{node}"
+    return out
+
+
 class Liveness:
     """The per-process heartbeat/abort/deadline thread."""
 
@@ -43,10 +96,10 @@ class Liveness:
         self.janitor: Callable[[], int] | None = None
         self._ticks = 0
         self._running: dict[tuple[str, str], JobContext] = {}
-        self._handed_off: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.presence = Presence(settings, stage)
 
     def track(self, ctx: JobContext) -> None:
         with self._lock:
@@ -60,15 +113,8 @@ class Liveness:
         with self._lock:
             self._running.pop((ctx.job_id, ctx.token), None)
 
-    def handed_off(self, job_id: str, new_token: str) -> None:
-        """Note a published hand-off; the next tick drops this worker's heartbeat of the job.
-
-        Batched off the hot path: until then the job only carries a fresh heartbeat.
-        """
-        with self._lock:
-            self._handed_off.append((job_id, new_token))
-
     def start(self) -> None:
+        self.presence.beat()  # present from the start, not from the first tick
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name=f"liveness-{self.stage}",
@@ -90,12 +136,11 @@ class Liveness:
     def tick(self) -> None:
         with self._lock:
             running = dict(self._running)
-            handed_off, self._handed_off = self._handed_off, []
-        self.store.handed_off(handed_off)
         held = set(running)
         if self.reserved is not None:
             held.update(self.reserved())
-        for pair in self.store.heartbeat(held):
+        self.presence.beat()
+        for pair in self.store.heartbeat(held, self.presence.name):
             ctx = running.get(pair)
             if ctx is not None:
                 ctx.abort("job ended or moved on elsewhere")

@@ -18,15 +18,16 @@ from celery.exceptions import WorkerShutdown
 from celery.signals import worker_process_init, worker_ready, worker_shutting_down
 
 from prorl_farm import keys
-from prorl_farm.celery_app import TASK_NAMES, create_celery_app, queue_for, stage_of_queue
+from prorl_farm.celery_app import create_celery_app, queue_for, stage_of_queue
 from prorl_farm.config import STAGES, Settings, load_settings
 from prorl_farm.errors import StageFailed
 from prorl_farm.handlers.registry import HandlerRegistry
+from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.states import Reap, StageOutcome
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
 from prorl_farm.worker import logs
-from prorl_farm.worker.liveness import Liveness
+from prorl_farm.worker.liveness import Liveness, present
 from prorl_farm.worker.reaper import Reaper
 from prorl_farm.worker.runner import StageRunner
 
@@ -42,8 +43,9 @@ class WorkerFarm:
         self.stage = stage
         # One connection per pool thread at most, plus the liveness and probe threads.
         self.store = JobStore.from_settings(settings, settings.pool(stage).concurrency + 8)
-        reaper = (Reaper(self.store, settings, self.requeue,
-                         BackendRegistry(self.store.r)) if main_process else None)
+        self.messages = StageMessages(app)
+        reaper = (Reaper(self.store, settings, self.messages, BackendRegistry(self.store.r),
+                         present if settings.presence else None) if main_process else None)
         self.liveness = Liveness(self.store, settings, stage,
                                  reserved=_reserved_requests if main_process else None,
                                  reaper=reaper)
@@ -53,15 +55,9 @@ class WorkerFarm:
         if main_process and self.sandboxes is not None:
             self.liveness.janitor = self.sandboxes.janitor
         self.runner = StageRunner(settings, self.store, HandlerRegistry(settings.handlers),
-                                  self.liveness, self.publish, worker_name, self.backends,
+                                  self.liveness, self.messages, worker_name,
+                                  self.backends,
                                   self.sandboxes)
-
-    def publish(self, stage: str, job_id: str, token: str, queue: str) -> None:
-        # The token doubles as the Celery task id, so the API can revoke it by job state.
-        self.app.send_task(TASK_NAMES[stage], args=[job_id, token], queue=queue, task_id=token)
-
-    def requeue(self, job_id: str, token: str) -> None:
-        self.publish("init", job_id, token, "init")
 
     def leave(self) -> int:
         """This node is going away (PRORL_REQUEUE_ON_STOP and SIGTERM): re-queue at INIT,
@@ -81,14 +77,11 @@ class WorkerFarm:
 
     def hand_back(self, job_id: str, token: str) -> bool:
         """Re-queue one job at INIT for another node (this one is leaving)."""
-        outcome, new_token = self.store.reap(
+        outcome, _ = self.store.reap(
             job_id, "leave", float("inf"), token, "",
-            f"node {self.settings.node} left: its {self.stage} pool was stopped")
-        if outcome is not Reap.REQUEUE:
-            return False
-        self.requeue(job_id, new_token)
-        self.store.handed_off([(job_id, new_token)])
-        return True
+            f"node {self.settings.node} left: its {self.stage} pool was stopped",
+            self.messages)
+        return outcome is Reap.REQUEUE
 
 
 def _sandbox_manager(r, settings: Settings):

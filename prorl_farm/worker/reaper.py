@@ -13,6 +13,17 @@ What counts as dead or lost, soundly:
   stage heartbeats any more;
 - *orphan*: a job whose message sits in kombu's unacked set, reserved by a worker that
   stopped heartbeating it (the worker died);
+
+A worker process is known dead in two ways. Its heartbeats stop: after ``heartbeat_stale_s``
+(30 s by default, long enough that no pause of a live process reaches it). Or, within a
+sweep, its presence connection is gone (see ``Presence`` in worker/liveness.py): Redis
+drops a dead process's connection the moment the kernel closes it, kill -9 included, while
+a live one keeps it however loaded it is. Then its jobs whose heartbeat is older than
+``presence_grace_s`` (a few ticks: a live process that lost its connection reconnects in
+one) are recovered at once, as are the jobs waiting on the queue of a pool with no process
+left. After a Redis restart, until every process has had time to reconnect, only heartbeat
+age counts.
+
 - *lost*: a job whose message vanished between a worker's pop and kombu recording it as
   unacked. Queues are FIFO: a message whose push completed (``published`` score) before
   the push of a message already claimed began (``claimed`` time) has been popped; if its
@@ -28,23 +39,26 @@ from collections.abc import Callable
 
 from prorl_farm import keys
 from prorl_farm.config import Settings
+from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.states import Reap
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.worker.kombu import reserved_messages, settle
 
 log = logging.getLogger(__name__)
 
-# requeue(job_id, token): publish a reaped job to the init queue again.
-Requeue = Callable[[str, str], None]
 # Candidates looked at per kind and sweep.
 BATCH = 1000
+# After a Redis (re)start, seconds before a missing presence connection counts as a death.
+PRESENCE_SETTLE_S = 10.0
 
 
 class Reaper:
-    def __init__(self, store: JobStore, settings: Settings, requeue: Requeue, backends=None):
+    def __init__(self, store: JobStore, settings: Settings, messages: StageMessages,
+                 backends=None, present: Callable | None = None):
         self.store = store
         self.settings = settings
-        self.requeue = requeue
+        self.messages = messages  # a re-queued job's INIT message goes with the re-queue
+        self.present = present  # worker processes connected now (liveness.present)
         self.backends = backends  # a BackendRegistry whose failed backends it probes
         self._prober: threading.Thread | None = None
         self._me = uuid.uuid4().hex
@@ -78,11 +92,30 @@ class Reaper:
         counts = {"timeout": store.expire_deadlines()}
         now = store.server_time()
         cutoff = now - self.settings.heartbeat_stale_s
-        stale = r.zrangebyscore(keys.ACTIVE, "-inf", f"({cutoff}", start=0, num=BATCH)
-        for job_id, token in zip(stale, store.tokens(stale)):
-            self._reap(counts, job_id, "active", cutoff, token, "",
-                       "its worker stopped heartbeating")
+        # Live processes reconnect within a tick or two of a Redis restart (redis-py's
+        # retries back off to 2 s at most): until then, absence proves nothing.
+        settle_s = min(self.settings.heartbeat_stale_s, PRESENCE_SETTLE_S)
+        present = self.present(r, settle_s) if self.present else None
+        # With presence known: a heartbeat older than this, from a process that is gone.
+        quick = now - self.settings.presence_grace_s if present is not None else cutoff
+        gone = (lambda holder: bool(holder) and holder not in present) if present is not None \
+            else (lambda holder: False)
+        # Oldest heartbeats first: the ones stale by either test come before the rest.
+        stale = r.zrangebyscore(keys.ACTIVE, "-inf", f"({quick}", start=0, num=BATCH,
+                                withscores=True)
+        ids = [job_id for job_id, _ in stale]
+        for (job_id, beat), token, holder in zip(stale, store.tokens(ids), self._holders(ids)):
+            if gone(holder):
+                self._reap(counts, job_id, "active", quick, token, "",
+                           "its worker process is gone")
+            elif beat < cutoff:
+                self._reap(counts, job_id, "active", cutoff, token, "",
+                           "its worker stopped heartbeating")
         live = store.live_pools(self.settings.heartbeat_stale_s)
+        if present is not None:  # a pool with no process left is dead now, not in 30 s
+            recent = store.live_pools(self.settings.presence_grace_s)
+            live = {p: age for p, age in live.items()
+                    if p in recent or p in present.values()}
         queues = r.smembers(keys.QUEUES)
         for queue in queues:
             if queue == "init":
@@ -90,28 +123,39 @@ class Reaper:
             stage, _, node = queue.partition(".")
             if f"{stage}:{node}" in live:
                 continue
-            waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({cutoff}", start=0,
+            waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({quick}", start=0,
                                       num=BATCH)
             for job_id, token in zip(waiting, store.tokens(waiting)):
-                self._reap(counts, job_id, "queued", cutoff, token, queue,
+                self._reap(counts, job_id, "queued", quick, token, queue,
                            f"no live {stage} pool on node {node}")
         reserved = reserved_messages(r)
-        self._reap_orphans(counts, [m for m in reserved if m.at < cutoff], cutoff)
+        self._reap_orphans(counts, [m for m in reserved if m.at < quick], cutoff, quick,
+                           gone)
         self._reap_lost(counts, queues, {m.token for m in reserved}, cutoff)
         self._probe_backends()
         return counts
 
-    def _reap_orphans(self, counts: dict, reserved, cutoff: float) -> None:
-        """Messages reserved by a worker that stopped heartbeating them: deal with each job
-        once, then settle the message so that no later sweep looks at it again."""
+    def _holders(self, job_ids: list[str]) -> list[str | None]:
+        pipe = self.store.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(keys.job(job_id), "holder")
+        return pipe.execute()
+
+    def _reap_orphans(self, counts: dict, reserved, cutoff: float, quick: float, gone
+                      ) -> None:
+        """Messages reserved by a worker that stopped heartbeating them (or whose process is
+        gone): deal with each job once, then settle the message so that no later sweep
+        looks at it again."""
         if not reserved:
             return
         beats = self.store.r.zmscore(keys.ACTIVE, [m.job_id for m in reserved])
+        holders = self._holders([m.job_id for m in reserved])
         settled = []
-        for m, beat in zip(reserved, beats):
-            if beat is not None and beat >= cutoff:
+        for m, beat, holder in zip(reserved, beats, holders):
+            dead_by = quick if gone(holder) else cutoff
+            if m.at >= dead_by or (beat is not None and beat >= dead_by):
                 continue  # a live worker holds it
-            outcome = self._reap(counts, m.job_id, "orphan", cutoff, m.token, "",
+            outcome = self._reap(counts, m.job_id, "orphan", dead_by, m.token, "",
                                  "its message was taken by a worker that died")
             if outcome is not Reap.ALIVE:
                 settled.append(m.tag)
@@ -144,12 +188,11 @@ class Reaper:
 
     def _reap(self, counts: dict, job_id: str, mode: str, cutoff: float, token: str | None,
               queue: str, why: str) -> Reap:
-        outcome, new_token = self.store.reap(job_id, mode, cutoff, token or "", queue, why)
+        outcome, _ = self.store.reap(job_id, mode, cutoff, token or "", queue, why,
+                                     self.messages)
         counts[outcome.value] = counts.get(outcome.value, 0) + 1
         if outcome is Reap.REQUEUE:
             log.warning("job %s re-queued (%s)", job_id, why)
-            self.requeue(job_id, new_token)
-            self.store.handed_off([(job_id, new_token)])
         elif outcome is Reap.FAILED:
             log.warning("job %s failed worker_lost (%s)", job_id, why)
         return outcome

@@ -11,7 +11,6 @@ import logging
 import math
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from prorl_farm.celery_app import queue_for
@@ -27,6 +26,7 @@ from prorl_farm.errors import (
 )
 from prorl_farm.handlers.base import AgentHandler
 from prorl_farm.handlers.registry import HandlerRegistry
+from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.states import NEXT_STAGE, Claim, FailureKind, JobState, StageOutcome
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.worker.liveness import Liveness
@@ -45,10 +45,6 @@ class StageResult:
 
     def __str__(self) -> str:
         return f"{self.outcome.value}: {self.detail}" if self.detail else self.outcome.value
-
-# publish(stage, job_id, token, queue): put the stage's message on its queue.
-Publisher = Callable[[str, str, str, str], None]
-
 
 def build_context(raw: dict, stage: str, token: str, node: str, stage_timeout_s: float
                   ) -> JobContext:
@@ -87,15 +83,15 @@ class StageRunner:
     """Runs one stage of one job, start to finish, inside a worker process."""
 
     def __init__(self, settings: Settings, store: JobStore, registry: HandlerRegistry,
-                 liveness: Liveness, publish: Publisher, worker_name: str, backends=None,
-                 sandboxes=None):
+                 liveness: Liveness, messages: StageMessages, worker_name: str,
+                 backends=None, sandboxes=None):
         self.settings = settings
         self.backends = backends
         self.sandboxes = sandboxes
         self.store = store
         self.registry = registry
         self.liveness = liveness
-        self.publish = publish
+        self.messages = messages
         self.worker_name = worker_name
 
     def __call__(self, stage: str, job_id: str, token: str) -> StageResult:
@@ -103,7 +99,8 @@ class StageRunner:
             return self._run(stage, job_id, token)
 
     def _run(self, stage: str, job_id: str, token: str) -> StageResult:
-        claim, raw = self.store.claim(job_id, stage, token, self.worker_name)
+        claim, raw = self.store.claim(job_id, stage, token, self.worker_name,
+                                      self.liveness.presence.name)
         if claim is not Claim.OK:
             # A redelivery, a cancelled job's message, or a job past its deadline.
             log.info("%s: not run (%s)", stage, claim.value)
@@ -165,18 +162,12 @@ class StageRunner:
             return StageResult(StageOutcome.DONE if done.changed else StageOutcome.STALE)
         field = "hstate" if ctx.stage == "init" else "result"
         queue = queue_for(nxt, self.settings.node)
+        # One script: the job moves on and the next stage's message is pushed with it.
         new_token = self.store.advance(ctx.job_id, ctx.stage, ctx.token, nxt, queue,
-                                       self.settings.node, field, json.dumps(output or {}))
+                                       self.settings.node, field, json.dumps(output or {}),
+                                       self.messages)
         if new_token is None:
             return StageResult(StageOutcome.STALE)
-        try:
-            self.publish(nxt, ctx.job_id, new_token, queue)
-        except Exception:
-            # The job keeps this worker's last heartbeat, which goes stale now that the stage
-            # is over: the reaper re-queues it (or fails it worker_lost).
-            log.exception("%s: publishing to %s failed", ctx.stage, queue)
-            return StageResult(StageOutcome.PUBLISH_FAILED, queue)
-        self.liveness.handed_off(ctx.job_id, new_token)
         return StageResult(StageOutcome.HANDED_OFF, queue)
 
     def _fail(self, ctx: JobContext, handler: AgentHandler | None, kind: FailureKind,
