@@ -1,12 +1,12 @@
 """GET /v1/batches, GET /v1/batches/<id>, GET /v1/batches/<id>/results,
-POST /v1/batches/<id>/cancel."""
+POST /v1/batches/results (several batches in one read), POST /v1/batches/<id>/cancel."""
 
 from __future__ import annotations
 
 from flask import Blueprint, request
 
-from api.schemas import BatchListQuerySchema, ResultsQuerySchema
-from api.services import services
+from api.schemas import BatchListQuerySchema, ManyResultsQuerySchema, ResultsQuerySchema
+from api.services import json_body, services
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 
@@ -35,6 +35,27 @@ def results(batch_id: str):
     return {"results": [render_job(r, include_instance=False) for r in raws], "cursor": cursor,
             "complete": summary["complete"], "finished": summary["finished"],
             "total": summary["total"]}
+
+
+@bp.post("/v1/batches/results")
+def many_results():
+    """Finished jobs of several batches, each after its own cursor; ``wait`` long-polls
+    until any incomplete one has a result. A batch not stored comes back ``found: false``."""
+    svc = services()
+    q = ManyResultsQuerySchema().load(json_body())
+    out = {}
+    for batch_id, page in svc.store.many_batch_results(q["cursors"], q["limit"],
+                                                       q["wait"]).items():
+        if page is None:
+            out[batch_id] = {"found": False}
+            continue
+        s = page["summary"]
+        out[batch_id] = {"found": True, "cursor": page["cursor"],
+                         "results": [render_job(r, include_instance=False)
+                                     for r in page["results"]],
+                         "complete": s["complete"], "finished": s["finished"],
+                         "total": s["total"]}
+    return {"batches": out}
 
 
 @bp.post("/v1/batches/<batch_id>/cancel")

@@ -18,7 +18,8 @@ _plugin = MarshmallowPlugin()
 _spec = APISpec(title="prorl-farm", version=__version__, openapi_version="3.0.3",
                 plugins=[_plugin])
 for _name in ("Submit", "SubmitResponse", "Job", "Batch", "BatchList", "Results",
-              "CancelResponse", "Error", "BackendRegister", "BackendResume", "Backend"):
+              "ManyResultsQuery", "ManyResults", "CancelResponse", "Error", "BackendRegister",
+              "BackendResume", "Backend"):
     _spec.components.schema(_name, schema=getattr(s, f"{_name}Schema"))
 
 
@@ -59,6 +60,9 @@ _spec.path("/v1/batches", operations={"get": _op(
 _spec.path("/v1/batches/{batch_id}/results", operations={"get": _op(
     "Finished results after a cursor", out="Results",
     params=[_path_param("batch_id"), {"in": "query", "schema": s.ResultsQuerySchema}])})
+_spec.path("/v1/batches/results", operations={"post": _op(
+    "Finished results of several batches, each after its cursor, in one (long-polled) read",
+    body="ManyResultsQuery", out="ManyResults")})
 _spec.path("/v1/batches/{batch_id}/stats", operations={"get": _op(
     "Progress, rate and ETA, reward mean and distribution, failures by kind with examples",
     params=[_path_param("batch_id")])})

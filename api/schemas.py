@@ -173,6 +173,40 @@ class ResultsSchema(Schema):
     total = fields.Integer()
 
 
+class ManyResultsQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    # Any key: one that names no stored batch (a malformed id included) is found: false.
+    cursors = fields.Dict(
+        keys=fields.String(),
+        values=fields.String(validate=validate.Regexp(
+            CURSOR_RE, error="a stream id like '0-0' or one returned as 'cursor'")),
+        required=True, validate=validate.Length(max=1000),
+        metadata={"description": "batch id -> the cursor to read after ('0-0': from the "
+                                 "start)", "maxProperties": 1000})
+    limit = fields.Integer(load_default=100, validate=validate.Range(min=1, max=1000),
+                           metadata={"description": "results per batch, at most"})
+    wait = fields.Float(load_default=0.0, allow_nan=False,
+                        validate=validate.Range(min=0, max=WAIT_MAX_S),
+                        metadata={"description": "seconds to wait while no incomplete batch "
+                                  "has a result (the server waits at most PRORL_MAX_WAIT_S)"})
+
+
+class BatchResultsSchema(Schema):
+    results = fields.List(fields.Nested(JobSchema))
+    cursor = fields.String()
+    complete = fields.Boolean()
+    finished = fields.Integer()
+    total = fields.Integer()
+    found = fields.Boolean(metadata={"description": "false: no such batch (or expired); "
+                                                    "nothing else is set"})
+
+
+class ManyResultsSchema(Schema):
+    batches = fields.Dict(keys=fields.String(), values=fields.Nested(BatchResultsSchema))
+
+
 class BatchListSchema(Schema):
     batches = fields.List(fields.Nested(BatchSchema))
 

@@ -20,6 +20,7 @@ import datetime
 import itertools
 import json
 import random
+import statistics
 import threading
 import time
 import urllib.request
@@ -151,6 +152,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=240)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--job-threads", type=int, default=24)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per policy (median kept)")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
@@ -162,11 +164,13 @@ def main() -> None:
             for server, (name, _, cap) in zip(servers, BACKENDS):
                 registry.register(BackendSpec(server.url, "vllm", name, "/t", cap))
             urls = [s.url for s in servers]
-            makespans = {}
-            for policy in ("min-heap", "least in-flight", "round-robin", "random"):
-                makespans[policy] = run_policy(policy, urls, registry if policy == "min-heap"
-                                               else None, args.jobs, args.turns,
-                                               args.job_threads)
+            runs: dict[str, list[float]] = {}
+            for _ in range(args.repeat):  # policies in turns: drift falls on all alike
+                for policy in ("min-heap", "least in-flight", "round-robin", "random"):
+                    runs.setdefault(policy, []).append(run_policy(
+                        policy, urls, registry if policy == "min-heap" else None, args.jobs,
+                        args.turns, args.job_threads))
+            makespans = {p: statistics.median(ms) for p, ms in runs.items()}
             costs = bench_acquire(r, registry, 1000, 5000)
     finally:
         for s in servers:
@@ -177,7 +181,8 @@ def main() -> None:
     lines = [
         f"### backends — {datetime.date.today().isoformat()} — {machine()}",
         "",
-        f"{args.jobs} jobs x {args.turns} turns, {args.job_threads} jobs at a time; backends "
+        f"{args.jobs} jobs x {args.turns} turns, {args.job_threads} jobs at a time, median of "
+        f"{args.repeat} runs per routing; backends "
         + ", ".join(f"{n} {1000 * s:.0f} ms/request x{c}" for n, s, c in BACKENDS) + ".",
         "",
         "| routing | makespan (s) | ideal / makespan |",

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import redis
+import requests
 from common import machine, pct, private_redis, report  # noqa: E402
 from pipeline import Processes, farm_env, wait_for  # noqa: E402
 
@@ -33,6 +34,13 @@ from prorl_farm.client import FarmClient  # noqa: E402
 from prorl_farm.supervisor import free_port  # noqa: E402
 
 SIZES = [(500, 1), (128, 16), (512, 16)]  # instances, n
+
+
+def _up(base: str) -> bool:
+    try:
+        return requests.get(base + "/healthz", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def instances(count: int) -> list[dict]:
@@ -108,7 +116,7 @@ def main() -> None:
                          "--workers", "2", "--threads", "16", "--bind", f"127.0.0.1:{port}",
                          "api.wsgi:app"], farm_env(url, {}, events=False), Path(d) / "api.log")
             base = f"http://127.0.0.1:{port}"
-            wait_for(FarmClient(base).ready, 30, "api")
+            wait_for(lambda: _up(base), 30, "api")  # /readyz would want pools too
             r = redis.Redis.from_url(url)
             for size in SIZES:
                 jobs = size[0] * size[1]

@@ -55,7 +55,7 @@ class Config:
     groups: int = 16  # prompt groups per training batch
     n: int = 8  # rollouts per group
     lr: float = 1e-3
-    warm_steps: int = 60
+    warm_steps: int = 40
     warm_lr: float = 3e-3
     clip_low: float = 0.2
     clip_high: float = 0.28  # DAPO's clip-higher
@@ -64,6 +64,17 @@ class Config:
     # of a step's time, so more passes are cheap; 4 learnt about 1.5x as fast as 2.
     epochs: int = 4
     max_tokens: int = 4
+    # Groups in flight beyond what the observed acceptance rate says a step needs, and at
+    # most this many times the step's groups: what is still running when the step has its
+    # groups is cancelled (every rollout must come from the current weights), so more is
+    # waste.
+    overprovision: float = 1.25
+    max_in_flight: float = 4.0
+    # Seconds a step samples at most (0: until it has its groups): it then trains on the
+    # groups that qualified by then (at least one). As the policy sharpens, more groups
+    # come back all right or all wrong and are dropped; this bounds what a step spends
+    # looking for the rest, at the cost of smaller batches.
+    step_sample_s: float = 0.0
     seed: int = 0
     threads: int = 1
 
@@ -268,13 +279,17 @@ def train(cfg: Config, out: Path, log=print) -> dict:
         sampler = DynamicSampler(client, prompts(rng), "arith", n=cfg.n,
                                  batch_groups=cfg.groups, carry=False, staleness=0,
                                  sampling={"temperature": 1.0, "max_tokens": cfg.max_tokens},
-                                 rollout_deadline_s=120)
+                                 rollout_deadline_s=120, overprovision=cfg.overprovision,
+                                 max_groups_in_flight=int(cfg.max_in_flight * cfg.groups))
         log(f"{'step':>4} {'reward':>6} {'acc':>4} {'filt':>4} {'sample_s':>8} "
             f"{'update_s':>8} {'sync_s':>6} {'|dlogp|':>8}")
         with sampler:
             for step in range(cfg.steps):
                 t0 = time.monotonic()
-                batch = sampler.next_batch(policy_version=step, timeout_s=300)
+                batch = sampler.next_batch(policy_version=step,
+                                           timeout_s=cfg.step_sample_s or 300)
+                while not len(batch):  # nothing qualified in time: sample on
+                    batch = sampler.next_batch(policy_version=step, timeout_s=300)
                 sample_s = time.monotonic() - t0
                 for group in batch:
                     for job in group.rollouts:

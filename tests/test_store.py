@@ -43,6 +43,28 @@ def test_only_one_of_many_concurrent_claims_wins(settings, r):
     assert counts(r) == {"init": 1}
 
 
+def test_a_hand_off_pushes_the_next_message_in_the_same_script(settings, r):
+    """With messages, ADVANCE moves the job, pushes the next stage's message (its new
+    token as task id) and records it published, in one call: no window in which the job
+    waits for a message that is not there."""
+    store, [job] = make(settings, r)
+    r.delete("run.n")
+    assert store.claim(job.job_id, "init", job.token, "w", "holder-1")[0] == "ok"
+    assert r.hget(f"prorl:job:{job.job_id}", "holder") == "holder-1"
+    store.heartbeat([(job.job_id, job.token)], "holder-1")
+    token = store.advance(job.job_id, "init", job.token, "run", "run.n", "n", "hstate", "{}",
+                          _messages(settings))
+    [raw] = r.lrange("run.n", 0, -1)
+    message = json.loads(raw)
+    assert message_args(message) == [job.job_id, token]
+    assert message["headers"]["task"] == "prorl.run" and message["headers"]["id"] == token
+    assert message["properties"]["delivery_info"]["routing_key"] == "run.n"
+    assert r.zscore("prorl:active", job.job_id) is None  # no heartbeat left to go stale
+    assert r.zscore("prorl:published:run.n", job.job_id) is not None
+    assert r.hget(f"prorl:job:{job.job_id}", "holder") is None  # the next stage's to set
+    r.delete("run.n")
+
+
 def test_transitions_keep_counts_exact_and_terminal_is_final(settings, r):
     store, [job] = make(settings, r)
     assert store.claim(job.job_id, "run", job.token, "w")[0] == "stale"  # wrong stage

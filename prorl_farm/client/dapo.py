@@ -18,9 +18,11 @@ next step, as are qualified groups the step did not need, as long as they are at
     sampler.close()
 
 Each group is submitted as its own batch (one instance, ``n`` samples), so a group is
-cancelled with one request. Failed rollouts (a job that failed or timed out) are never a
-zero reward: ``on_failure="drop_group"`` drops the group, ``"drop_rollout"`` keeps the
-group's other rollouts if at least two remain and their rewards vary.
+cancelled with one request; the results of every group in flight come back in one
+long-polled request (``FarmClient.results_many``), however many groups there are.
+Failed rollouts (a job that failed or timed out) are never a zero reward:
+``on_failure="drop_group"`` drops the group, ``"drop_rollout"`` keeps the group's other
+rollouts if at least two remain and their rewards vary.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prorl_farm.client.farm import FarmClient, FarmNotFound
+
+# Groups whose results one request fetches (the API's limit).
+POLL_CHUNK = 1000
 
 
 @dataclass
@@ -179,24 +184,28 @@ class DynamicSampler:
         return min(self.max_groups_in_flight, math.ceil(missing / rate * self.overprovision))
 
     def _poll(self, wait_s: float) -> list[Group]:
-        """Fetch new results of the groups in flight; returns those that finished. Blocks
-        (long-poll) on the oldest group only, up to ``wait_s``, when nothing is new."""
+        """Fetch new results of every group in flight with one request per 1,000 groups
+        (long-polled up to ``wait_s`` while none has any); returns the groups that
+        finished."""
         finished: list[Group] = []
-        for i, group in enumerate(list(self.in_flight)):
-            try:
-                page = self.farm.results(group.batch_id, group.cursor, limit=1000,
-                                         wait_s=wait_s if i == 0 and not finished else 0.0)
-            except FarmNotFound:
-                page = {"results": [], "cursor": group.cursor}  # expired: treat as failed
-                for job_id in group.job_ids:
-                    group.jobs.setdefault(job_id, {"id": job_id, "state": "failed",
-                                                   "reward": None, "policy_version": None})
-            group.cursor = page["cursor"]
-            for job in page["results"]:
-                group.jobs[job["id"]] = job
-            if group.done:
-                finished.append(group)
-                self.in_flight.remove(group)
+        groups = list(self.in_flight)
+        for i in range(0, len(groups), POLL_CHUNK):
+            chunk = {g.batch_id: g for g in groups[i:i + POLL_CHUNK]}
+            pages = self.farm.results_many({b: g.cursor for b, g in chunk.items()},
+                                           limit=1000, wait_s=wait_s if i == 0 else 0.0)
+            for batch_id, group in chunk.items():
+                page = pages.get(batch_id) or {"found": False}
+                if not page.get("found"):  # expired: its rollouts count as failed
+                    for job_id in group.job_ids:
+                        group.jobs.setdefault(job_id, {"id": job_id, "state": "failed",
+                                                       "reward": None, "policy_version": None})
+                else:
+                    group.cursor = page["cursor"]
+                    for job in page["results"]:
+                        group.jobs[job["id"]] = job
+                if group.done:
+                    finished.append(group)
+                    self.in_flight.remove(group)
         return finished
 
     def _cancel(self, groups: list[Group], stats: StepStats) -> None:

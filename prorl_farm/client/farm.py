@@ -149,6 +149,15 @@ class FarmClient:
                           params={"cursor": cursor, "limit": limit, "wait": wait_s},
                           timeout_s=self.timeout_s + wait_s)
 
+    def results_many(self, cursors: dict[str, str], limit: int = 100, wait_s: float = 0.0
+                     ) -> dict[str, dict]:
+        """New results of several batches in one request ({batch id: cursor}, at most
+        1,000): {batch id: {results, cursor, complete, finished, total, found}}; long-polls
+        up to ``wait_s`` while none of the incomplete ones has a result."""
+        return self._call("POST", "/v1/batches/results",
+                          json={"cursors": cursors, "limit": limit, "wait": wait_s},
+                          timeout_s=self.timeout_s + wait_s)["batches"]
+
     def iter_results(self, batch_id: str, expected: int | None = None, wait_s: float = 10.0,
                      timeout_s: float | None = None, cursor: str = "0-0",
                      progress: bool | None = False) -> Iterator[dict]:

@@ -345,6 +345,39 @@ class JobStore:
         raws = self.get_many_raw([fields["job"] for _, fields in entries])
         return [r for r in raws if r], entries[-1][0]
 
+    def many_batch_results(self, cursors: dict[str, str], limit: int, wait_s: float
+                           ) -> dict[str, dict]:
+        """:meth:`batch_results` for several batches in one read (a trainer polling
+        hundreds of prompt groups makes one request, not hundreds): {batch: {results (raw
+        jobs), cursor, summary}}, or {batch: None} for a batch that is not (or no longer)
+        stored. Blocks up to ``wait_s`` while none of the incomplete ones has a result."""
+        ids = list(cursors)
+        pipe = self.r.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hgetall(keys.batch(batch_id))
+            pipe.hgetall(keys.batch_counts(batch_id))
+        rows = pipe.execute()
+        summaries = {b: self._summary(b, rows[2 * i], rows[2 * i + 1])
+                     for i, b in enumerate(ids) if rows[2 * i]}
+        streams = {keys.batch_stream(b): cursors[b] for b in summaries}
+        got = self.r.xread(streams, count=limit) if streams else []
+        waiting = {keys.batch_stream(b): cursors[b] for b, s in summaries.items()
+                   if not s["complete"]}
+        wait_s = min(wait_s, self.settings.max_wait_s)
+        if not got and waiting and wait_s > 0:
+            got = self.r.xread(waiting, count=limit, block=max(1, int(wait_s * 1000)))
+        of_stream = {keys.batch_stream(b): b for b in summaries}
+        entries = {of_stream[stream]: items for stream, items in got or []}
+        raws = iter(self.get_many_raw([f["job"] for items in entries.values()
+                                       for _, f in items]))
+        out: dict[str, dict | None] = dict.fromkeys(ids)
+        for batch_id, summary in summaries.items():
+            items = entries.get(batch_id, [])
+            jobs = [next(raws) for _ in items]
+            out[batch_id] = {"results": [j for j in jobs if j], "summary": summary,
+                             "cursor": items[-1][0] if items else cursors[batch_id]}
+        return out
+
     # -- pools ----------------------------------------------------------------------------
 
     def server_time(self) -> float:
