@@ -31,7 +31,11 @@ def results(batch_id: str):
     svc = services()
     q = ResultsQuerySchema().load(request.args.to_dict())
     raws, cursor = svc.store.batch_results(batch_id, q["cursor"], q["limit"], q["wait"])
-    summary = svc.store.batch_summary(batch_id)
+    return _page(raws, cursor, svc.store.batch_summary(batch_id))
+
+
+def _page(raws: list[dict], cursor: str, summary: dict) -> dict:
+    """A page of a batch's results as the API answers it."""
     return {"results": [render_job(r, include_instance=False) for r in raws], "cursor": cursor,
             "complete": summary["complete"], "finished": summary["finished"],
             "total": summary["total"]}
@@ -46,15 +50,9 @@ def many_results():
     out = {}
     for batch_id, page in svc.store.many_batch_results(q["cursors"], q["limit"],
                                                        q["wait"]).items():
-        if page is None:
-            out[batch_id] = {"found": False}
-            continue
-        s = page["summary"]
-        out[batch_id] = {"found": True, "cursor": page["cursor"],
-                         "results": [render_job(r, include_instance=False)
-                                     for r in page["results"]],
-                         "complete": s["complete"], "finished": s["finished"],
-                         "total": s["total"]}
+        out[batch_id] = ({"found": True, **_page(page["results"], page["cursor"],
+                                                 page["summary"])}
+                         if page is not None else {"found": False})
     return {"batches": out}
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 
 from flask import Blueprint, request
@@ -17,7 +16,6 @@ from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 from prorl_farm.jobs.store import new_id
 
-log = logging.getLogger(__name__)
 bp = Blueprint("jobs", __name__)
 
 

@@ -277,8 +277,9 @@ class BackendSchema(Schema):
     in_flight = fields.Integer()
     load = fields.Float(metadata={"description": "in_flight / capacity"})
     expected_delay_ms = fields.Float(allow_none=True, metadata={
-        "description": "the min-heap's key: how long a new job's turn would take here, "
-                       "service_ms x max(1, (in_flight + 1) / capacity); null out of the heap"})
+        "description": "the min-heap's key: the request time one more job would add here, "
+                       "its own turn and the queueing it adds to the others' (from "
+                       "service_ms, in_flight and capacity); null out of the heap"})
     latency_ms = fields.Float(allow_none=True)
     service_ms = fields.Float(allow_none=True, metadata={
         "description": "moving average of request latency less the queueing its load "

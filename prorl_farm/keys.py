@@ -119,7 +119,8 @@ def backend(backend_id: str) -> str:
 
 # Set: every registered backend id.
 BACKENDS = f"{PREFIX}backends:all"
-# Sorted set, the min-heap: backend -> in-flight jobs / capacity; only healthy, undrained ones.
+# Sorted set, the min-heap: backend -> the request time one more job would add there
+# (llm/scripts.py heap_score); only healthy, undrained ones.
 BACKEND_HEAP = f"{PREFIX}backends:heap"
 # Hash: backend -> in-flight jobs (every backend, in the heap or not).
 BACKEND_INFLIGHT = f"{PREFIX}backends:inflight"

@@ -194,8 +194,8 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
         "in_flight": ("Jobs pinned to the backend now.", lambda b: b["in_flight"]),
         "capacity": ("The backend's registered capacity.", lambda b: b["capacity"]),
         "load": ("In-flight / capacity.", lambda b: b["load"]),
-        "expected_delay_ms": ("Its min-heap key: a new job's expected turn time there "
-                              "(absent when out of the heap).",
+        "expected_delay_ms": ("Its min-heap key: the request time one more job would add "
+                              "there (absent when out of the heap).",
                               lambda b: b["expected_delay_ms"]),
         "latency_ms": ("Moving average of the backend's request latency.",
                        lambda b: b["latency_ms"]),

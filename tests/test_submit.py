@@ -21,7 +21,7 @@ from prorl_farm import keys
 from prorl_farm.celery_app import create_celery_app
 from prorl_farm.config import load_settings
 from prorl_farm.jobs.messages import StageMessages
-from tests.farm import RedisServer, farm_env
+from tests.farm import RedisServer, TcpListener, farm_env
 
 BIG = {"handler": "synthetic", "instances": [{"run_s": 0.0, "reward": i % 2}
                                              for i in range(512)], "n": 16}
@@ -105,27 +105,19 @@ def test_the_messages_are_the_ones_send_task_pushes(private):
         assert base64.b64decode(ours["body"]) == base64.b64decode(sent["body"])
 
 
-class CuttingProxy:
+class CuttingProxy(TcpListener):
     """A TCP proxy to Redis that drops a connection once more than ``limit`` bytes went
     from the client to the server over it: a network or a host failing mid-write."""
 
     def __init__(self, upstream_port: int, limit: int):
         self.upstream_port, self.limit = upstream_port, limit
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.cuts = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False),
-                             daemon=True).start()
+    def handle(self, client: socket.socket) -> None:
+        server = socket.create_connection(("127.0.0.1", self.upstream_port))
+        threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+        self._pump(client, server, True)
 
     def _pump(self, src, dst, upstream: bool) -> None:
         sent = 0
@@ -145,9 +137,6 @@ class CuttingProxy:
             except OSError:
                 pass
             s.close()
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.mark.parametrize("failure", ["connection cut mid-write", "out of memory mid-write"])

@@ -17,7 +17,15 @@ import pytest
 
 from prorl_farm.client import FarmClient, FarmConflict, FarmNotFound
 from prorl_farm.client.dapo import DynamicSampler
-from tests.farm import ROOT, free_port, gunicorn_api, http_farm, stop_process, wait_until
+from tests.farm import (
+    ROOT,
+    TcpListener,
+    free_port,
+    gunicorn_api,
+    http_farm,
+    stop_process,
+    wait_until,
+)
 from tests.policy_server import PolicyServer
 
 pytestmark = pytest.mark.slow
@@ -30,25 +38,15 @@ def farm(redis_server, tmp_path_factory):
         yield farm
 
 
-class LossyProxy:
+class LossyProxy(TcpListener):
     """Forwards HTTP to the farm, but for the first ``lose`` requests it drops the
     connection after the farm answered: the client never sees the answer."""
 
     def __init__(self, target_port: int, lose: int):
         self.target_port, self.lose = target_port, lose
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
+    def handle(self, conn: socket.socket) -> None:
         with conn, socket.create_connection(("127.0.0.1", self.target_port)) as up:
             request = b""
             while b"\r\n\r\n" not in request:
@@ -66,9 +64,6 @@ class LossyProxy:
                 self.lose -= 1
                 return  # the farm did the work; the answer is lost
             conn.sendall(answer)
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def test_a_submit_whose_answer_is_lost_is_retried_into_the_same_batch(farm):

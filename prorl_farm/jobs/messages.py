@@ -10,7 +10,7 @@ push is built from a template made once per stage with Celery's own ``as_task_v2
 job store pushes it with the job's state change, in one transaction (a submission) or one
 script (a hand-off): a message exists exactly when its job says it waits for it.
 
-The envelope matches what ``send_task`` pushes (``tests/test_messages.py`` compares them
+The envelope matches what ``send_task`` pushes (``tests/test_submit.py`` compares them
 field by field), and workers consume it like any other message.
 """
 

@@ -49,6 +49,14 @@ local function observe_active(jk, stage, now)
   if start then observe('active:' .. stage, now - tonumber(start)) end
 end
 
+-- A stage message pushed by the script that moved its job: on its queue, recorded as
+-- published (for the reaper's lost-message test), and no heartbeat left to go stale.
+local function push_message(queue, id, message, now)
+  redis.call('LPUSH', queue, message)
+  redis.call('ZREM', K.ACTIVE, id)
+  redis.call('ZADD', K.published(queue), now, id)
+end
+
 -- Drop a job from the indexes of the queue it waits on.
 local function unqueue(id, queue)
   if queue and queue ~= '' then
@@ -149,19 +157,15 @@ set_state(jk, j[1], to, j[4])
 release_backend(id)  -- a backend slot is held within a stage, never across a hand-off
 redis.call('ZADD', K.queued(queue), now, id)
 redis.call('SADD', K.QUEUES, queue)
-if message and message ~= '' then
-  redis.call('LPUSH', queue, message)
-  redis.call('ZREM', K.ACTIVE, id)
-  redis.call('ZADD', K.published(queue), now, id)
-end
+if message and message ~= '' then push_message(queue, id, message, now) end
 return 'ok'
 """
 
 # Submission: the jobs of one request, waiting for INIT, with their INIT messages pushed and
 # recorded as published. Run inside the submission's MULTI/EXEC (with the instances, batch
 # and idempotency writes). ARGV: batch, handler, sampling JSON, deadline_at ('' = none),
-# mode, created_at, then per job: id, token, instance id, instance index, sample index, message
-# ('' = none: the caller publishes it and then records it with HANDED_OFF).
+# mode, created_at, then per job: id, token, instance id, instance index, sample index,
+# message ('' = none: the caller publishes it and then records it with HANDED_OFF).
 CREATE_JOBS = r"""
 local batch, handler, sampling, deadline_at = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local mode, created = ARGV[5], ARGV[6]
@@ -227,8 +231,8 @@ return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s())
 
 # Refresh the heartbeat of jobs a worker holds (reserved or running), and record which
 # process holds each (``holder``: its presence name, see worker/liveness.py).
-# ARGV: holder, then job/token pairs. Returns the flat job/token pairs the worker must abort: the job is
-# gone, terminal, or has moved on to another attempt.
+# ARGV: holder, then job/token pairs. Returns the flat job/token pairs the worker must
+# abort: the job is gone, terminal, or has moved on to another attempt.
 HEARTBEAT = r"""
 local now = now_s()
 local holder = ARGV[1]
@@ -303,9 +307,7 @@ set_state(jk, j[1], 'queued', j[5])
 release_backend(id)
 redis.call('ZADD', K.queued('init'), now, id)
 if message and message ~= '' then
-  redis.call('LPUSH', 'init', message)
-  redis.call('ZREM', K.ACTIVE, id)
-  redis.call('ZADD', K.published('init'), now, id)
+  push_message('init', id, message, now)
 else
   -- A fresh heartbeat until the caller has published the new INIT message (HANDED_OFF
   -- drops it): should the publish fail, the job goes stale again and a sweep finds it.

@@ -246,9 +246,13 @@ class JobStore:
         return Reap(out), token
 
     def tokens(self, job_ids: Sequence[str]) -> list[str | None]:
+        return [row[0] for row in self.job_fields(job_ids, "token")]
+
+    def job_fields(self, job_ids: Sequence[str], *names: str) -> list[list[str | None]]:
+        """The named fields of each job (None where missing), in one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hget(keys.job(job_id), "token")
+            pipe.hmget(keys.job(job_id), *names)
         return pipe.execute()
 
     def try_lock(self, key: str, value: str, ttl_s: float) -> bool:
@@ -333,17 +337,10 @@ class JobStore:
                       ) -> tuple[list[dict], str]:
         """Finished jobs after ``cursor`` in the order they finished; blocks up to ``wait_s``
         (at most ``max_wait_s``) while there are none, unless the batch is complete."""
-        summary = self.batch_summary(batch_id)  # 404 for an unknown batch
-        stream = keys.batch_stream(batch_id)
-        entries = self.r.xrange(stream, min=f"({cursor}", count=limit)
-        wait_s = min(wait_s, self.settings.max_wait_s)
-        if not entries and wait_s > 0 and not summary["complete"]:
-            got = self.r.xread({stream: cursor}, count=limit, block=max(1, int(wait_s * 1000)))
-            entries = got[0][1] if got else []
-        if not entries:
-            return [], cursor
-        raws = self.get_many_raw([fields["job"] for _, fields in entries])
-        return [r for r in raws if r], entries[-1][0]
+        page = self.many_batch_results({batch_id: cursor}, limit, wait_s)[batch_id]
+        if page is None:
+            raise NotFound(f"batch {batch_id!r} not found")
+        return page["results"], page["cursor"]
 
     def many_batch_results(self, cursors: dict[str, str], limit: int, wait_s: float
                            ) -> dict[str, dict]:

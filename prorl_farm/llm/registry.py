@@ -173,7 +173,7 @@ class BackendRegistry:
             "healthy": raw["healthy"] == "1", "drained": raw["drained"] == "1",
             "in_heap": score is not None, "in_flight": int(inflight or 0),
             "load": int(inflight or 0) / max(1, int(raw["capacity"])),
-            # The heap's key: a new job's expected turn time there (absent out of the heap).
+            # The heap's key: the request time one more job adds there (absent out of it).
             "expected_delay_ms": round(float(score), 3) if score is not None else None,
             "latency_ms": float(raw["latency_ms"]) if raw.get("latency_ms") else None,
             "service_ms": float(raw["service_ms"]) if raw.get("service_ms") else None,

@@ -98,13 +98,15 @@ class Reaper:
         present = self.present(r, settle_s) if self.present else None
         # With presence known: a heartbeat older than this, from a process that is gone.
         quick = now - self.settings.presence_grace_s if present is not None else cutoff
-        gone = (lambda holder: bool(holder) and holder not in present) if present is not None \
-            else (lambda holder: False)
+
+        def gone(holder: str | None) -> bool:
+            return present is not None and bool(holder) and holder not in present
+
         # Oldest heartbeats first: the ones stale by either test come before the rest.
         stale = r.zrangebyscore(keys.ACTIVE, "-inf", f"({quick}", start=0, num=BATCH,
                                 withscores=True)
-        ids = [job_id for job_id, _ in stale]
-        for (job_id, beat), token, holder in zip(stale, store.tokens(ids), self._holders(ids)):
+        rows = store.job_fields([job_id for job_id, _ in stale], "token", "holder")
+        for (job_id, beat), (token, holder) in zip(stale, rows):
             if gone(holder):
                 self._reap(counts, job_id, "active", quick, token, "",
                            "its worker process is gone")
@@ -113,9 +115,8 @@ class Reaper:
                            "its worker stopped heartbeating")
         live = store.live_pools(self.settings.heartbeat_stale_s)
         if present is not None:  # a pool with no process left is dead now, not in 30 s
-            recent = store.live_pools(self.settings.presence_grace_s)
             live = {p: age for p, age in live.items()
-                    if p in recent or p in present.values()}
+                    if age <= self.settings.presence_grace_s or p in present.values()}
         queues = r.smembers(keys.QUEUES)
         for queue in queues:
             if queue == "init":
@@ -135,12 +136,6 @@ class Reaper:
         self._probe_backends()
         return counts
 
-    def _holders(self, job_ids: list[str]) -> list[str | None]:
-        pipe = self.store.r.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hget(keys.job(job_id), "holder")
-        return pipe.execute()
-
     def _reap_orphans(self, counts: dict, reserved, cutoff: float, quick: float, gone
                       ) -> None:
         """Messages reserved by a worker that stopped heartbeating them (or whose process is
@@ -149,9 +144,9 @@ class Reaper:
         if not reserved:
             return
         beats = self.store.r.zmscore(keys.ACTIVE, [m.job_id for m in reserved])
-        holders = self._holders([m.job_id for m in reserved])
+        holders = self.store.job_fields([m.job_id for m in reserved], "holder")
         settled = []
-        for m, beat, holder in zip(reserved, beats, holders):
+        for m, beat, (holder,) in zip(reserved, beats, holders):
             dead_by = quick if gone(holder) else cutoff
             if m.at >= dead_by or (beat is not None and beat >= dead_by):
                 continue  # a live worker holds it
