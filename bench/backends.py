@@ -23,13 +23,13 @@ import random
 import statistics
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import redis
 from common import machine, private_redis, report  # noqa: E402
 
+from prorl_farm.llm.clients import client_for  # noqa: E402
 from prorl_farm.llm.registry import BackendRegistry, BackendSpec  # noqa: E402
 
 BACKENDS = [("fast-a", 0.05, 4), ("fast-b", 0.05, 4), ("slow", 0.15, 4)]  # name, s/request, cap
@@ -70,14 +70,13 @@ class SlotServer:
 
 
 def request(url: str) -> float:
-    """One request; returns its latency in ms."""
-    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        resp.read()
-    return 1000 * (time.monotonic() - t0)
+    """One request through the farm's own client (a kept-alive connection, as a job's
+    session keeps one); returns its latency in ms."""
+    client = client_for("vllm", url, "m", timeout_s=60, retries=0)
+    try:
+        return client.generate([1, 2, 3], {"max_tokens": 1}).latency_ms
+    finally:
+        client.close()  # back to the idle connections, for the next request
 
 
 def run_policy(policy: str, urls: list[str], registry: BackendRegistry | None, n_jobs: int,

@@ -17,7 +17,7 @@ What it does, end to end:
 
 Prints a row per step, writes ``history.json`` and the reward curve ``reward.png``.
 
-    .venv/bin/python examples/grpo_cpu.py [--steps 60] [--out grpo-run]      # or: make grpo
+    .venv/bin/python examples/grpo_cpu.py [--steps 30] [--out grpo-run]      # or: make grpo
 """
 
 from __future__ import annotations
@@ -51,18 +51,21 @@ from prorl_farm.supervisor import free_port  # noqa: E402
 
 @dataclass
 class Config:
-    steps: int = 60
+    steps: int = 30
     groups: int = 16  # prompt groups per training batch
     n: int = 8  # rollouts per group
-    lr: float = 1e-3
+    # With 8 passes per batch, 1e-3 sometimes locked wrong answers in (the reward stalled
+    # at its start); 5e-4 rose on every seed tried.
+    lr: float = 5e-4
     warm_steps: int = 40
     warm_lr: float = 3e-3
     clip_low: float = 0.2
     clip_high: float = 0.28  # DAPO's clip-higher
     minibatches: int = 4
     # Passes over each batch (PPO-clip keeps them near the old policy). Sampling is most
-    # of a step's time, so more passes are cheap; 4 learnt about 1.5x as fast as 2.
-    epochs: int = 4
+    # of a step's time, so more passes are cheap; 4 learnt about 1.5x as fast as 2, 8
+    # faster still.
+    epochs: int = 8
     max_tokens: int = 4
     # Groups in flight beyond what the observed acceptance rate says a step needs, and at
     # most this many times the step's groups: what is still running when the step has its
@@ -75,6 +78,14 @@ class Config:
     # come back all right or all wrong and are dropped; this bounds what a step spends
     # looking for the rest, at the cost of smaller batches.
     step_sample_s: float = 0.0
+    # Groups a step submits at most (0: no bound), then it trains on those that qualified
+    # among them: the same bound as step_sample_s, counted in groups (the same on any
+    # machine) rather than seconds.
+    max_groups_per_step: int = 32
+    # Operands are drawn from 0..operands-1 (10: all 100 single-digit sums). The tiny model
+    # learns each sum on its own, so fewer prompts are learnt in fewer steps: with 4 (16
+    # sums) the reward rises from about 0.3 to 0.8 in 30 steps.
+    operands: int = 4
     seed: int = 0
     threads: int = 1
 
@@ -109,7 +120,7 @@ def warm_start(model, tok, cfg: Config, rng: random.Random) -> None:
     for _ in range(cfg.warm_steps):
         rows, labels = [], []
         for _ in range(32):
-            a, b = rng.randrange(10), rng.randrange(10)
+            a, b = rng.randrange(cfg.operands), rng.randrange(cfg.operands)
             p = prompt_ids(tok, a, b)
             answer = tok.encode(str(a + b), add_special_tokens=False) + [end]
             rows.append(p + answer)
@@ -125,10 +136,10 @@ def warm_start(model, tok, cfg: Config, rng: random.Random) -> None:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tok) -> float:
-    """Share of the 100 prompts answered exactly (greedy, then the end token)."""
+def greedy_accuracy(model, tok, operands: int = 10) -> float:
+    """Share of the prompts answered exactly (greedy, then the end token)."""
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    pairs = [(a, b) for a in range(10) for b in range(10)]
+    pairs = [(a, b) for a in range(operands) for b in range(operands)]
     ids = torch.tensor([prompt_ids(tok, a, b) for a, b in pairs])
     for _ in range(3):
         nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
@@ -248,9 +259,9 @@ def sync_weights(farm: FarmClient, backend: dict, model, path: Path, version: in
     farm.resume_backend(backend["id"], version)
 
 
-def prompts(rng: random.Random):
+def prompts(rng: random.Random, operands: int = 10):
     while True:
-        yield {"a": rng.randrange(10), "b": rng.randrange(10)}
+        yield {"a": rng.randrange(operands), "b": rng.randrange(operands)}
 
 
 # -- the loop ---------------------------------------------------------------------------
@@ -264,7 +275,7 @@ def train(cfg: Config, out: Path, log=print) -> dict:
     init_dir, tok, model = build(out, cfg.seed)
     t0 = time.monotonic()
     warm_start(model, tok, cfg, rng)
-    acc0 = greedy_accuracy(model, tok)
+    acc0 = greedy_accuracy(model, tok, cfg.operands)
     log(f"warm start: {cfg.warm_steps} steps in {time.monotonic() - t0:.1f} s, greedy "
         f"accuracy {acc0:.2f}")
     model.save_pretrained(str(init_dir))  # the farm's model server starts from these
@@ -276,11 +287,12 @@ def train(cfg: Config, out: Path, log=print) -> dict:
         client = farm.client
         [backend] = client.backends()
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        sampler = DynamicSampler(client, prompts(rng), "arith", n=cfg.n,
+        sampler = DynamicSampler(client, prompts(rng, cfg.operands), "arith", n=cfg.n,
                                  batch_groups=cfg.groups, carry=False, staleness=0,
                                  sampling={"temperature": 1.0, "max_tokens": cfg.max_tokens},
                                  rollout_deadline_s=120, overprovision=cfg.overprovision,
-                                 max_groups_in_flight=int(cfg.max_in_flight * cfg.groups))
+                                 max_groups_in_flight=int(cfg.max_in_flight * cfg.groups),
+                                 max_groups_per_step=cfg.max_groups_per_step or None)
         log(f"{'step':>4} {'reward':>6} {'acc':>4} {'filt':>4} {'sample_s':>8} "
             f"{'update_s':>8} {'sync_s':>6} {'|dlogp|':>8}")
         with sampler:
@@ -316,7 +328,7 @@ def train(cfg: Config, out: Path, log=print) -> dict:
                 log(f"{step:>4} {row['reward']:>6.3f} {row['accepted']:>4} "
                     f"{row['filtered']:>4} {sample_s:>8.2f} {update_s:>8.2f} {sync_s:>6.2f} "
                     f"{row['logprob_drift']:>8.1e}")
-        acc1 = greedy_accuracy(model, tok)
+        acc1 = greedy_accuracy(model, tok, cfg.operands)
         # Nothing left behind: every job of every group terminal, no backend slot held.
         unfinished = [b for b in sampler.batch_ids if not client.batch(b)["complete"]]
         deadline = time.monotonic() + 30

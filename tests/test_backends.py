@@ -339,9 +339,11 @@ def test_cancel_aborts_the_in_flight_request(llm_pools, servers, r):
 
 
 def test_requests_reuse_one_connection_and_survive_its_close():
-    """A client keeps its connection alive across requests; when the server has closed an
-    idle one, the next request goes out once more on a new connection, not as a failure."""
+    """A client keeps its connection alive across requests, and the next job's client takes
+    it over once closed; when the server has closed an idle one, the next request goes out
+    once more on a new connection, not as a failure."""
     from prorl_farm.llm.clients import client_for
+    from prorl_farm.llm.clients.abstract import _IDLE
 
     server = PolicyServer()
     try:
@@ -354,11 +356,31 @@ def test_requests_reuse_one_connection_and_survive_its_close():
         assert len(client.generate([1, 2], {"max_tokens": 2}).token_ids) == 2
         assert server.accepted == 2 and len(server.requests) == 6
         client.close()
+        # The next client (the next job's) reuses the idle connection.
+        clients = [client_for("vllm", server.url, "m", timeout_s=5, retries=0)
+                   for _ in range(3)]
+        for c in clients:
+            assert len(c.generate([1], {"max_tokens": 1}).token_ids) == 1
+        assert server.accepted == 4  # the first reused it, the others opened their own
+        for c in clients:
+            c.close()
+        # Three idle connections, all dropped by the server: each next client's request
+        # still succeeds (on a new connection), though retries are off.
+        server.drop_connections()
+        wait_until(lambda: not server.connections, 5, what="connections closed")
+        for _ in range(3):
+            client = client_for("vllm", server.url, "m", timeout_s=5, retries=0)
+            assert len(client.generate([1], {"max_tokens": 1}).token_ids) == 1
+            client.close()
+        # The first found a dropped one and went out on a new connection, which the next
+        # two reused.
+        assert server.accepted == 5 and len(server.requests) == 12
         server.kill()
         with pytest.raises(Exception, match="ConnectionRefused"):
             client.generate([1], {"max_tokens": 1})
     finally:
         server.kill()
+        _IDLE.close_all()
 
 
 def test_latency_is_recorded_for_every_request(settings, r):

@@ -228,6 +228,24 @@ def test_without_carry_over_the_surplus_ends_cancelled_in_the_farm(farm):
     assert "cancelled" in states and states <= {"cancelled", "done"}
 
 
+def test_a_step_submits_at_most_its_group_budget(farm):
+    """Once a step has submitted ``max_groups_per_step`` groups, it returns with what
+    qualified among them, not with a search for the rest."""
+    url, _ = farm
+    client = FarmClient(url)
+    # Groups 0, 1, 3, 4, 6, 7, ... agree (no signal); groups 2, 5, 8, ... vary.
+    prompts = ({"rewards": [0.0, 1.0] if i % 3 == 2 else [1.0]} for i in range(100))
+    with DynamicSampler(client, prompts, "synthetic", n=2, batch_groups=4, carry=False,
+                        max_groups_per_step=6, prior_acceptance=1.0) as sampler:
+        first = sampler.next_batch(policy_version=0, timeout_s=60)
+        second = sampler.next_batch(policy_version=1, timeout_s=60)
+    for batch in (first, second):
+        assert batch.stats.submitted_groups == 6 and len(batch) == 2
+        assert batch.stats.filtered_zero_variance == 4
+        assert all(sorted(g.rewards) == [0.0, 1.0] for g in batch)
+    assert len(sampler.batch_ids) == 12
+
+
 def test_drop_rollout_keeps_the_rest_of_a_group(farm):
     url, _ = farm
     client = FarmClient(url)

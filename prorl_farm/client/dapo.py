@@ -111,7 +111,8 @@ class DynamicSampler:
                  rollout_deadline_s: float | None = None, carry: bool = True,
                  staleness: int = 1, on_failure: str = "drop_group",
                  max_groups_in_flight: int | None = None, overprovision: float = 1.25,
-                 prior_acceptance: float = 0.5, poll_wait_s: float = 0.5):
+                 prior_acceptance: float = 0.5, poll_wait_s: float = 0.5,
+                 max_groups_per_step: int | None = None):
         if on_failure not in ("drop_group", "drop_rollout"):
             raise ValueError("on_failure: drop_group or drop_rollout")
         if n < 2:
@@ -127,6 +128,12 @@ class DynamicSampler:
         self.staleness = staleness
         self.on_failure = on_failure
         self.max_groups_in_flight = max_groups_in_flight or 4 * batch_groups
+        if max_groups_per_step is not None and max_groups_per_step < 1:
+            raise ValueError("max_groups_per_step must be at least 1")
+        # A step submits at most this many groups (VeRL's DAPO: max_num_gen_batches), then
+        # returns with what qualified once they are in: once the policy answers most
+        # prompts all right (or all wrong), finding the last groups costs the most.
+        self.max_groups_per_step = max_groups_per_step
         self.overprovision = overprovision
         self.poll_wait_s = poll_wait_s
         # Observed acceptance (accepted / finished groups), with a prior worth 4 groups.
@@ -227,9 +234,9 @@ class DynamicSampler:
     # -- a step ------------------------------------------------------------------------------
 
     def next_batch(self, policy_version: int, timeout_s: float | None = None) -> Batch:
-        """Block until ``batch_groups`` groups qualify (or the prompts run out, or
-        ``timeout_s`` passes: then the batch has fewer); returns them with the step's
-        stats."""
+        """Block until ``batch_groups`` groups qualify (or the prompts run out, or the step
+        has submitted ``max_groups_per_step`` groups and they are in, or ``timeout_s``
+        passes: then the batch has fewer); returns them with the step's stats."""
         stats = StepStats(step=self.step)
         self.step += 1
         oldest = policy_version - self.staleness
@@ -252,10 +259,12 @@ class DynamicSampler:
         while len(accepted) < self.batch_groups:
             missing = self.batch_groups - len(accepted)
             want = self._wanted_in_flight(missing) - len(self.in_flight)
+            if self.max_groups_per_step is not None:
+                want = min(want, self.max_groups_per_step - stats.submitted_groups)
             if want > 0 and not self.exhausted:
                 self._submit(want, policy_version, stats)
             if not self.in_flight:
-                break  # the prompts ran out
+                break  # the prompts or the step's budget ran out
             if end is not None and time.monotonic() >= end:
                 break
             samples.append(sum(len(g.job_ids) - len(g.jobs) for g in self.in_flight))

@@ -5,7 +5,7 @@ A turn costs one Redis round trip (the pin, with the backend's request fields an
 latencies to record folded in) and none while the last pin is younger than ``PIN_TTL_S``:
 fast turns (a quick tool loop) skip it, so an unregistered backend is noticed within that
 time; a drained one keeps the jobs pinned to it anyway. Requests reuse one kept-alive
-connection per backend."""
+connection per backend, taken from (and given back to) the worker process's idle ones."""
 
 from __future__ import annotations
 

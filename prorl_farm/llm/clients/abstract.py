@@ -6,7 +6,9 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -49,12 +51,13 @@ class LLMClient(ABC):
         self.retry_backoff_s = retry_backoff_s
         # Extra request headers, e.g. X-Prorl-Job to trace a job's requests in server logs.
         self.headers = {"Content-Type": "application/json", **(headers or {})}
-        # One kept-alive connection, reused by the next request while the server keeps it.
+        # One kept-alive connection, reused by the next request while the server keeps it;
+        # handed to the process's idle pool on close, for the next job's client.
         self._conn: http.client.HTTPConnection | None = None
 
     def close(self) -> None:
         if self._conn is not None:
-            self._conn.close()
+            _IDLE.put(self._conn)
             self._conn = None
 
     @abstractmethod
@@ -75,12 +78,17 @@ class LLMClient(ABC):
                 log.info("%s%s attempt %d failed: %s", self.url, path, attempt + 1, e)
         raise BackendError(f"{self.url}{path}: {last}") from last
 
-    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
-        """(connection, reused): the kept-alive one, or a new one."""
+    def _connection(self, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
+        """(connection, reused): the kept-alive one, an idle one of this process to the same
+        server, or (``fresh``, or none idle) a new one."""
         conn, self._conn = self._conn, None
-        if conn is not None and conn.sock is not None:
+        if conn is None and not fresh:
+            conn = _IDLE.take(self.scheme, self.host, self.port)
+        if conn is not None and conn.sock is not None and not fresh:
             conn.sock.settimeout(self.timeout_s)
             return conn, True
+        if conn is not None:
+            conn.close()
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=self.timeout_s), False
 
@@ -91,7 +99,8 @@ class LLMClient(ABC):
             try:
                 return self._exchange(conn, path, data, abort_hook)
             except _StaleConnection:
-                conn, _ = self._connection()  # the server closed it meanwhile: once more
+                # The server closed it meanwhile: once more, on a new connection.
+                conn, _ = self._connection(fresh=True)
         try:
             return self._exchange(conn, path, data, abort_hook)
         except _StaleConnection as e:
@@ -161,6 +170,68 @@ def _message(doc) -> str:
         if doc.get("message"):
             return str(doc["message"])
     return json.dumps(doc)[:300]
+
+
+class _IdleConnections:
+    """Kept-alive connections no client holds, per server, so that a job's first request
+    does not open a connection (and, on many servers, start a thread) of its own: single-turn
+    jobs would otherwise pay a TCP handshake each. One taken after the server dropped it is
+    retried on a new connection; those idle longer than ``MAX_IDLE_S`` (below common
+    keep-alive timeouts: uvicorn's is 5 s) are closed instead of reused."""
+
+    MAX_IDLE_S = 3.0
+    MAX_PER_SERVER = 256
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle: dict[tuple, list] = {}
+        self._pid = os.getpid()
+
+    def _mine(self) -> dict:
+        if self._pid != os.getpid():  # a forked child must not share its parent's sockets
+            self._idle, self._pid = {}, os.getpid()
+        return self._idle
+
+    def put(self, conn: http.client.HTTPConnection) -> None:
+        if conn.sock is None:
+            return
+        key = (type(conn).__name__, conn.host, conn.port)
+        with self._lock:
+            idle = self._mine().setdefault(key, [])
+            if len(idle) < self.MAX_PER_SERVER:
+                idle.append((time.monotonic(), conn))
+                return
+        conn.close()
+
+    def take(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection | None:
+        key = ("HTTPSConnection" if scheme == "https" else "HTTPConnection", host, port)
+        old = []
+        conn = None
+        with self._lock:
+            idle = self._mine().get(key)
+            now = time.monotonic()
+            while idle:
+                since, c = idle.pop()  # the most recently used: least likely dropped
+                if now - since <= self.MAX_IDLE_S:
+                    conn = c
+                    break
+                old.append(c)
+            if idle:  # the rest are older still
+                old += [c for since, c in idle if now - since > self.MAX_IDLE_S]
+                idle[:] = [(s, c) for s, c in idle if now - s <= self.MAX_IDLE_S]
+        for c in old:
+            c.close()
+        return conn
+
+    def close_all(self) -> None:
+        with self._lock:
+            idle, self._idle = self._mine(), {}
+        for conns in idle.values():
+            for _, c in conns:
+                c.close()
+
+
+_IDLE = _IdleConnections()
 
 
 class _StaleConnection(Exception):
