@@ -17,6 +17,7 @@ import datetime
 import heapq
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,12 +177,12 @@ def bench_mono(url, tmp, n_jobs) -> dict:
     return summarise(n_jobs, start, finishes, [(POOLS["init"], sum(STAGE_S.values()))])
 
 
-def bench_overhead_farm(url, tmp, n_jobs, n_latency, events: bool) -> dict:
+def bench_overhead_farm(url, tmp, n_jobs, n_latency, events: bool, round_: int = 0) -> dict:
     from api import create_app
 
     procs = Processes()
     pools = {"init": 8, "run": 8, "eval": 8}
-    tag = "ev" if events else "noev"
+    tag = ("ev" if events else "noev") + str(round_)
     try:
         start_farm(procs, url, pools, tmp, events)
         zero = {"init_s": 0, "run_s": 0, "eval_s": 0}
@@ -241,6 +242,8 @@ def main() -> None:
     ap.add_argument("--mono-jobs", type=int, default=64, help="jobs for the mono baseline")
     ap.add_argument("--overhead-jobs", type=int, default=1000)
     ap.add_argument("--latency-jobs", type=int, default=100)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="overhead runs per setup, in turns (the median of each figure kept)")
     ap.add_argument("--record", action="store_true", help="append to bench/RESULTS.md")
     args = ap.parse_args()
 
@@ -248,10 +251,21 @@ def main() -> None:
         tmp = Path(d)
         pools = bench_stage_pools(url, tmp, args.jobs)
         mono = bench_mono(url, tmp, args.mono_jobs)
-        farm = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs, True)
-        quiet = bench_overhead_farm(url, tmp, args.overhead_jobs, args.latency_jobs, False)
-        bare = bench_overhead_bare(url, tmp, args.overhead_jobs, args.latency_jobs)
-        bare_ev = bench_overhead_bare(url, tmp, args.overhead_jobs, args.latency_jobs, True)
+        runs: dict[str, list[dict]] = {}
+        for i in range(args.repeat):  # setups in turns: drift falls on all alike
+            for name, run in (
+                    ("farm", lambda i=i: bench_overhead_farm(url, tmp, args.overhead_jobs,
+                                                         args.latency_jobs, True, i)),
+                    ("quiet", lambda i=i: bench_overhead_farm(url, tmp, args.overhead_jobs,
+                                                          args.latency_jobs, False, i)),
+                    ("bare", lambda: bench_overhead_bare(url, tmp, args.overhead_jobs,
+                                                         args.latency_jobs)),
+                    ("bare_ev", lambda: bench_overhead_bare(url, tmp, args.overhead_jobs,
+                                                            args.latency_jobs, True))):
+                runs.setdefault(name, []).append(run())
+        farm, quiet, bare, bare_ev = (
+            {k: statistics.median(r[k] for r in runs[name]) for k in runs[name][0]}
+            for name in ("farm", "quiet", "bare", "bare_ev"))
 
     lines = [
         f"### pipeline — {datetime.date.today().isoformat()} — {machine()}",
@@ -271,6 +285,9 @@ def main() -> None:
         "The ideal makespan rate is the bound with pipeline fill and drain counted (a zero-"
         "overhead simulation of the same pools and jobs); the ratio compares makespans.",
         f"Stage pools vs. one pool: **{pools['rate'] / mono['rate']:.2f}x** the throughput.",
+        "",
+        f"Overhead: each figure the median of {args.repeat} runs per setup, the setups "
+        "in turns.",
         "",
         "| overhead (all stages 0 s) | jobs/s | latency p50 (ms) | latency p99 (ms) |",
         "|---|---|---|---|",

@@ -17,7 +17,7 @@ What it does, end to end:
 
 Prints a row per step, writes ``history.json`` and the reward curve ``reward.png``.
 
-    .venv/bin/python examples/grpo_cpu.py [--steps 30] [--out grpo-run]      # or: make grpo
+    .venv/bin/python examples/grpo_cpu.py [--steps 40] [--out grpo-run]      # or: make grpo
 """
 
 from __future__ import annotations
@@ -51,12 +51,15 @@ from prorl_farm.supervisor import free_port  # noqa: E402
 
 @dataclass
 class Config:
-    steps: int = 30
+    steps: int = 40
     groups: int = 16  # prompt groups per training batch
     n: int = 8  # rollouts per group
     # With 8 passes per batch, 1e-3 sometimes locked wrong answers in (the reward stalled
     # at its start); 5e-4 rose on every seed tried.
     lr: float = 5e-4
+    # The learning rate rises linearly to lr over these steps: a policy that learnt fastest
+    # at the start also locked wrong answers in soonest.
+    warmup_steps: int = 10
     warm_steps: int = 40
     warm_lr: float = 3e-3
     clip_low: float = 0.2
@@ -84,7 +87,7 @@ class Config:
     max_groups_per_step: int = 32
     # Operands are drawn from 0..operands-1 (10: all 100 single-digit sums). The tiny model
     # learns each sum on its own, so fewer prompts are learnt in fewer steps: with 4 (16
-    # sums) the reward rises from about 0.3 to 0.8 in 30 steps.
+    # sums) the reward rises from about 0.2 to 0.8 in 40 steps.
     operands: int = 4
     seed: int = 0
     threads: int = 1
@@ -170,6 +173,10 @@ def advantages(batch: dict, uids) -> torch.Tensor:
         r = rewards[idx]
         adv[idx] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
     return adv
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
 
 def update(model, opt, batch: dict, uids, cfg: Config, rng: random.Random) -> dict:
@@ -311,6 +318,8 @@ def train(cfg: Config, out: Path, log=print) -> dict:
                                                   f"version {turn['policy_version']}")
                 verl = to_verl(batch, pad_token_id=pad, as_torch=True)
                 t1 = time.monotonic()
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(cfg, step)
                 upd = update(model, opt, verl["batch"], verl["non_tensor_batch"]["uid"], cfg,
                              rng)
                 update_s = time.monotonic() - t1

@@ -145,6 +145,11 @@ def sandbox_records(node: str) -> str:
     return f"{PREFIX}sandboxes:{node}"
 
 
+def job_sandboxes(node: str, job_id: str) -> str:
+    """Set: the ids of a job's sandboxes on ``node`` (an index of sandbox_records)."""
+    return f"{PREFIX}sandboxes:{node}:job:{job_id}"
+
+
 # -- kombu's own keys (its Redis transport; read by the reaper, never written but to settle)
 # Hash: delivery tag -> [message, exchange, routing key] of every reserved, unacked message.
 KOMBU_UNACKED = "unacked"

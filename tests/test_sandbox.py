@@ -316,6 +316,27 @@ def test_100_sandboxes_leave_nothing_behind(manager_for):
     assert [p.name for p in manager.root.iterdir()] == [".etc"]  # only the shared identity
 
 
+def test_a_job_ending_stops_its_sandboxes_only(manager_for, r):
+    """stop_for_job finds a job's sandboxes through its index, stops them all, and leaves
+    other jobs' running."""
+    from prorl_farm import keys
+
+    manager = manager_for("bwrap")
+    mine = [manager.start(SandboxSpec(), job_id="job-a") for _ in range(2)]
+    other = manager.start(SandboxSpec(), job_id="job-b")
+    assert manager.stop_for_job("job-none") == 0
+    assert manager.stop_for_job("job-a") == 2
+    assert [s.id for s in manager.records()] == [other.id]
+    assert not r.exists(keys.job_sandboxes("sbx-node", "job-a"))
+    for sb in mine:
+        assert not Path(sb.socket).exists()
+    client = ToolClient(other.socket)
+    assert client.bash("echo alive")["output"] == "alive\n"
+    client.close()
+    manager.stop(other)  # a stop by sandbox also leaves no index behind
+    assert not r.exists(keys.job_sandboxes("sbx-node", "job-b")) and not manager.records()
+
+
 def test_node_cap_makes_start_wait_and_janitor_cleans(manager_for, r):
     from prorl_farm.config import load_settings
     from prorl_farm.jobs.states import JobState

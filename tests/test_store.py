@@ -129,8 +129,12 @@ def test_a_requeued_job_starts_a_clean_attempt(settings, r):
     future = store.server_time() + 10
     outcome, token = store.reap(job.job_id, "active", future, run_token, "", "worker died")
     assert outcome == "requeue"
-    outcome, raw = store.claim(job.job_id, "init", token, "w2")
+    outcome, claimed = store.claim(job.job_id, "init", token, "w2")
     assert outcome == "ok"
+    # The claim hands the stage what it needs, from this attempt only.
+    assert "hstate" not in claimed and "result" not in claimed and claimed["requeues"] == "1"
+    assert float(claimed["t_init_start"]) > 0 and claimed["handler"] == "synthetic"
+    raw = store.get_raw(job.job_id)
     for field in ("hstate", "result", "node", "t_run_queued", "t_run_start", "t_init_end"):
         assert field not in raw, field
     assert raw["worker"] == "w2" and raw["requeues"] == "1"

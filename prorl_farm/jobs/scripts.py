@@ -98,8 +98,8 @@ end
 
 # Claim a stage for a worker. ARGV: job, stage, token, worker, ttl_s, holder (the worker
 # process's presence name, or ''; its heartbeats keep it up to date from then on).
-# Returns {"ok", <HGETALL>, <instance JSON>} | {"missing"} | {"terminal"} | {"stale"} |
-# {"expired"}. "stale": a redelivery of a stage that already ran or runs, or of an
+# Returns {"ok", <the job fields a stage needs>, <instance JSON>} | {"missing"} | {"terminal"} |
+# {"stale"} | {"expired"}. "stale": a redelivery of a stage that already ran or runs, or of an
 # earlier attempt.
 CLAIM = r"""
 local id, stage, token, worker, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
@@ -131,7 +131,10 @@ if j[7] and j[8] then
 end
 unqueue(id, j[7])
 local inst = j[9] and redis.call('GET', K.instance(j[9])) or false
-return {'ok', redis.call('HGETALL', jk), inst}
+-- What the stage needs of the job (store.CLAIM_FIELDS, in that order), not all of it.
+return {'ok', redis.call('HMGET', jk, 'id', 'batch_id', 'handler', 'sampling', 'instance_index',
+                         'sample_index', 'requeues', 'mode', 'hstate', 'result', 'deadline_at',
+                         't_' .. stage .. '_start'), inst}
 """
 
 # Hand a job from a finished stage to the next one's queue.

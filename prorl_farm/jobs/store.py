@@ -72,6 +72,11 @@ class Finished:
     old_token: str = ""
 
 
+# The job fields CLAIM returns, in its order; the last is t_<stage>_start.
+CLAIM_FIELDS = ("id", "batch_id", "handler", "sampling", "instance_index", "sample_index",
+                "requeues", "mode", "hstate", "result", "deadline_at", "t_start")
+
+
 class JobStore:
     """All reads and writes of job state. Thread-safe (redis-py pools connections)."""
 
@@ -184,8 +189,8 @@ class JobStore:
         out = self._call("CLAIM", job_id, stage, token, worker, self._ttl, holder)
         if out[0] != Claim.OK.value:
             return Claim(out[0]), {}
-        flat = out[1]
-        raw = dict(zip(flat[::2], flat[1::2]))
+        names = CLAIM_FIELDS[:-1] + (f"t_{stage}_start",)
+        raw = {k: v for k, v in zip(names, out[1]) if v is not None}
         raw["instance"] = out[2] if len(out) > 2 and out[2] else None
         return Claim.OK, raw
 

@@ -253,7 +253,11 @@ class SandboxManager:
             raise
         sandbox.node = self.node
         sandbox.meta = {"slot": slot, "job_id": job_id, "requeues": requeues}
-        self.r.hset(self.records_key, sandbox_id, json.dumps(sandbox.to_dict()))
+        with self.r.pipeline() as p:  # the record and the job's index of them, together
+            p.hset(self.records_key, sandbox_id, json.dumps(sandbox.to_dict()))
+            if job_id:
+                p.sadd(keys.job_sandboxes(self.node, job_id), sandbox_id)
+            p.execute()
         if ctx is not None:
             try:
                 ctx.check()
@@ -269,13 +273,18 @@ class SandboxManager:
         try:
             self.runtime.stop(sandbox)
         finally:
-            self._release(sandbox.id, sandbox.meta.get("slot"), self.root / sandbox.id)
+            self._release(sandbox.id, sandbox.meta.get("slot"), self.root / sandbox.id,
+                          sandbox.meta.get("job_id"))
 
-    def _release(self, sandbox_id: str, slot, base: Path) -> None:
+    def _release(self, sandbox_id: str, slot, base: Path, job_id: str | None = None) -> None:
         shutil.rmtree(base, ignore_errors=True)
         if slot is not None:
             self._free(keys=[self.slots_key], args=[slot, sandbox_id])
-        self.r.hdel(self.records_key, sandbox_id)
+        with self.r.pipeline() as p:
+            p.hdel(self.records_key, sandbox_id)
+            if job_id:
+                p.srem(keys.job_sandboxes(self.node, job_id), sandbox_id)
+            p.execute()
 
     def snapshot(self, sandbox: Sandbox | dict, max_bytes: int = 64 * 1024 * 1024,
                  max_files: int = 10_000, skip_dirs: tuple[str, ...] = ()
@@ -308,12 +317,16 @@ class SandboxManager:
         return out
 
     def stop_for_job(self, job_id: str) -> int:
-        """Stop every sandbox of this node that belongs to ``job_id``."""
+        """Stop every sandbox of this node that belongs to ``job_id``: one read of the job's
+        index when it has none (every job, as it ends), whatever else runs on the node."""
+        ids = self.r.smembers(keys.job_sandboxes(self.node, job_id))
         n = 0
-        for sandbox in self.records():
-            if sandbox.meta.get("job_id") == job_id:
-                self.stop(sandbox)
+        for record in (self.r.hmget(self.records_key, sorted(ids)) if ids else []):
+            if record is not None:
+                self.stop(Sandbox.from_dict(json.loads(record)))
                 n += 1
+        if ids:
+            self.r.delete(keys.job_sandboxes(self.node, job_id))
         return n
 
     # -- inventory ------------------------------------------------------------------------

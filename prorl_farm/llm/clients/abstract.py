@@ -3,6 +3,7 @@ cancellation of the in-flight request."""
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import json
 import logging
@@ -232,6 +233,7 @@ class _IdleConnections:
 
 
 _IDLE = _IdleConnections()
+atexit.register(_IDLE.close_all)
 
 
 class _StaleConnection(Exception):
