@@ -130,9 +130,10 @@ class DynamicSampler:
         self.max_groups_in_flight = max_groups_in_flight or 4 * batch_groups
         if max_groups_per_step is not None and max_groups_per_step < 1:
             raise ValueError("max_groups_per_step must be at least 1")
-        # A step submits at most this many groups (VeRL's DAPO: max_num_gen_batches), then
-        # returns with what qualified once they are in: once the policy answers most
-        # prompts all right (or all wrong), finding the last groups costs the most.
+        # A step submits at most this many groups, then returns with what qualified once
+        # they are in: once the policy answers most prompts all right (or all wrong),
+        # finding the last groups costs the most. (VeRL's DAPO bounds generation rounds the
+        # same way with max_num_gen_batches, but stops training with an error there.)
         self.max_groups_per_step = max_groups_per_step
         self.overprovision = overprovision
         self.poll_wait_s = poll_wait_s
