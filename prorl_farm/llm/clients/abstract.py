@@ -206,20 +206,12 @@ class _IdleConnections:
 
     def take(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection | None:
         key = ("HTTPSConnection" if scheme == "https" else "HTTPConnection", host, port)
-        old = []
-        conn = None
         with self._lock:
-            idle = self._mine().get(key)
+            idle = self._mine().get(key, [])
             now = time.monotonic()
-            while idle:
-                since, c = idle.pop()  # the most recently used: least likely dropped
-                if now - since <= self.MAX_IDLE_S:
-                    conn = c
-                    break
-                old.append(c)
-            if idle:  # the rest are older still
-                old += [c for since, c in idle if now - since > self.MAX_IDLE_S]
-                idle[:] = [(s, c) for s, c in idle if now - s <= self.MAX_IDLE_S]
+            old = [c for since, c in idle if now - since > self.MAX_IDLE_S]
+            idle[:] = [(since, c) for since, c in idle if now - since <= self.MAX_IDLE_S]
+            conn = idle.pop()[1] if idle else None  # the most recently used: least likely dropped
         for c in old:
             c.close()
         return conn
