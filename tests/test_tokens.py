@@ -69,6 +69,33 @@ def test_glue_matches_a_full_render_for_any_template(tokenizer, template):
     assert traj.response_mask.count(1) == sum(t["generated"] for t in traj.turns)
 
 
+def test_observations_are_encoded_as_the_tokenizer_encodes_them(tokenizer):
+    """The glue takes the tokenizers backend directly only where it agrees with the
+    tokenizer's own encode; a tokenizer whose backend disagrees keeps its own path."""
+    import copy
+
+    chat = ChatTokens(tokenizer)
+    assert chat._backend is not None
+    for text in ["<tool_response>\n  x = 1\n</tool_response><|im_end|>\n", "\u00e9\t\r\n  ",
+                 "<|endoftext|>a<|im_start|>assistant\n"]:
+        assert chat.encode_text(text) == tokenizer.encode(text, add_special_tokens=False)
+
+    tok = copy.deepcopy(tokenizer)
+    real = tok._tokenizer
+
+    class Skewed:  # a backend that drops a token, as a tokenizer with Python-side steps would
+        def encode(self, text, add_special_tokens=False):
+            enc = real.encode(text, add_special_tokens=add_special_tokens)
+            return SimpleNamespace(ids=enc.ids[1:])
+
+    skewed = ChatTokens.__new__(ChatTokens)
+    assert skewed._direct_backend(SimpleNamespace(
+        _tokenizer=Skewed(), encode=tok.encode, all_special_tokens=[])) is None
+    assert skewed._direct_backend(SimpleNamespace(
+        _tokenizer=real, encode=tok.encode, all_special_tokens=tok.all_special_tokens,
+        split_special_tokens=True)) is None
+
+
 def test_prefix_invariant_is_enforced(tokenizer):
     chat = ChatTokens(tokenizer)
     traj = Trajectory.start(chat, [{"role": "user", "content": "hi"}])
