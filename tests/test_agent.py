@@ -130,29 +130,6 @@ def test_parsers():
     assert Llama3JsonParser().parse('{"name": "python", "parameters": {').errors
 
 
-def test_a_tiny_real_model_runs_100_math_episodes_with_tools(agent_farm, dev_server, r):
-    """The tiny random model behind the dev server: every episode ends terminal, with its end
-    reason recorded, its trajectory prefix-exact (checked turn by turn by the farm), and no
-    sandbox left."""
-    client, _, tiny_model = agent_farm
-    use_only_backend(client, url=dev_server, kind="vllm", model="tiny",
-                     tokenizer=str(tiny_model), capacity=8)
-    instances = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(25)]
-    jobs = run_batch(client, {"handler": "math", "instances": instances, "n": 4,
-                              "sampling": {"max_tokens": 12, "temperature": 1.0, "seed": 3,
-                                           "max_turns": 3}, "deadline_s": 300}, 300)
-    assert len(jobs) == 100 and all(j["state"] == "done" for j in jobs), \
-        [j["failure"] for j in jobs if j["state"] != "done"][:3]
-    reasons = {j["result"]["stats"]["end_reason"] for j in jobs}
-    assert reasons <= {"answered", "max_tokens", "max_turns"} and reasons
-    for j in jobs:
-        t = j["result"]
-        assert all(turn["prefix_checked"] for turn in t["turns"])
-        assert sum(t["response_mask"]) == sum(turn["generated"] for turn in t["turns"])
-        assert j["reward"] in (0.0, 1.0)
-    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 20, 0.1, "sandboxes stopped")
-
-
 STEM_PLANS = {
     "choice-right": ["The force balances at B, so \\boxed{B}"],
     "choice-wrong": ["\\boxed{C}"],

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.farm import ROOT
+from tests.farm import ROOT, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -51,3 +51,49 @@ def test_grpo_through_the_farm_raises_the_reward(tmp_path):
     assert saved["history"] == history
     assert (tmp_path / "run" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any("mean reward, first 10 steps" in line for line in lines)
+
+
+def test_the_train_loop_template_syncs_weights_between_steps(tmp_path, capsys):
+    """examples/train_loop.py against `prorl-farm up --dev-model` (a warm-started model, so
+    groups vary): each step trains on groups from the sampler in both layouts, then drains,
+    waits, loads and resumes the backend one version up; no group is staler than the bound
+    and nothing is left running."""
+    import random
+
+    grpo = _example()
+    spec = importlib.util.spec_from_file_location("train_loop",
+                                                  ROOT / "examples" / "train_loop.py")
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+    cfg = grpo.Config(warm_steps=40)
+    init_dir, tok, model = grpo.build(tmp_path, 0)
+    grpo.warm_start(model, tok, cfg, random.Random(0))
+    model.save_pretrained(str(init_dir))
+    farm = grpo.LocalFarm(init_dir, tmp_path / "farm")
+    try:
+        [backend] = farm.client.backends()
+        v0 = backend["policy_version"] or 0
+        rows = []
+        for layout in ("verl", "nemo_rl"):
+            capsys.readouterr()
+            assert loop.main(["--url", farm.url, "--steps", "2", "--groups", "2",
+                              "--operands", "4", "--layout", layout]) == 0
+            rows += [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        steps = [r for r in rows if "step" in r]
+        trained = [r for r in steps if r["groups"]]
+        assert len(steps) == 4 and trained, steps
+        for r in trained:
+            assert r["groups"] == 2 and r["stats"]["accepted"] == 2
+            assert set(r["layout"]) >= ({"responses", "response_mask", "rollout_log_probs"}
+                                        if "responses" in r["layout"] else
+                                        {"input_ids", "token_mask", "generation_logprobs"})
+        summaries = [r for r in rows if "final_version" in r]
+        assert [s["groups_staler_than_bound"] for s in summaries] == [0, 0]
+        assert summaries[-1]["final_version"] == v0 + len(trained)
+        assert farm.client.backends()[0]["policy_version"] == v0 + len(trained)
+        # sampler.close() cancelled the surplus: every batch ends, no slot stays held.
+        wait_until(lambda: all(farm.client.batch(b["batch_id"])["complete"]
+                               for b in farm.client.batches()), 30, 0.2, "batches ended")
+        assert farm.client.backends()[0]["in_flight"] == 0
+    finally:
+        farm.stop()

@@ -127,7 +127,11 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
             proc.communicate()
 
 
-def test_up_with_a_dev_model_serves_token_exact_chat_jobs(tmp_path, tiny_model):
+def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_path, tiny_model):
+    """`prorl-farm up --dev-model`: token-exact chat jobs, then the tiny random model runs
+    100 `math` episodes with tools through the pools: every job terminal, each end reason
+    recorded, every trajectory prefix-exact (checked turn by turn by the farm), no sandbox
+    left; SIGTERM then leaves no process."""
     api_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
@@ -150,6 +154,28 @@ def test_up_with_a_dev_model_serves_token_exact_chat_jobs(tmp_path, tiny_model):
             t = j["result"]
             assert len(t["response_ids"]) == sum(t["response_mask"]) == 8
             assert t["turns"][0]["backend"] == backend["id"]
+
+        instances = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(25)]
+        sub = farm.submit("math", instances, n=4, deadline_s=300,
+                          sampling={"max_tokens": 12, "temperature": 1.0, "seed": 3,
+                                    "max_turns": 3})
+        assert len(sub["job_ids"]) == 100
+        ended = list(farm.iter_results(sub["batch_id"], timeout_s=300))
+        assert len(ended) == 100 and all(j["state"] == "done" for j in ended), \
+            [j.get("failure") for j in ended if j["state"] != "done"][:3]
+        reasons = set()
+        for j in (farm.job(x["id"]) for x in ended):
+            t = j["result"]
+            reasons.add(t["stats"]["end_reason"])
+            assert t["turns"] and all(turn["prefix_checked"] for turn in t["turns"])
+            assert sum(t["response_mask"]) == sum(turn["generated"] for turn in t["turns"])
+            assert len(t["response_ids"]) == len(t["response_mask"]) \
+                == len(t["response_logprobs"])
+            assert j["reward"] in (0.0, 1.0)
+        assert reasons and reasons <= {"answered", "max_tokens", "max_turns"}, reasons
+        wait_until(lambda: not any(s["live"] for s in farm.overview()["sandboxes"]), 20, 0.1,
+                   "sandboxes stopped")
+        assert farm.backends()[0]["in_flight"] == 0
         everything = _descendants(proc.pid)
         assert any("serve-model" in _cmd(p) for p in everything)
         proc.send_signal(signal.SIGTERM)

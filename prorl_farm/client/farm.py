@@ -241,6 +241,11 @@ class FarmClient:
         return self._call("POST", f"/v1/backends/{backend_id}/resume",
                           json={"policy_version": policy_version})
 
+    def overview(self) -> dict:
+        """Queues, stages, pools, backends, sandboxes and jobs by state (what the dashboard
+        draws)."""
+        return self._call("GET", "/v1/overview")
+
     def handlers(self) -> list[dict]:
         return self._call("GET", "/v1/handlers")["handlers"]
 

@@ -1,0 +1,127 @@
+"""A trainer's loop around the farm, framework-neutral: the template to copy into yours.
+
+Against a running farm with a model backend, e.g. the CPU dev model:
+
+    .venv/bin/prorl-farm tiny-model /tmp/tiny
+    make up UP_ARGS="--dev-model /tmp/tiny"            # in another terminal
+    .venv/bin/python examples/train_loop.py --url http://127.0.0.1:8000 --steps 3
+
+Each step:
+1. ``DynamicSampler.next_batch(version)``: ``--groups`` prompt groups of ``--n`` rollouts
+   whose rewards vary (DAPO's filter), replenished while the step waits; finished and
+   in-flight groups within the staleness bound carry over to the next step.
+2. An adapter turns the groups into your framework's layout (``--layout verl`` or
+   ``nemo_rl``): token IDs, loss mask, the rollout's logprobs, rewards, group ids.
+   (An untrained model may answer every prompt of a group alike: a step whose budget of
+   groups finds none that qualifies trains on nothing and keeps the version.)
+3. ``train_step``: your framework's update. Here it checks the layout and returns the
+   weights to serve next: the backend's own, unchanged, so this loop shows the protocol
+   without learning anything (``examples/grpo_cpu.py`` learns for real).
+4. Weight sync: drain the backend (no new job pins it), wait until nothing is in flight on
+   it, load the new weights into the server (SGLang's ``/update_weights_from_disk``, which
+   the dev model server speaks too), resume it with policy version + 1. Every trajectory of
+   the next step then carries that version.
+
+Prints a JSON line per step (the sampler's stats, the layout's shapes) and, at the end,
+a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prorl_farm.client import FarmClient  # noqa: E402
+from prorl_farm.client.adapters import to_nemo_rl, to_verl  # noqa: E402
+from prorl_farm.client.dapo import DynamicSampler  # noqa: E402
+
+
+def prompts(seed: int, operands: int = 10):
+    """The ``arith`` task (single-digit sums); swap in your dataset's instances."""
+    rng = random.Random(seed)
+    while True:
+        yield {"a": rng.randrange(operands), "b": rng.randrange(operands)}
+
+
+def train_step(layout: dict, name: str, backend: dict) -> str:
+    """Stand-in for the framework's update: check the batch, return the weights to load."""
+    if name == "verl":
+        b = layout["batch"]
+        assert b["response_mask"].shape == b["rollout_log_probs"].shape == b["responses"].shape
+        assert len(layout["non_tensor_batch"]["uid"]) == b["input_ids"].shape[0]
+    else:
+        assert len(layout["message_log"]) == layout["flat"]["total_reward"].shape[0]
+    return backend["tokenizer"]  # the dev server's model directory: its weights, unchanged
+
+
+def sync_weights(farm: FarmClient, backend: dict, weights: str, version: int) -> None:
+    farm.drain_backend(backend["id"])
+    farm.wait_drained(backend["id"], timeout_s=300)
+    resp = requests.post(backend["url"] + "/update_weights_from_disk",
+                         json={"model_path": weights}, timeout=300)
+    if resp.status_code != 200 or not resp.json().get("success"):
+        raise RuntimeError(f"weight sync failed: {resp.status_code} {resp.text[:300]}")
+    farm.resume_backend(backend["id"], version)
+
+
+def shapes(layout: dict) -> dict:
+    tensors = layout["batch"] if "batch" in layout else layout["flat"]
+    return {k: list(v.shape) for k, v in tensors.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--token", default=None, help="the API token (default PRORL_API_TOKEN)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--layout", choices=["verl", "nemo_rl"], default="verl")
+    ap.add_argument("--operands", type=int, default=10, help="a and b drawn from 0..N-1")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    farm = FarmClient(args.url, token=args.token)
+    backends = [b for b in farm.backends() if b["healthy"]]
+    if len(backends) != 1:
+        raise SystemExit(f"this example syncs one backend; the farm has {len(backends)} "
+                         "healthy (start it with `make up UP_ARGS=\"--dev-model DIR\"`)")
+    backend = backends[0]
+    version = int(backend["policy_version"] or 0)
+    adapt = to_verl if args.layout == "verl" else to_nemo_rl
+    sampler = DynamicSampler(farm, prompts(args.seed, args.operands), handler="arith", n=args.n,
+                             batch_groups=args.groups, carry=True, staleness=1,
+                             sampling={"temperature": 1.0, "max_tokens": 4},
+                             rollout_deadline_s=300, max_groups_per_step=16 * args.groups)
+    stale = 0
+    try:
+        for step in range(args.steps):
+            batch = sampler.next_batch(policy_version=version)
+            row = {"step": step, "policy_version": version, "groups": len(batch),
+                   "stats": asdict(batch.stats)}
+            if not batch.groups:  # nothing qualified within the step's budget: no update
+                print(json.dumps(row), flush=True)
+                continue
+            stale += sum(1 for g in batch if g.policy_version < version - sampler.staleness)
+            layout = adapt(batch.groups)
+            weights = train_step(layout, args.layout, backend)
+            sync_weights(farm, backend, weights, version + 1)
+            print(json.dumps(dict(row, layout=shapes(layout))), flush=True)
+            version += 1
+    finally:
+        sampler.close()  # cancels whatever is still running
+    print(json.dumps({"steps": args.steps, "final_version": version,
+                      "groups_staler_than_bound": stale}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
