@@ -179,6 +179,44 @@ class Pools:
         self.r.close()
 
 
+def nobody_can_run_pools() -> bool:
+    """Root here, with runuser, a system Python of this version, and a checkout that user
+    nobody can read: what running the pools as nobody needs."""
+    from prorl_farm.sandbox.process import usable_by
+
+    python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    return (os.geteuid() == 0 and bool(shutil.which("runuser")) and os.path.exists(python)
+            and usable_by(str(ROOT / "prorl_farm"), 65534, 65534))
+
+
+def pool_user(param: str) -> str | None:
+    """The user to run the pools as for a fixture parametrised ``root`` / ``nobody``: None
+    means as we are. Skips the case this host cannot run (not root: the unprivileged run
+    covers it)."""
+    import pytest
+
+    if os.geteuid() != 0:
+        if param == "root":
+            pytest.skip("not root here: the unprivileged run covers this host")
+        return None
+    if param == "nobody":
+        if not nobody_can_run_pools():
+            pytest.skip("needs runuser, a system Python of this version, and a checkout "
+                        "user nobody can read")
+        return "nobody"
+    return None
+
+
+def readable_copy(path: Path, under: Path) -> str:
+    """A world-readable copy of ``path`` (e.g. a tokenizer) in a new directory under
+    ``under``, for pools that run as another user."""
+    import tempfile
+
+    dest = shutil.copytree(path, Path(tempfile.mkdtemp(dir=under)) / Path(path).name)
+    subprocess.run(["chmod", "-R", "a+rX", os.path.dirname(dest)], check=True)
+    return str(dest)
+
+
 def farm_env(redis_url: str, **overrides) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update({

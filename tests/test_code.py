@@ -6,10 +6,21 @@ allocates or loops without end is stopped within its limits and leaves the node 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tests.farm import run_batch, scripted_farm, use_only_backend, wait_until
+from tests.farm import (
+    pool_user,
+    readable_copy,
+    run_batch,
+    scripted_farm,
+    use_only_backend,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,13 +60,22 @@ MBPP_TESTS = {"test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"],
               "entry_point": "add"}
 
 
-@pytest.fixture(scope="module")
-def code_farm(redis_server, tmp_path_factory, tiny_model):
-    with scripted_farm(redis_server.url, tmp_path_factory.mktemp("code"), str(tiny_model),
-                       PLANS, "code") as (client, server):
-        client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
-                          "tokenizer": str(tiny_model), "capacity": 64}
-        yield client
+@pytest.fixture(scope="module", params=["root", "nobody"])
+def code_farm(request, redis_server, tmp_path_factory, tiny_model):
+    """The pools as root (the usual case in containers and CI), then as user nobody."""
+    user = pool_user(request.param)
+    readable = Path(tempfile.mkdtemp(prefix="prs-code-"))
+    os.chmod(readable, 0o755)
+    tokenizer = str(tiny_model) if user is None else readable_copy(tiny_model, readable)
+    try:
+        with scripted_farm(redis_server.url, tmp_path_factory.mktemp(f"code-{request.param}"),
+                           tokenizer, PLANS, f"code-{request.param}", user=user
+                           ) as (client, server):
+            client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
+                              "tokenizer": tokenizer, "capacity": 64}
+            yield client
+    finally:
+        shutil.rmtree(readable, ignore_errors=True)
 
 
 def _code(client, cases: list[tuple[str, dict]]) -> list[dict]:

@@ -12,26 +12,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.farm import ROOT, Pools, farm_env, run_batch, wait_until
+from tests.farm import ROOT, Pools, farm_env, pool_user, run_batch, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap"),
                                                    reason="needs bubblewrap")]
 
 SECRET = f"SECRET-{uuid.uuid4().hex}"
-
-
-def _nobody_can_run_pools() -> bool:
-    from prorl_farm.sandbox.process import usable_by
-
-    python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-    return (os.geteuid() == 0 and bool(shutil.which("runuser")) and os.path.exists(python)
-            and usable_by(str(ROOT / "prorl_farm"), 65534, 65534))
 
 
 @pytest.fixture(scope="module", params=["root", "nobody"])
@@ -42,18 +33,11 @@ def farm(request, redis_server, tmp_path_factory):
     from api import create_app
     from prorl_farm.config import load_settings
 
-    user = request.param
-    if os.geteuid() != 0:
-        if user == "root":
-            pytest.skip("not root here: the unprivileged run covers this host")
-        user = None  # already unprivileged: run the pools as we are
-    elif user == "nobody" and not _nobody_can_run_pools():
-        pytest.skip("needs runuser, a system Python of this version, and a checkout user "
-                    "nobody can read")
+    user = pool_user(request.param)
     logs = tmp_path_factory.mktemp(f"confinement-{request.param}")
     sandbox_dir = f"/tmp/prs-conf-{os.getpid()}-{request.param}"
     os.makedirs(sandbox_dir, exist_ok=True)
-    if user == "nobody":
+    if user is not None:
         os.chown(sandbox_dir, 65534, 65534)
         os.chmod(logs, 0o777)
     planted = {
@@ -66,7 +50,7 @@ def farm(request, redis_server, tmp_path_factory):
         path.write_text(SECRET + "\n")
         os.chmod(path, 0o644)  # world-readable: only confinement keeps it from an agent
     env = farm_env(redis_server.url, sandbox_dir=sandbox_dir, run_concurrency=8)
-    pools = Pools(env, logs, user=None if user == "root" else user)
+    pools = Pools(env, logs, user=user)
     try:
         pools.start()
         yield create_app(load_settings(env)).test_client(), planted, sandbox_dir, user

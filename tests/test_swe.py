@@ -12,14 +12,20 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.farm import ROOT, run_batch, scripted_farm, use_only_backend, wait_until
-from tests.test_confinement import _nobody_can_run_pools
+from tests.farm import (
+    ROOT,
+    pool_user,
+    readable_copy,
+    run_batch,
+    scripted_farm,
+    use_only_backend,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap") or
                                                    not shutil.which("git"),
@@ -70,17 +76,7 @@ def build_repos(dest: Path) -> list[dict]:
 
 @pytest.fixture(scope="module", params=["root", "nobody"])
 def swe_farm(request, redis_server, tmp_path_factory, tiny_model):
-    user = request.param
-    if os.geteuid() != 0:
-        if user == "root":
-            pytest.skip("not root here: the unprivileged run covers this host")
-        user = None
-    elif user == "nobody":
-        if not _nobody_can_run_pools():
-            pytest.skip("needs runuser, a system Python of this version, and a checkout "
-                        "user nobody can read")
-    else:
-        user = None
+    user = pool_user(request.param)
     repos = Path(tempfile.mkdtemp(prefix="prs-swe-repos-"))
     os.chmod(repos, 0o755)
     instances = build_repos(repos)
@@ -88,8 +84,7 @@ def swe_farm(request, redis_server, tmp_path_factory, tiny_model):
     plans = {k: [t.replace("{repo}", str(repo)) for t in v] for k, v in PLANS.items()}
     tokenizer = str(tiny_model)
     if user is not None:  # the tokenizer where the RUN pool's user can read it
-        tokenizer = shutil.copytree(tiny_model, Path(tempfile.mkdtemp(dir=repos)) / "tiny")
-        subprocess.run(["chmod", "-R", "a+rX", os.path.dirname(tokenizer)], check=True)
+        tokenizer = readable_copy(tiny_model, repos)
     try:
         with scripted_farm(redis_server.url, tmp_path_factory.mktemp(f"swe-{request.param}"),
                            str(tokenizer), plans, f"swe-{request.param}", user=user,
