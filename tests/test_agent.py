@@ -24,6 +24,7 @@ PLANS = {
     "loop": [call("python", code="1 + 1")],  # calls forever
     "slow-tool": [call("python", code="import time; time.sleep(30)"), "\\boxed{42}"],
     "chatty": ["blah " * 40 + "\\boxed{42}"],
+    "long-output": [call("python", code="print('a' * 3000 + 'b' * 3000)"), "\\boxed{42}"],
     "two-calls": [call("python", code="x = 6") + "\n" + call("python", code="print(x * 7)"),
                   "\\boxed{42}"],
 }
@@ -109,7 +110,12 @@ def test_malformed_calls_and_limits_end_episodes_as_they_say(agent_farm, r):
     assert len(t["prompt_ids"]) + len(t["response_ids"]) < 420
     [chatty] = _math(client, ["chatty"], sampling={"max_tokens": 16})
     assert chatty["result"]["stats"]["end_reason"] == "max_tokens" and chatty["reward"] == 0.0
-    for job in (malformed, loop, slow, tokens, context, chatty):
+    [long] = _math(client, ["long-output"], observation_chars=600)
+    [observation] = [m["content"] for m in long["result"]["messages"] if m["role"] == "tool"]
+    assert observation.startswith("a" * 400) and observation.rstrip().endswith("b" * 150)
+    assert "characters omitted" in observation and len(observation) < 700
+    assert long["reward"] == 1.0
+    for job in (malformed, loop, slow, tokens, context, chatty, long):
         _prefix_exact(job, server)
     wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 10, 0.1, "sandboxes stopped")
 

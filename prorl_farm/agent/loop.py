@@ -51,6 +51,8 @@ class AgentLimits:
                     setattr(lim, attr, int(source[key]))
         if instance.get("call_timeout_s") is not None:
             lim.call_timeout_s = float(instance["call_timeout_s"])
+        if instance.get("observation_chars") is not None:
+            lim.observation_chars = int(instance["observation_chars"])
         return lim
 
 

@@ -14,7 +14,8 @@ from prorl_farm.sandbox.abstract import SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
 
 # Fields every agent instance may set, all visible to the policy.
-AGENT_OPTIONS = ("tools", "system", "parser", "max_turns", "call_timeout_s")
+AGENT_OPTIONS = ("tools", "system", "parser", "max_turns", "call_timeout_s",
+                 "observation_chars")
 
 
 class AgentOptions(Schema):
@@ -29,6 +30,9 @@ class AgentOptions(Schema):
                                validate=validate.Range(min=1, max=1000))
     call_timeout_s = fields.Float(load_default=None, allow_none=True,
                                   validate=validate.Range(min=0.1, max=3600))
+    # A tool result longer than this keeps its head and tail (the loop says what was cut).
+    observation_chars = fields.Integer(load_default=None, allow_none=True, strict=True,
+                                       validate=validate.Range(min=256, max=1_000_000))
 
 
 class ToolAgentHandler(AgentHandler):
