@@ -12,8 +12,9 @@ Each step:
    in-flight groups within the staleness bound carry over to the next step.
 2. An adapter turns the groups into your framework's layout (``--layout verl`` or
    ``nemo_rl``): token IDs, loss mask, the rollout's logprobs, rewards, group ids.
-   (An untrained model may answer every prompt of a group alike: a step whose budget of
-   groups finds none that qualifies trains on nothing and keeps the version.)
+   (A model may answer every prompt of a group alike, e.g. a random one on ``--task
+   arith``: a step whose budget of groups finds none that qualifies trains on nothing and
+   keeps the version.)
 3. ``train_step``: your framework's update. Here it checks the layout and returns the
    weights to serve next: the backend's own, unchanged, so this loop shows the protocol
    without learning anything (``examples/grpo_cpu.py`` learns for real).
@@ -43,12 +44,25 @@ from prorl_farm.client import FarmClient  # noqa: E402
 from prorl_farm.client.adapters import to_nemo_rl, to_verl  # noqa: E402
 from prorl_farm.client.dapo import DynamicSampler  # noqa: E402
 
+LETTERS = "etaoinsrhl"
 
-def prompts(seed: int, operands: int = 10):
-    """The ``arith`` task (single-digit sums); swap in your dataset's instances."""
+
+def prompts(task: str, seed: int, operands: int = 10):
+    """Instances for the task; swap in your dataset's.
+
+    ``letter`` (the ``chat`` handler): "write a word with the letter X", reward 1 when the
+    reply contains X. Even a random untrained model's replies sometimes do and sometimes
+    do not, so its groups vary and every step trains. ``arith`` (single-digit sums) needs a
+    model that can add a little: a random one answers every prompt of a group wrong."""
     rng = random.Random(seed)
     while True:
-        yield {"a": rng.randrange(operands), "b": rng.randrange(operands)}
+        if task == "arith":
+            yield {"a": rng.randrange(operands), "b": rng.randrange(operands)}
+        else:
+            letter = rng.choice(LETTERS)
+            yield {"messages": [{"role": "user",
+                                 "content": f"Write a word with the letter {letter}."}],
+                   "answer": letter}
 
 
 def train_step(layout: dict, name: str, backend: dict) -> str:
@@ -85,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--layout", choices=["verl", "nemo_rl"], default="verl")
+    ap.add_argument("--task", choices=["letter", "arith"], default="letter")
     ap.add_argument("--operands", type=int, default=10, help="a and b drawn from 0..N-1")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -97,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     backend = backends[0]
     version = int(backend["policy_version"] or 0)
     adapt = to_verl if args.layout == "verl" else to_nemo_rl
-    sampler = DynamicSampler(farm, prompts(args.seed, args.operands), handler="arith", n=args.n,
-                             batch_groups=args.groups, carry=True, staleness=1,
-                             sampling={"temperature": 1.0, "max_tokens": 4},
+    handler = "arith" if args.task == "arith" else "chat"
+    sampler = DynamicSampler(farm, prompts(args.task, args.seed, args.operands),
+                             handler=handler, n=args.n, batch_groups=args.groups, carry=True,
+                             staleness=1, sampling={"temperature": 1.0, "max_tokens": 8},
                              rollout_deadline_s=300, max_groups_per_step=16 * args.groups)
     stale = 0
     try:

@@ -76,6 +76,9 @@ class Settings:
     llm_request_timeout_s: float = 600.0
     llm_retries: int = 2
     llm_max_failovers: int = 1
+    # A job that finds every backend drained (a weight sync) waits this long for one to be
+    # resumed, within its deadline, instead of failing.
+    llm_drain_wait_s: float = 600.0
     backend_audit: bool = False
     # Sandboxes: runtime (auto = bwrap where installed, else local), where their files live
     # (keep it short: Unix socket paths are limited to 107 bytes), live sandboxes per node.
@@ -162,6 +165,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "MAX_BODY_BYTES": (1024, 1 << 34), "MAX_JOBS_PER_REQUEST": (1, 1_000_000),
     "MAX_WAIT_S": (0, 3600),
     "LLM_REQUEST_TIMEOUT_S": (0.1, DAY_S), "LLM_RETRIES": (0, 100),
+    "LLM_DRAIN_WAIT_S": (0, DAY_S),
     "LLM_MAX_FAILOVERS": (0, 100),
     "SANDBOX_MAX": (1, 65_000),
     "CONCURRENCY": (1, 10_000), "PREFETCH": (1, 1000), "TIMEOUT_S": (1, 30 * DAY_S),
@@ -233,6 +237,7 @@ def load_settings(environ=None, **overrides) -> Settings:
                                    d.llm_request_timeout_s),
         llm_retries=_env(environ, "LLM_RETRIES", int, d.llm_retries),
         llm_max_failovers=_env(environ, "LLM_MAX_FAILOVERS", int, d.llm_max_failovers),
+        llm_drain_wait_s=_env(environ, "LLM_DRAIN_WAIT_S", float, d.llm_drain_wait_s),
         backend_audit=_env(environ, "BACKEND_AUDIT", _bool, d.backend_audit),
         sandbox_runtime=_env(environ, "SANDBOX_RUNTIME", str, d.sandbox_runtime),
         sandbox_dir=_env(environ, "SANDBOX_DIR", str, d.sandbox_dir),

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def farm(redis_server, tmp_path_factory):
     with http_farm(redis_server.url, tmp_path_factory.mktemp("trainer"), "trainer",
-                   run_concurrency=64, init_concurrency=32, eval_concurrency=32) as farm:
+                   run_concurrency=64, init_concurrency=32, eval_concurrency=32,
+                   llm_drain_wait_s=4) as farm:
         yield farm
 
 
@@ -141,6 +142,7 @@ def test_policy_versions_grow_through_drain_wait_and_resume(farm):
         sub = client.submit("synthetic", [{"llm_turns": 3}], n=4)
         # every job pinned (one turn at version 3) before the drain; a job that had not
         # reached the backend yet would wait out the drain and run wholly at version 4
+        # (test_a_job_that_finds_every_backend_drained_waits_for_the_resume)
         wait_until(lambda: client.backend(b)["in_flight"] == 4, 20, what="jobs pinned")
         client.drain_backend(b)
         assert client.wait_drained(b, timeout_s=60)["in_flight"] == 0
@@ -152,6 +154,49 @@ def test_policy_versions_grow_through_drain_wait_and_resume(farm):
         sub = client.submit("synthetic", [{"llm_turns": 2}], n=2)
         jobs = list(client.iter_results(sub["batch_id"], timeout_s=60))
         assert [j["result"]["policy_versions"] for j in jobs] == [[4, 4], [4, 4]]
+        client.unregister_backend(b)
+    finally:
+        server.kill()
+
+
+def test_a_job_that_finds_every_backend_drained_waits_for_the_resume(farm):
+    """A weight sync (drain, load, resume) is not a failure: jobs that reach RUN while the
+    only backend is drained wait for its resume and run at the new version; a cancel still
+    ends them at once; a drain longer than PRORL_LLM_DRAIN_WAIT_S (4 s here) fails them
+    with the reason, never a reward."""
+    url, _ = farm
+    client = FarmClient(url)
+    server = PolicyServer()
+    try:
+        for b in client.backends():
+            client.unregister_backend(b["id"])
+        b = client.register_backend(server.url, "vllm", "m", "t", capacity=8,
+                                    policy_version=5)["id"]
+        client.drain_backend(b)
+        sub = client.submit("synthetic", [{"llm_turns": 2}], n=3)
+        time.sleep(1.5)  # every job in RUN, waiting
+        assert client.batch(sub["batch_id"])["finished"] == 0
+        client.resume_backend(b, 6)
+        jobs = list(client.iter_results(sub["batch_id"], timeout_s=60))
+        assert [j["state"] for j in jobs] == ["done"] * 3, [j.get("failure") for j in jobs]
+        assert all(j["result"]["policy_versions"] == [6, 6] for j in jobs)
+
+        client.drain_backend(b)
+        sub = client.submit("synthetic", [{"llm_turns": 1}], n=2)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        client.cancel_batch(sub["batch_id"])
+        jobs = list(client.iter_results(sub["batch_id"], timeout_s=30))
+        assert [j["state"] for j in jobs] == ["cancelled"] * 2
+        assert time.monotonic() - t0 < 3
+
+        sub = client.submit("synthetic", [{"llm_turns": 1}], n=2)
+        jobs = list(client.iter_results(sub["batch_id"], timeout_s=60))
+        assert [j["state"] for j in jobs] == ["failed"] * 2
+        for j in jobs:
+            assert j["reward"] is None and j["failure"]["kind"] == "backend_unavailable"
+            assert "stayed drained for 4 s" in j["failure"]["message"], j["failure"]
+        assert client.backend(b)["in_flight"] == 0
         client.unregister_backend(b)
     finally:
         server.kill()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -176,6 +177,20 @@ def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_pa
         wait_until(lambda: not any(s["live"] for s in farm.overview()["sandboxes"]), 20, 0.1,
                    "sandboxes stopped")
         assert farm.backends()[0]["in_flight"] == 0
+
+        # The trainer-loop template as the README runs it (--task letter: even a random
+        # model's groups vary), its weight syncs amid carried-over groups: no rollout fails
+        # for meeting a drained backend, and the version grows by one per step.
+        loop = subprocess.run([sys.executable, "examples/train_loop.py", "--url",
+                               f"http://127.0.0.1:{api_port}", "--steps", "3"], env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert loop.returncode == 0, loop.stderr[-3000:]
+        *steps, summary = [json.loads(line) for line in loop.stdout.splitlines()]
+        assert [s["policy_version"] for s in steps] == [0, 1, 2]
+        assert all(s["groups"] == 4 and s["stats"]["filtered_failed"] == 0 for s in steps)
+        assert summary == {"steps": 3, "final_version": 3, "groups_staler_than_bound": 0}
+        assert farm.backends()[0]["policy_version"] == 3
+        wait_until(lambda: farm.backends()[0]["in_flight"] == 0, 30, 0.2, "slots freed")
         everything = _descendants(proc.pid)
         assert any("serve-model" in _cmd(p) for p in everything)
         proc.send_signal(signal.SIGTERM)

@@ -68,15 +68,38 @@ class BackendSession:
         if self._pinned is not None and time.monotonic() - self._pinned_at < PIN_TTL_S:
             return self._pinned
         backend = self.registry.pin(self.ctx.job_id, self._exclude, self._take_latency())
-        self._pinned, self._pinned_at = backend, time.monotonic()
         if backend is None:
-            raise BackendUnavailable("no healthy, undrained LLM backend is registered")
+            backend = self._wait_for_resume()
+        self._pinned, self._pinned_at = backend, time.monotonic()
         if self.tokenizer is None:
             self.tokenizer = backend.tokenizer
         elif backend.tokenizer != self.tokenizer:
             raise BackendUnavailable(f"fail-over backend {backend.id} uses another "
                                      f"tokenizer ({backend.tokenizer})")
         return backend
+
+    def _wait_for_resume(self) -> Backend:
+        """No backend to pin. While a healthy one is drained (a trainer syncing weights:
+        it resumes soon), wait for it, up to ``llm_drain_wait_s`` and the job's deadline,
+        waking at once on cancellation; otherwise fail now."""
+        wait_s = getattr(self.ctx.settings, "llm_drain_wait_s", 0.0) if self.ctx.settings \
+            else 0.0
+        end = time.monotonic() + wait_s
+        pause = 0.02
+        while True:
+            drained = [b["id"] for b in self.registry.list()
+                       if b["drained"] and b["healthy"] and b["id"] != self._exclude
+                       and (self.tokenizer is None or b["tokenizer"] == self.tokenizer)]
+            if not drained:
+                raise BackendUnavailable("no healthy, undrained LLM backend is registered")
+            if time.monotonic() >= end:
+                raise BackendUnavailable(f"every backend stayed drained for {wait_s:g} s "
+                                         f"(PRORL_LLM_DRAIN_WAIT_S): {', '.join(drained)}")
+            self.ctx.sleep(min(pause, max(0.0, end - time.monotonic())))
+            pause = min(pause * 2, 0.5)
+            backend = self.registry.pin(self.ctx.job_id, self._exclude)
+            if backend is not None:
+                return backend
 
     def _client_of(self, backend: Backend):
         key = (backend.id, backend.kind, backend.url, backend.model)
