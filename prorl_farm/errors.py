@@ -36,7 +36,12 @@ class JobAborted(FarmError):
 
 
 class StageTimeout(FarmError, TimeoutError):
-    """The job's deadline or the stage's time limit has passed."""
+    """The job's deadline or the stage's time limit has passed. ``partial``: what RUN had
+    when it passed (an agent's trajectory so far), kept in the failed job's result."""
+
+    def __init__(self, message: str = "", partial: dict | None = None):
+        super().__init__(message)
+        self.partial = partial
 
 
 class BackendUnavailable(FarmError, ConnectionError):

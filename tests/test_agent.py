@@ -24,6 +24,7 @@ PLANS = {
     "loop": [call("python", code="1 + 1")],  # calls forever
     "slow-tool": [call("python", code="import time; time.sleep(30)"), "\\boxed{42}"],
     "chatty": ["blah " * 40 + "\\boxed{42}"],
+    "dawdle": [call("python", code="import time; time.sleep(0.5)")],  # until the deadline
     "long-output": [call("python", code="print('a' * 3000 + 'b' * 3000)"), "\\boxed{42}"],
     "two-calls": [call("python", code="x = 6") + "\n" + call("python", code="print(x * 7)"),
                   "\\boxed{42}"],
@@ -42,11 +43,13 @@ def _register(client, server, tiny_model) -> str:
                             tokenizer=str(tiny_model), capacity=64, policy_version=7)
 
 
-def _math(client, cases: list[str], sampling: dict | None = None, **extra) -> list[dict]:
+def _math(client, cases: list[str], sampling: dict | None = None, deadline_s: float = 120,
+          **extra) -> list[dict]:
     instances = [{"problem": f"[case:{c}] What is 6 times 7?", "answer": "42", **extra}
                  for c in cases]
     return run_batch(client, {"handler": "math", "instances": instances,
-                              "sampling": sampling or {"max_tokens": 128}, "deadline_s": 120})
+                              "sampling": sampling or {"max_tokens": 128},
+                              "deadline_s": deadline_s})
 
 
 def _prefix_exact(job: dict, server: PolicyServer) -> None:
@@ -115,7 +118,14 @@ def test_malformed_calls_and_limits_end_episodes_as_they_say(agent_farm, r):
     assert observation.startswith("a" * 400) and observation.rstrip().endswith("b" * 150)
     assert "characters omitted" in observation and len(observation) < 700
     assert long["reward"] == 1.0
-    for job in (malformed, loop, slow, tokens, context, chatty, long):
+    # The deadline passes mid-episode: not graded (no reward, never 0); the episode so far
+    # is kept, end reason `timeout`.
+    [late] = _math(client, ["dawdle"], deadline_s=4, max_turns=100)
+    assert late["state"] == "failed" and late["reward"] is None
+    assert late["failure"]["kind"] == "timeout"
+    assert late["result"]["stats"]["end_reason"] == "timeout"
+    assert 2 <= late["result"]["stats"]["turns"] < 100
+    for job in (malformed, loop, slow, tokens, context, chatty, long, late):
         _prefix_exact(job, server)
     wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 10, 0.1, "sandboxes stopped")
 

@@ -78,8 +78,9 @@ class Episode:
 def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser: ToolParser,
                 limits: AgentLimits, runner: ToolRunner | None) -> tuple[Trajectory, Episode]:
     """Drive one episode; returns the trajectory and what happened. Raises on backend
-    failure (BackendUnavailable) and cancellation; a passed deadline ends the episode with
-    reason ``timeout`` when at least one turn was taken."""
+    failure (BackendUnavailable) and cancellation. A passed deadline raises StageTimeout:
+    the job fails ``timeout`` (a deadline is never graded as a zero reward), carrying the
+    episode so far, end reason ``timeout``, when at least one turn was taken."""
     s = ctx.settings
     session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
                              request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
@@ -91,10 +92,12 @@ def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser:
         offered = set(tools)
         try:
             _loop(ctx, session, traj, ep, offered, parser, limits, runner)
-        except StageTimeout:
+        except StageTimeout as e:
             if not traj.turns:
                 raise
             ep.end_reason = TIMEOUT
+            raise StageTimeout(str(e), partial={**traj.to_dict(), "stats": ep.stats()}
+                               ) from e
     return traj, ep
 
 

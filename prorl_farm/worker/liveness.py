@@ -144,8 +144,11 @@ class Liveness:
             ctx = running.get(pair)
             if ctx is not None:
                 ctx.abort("job ended or moved on elsewhere")
+        # A stage past its deadline gets a grace to stop by itself (an agent loop then keeps
+        # the episode so far in the failed job); past the grace the job is ended for it.
+        grace = max(1.0, 2 * self.settings.heartbeat_interval_s)
         for ctx in running.values():
-            if ctx.remaining_s <= 0 and not ctx.abort_event.is_set():
+            if ctx.remaining_s <= -grace and not ctx.abort_event.is_set():
                 self._expire(ctx)
         self.store.pool_beat(self.stage, self.settings.node)
         if self.reaper is not None:
@@ -158,7 +161,8 @@ class Liveness:
                 self.janitor()
 
     def _expire(self, ctx: JobContext) -> None:
-        """A stage that does not stop by itself at its deadline still ends the job on time."""
+        """A stage that does not stop by itself at its deadline still ends the job, within
+        the grace."""
         res = self.store.finish(ctx.job_id, JobState.FAILED, FailureKind.TIMEOUT.value,
                                 f"{ctx.stage} stage passed its deadline", token=ctx.token)
         ctx.abort("deadline passed" if res.changed else "job ended elsewhere")

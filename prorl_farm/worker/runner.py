@@ -131,7 +131,8 @@ class StageRunner:
             log.info("%s: aborted (%s)", stage, ctx.abort_reason)
             result = StageResult(StageOutcome.ABORTED, ctx.abort_reason)
         except StageTimeout as e:
-            result = self._fail(ctx, handler, FailureKind.TIMEOUT, str(e))
+            result = self._fail(ctx, handler, FailureKind.TIMEOUT, str(e),
+                                partial=e.partial if stage == "run" else None)
         except (InvalidInstance, NotFound) as e:
             result = self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))
         except (BackendUnavailable, BackendError) as e:
@@ -171,9 +172,11 @@ class StageRunner:
         return StageResult(StageOutcome.HANDED_OFF, queue)
 
     def _fail(self, ctx: JobContext, handler: AgentHandler | None, kind: FailureKind,
-              message: str) -> StageResult:
+              message: str, partial: dict | None = None) -> StageResult:
+        """Fail the job; ``partial`` (RUN's work so far) is kept as its result."""
         res = self.store.finish(ctx.job_id, JobState.FAILED, kind.value, message,
-                                token=ctx.token)
+                                token=ctx.token,
+                                fields={"result": json.dumps(partial)} if partial else None)
         if not res.changed:
             return StageResult(StageOutcome.STALE)
         if handler is not None:
