@@ -138,11 +138,16 @@ def test_the_tool_server_survives_whatever_the_agent_kills(farm):
         "commands": ["kill -9 -1; kill -KILL 1; kill -TERM 1; kill -INT 1; kill -HUP 1; "
                      "pkill -9 -f sandbox.server; echo killed",
                      "python3 -c 'import os, signal; os.kill(1, signal.SIGKILL)'; echo again",
+                     "kill -9 $$",
                      "echo still-here; python3 sol.py > out.txt"],
         "check": "grep -qx 42 out.txt"}])
     assert job["state"] == "done", job
     steps = job["result"]["steps"]
-    assert steps[2]["output"].startswith("still-here"), steps
+    # Nothing the agent may signal but its own shell: the tool server, pid 1, is not its.
+    assert steps[0]["output"].rstrip().endswith("killed") and "again" in steps[1]["output"]
+    # The one process it can kill, its shell: the tool server reports it and restarts it.
+    assert steps[2].get("session_restarted") and steps[2]["exit_code"] == -1, steps[2]
+    assert steps[3]["output"].startswith("still-here"), steps
     assert job["reward"] == 1.0  # the episode went on after every attempt
 
 
