@@ -505,3 +505,44 @@ def test_docker_and_bwrap_command_lines(tmp_path):
         assert never not in sources
     assert "--unshare-net" not in bwrap_argv(SandboxSpec(network=True), "abc", tmp_path,
                                               "ip", tmp_path, python)
+
+
+def test_a_pools_threads_track_their_sandboxes_without_racing():
+    """Many INIT threads start sandboxes at once: each start also collects the exited ones
+    of this process. Two threads collecting the same one raised KeyError (a failed INIT);
+    every start must be tracked, every exited process collected once."""
+    from prorl_farm.sandbox.local import LocalRuntime
+
+    runtime = LocalRuntime()
+    exited = [subprocess.Popen(["true"]) for _ in range(300)]
+    for p in exited:
+        p.wait()
+    live = [subprocess.Popen(["sleep", "30"]) for _ in range(16)]
+    errors: list[BaseException] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: expose the race
+    try:
+        for _ in range(20):
+            runtime._procs = {f"done-{i}": p for i, p in enumerate(exited)}
+            barrier = threading.Barrier(len(live))
+
+            def start(i: int, barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                try:
+                    runtime._track(f"live-{i}", live[i])
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=start, args=(i,)) for i in range(len(live))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors, errors[:3]
+            assert sorted(runtime._procs) == sorted(f"live-{i}" for i in range(len(live)))
+    finally:
+        sys.setswitchinterval(switch)
+        for p in live:
+            p.kill()
+            p.wait()
+    assert runtime._untrack("live-0") is live[0] and runtime._untrack("live-0") is None

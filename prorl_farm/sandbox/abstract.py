@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -74,17 +75,26 @@ class Runtime(ABC):
     """Starts and stops sandboxes of one kind on this node."""
 
     name: str = ""
+    # The Popen of each sandbox this process started, by id; a pool's threads start and
+    # stop sandboxes at once, so the table is shared under a lock (one per process).
+    _procs: dict | None = None
+    _procs_lock = threading.Lock()
 
     def _track(self, sandbox_id: str, proc) -> None:
         """Keep the Popen of a sandbox this process started, to wait for it at stop. A
         sandbox stopped by another process (the EVAL pool, the janitor) is collected here at
         the next start, so no zombie stays behind."""
-        if not hasattr(self, "_procs"):
-            self._procs = {}
-        for other, p in list(self._procs.items()):
-            if p.poll() is not None:
-                del self._procs[other]
-        self._procs[sandbox_id] = proc
+        with self._procs_lock:
+            if self._procs is None:
+                self._procs = {}
+            for other, p in list(self._procs.items()):
+                if p.poll() is not None:
+                    del self._procs[other]
+            self._procs[sandbox_id] = proc
+
+    def _untrack(self, sandbox_id: str):
+        with self._procs_lock:
+            return (self._procs or {}).pop(sandbox_id, None)
 
     @abstractmethod
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
@@ -146,7 +156,7 @@ class Runtime(ABC):
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        proc = getattr(self, "_procs", {}).pop(sandbox.id, None)
+        proc = self._untrack(sandbox.id)
         if proc is not None:
             proc.wait(timeout=10)
         else:
