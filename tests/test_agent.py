@@ -120,7 +120,7 @@ def test_malformed_calls_and_limits_end_episodes_as_they_say(agent_farm, r):
     assert long["reward"] == 1.0
     # The deadline passes mid-episode: not graded (no reward, never 0); the episode so far
     # is kept, end reason `timeout`.
-    [late] = _math(client, ["dawdle"], deadline_s=4, max_turns=100)
+    [late] = _math(client, ["dawdle"], deadline_s=10, max_turns=100)
     assert late["state"] == "failed" and late["reward"] is None
     assert late["failure"]["kind"] == "timeout"
     assert late["result"]["stats"]["end_reason"] == "timeout"

@@ -179,6 +179,23 @@ def test_deadline_expiry(settings, r):
     assert store.expire_deadlines() == 0
 
 
+def test_a_running_job_past_its_deadline_gets_the_grace_a_queued_one_does_not(settings, r):
+    """A stage running when the deadline passes may stop by itself within the grace (an
+    agent loop then keeps its episode so far); a job still queued fails at once."""
+    import time
+
+    store, [running, queued] = make(settings, r, n=2, deadline_s=1.0)
+    assert store.claim(running.job_id, "init", running.token, "w")[0] == "ok"
+    time.sleep(1.1)
+    assert store.expire_deadlines(grace_s=3.0) == 1  # the queued one
+    assert store.get_raw(queued.job_id)["state"] == "failed"
+    assert store.get_raw(running.job_id)["state"] == "init"
+    time.sleep(0.5)
+    assert store.expire_deadlines(grace_s=0.2) == 1  # past its grace: the backstop
+    assert store.get_raw(running.job_id)["failure_kind"] == "timeout"
+    assert store.expire_deadlines(grace_s=0.2) == 0
+
+
 def test_reaper_finds_a_message_lost_in_transit(settings, r):
     """A job whose message vanished (popped by a worker that died before recording it) is
     re-queued once a newer job from the same queue has been claimed."""

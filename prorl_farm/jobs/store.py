@@ -266,8 +266,9 @@ class JobStore:
     def unlock(self, key: str, value: str) -> None:
         self._release_lock(keys=[key], args=[value])
 
-    def expire_deadlines(self, limit: int = 1000) -> int:
-        return int(self._call("EXPIRE_DEADLINES", self._ttl, limit))
+    def expire_deadlines(self, limit: int = 1000, grace_s: float = 0.0) -> int:
+        """Fail jobs past their deadline; running ones only ``grace_s`` after it."""
+        return int(self._call("EXPIRE_DEADLINES", self._ttl, limit, grace_s))
 
     # -- reads ----------------------------------------------------------------------------
 

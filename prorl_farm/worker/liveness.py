@@ -21,7 +21,7 @@ from prorl_farm.config import Settings
 from prorl_farm.context import JobContext
 from prorl_farm.jobs.states import FailureKind, JobState
 from prorl_farm.jobs.store import JobStore
-from prorl_farm.worker.reaper import Reaper
+from prorl_farm.worker.reaper import STOP_GRACE_S, Reaper
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,10 @@ class Liveness:
             if ctx is not None:
                 ctx.abort("job ended or moved on elsewhere")
         # A stage past its deadline gets a grace to stop by itself (an agent loop then keeps
-        # the episode so far in the failed job); past the grace the job is ended for it.
-        grace = max(1.0, 2 * self.settings.heartbeat_interval_s)
+        # the episode so far in the failed job): a tool call cut at the deadline may take
+        # seconds to interrupt (IPython gives an interrupt 5 s). Past the grace the job is
+        # ended for it.
+        grace = max(STOP_GRACE_S, 2 * self.settings.heartbeat_interval_s)
         for ctx in running.values():
             if ctx.remaining_s <= -grace and not ctx.abort_event.is_set():
                 self._expire(ctx)

@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 BATCH = 1000
 # After a Redis (re)start, seconds before a missing presence connection counts as a death.
 PRESENCE_SETTLE_S = 10.0
+# Seconds a stage past its job's deadline has to stop by itself (a tool call cut at the
+# deadline may take seconds to interrupt: IPython gives an interrupt 5 s) before its pool
+# ends the job; an agent loop that stops keeps the episode so far in the failed job.
+STOP_GRACE_S = 6.0
 
 
 class Reaper:
@@ -89,7 +93,10 @@ class Reaper:
 
     def _sweep(self) -> dict[str, int]:
         store, r = self.store, self.store.r
-        counts = {"timeout": store.expire_deadlines()}
+        # A running job past its deadline is its pool's to end (after STOP_GRACE_S); the
+        # sweep ends it only if that pool does not.
+        counts = {"timeout": store.expire_deadlines(
+            grace_s=STOP_GRACE_S + 2 * self.settings.heartbeat_interval_s)}
         now = store.server_time()
         cutoff = now - self.settings.heartbeat_stale_s
         # Live processes reconnect within a tick or two of a Redis restart (redis-py's
