@@ -77,7 +77,7 @@ def test_the_train_loop_template_syncs_weights_between_steps(tmp_path, capsys):
         for layout in ("verl", "nemo_rl"):
             capsys.readouterr()
             assert loop.main(["--url", farm.url, "--steps", "2", "--groups", "2",
-                              "--operands", "4", "--layout", layout]) == 0
+                              "--task", "arith", "--operands", "4", "--layout", layout]) == 0
             rows += [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         steps = [r for r in rows if "step" in r]
         trained = [r for r in steps if r["groups"]]
