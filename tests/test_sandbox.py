@@ -546,3 +546,22 @@ def test_a_pools_threads_track_their_sandboxes_without_racing():
             p.kill()
             p.wait()
     assert runtime._untrack("live-0") is live[0] and runtime._untrack("live-0") is None
+
+
+def test_the_process_cap_counts_threads_as_rlimit_nproc_does():
+    """Without a pids cgroup a sandbox's cap is RLIMIT_NPROC on top of what its uid runs
+    now, and RLIMIT_NPROC counts threads: a farm running as the sandboxes' user has pools of
+    many threads, which must be in the count, or the sandbox cannot start its own."""
+    from prorl_farm.sandbox.process import user_task_count
+
+    stop = threading.Event()
+    before = user_task_count(os.getuid())
+    threads = [threading.Thread(target=stop.wait) for _ in range(40)]
+    for t in threads:
+        t.start()
+    try:
+        assert user_task_count(os.getuid()) >= before + 40
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()

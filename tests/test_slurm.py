@@ -111,7 +111,8 @@ def test_slurm_head_workers_scale_out_scancel_and_nothing_left(cluster, tmp_path
         moved = [j for j in jobs if j["attempts"]]
         assert moved, "the cancelled node held no job"
         assert all(first_node in j["attempts"][-1]["reason"] and j["node"] == second_node
-                   for j in moved)
+                   for j in moved), (first_node, second_node,
+                                     [(j["node"], j["attempts"]) for j in moved])
         assert all(j["requeues"] == 0 for j in jobs)
         wait_until(lambda: not cluster.state(workers[0]), 60, 0.3, "the cancelled node gone")
         assert nodes() == {second_node}  # it said goodbye: no waiting for the stale time

@@ -75,14 +75,20 @@ def processes_of(sandbox_id: str) -> list[int]:
     return out
 
 
-def user_process_count(uid: int) -> int:
+def user_task_count(uid: int) -> int:
+    """Tasks (threads) the uid runs on this host: what RLIMIT_NPROC counts. A farm that
+    runs as the sandboxes' user has pools of many threads each; counting processes only
+    left a sandbox too few to start its own threads."""
     n = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if entry.stat().st_uid == uid:
-                    n += 1
-            except FileNotFoundError:
+                if entry.stat().st_uid != uid:
+                    continue
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    # num_threads is field 20; the name in field 2 may hold ')' itself.
+                    n += int(f.read().rpartition(b")")[2].split()[17])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
                 continue
     return n
 
@@ -92,11 +98,11 @@ def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
     """Runs in the child between fork and exec: new session, join the sandbox's pids
     cgroup, rlimits, then (``run_as``, when the farm is root) the unprivileged host uid and
     gid the sandbox runs as, with no supplementary groups. Without a cgroup the process cap
-    is RLIMIT_NPROC, which counts every process of the uid: the sandbox gets its budget on
-    top of what the uid runs now (and root, whom RLIMIT_NPROC does not bind, needs the
+    is RLIMIT_NPROC, which counts every task (thread) of the uid: the sandbox gets its budget
+    on top of what the uid runs now (and root, whom RLIMIT_NPROC does not bind, needs the
     cgroup)."""
     uid = run_as[0] if run_as else os.geteuid()
-    nproc = user_process_count(uid) + limits.processes
+    nproc = user_task_count(uid) + limits.processes
     procs_file = str(cgroup / "cgroup.procs") if cgroup is not None else None
 
     def run() -> None:
