@@ -565,3 +565,36 @@ def test_the_process_cap_counts_threads_as_rlimit_nproc_does():
         stop.set()
         for t in threads:
             t.join()
+
+
+def test_without_a_cgroup_each_sandbox_has_its_own_process_cap(manager_for, monkeypatch):
+    """Where the farm may not make a pids cgroup, a sandbox's cap is set inside its own user
+    namespace, where only its own tasks count: one that forks without end holds its cap and
+    no more, and another sandbox of the same host user still forks freely."""
+    from prorl_farm.sandbox import cgroups
+
+    monkeypatch.setattr(cgroups, "_ROOT", None)
+    manager = manager_for("bwrap")
+    spec = SandboxSpec(limits=Limits(processes=40))
+    a, b = manager.start(spec), manager.start(spec)
+    ca, cb = ToolClient(a.socket), ToolClient(b.socket)
+    bomb = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+            "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
+            "except OSError:\n    pass\nopen('forked', 'w').write(str(n))\ntime.sleep(60)\n")
+    try:
+        ca.call("create", path="bomb.py", content=bomb)
+        ca.call("bash", command="python3 bomb.py > /dev/null 2>&1 &", timeout_s=10)
+        forked = Path(a.workspace) / "forked"  # read from the host: a's shell cannot fork
+        for _ in range(200):
+            if forked.exists() and forked.read_text().strip():
+                break
+            time.sleep(0.1)
+        assert 10 < int(forked.read_text()) < 40  # it hit its own cap
+        free = cb.call("bash", command="for i in $(seq 30); do sleep 2 & done; wait; echo ok",
+                       timeout_s=30)
+        assert free["output"].strip().endswith("ok") and free["exit_code"] == 0, free
+    finally:
+        ca.close()
+        cb.close()
+        manager.stop(a)
+        manager.stop(b)

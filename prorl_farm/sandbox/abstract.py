@@ -104,7 +104,8 @@ class Runtime(ABC):
     def _launch(self, argv: Callable[[int | str, int], list[str]], env: dict,
                 spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
                 ip: str, cgroup: Path | None, workdir: str, cwd: str | None = None,
-                run_as: tuple[int, int] | None = None, pass_socket: bool = True) -> Sandbox:
+                run_as: tuple[int, int] | None = None, pass_socket: bool = True,
+                nproc_inside: bool = False) -> Sandbox:
         """Spawn a runtime's command line and wait for its tool server (shared by runtimes).
 
         ``argv(socket, ready_fd)`` builds the command line. With ``pass_socket`` the host
@@ -119,7 +120,7 @@ class Runtime(ABC):
         try:
             where: int | str = listener.fileno() if listener is not None else str(socket_path)
             proc = spawn(argv(where, ready_w), env, spec.limits, cgroup, log, cwd=cwd,
-                         pass_fds=fds, run_as=run_as)
+                         pass_fds=fds, run_as=run_as, nproc_inside=nproc_inside)
         except BaseException:
             os.close(ready_r)
             raise

@@ -148,7 +148,11 @@ class BwrapRuntime(Runtime):
             return base + ["--"] + server_argv(sock, INSIDE_WORKSPACE, f"{INSIDE_RUN}/jupyter",
                                                python=self.python.executable,
                                                ready_fd=ready_fd,
-                                               pythonpath=self.python.pythonpath)
+                                               pythonpath=self.python.pythonpath,
+                                               nproc=None if cgroup else spec.limits.processes)
 
+        # Without a pids cgroup, the cap is set inside the sandbox's own user namespace (a
+        # cap per sandbox), not on the host uid that every sandbox shares.
         return self._launch(argv, {SANDBOX_ENV: sandbox_id}, spec, sandbox_id, workspace,
-                            socket_path, ip, cgroup, INSIDE_WORKSPACE, run_as=self.run_as)
+                            socket_path, ip, cgroup, INSIDE_WORKSPACE, run_as=self.run_as,
+                            nproc_inside=cgroup is None)

@@ -94,13 +94,16 @@ def user_task_count(uid: int) -> int:
 
 
 def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
-            run_as: tuple[int, int] | None = None):
+            run_as: tuple[int, int] | None = None, nproc_inside: bool = False):
     """Runs in the child between fork and exec: new session, join the sandbox's pids
     cgroup, rlimits, then (``run_as``, when the farm is root) the unprivileged host uid and
     gid the sandbox runs as, with no supplementary groups. Without a cgroup the process cap
     is RLIMIT_NPROC, which counts every task (thread) of the uid: the sandbox gets its budget
     on top of what the uid runs now (and root, whom RLIMIT_NPROC does not bind, needs the
-    cgroup)."""
+    cgroup). That budget is shared by every sandbox of the uid: one that forks without end
+    starves the others. With ``nproc_inside`` the sandbox sets its own cap instead, inside
+    its user namespace, where the kernel (5.14+) counts only that namespace's tasks: a cap
+    per sandbox."""
     uid = run_as[0] if run_as else os.geteuid()
     nproc = user_task_count(uid) + limits.processes
     procs_file = str(cgroup / "cgroup.procs") if cgroup is not None else None
@@ -124,7 +127,7 @@ def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
                            (resource.RLIMIT_NOFILE, limits.open_files),
                            (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(res, (value, value))
-        if procs_file is None:
+        if procs_file is None and not nproc_inside:
             resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
     return run
@@ -138,12 +141,14 @@ _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawner
 
 def spawn(argv: list[str], env: dict, limits: Limits, cgroup: Path | None, log_path: Path,
           cwd: str | None = None, pass_fds: tuple[int, ...] = (),
-          run_as: tuple[int, int] | None = None) -> subprocess.Popen:
+          run_as: tuple[int, int] | None = None, nproc_inside: bool = False
+          ) -> subprocess.Popen:
     def start() -> subprocess.Popen:
         with open(log_path, "ab") as log:
             return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT,
-                                    preexec_fn=preexec(limits, cgroup, run_as=run_as),
+                                    preexec_fn=preexec(limits, cgroup, run_as=run_as,
+                                                       nproc_inside=nproc_inside),
                                     close_fds=True, pass_fds=pass_fds)
 
     return _spawner.submit(start).result()
@@ -206,10 +211,11 @@ _BOOT = ("import runpy, sys; sys.path[:0] = [p for p in sys.argv.pop(1).split(':
 
 def server_argv(socket: str | int, workspace: str, runtime_dir: str,
                 python: str = sys.executable, ready_fd: int | None = None,
-                pythonpath: str | None = None) -> list[str]:
+                pythonpath: str | None = None, nproc: int | None = None) -> list[str]:
     """The tool server's command line: ``socket`` is a path to bind, or the fd of a
     listening socket made by the host (:func:`listen_socket`); ``pythonpath``: where its
-    packages are (default: the farm's own import path)."""
+    packages are (default: the farm's own import path); ``nproc``: the process cap the
+    server sets on itself (inside its own user namespace) before it starts anything."""
     import prorl_farm
 
     if pythonpath is None:
@@ -217,6 +223,7 @@ def server_argv(socket: str | int, workspace: str, runtime_dir: str,
     where = (["--socket-fd", str(socket)] if isinstance(socket, int)
              else ["--socket", socket])
     ready = ["--ready-fd", str(ready_fd)] if ready_fd is not None else []
+    ready += ["--nproc", str(nproc)] if nproc is not None else []
     return [python, "-I", "-c", _BOOT, pythonpath, *where, *ready,
             "--workspace", workspace, "--runtime-dir", runtime_dir]
 

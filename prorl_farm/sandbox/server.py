@@ -173,9 +173,19 @@ def main(argv=None) -> int:
     ap.add_argument("--ready-fd", type=int, help="write 'ready' here once serving")
     ap.add_argument("--workspace", required=True)
     ap.add_argument("--runtime-dir", default=None)
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="cap the tasks of this sandbox's user namespace (RLIMIT_NPROC)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     _harden()
+    if args.nproc is not None:
+        # In its own user namespace the kernel counts this namespace's tasks only: the cap
+        # is this sandbox's, whatever else the host user runs. Set before any thread.
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+        cap = args.nproc if hard == resource.RLIM_INFINITY else min(args.nproc, hard)
+        resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
     os.chdir(args.workspace)
     tools = Tools(args.workspace, args.runtime_dir or os.path.join(args.workspace, ".prorl"))
     if args.socket_fd is not None:
