@@ -575,6 +575,10 @@ def test_without_a_cgroup_each_sandbox_has_its_own_process_cap(manager_for, monk
 
     monkeypatch.setattr(cgroups, "_ROOT", None)
     manager = manager_for("bwrap")
+    if getattr(manager.runtime, "run_as", None) is None and os.geteuid() == 0:
+        # Sandboxes as host root (user nobody cannot read this checkout): RLIMIT_NPROC does
+        # not bind root, which is why a root farm caps sandboxes with pids cgroups.
+        pytest.skip("the sandboxes would run as host root here")
     spec = SandboxSpec(limits=Limits(processes=40))
     a, b = manager.start(spec), manager.start(spec)
     ca, cb = ToolClient(a.socket), ToolClient(b.socket)
