@@ -187,7 +187,8 @@ def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_pa
         assert loop.returncode == 0, loop.stderr[-3000:]
         *steps, summary = [json.loads(line) for line in loop.stdout.splitlines()]
         assert [s["policy_version"] for s in steps] == [0, 1, 2]
-        assert all(s["groups"] == 4 and s["stats"]["filtered_failed"] == 0 for s in steps)
+        assert all(s["groups"] == 4 and s["stats"]["filtered_failed"] == 0 for s in steps), \
+            steps
         assert summary == {"steps": 3, "final_version": 3, "groups_staler_than_bound": 0}
         assert farm.backends()[0]["policy_version"] == 3
         wait_until(lambda: farm.backends()[0]["in_flight"] == 0, 30, 0.2, "slots freed")

@@ -91,6 +91,10 @@ class BackendSession:
                        if b["drained"] and b["healthy"] and b["id"] != self._exclude
                        and (self.tokenizer is None or b["tokenizer"] == self.tokenizer)]
             if not drained:
+                # Resumed since the pin failed (or there is none at all): one more pin says.
+                backend = self.registry.pin(self.ctx.job_id, self._exclude)
+                if backend is not None:
+                    return backend
                 raise BackendUnavailable("no healthy, undrained LLM backend is registered")
             if time.monotonic() >= end:
                 raise BackendUnavailable(f"every backend stayed drained for {wait_s:g} s "
