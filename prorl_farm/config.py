@@ -80,6 +80,10 @@ class Settings:
     # resumed, within its deadline, instead of failing.
     llm_drain_wait_s: float = 600.0
     backend_audit: bool = False
+    # Grading a final answer (math, stem) in a helper process: the time and memory an
+    # answer may cost before it earns 0 (prorl_farm/graders/answers.py).
+    grade_timeout_s: float = 10.0
+    grade_memory_mb: int = 1024
     # Sandboxes: runtime (auto = bwrap where installed, else local), where their files live
     # (keep it short: Unix socket paths are limited to 107 bytes), live sandboxes per node.
     sandbox_runtime: str = "auto"
@@ -167,6 +171,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "LLM_REQUEST_TIMEOUT_S": (0.1, DAY_S), "LLM_RETRIES": (0, 100),
     "LLM_DRAIN_WAIT_S": (0, DAY_S),
     "LLM_MAX_FAILOVERS": (0, 100),
+    "GRADE_TIMEOUT_S": (0.1, 3600), "GRADE_MEMORY_MB": (256, 1 << 20),
     "SANDBOX_MAX": (1, 65_000),
     "CONCURRENCY": (1, 10_000), "PREFETCH": (1, 1000), "TIMEOUT_S": (1, 30 * DAY_S),
 }
@@ -239,6 +244,8 @@ def load_settings(environ=None, **overrides) -> Settings:
         llm_max_failovers=_env(environ, "LLM_MAX_FAILOVERS", int, d.llm_max_failovers),
         llm_drain_wait_s=_env(environ, "LLM_DRAIN_WAIT_S", float, d.llm_drain_wait_s),
         backend_audit=_env(environ, "BACKEND_AUDIT", _bool, d.backend_audit),
+        grade_timeout_s=_env(environ, "GRADE_TIMEOUT_S", float, d.grade_timeout_s),
+        grade_memory_mb=_env(environ, "GRADE_MEMORY_MB", int, d.grade_memory_mb),
         sandbox_runtime=_env(environ, "SANDBOX_RUNTIME", str, d.sandbox_runtime),
         sandbox_dir=_env(environ, "SANDBOX_DIR", str, d.sandbox_dir),
         sandbox_max=_env(environ, "SANDBOX_MAX", int, d.sandbox_max),

@@ -142,7 +142,9 @@ def test_tricks_on_the_grader_earn_nothing(swe_farm, r):
     assert discarded["edit-tests"] == ["tests/test_calc.py"]
     assert discarded["conftest"] == ["conftest.py"]
     assert discarded["config"] == ["setup.cfg"]
-    assert "no verdict" in tricked[3]["result"]["eval"]["verdict"]
+    # The printed verdict and early exit: the harness, not the test process, decides.
+    assert tricked[3]["result"]["eval"]["tests"]["FAIL_TO_PASS"] == {
+        "tests/test_calc.py::test_mul": "missing"}
     assert tricked[4]["result"]["eval"]["tests"]["FAIL_TO_PASS"] == {
         "tests/test_calc.py::test_mul": "failed"}
 

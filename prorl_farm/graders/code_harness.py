@@ -1,35 +1,57 @@
-"""Grade a submitted program against hidden tests; the verdict is this process's last line.
+"""Grade a submitted program against hidden tests; the verdict is one line of this process
+tagged with a nonce.
 
-Run as ``python3 -I -S code_harness.py`` in a fresh sandbox holding ``solution.py``,
-``tests.json`` and this file. The submitted program never runs in this process:
+Run as ``python3 -I -S code_harness.py`` in a fresh sandbox holding ``solution.py`` and this
+file, nothing else. The tests come on stdin (JSON: ``nonce``, ``style``, the tests, limits),
+read whole before any candidate code runs, and live only in this process's memory: no file
+in the sandbox holds them. This process is not dumpable (no ptrace, no reading of its
+memory, fds or environment by a process of the same user).
 
-- stdio tests: each test runs ``python3 -I solution.py`` with the input on stdin, under time,
-  memory and file-size limits; this process compares the output it captured.
-- call tests (HumanEval/MBPP style): the program is loaded in a child that answers calls of
-  its entry point over a pipe, arguments and results as Python literals only; the tests'
-  own code (asserts) runs here, calling the entry point through that pipe. A returned object
-  with a rigged ``__eq__``, a patched ``assert``/``unittest``/``pytest``, an early
-  ``os._exit(0)`` or printed fake results cannot pass a test.
+The candidate runs in a process of its own, started with only what it needs, inside a
+nested sandbox (the *jail*: bubblewrap with its own user, pid, mount, network and IPC
+namespaces, an empty writable ``/workspace`` holding ``solution.py`` read-only, fresh
+``/tmp``): it cannot see this process, signal it, or read anything it holds. Where the
+jail cannot be made (no bubblewrap or no user namespaces inside the sandbox), the candidate
+is a plain child, and the tests are still out of its reach; the verdict says which
+(``jail``).
 
-This process is not dumpable (no ptrace, no reading its fds or memory), and after each test
-every other process of the sandbox's user is killed. Exit status 0 and one JSON line:
-``{"passed", "total", "results": [{"ok", "why"}]}``.
+- stdio tests: per test, the program runs with that test's input on its stdin under time,
+  memory and file-size limits; this process compares the output it captured. The program
+  never sees another test's input or any expected output.
+- call tests (HumanEval/MBPP style): the program is loaded in the jail by a small server
+  that answers calls over a pipe, arguments and results as Python literals only. The test
+  code (trusted) runs here, with ``candidate`` and the entry point bound to that pipe, and,
+  as HumanEval's and MBPP's own harnesses give them, the program's top-level names the test
+  code uses: its functions (called through the same pipe), the modules it imported
+  (imported here by name) and its literal constants. The test setup's own definitions and
+  Python's builtins are never replaced by the program's. A returned object with a rigged
+  ``__eq__``, a patched ``assert``/``unittest``/``pytest``, an early ``os._exit(0)`` or
+  printed fake results cannot pass a test.
+
+After each test every other process of the sandbox's user is killed. Exit status 0 and
+one line ``NONCE {"passed", "total", "jail", "results": [{"ok", "why"}]}``.
 """
 
 import ast
+import builtins
 import ctypes
+import importlib
 import json
 import os
 import re
 import resource
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 PR_SET_DUMPABLE = 4
 SOLUTION = "solution.py"
+MAX_LINE = 16 * 1024 * 1024  # one result from the program, at most
+CHILD_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
 
 
 def harden():
@@ -70,75 +92,157 @@ def kill_others():
         time.sleep(0.01)
 
 
+# include: jail.py
+
+
+def binds(where):
+    """The jail's view for the program: its directory (a private copy of the program, and
+    nothing else), read-only; it writes to its own fresh ``/tmp`` if it must."""
+    return [(where, False)], where
+
+
 def normalise(text):
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-def run_stdio(test, time_s, memory_mb):
+def run_stdio(jail, where, test, time_s, memory_mb):
+    """One test: the program with the test's input on its stdin; its output read here up to
+    a bound (four times the expected output, at least 1 MiB): a program that floods its
+    stdout is stopped, not buffered."""
+    bound = max(1 << 20, 4 * len(test["output"].encode()))
+    proc = subprocess.Popen(jail.command([sys.executable, "-I", SOLUTION], *binds(where)),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, close_fds=True,
+                            preexec_fn=limits(memory_mb), env=CHILD_ENV, cwd=where)
     try:
-        proc = subprocess.run([sys.executable, "-I", SOLUTION], input=test["input"].encode(),
-                              capture_output=True, timeout=time_s, close_fds=True,
-                              preexec_fn=limits(memory_mb), env={"PATH": "/usr/bin:/bin",
-                                                                 "LANG": "C.UTF-8"})
-    except subprocess.TimeoutExpired:
-        return False, "time limit"
+        out, why = collect(proc, test["input"].encode(), bound, time.monotonic() + time_s)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    if why is not None:
+        return False, why
     if proc.returncode != 0:
         return False, f"exit status {proc.returncode}"
-    ok = normalise(proc.stdout.decode("utf-8", errors="replace")) == normalise(test["output"])
+    ok = normalise(out.decode("utf-8", errors="replace")) == normalise(test["output"])
     return ok, "ok" if ok else "wrong output"
 
 
+def collect(proc, data, bound, deadline):
+    """Feed ``data`` to the program's stdin and read its stdout until it closes; returns
+    (output, None) or (b"", why) past the deadline or the bound."""
+    out, view = [], memoryview(data)
+    size = 0
+    stdin, stdout = proc.stdin.fileno(), proc.stdout.fileno()
+    os.set_blocking(stdin, False)
+    writing = [stdin] if data else []
+    if not data:
+        proc.stdin.close()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return b"", "time limit"
+        readable, writable, _ = select.select([stdout], writing, [], left)
+        if writable:
+            try:
+                view = view[os.write(stdin, view[:65536]):]
+            except (BrokenPipeError, BlockingIOError):
+                view = view[:0]
+            if not view:
+                writing = []
+                proc.stdin.close()
+        if readable:
+            chunk = os.read(stdout, 65536)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > bound:
+                return b"", "output limit"
+            out.append(chunk)
+    left = deadline - time.monotonic()
+    try:
+        proc.wait(timeout=max(0.0, left))
+    except subprocess.TimeoutExpired:
+        return b"", "time limit"
+    return b"".join(out), None
+
+
+# The server in the jail: loads the program, says what its top-level names are, then answers
+# calls ``(name, args, kwargs)`` with ``repr(result)`` (literals only) or ``!ErrorName``.
 CALL_SERVER = r'''
-import ast, os, sys
+import ast, os, sys, types
 out = os.fdopen(int(sys.argv[2]), "w")
 ns = {"__name__": "solution"}
 try:
     exec(compile(open("solution.py").read(), "solution.py", "exec"), ns)
-    fn = ns[sys.argv[1]]
+    ns[sys.argv[1]]
 except BaseException as e:
-    out.write("!" + repr(type(e).__name__) + "\n"); out.flush(); raise SystemExit(1)
-out.write("ready\n"); out.flush()
+    out.write("!" + type(e).__name__ + "\n"); out.flush(); raise SystemExit(1)
+names = {}
+for k, v in list(ns.items()):
+    if k.startswith("__"):
+        continue
+    if isinstance(v, types.ModuleType):
+        names[k] = ["module", getattr(v, "__name__", "")]
+    elif callable(v):
+        names[k] = ["callable"]
+    else:
+        try:
+            text = repr(v)
+            ast.literal_eval(text)
+            names[k] = ["value", text]
+        except BaseException:
+            pass
+out.write("ready " + repr(names).replace("\n", " ") + "\n"); out.flush()
 for line in sys.stdin:
     try:
-        args = ast.literal_eval(line)
-        value = fn(*args)
+        name, args, kwargs = ast.literal_eval(line)
+        value = ns[name](*args, **kwargs)
         text = repr(value)
         ast.literal_eval(text)
         out.write(text.replace("\n", " ") + "\n")
     except BaseException as e:
-        out.write("!" + repr(type(e).__name__) + "\n")
+        out.write("!" + type(e).__name__ + "\n")
     out.flush()
 '''
 
 
-class Candidate:
-    """The entry point, called through a pipe to the child running the program."""
+class Program:
+    """The program, loaded in the jail; its functions are called through a pipe."""
 
-    def __init__(self, entry_point, time_s, memory_mb):
+    def __init__(self, jail, where, entry_point, time_s, memory_mb):
         self.time_s = time_s
         r, w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", CALL_SERVER, entry_point, str(w)],
+            jail.command([sys.executable, "-I", "-c", CALL_SERVER, entry_point, str(w)],
+                         *binds(where)),
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            pass_fds=(w,), close_fds=True, preexec_fn=limits(memory_mb),
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+            pass_fds=(w,), close_fds=True, preexec_fn=limits(memory_mb), env=CHILD_ENV,
+            cwd=where)
         os.close(w)
-        self.results = os.fdopen(r, "r")
+        self.results = os.fdopen(r, "rb")
         first = self._read()
-        if first != "ready":
-            raise RuntimeError(f"the program did not load ({first})")
+        if not first.startswith("ready "):
+            raise RuntimeError(f"the program did not load ({first.lstrip('!')})")
+        self.names = ast.literal_eval(first[len("ready "):])
+        if not isinstance(self.names, dict):
+            raise RuntimeError("the program did not load (bad name table)")
 
     def _read(self):
         ready, _, _ = select.select([self.results], [], [], self.time_s)
         if not ready:
             raise TimeoutError("time limit")
-        line = self.results.readline()
+        line = self.results.readline(MAX_LINE)
         if not line:
             raise RuntimeError("the program exited")
-        return line.rstrip("\n")
+        if not line.endswith(b"\n"):
+            raise RuntimeError("a result over the size limit")
+        return line.decode("utf-8", errors="replace").rstrip("\n")
 
-    def __call__(self, *args):
-        text = repr(tuple(args))
+    def call(self, name, args, kwargs):
+        text = repr((name, tuple(args), dict(kwargs)))
         ast.literal_eval(text)  # only literals cross
         self.proc.stdin.write((text.replace("\n", " ") + "\n").encode())
         self.proc.stdin.flush()
@@ -147,25 +251,65 @@ class Candidate:
             raise RuntimeError(f"the program raised {line[1:]}")
         return ast.literal_eval(line)
 
+    def function(self, name):
+        def call(*args, **kwargs):
+            return self.call(name, args, kwargs)
+        call.__name__ = name
+        return call
+
     def close(self):
         try:
             self.proc.kill()
-        except OSError:
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
             pass
+        self.results.close()
 
 
-def run_calls(tests, time_s, memory_mb):
-    """One test: the test code (trusted) runs here with ``candidate`` bound to the pipe."""
-    results = []
-    for code in tests["cases"]:
-        cand = None
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def program_names(program, test_source, taken):
+    """The program's top-level names that the test code uses, as the test code's namespace
+    gets them: functions through the pipe, modules imported here, literal constants. Never a
+    builtin's name or one the setup or the harness already binds."""
+    bound = {}
+    for name, kind in program.names.items():
+        if (not isinstance(name, str) or not _IDENT.match(name) or name in taken
+                or hasattr(builtins, name) or not re.search(rf"\b{name}\b", test_source)):
+            continue
         try:
-            cand = Candidate(tests["entry_point"], time_s, memory_mb)
-            ns = {"candidate": cand, tests["entry_point"]: cand, "__name__": "__tests__"}
-            exec(compile(tests.get("setup", "") + "\n" + code, "tests", "exec"), ns)
+            if kind[0] == "callable":
+                bound[name] = program.function(name)
+            elif kind[0] == "module" and _MODULE.match(kind[1]):
+                bound[name] = importlib.import_module(kind[1])
+            elif kind[0] == "value":
+                bound[name] = ast.literal_eval(kind[1])
+        except Exception:  # noqa: BLE001 - a name the test code cannot use is left out
+            continue
+    return bound
+
+
+def run_calls(jail, where, spec, time_s, memory_mb):
+    """Per case: the test code (trusted) runs here, with the program behind a pipe."""
+    results = []
+    entry = spec["entry_point"]
+    setup = spec.get("setup", "")
+    for code in spec["cases"]:
+        program = None
+        try:
+            program = Program(jail, where, entry, time_s, memory_mb)
+            ns = {"__name__": "__tests__"}
+            exec(compile(setup, "setup", "exec"), ns)
+            candidate = program.function(entry)
+            ns.update(program_names(program, setup + "\n" + code, set(ns) | {entry,
+                                                                               "candidate"}))
+            ns.update({"candidate": candidate, entry: candidate})
+            exec(compile(code, "tests", "exec"), ns)
             # HumanEval's test code defines check(candidate) without calling it.
             if callable(ns.get("check")) and not re.search(r"^check\(", code, re.M):
-                ns["check"](cand)
+                ns["check"](candidate)
             results.append((True, "ok"))
         except AssertionError:
             results.append((False, "assertion failed"))
@@ -174,28 +318,36 @@ def run_calls(tests, time_s, memory_mb):
         except Exception as e:  # noqa: BLE001 - any failure fails the test
             results.append((False, f"{type(e).__name__}: {str(e)[:200]}"))
         finally:
-            if cand is not None:
-                cand.close()
+            if program is not None:
+                program.close()
             kill_others()
     return results
 
 
 def main():
     harden()
-    with open("tests.json") as f:
-        spec = json.load(f)
+    spec = json.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # nothing of the tests is left to read on fd 0
+    nonce = spec["nonce"]
     time_s, memory_mb = spec.get("time_s", 5.0), spec.get("memory_mb", 512)
+    jail = Jail()  # noqa: F821 - from jail.py, included when the harness is shipped
+    # The program's own directory: a private copy, so the jail binds it alone.
+    where = tempfile.mkdtemp(prefix="candidate-")
+    shutil.copy(SOLUTION, os.path.join(where, SOLUTION))
+    os.chmod(where, 0o755)
     if spec["style"] == "stdio":
         results = []
         for test in spec["tests"]:
-            results.append(run_stdio(test, time_s, memory_mb))
+            results.append(run_stdio(jail, where, test, time_s, memory_mb))
             kill_others()
     else:
-        results = run_calls(spec, time_s, memory_mb)
+        results = run_calls(jail, where, spec, time_s, memory_mb)
     passed = sum(1 for ok, _ in results if ok)
-    sys.stdout.write(json.dumps({"passed": passed, "total": len(results),
-                                 "results": [{"ok": ok, "why": why} for ok, why in results]})
-                     + "\n")
+    sys.stdout.write("\n" + nonce + " " + json.dumps(
+        {"passed": passed, "total": len(results), "jail": jail.name,
+         "results": [{"ok": ok, "why": why} for ok, why in results]}) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

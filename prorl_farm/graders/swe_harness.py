@@ -1,109 +1,239 @@
-"""Run a repository task's named tests with pytest; the verdict is one line tagged with a
-nonce that only this process knows.
+"""Run a repository task's named tests and decide each one's outcome from evidence the code
+under test cannot forge; the verdict is one line tagged with a nonce only this process knows.
 
 Run as ``python3 -I grader/swe_harness.py`` in a fresh sandbox holding ``repo/`` (the tree
-to test: the base commit with the agent's changes, protected files already restored from
-the base) and ``grader/`` (``spec.json``, ``test.patch``, and ``model.patch`` in reference
-mode). The nonce comes on stdin, read before anything of the repository is imported.
+to test: the base commit with the candidate's changes, protected files already restored
+from the base) and ``grader/`` (``spec.json``, ``test.patch``, ``swe_runner.py``, and
+``model.patch`` in reference mode). The nonce comes on stdin.
 
-Order: import pytest (from the interpreter's own site, before the repository is on the
-path, so a ``pytest.py`` in the repository shadows nothing); apply ``model.patch`` if any
-(not applying: the candidate fails); run the instance's setup commands; apply the test
-patch (not applying: an instance error); run pytest on the files of the named tests, keep
-only the named tests, and record each one's outcome from pytest's own reports.
+This process reads all of ``grader/`` into memory and removes it before anything of the
+repository runs, is not dumpable, and never imports the repository. In order: apply
+``model.patch`` (not applying: the candidate fails); run the instance's setup commands in
+the jail (the repository is what they see); apply the test patch (not applying: an
+instance error); then run the tests in a child, ``swe_runner.py``, in the jail: the
+repository's code runs there and only there. The child sends evidence over a pipe, each
+record prefixed with a key it got on its stdin; this process decides:
 
-The repository's code runs in this process (the tests import it), so what it prints, and
-an early exit, reach nothing: only the nonce-tagged line counts, and no line means no
-verdict (reward 0). Exit status 0 and ``NONCE {"outcomes": {test: outcome}}``, or
-``NONCE {"error": ...}`` when the instance or the environment is at fault, or
-``NONCE {"applied": false, ...}`` when the candidate patch does not apply.
+- a test passed only if pytest reported its setup, call and teardown without failure *and*
+  the child's own wrapper saw its call return;
+- a ``suspicious`` record (the child's audit hook or integrity checks caught the candidate's
+  code reaching into the test process), or any line on the pipe without the key, makes
+  the whole verdict ``suspicious``;
+- a test with no records (the child died, exited early, or ran out of time) is ``missing``.
+
+The verdict: ``NONCE {"outcomes": {test: outcome}, "suspicious": null | why, "jail",
+"exit_code", "output"}``, or ``NONCE {"error": ...}`` when the instance or the environment
+is at fault, or ``NONCE {"applied": false, ...}`` when the candidate patch does not apply.
 """
 
 import ctypes
 import json
 import os
+import secrets
+import select
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 PR_SET_DUMPABLE = 4
+OUTPUT_TAIL = 4000
+MAX_RECORD = 1 << 20
+
+
+# include: jail.py
 
 
 def main():
     nonce = sys.stdin.readline().strip()
+    started = time.monotonic()
     try:
         ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/self/mem
     except (OSError, AttributeError):
         pass
     grader = os.path.abspath("grader")
     repo = os.path.abspath("repo")
+    kept = {}
+    for name in ("spec.json", "test.patch", "model.patch", "swe_runner.py"):
+        path = os.path.join(grader, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                kept[name] = f.read()
+    shutil.rmtree(grader, ignore_errors=True)  # nothing of the grader left on disk
+    spec = json.loads(kept["spec.json"])
 
     def verdict(**fields):
         sys.stdout.write(f"\n{nonce} {json.dumps(fields)}\n")
         sys.stdout.flush()
-        os._exit(0)  # no atexit hook of the repository's runs after the verdict
+        os._exit(0)
 
-    with open(os.path.join(grader, "spec.json")) as f:
-        spec = json.load(f)
-    try:
-        import pytest
-    except ImportError as e:
-        verdict(error=f"pytest is not importable by {sys.executable} in the sandbox: {e}")
+    jail = Jail()  # noqa: F821 - from jail.py, included when the harness is shipped
+    in_repo = [(repo, True)]
+    probe = subprocess.run(jail.command([sys.executable, "-I", "-c", "import pytest"],
+                                        in_repo, repo), capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL)
+    if probe.returncode != 0:
+        verdict(error=f"pytest is not importable by {sys.executable} in the sandbox: "
+                      f"{probe.stderr[-1000:]}")
 
-    def apply(name):
-        out = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1",
-                              os.path.join(grader, name)], cwd=repo, capture_output=True,
-                             text=True, stdin=subprocess.DEVNULL)
-        return out.returncode == 0, (out.stdout + out.stderr)[-2000:]
+    def apply(patch):
+        out = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1", "-"], cwd=repo,
+                             capture_output=True, input=patch)
+        return out.returncode == 0, (out.stdout + out.stderr).decode(errors="replace")[-2000:]
 
-    if os.path.exists(os.path.join(grader, "model.patch")):
-        ok, why = apply("model.patch")
+    discarded = []
+    if "model.patch" in kept:
+        before = protected_files(repo, spec)
+        ok, why = apply(kept["model.patch"])
         if not ok:
             verdict(applied=False, why=why)
+        discarded = restore(repo, spec, before)
     for command in spec.get("setup", []):
-        out = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], cwd=repo,
-                             capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        out = subprocess.run(jail.command(["bash", "--noprofile", "--norc", "-c", command],
+                                          in_repo, repo), cwd=repo, capture_output=True,
+                             text=True, stdin=subprocess.DEVNULL)
         if out.returncode != 0:
             verdict(error=f"setup command failed ({out.returncode}): {command}\n"
                           f"{(out.stdout + out.stderr)[-2000:]}")
-    ok, why = apply("test.patch")
+    ok, why = apply(kept["test.patch"])
     if not ok:
         verdict(error=f"the test patch does not apply: {why}")
 
     wanted = list(dict.fromkeys(spec["tests"]))
-    outcomes_wanted = set(wanted)
-    outcomes = {}
+    key = secrets.token_hex(24)
+    deadline = started + max(5.0, float(spec.get("timeout_s", 900)) - 5.0)
+    runner = kept["swe_runner.py"].decode()
+    records, suspicious, code, output, late = run_tests(jail, repo, runner, spec, wanted, key,
+                                                        deadline)
+    verdict(outcomes=decide(wanted, records), suspicious=suspicious, jail=jail.name,
+            exit_code=code, timed_out=late, output=output, discarded=discarded)
 
-    class Recorder:
-        def pytest_collection_modifyitems(self, session, config, items):
-            keep = [i for i in items if i.nodeid in outcomes_wanted]
-            dropped = [i for i in items if i.nodeid not in outcomes_wanted]
-            if dropped:
-                config.hook.pytest_deselected(items=dropped)
-            items[:] = keep
 
-        def pytest_runtest_logreport(self, report):
-            name = report.nodeid
-            if name not in outcomes_wanted:
-                return
-            if report.failed:
-                outcomes[name] = "failed" if report.when == "call" else "error"
-            elif report.skipped and name not in outcomes:
-                outcomes[name] = "skipped"
-            elif report.when == "call" and report.passed and name not in outcomes:
-                outcomes[name] = "passed"
+def is_protected(path, spec):
+    """As the handler's rule: the test patch's files, test configuration, site hooks and
+    compiled bytecode are never the candidate's."""
+    name = os.path.basename(path)
+    return (path in spec.get("test_files", []) or name in spec.get("protected_names", [])
+            or name.endswith(tuple(spec.get("protected_suffixes", [])))
+            or any(part in spec.get("skip_dirs", []) for part in path.split("/")))
 
+
+def protected_files(repo, spec):
+    found = {}
+    for root, dirs, names in os.walk(repo):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        for name in names:
+            path = os.path.relpath(os.path.join(root, name), repo)
+            if is_protected(path, spec) and not os.path.islink(os.path.join(root, name)):
+                with open(os.path.join(root, name), "rb") as f:
+                    found[path] = f.read()
+    return found
+
+
+def restore(repo, spec, before):
+    """Undo what a candidate patch did to protected files (a reference patch is graded as a
+    policy's edits are); returns the paths whose changes were discarded."""
+    after = protected_files(repo, spec)
+    discarded = []
+    for path in sorted(set(before) | set(after)):
+        if before.get(path) == after.get(path):
+            continue
+        discarded.append(path)
+        full = os.path.join(repo, path)
+        if path in before:
+            with open(full, "wb") as f:
+                f.write(before[path])
+        else:
+            os.unlink(full)
+    return discarded
+
+
+def run_tests(jail, repo, runner, spec, wanted, key, deadline):
+    """Run the child (``runner``: its source); returns (its records, why it is suspicious or
+    None, its exit code or None, the tail of its output, whether it ran out of time)."""
     files = [f for f in dict.fromkeys(t.split("::")[0] for t in wanted)
              if os.path.isfile(os.path.join(repo, f))]
-    os.chdir(repo)
-    sys.path.insert(0, repo)  # as `python -m pytest` from the repository's root would
-    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
-    if files:
-        try:
-            pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", repo, *files],
-                        plugins=[Recorder()])
-        except BaseException:  # noqa: BLE001 - what the tests raise is theirs
-            pass
-    verdict(outcomes={t: outcomes.get(t, "missing") for t in wanted})
+    r, w = os.pipe()
+    log = tempfile.TemporaryFile()
+    request = {"key": key, "fd": w, "repo": repo, "tests": wanted, "files": files,
+               "changed": spec.get("changed", []), "test_files": spec.get("test_files", [])}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+    child = subprocess.Popen(
+        jail.command([sys.executable, "-I", "-c", runner], [(repo, True)], repo),
+        stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(w,), close_fds=True,
+        cwd=repo, env=env, start_new_session=True)
+    os.close(w)
+    child.stdin.write((json.dumps(request) + "\n").encode())
+    child.stdin.close()
+    records, suspicious, buffer, late = [], None, b"", False
+    prefix = (key + " ").encode()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            late = True
+            break
+        ready, _, _ = select.select([r], [], [], min(left, 1.0))
+        if not ready:
+            continue
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        if len(buffer) > MAX_RECORD:
+            lines, buffer = [*lines, buffer], b""
+        for line in lines:
+            if not line.startswith(prefix):
+                suspicious = suspicious or "a record on the evidence pipe without the key"
+                continue
+            try:
+                record = json.loads(line[len(prefix):])
+            except ValueError:
+                suspicious = suspicious or "a malformed record"
+                continue
+            if record.get("kind") == "suspicious":
+                suspicious = suspicious or (f"{record.get('event')}: {record.get('detail')}"
+                                            + (f" (from {record['where']})"
+                                               if record.get("where") else ""))
+            records.append(record)
+    os.close(r)
+    try:
+        os.killpg(child.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
+    log.seek(0, 2)
+    size = log.tell()
+    log.seek(max(0, size - OUTPUT_TAIL))
+    output = log.read().decode("utf-8", errors="replace")
+    done = next((rec for rec in records if rec.get("kind") == "done"), None)
+    return records, suspicious, done["exit_code"] if done else None, output, late
+
+
+def decide(wanted, records):
+    """Each named test's outcome from the child's records."""
+    phases = {t: {} for t in wanted}
+    for rec in records:
+        if rec.get("kind") == "report" and rec.get("test") in phases:
+            phases[rec["test"]][rec.get("when")] = rec
+    outcomes = {}
+    for test, seen in phases.items():
+        call = seen.get("call")
+        if any(p.get("outcome") == "failed" for w, p in seen.items() if w != "call"):
+            outcomes[test] = "error"
+        elif call is not None and call.get("outcome") == "failed":
+            outcomes[test] = "failed"
+        elif any(p.get("outcome") == "skipped" for p in seen.values()):
+            outcomes[test] = "skipped"
+        elif call is None or "teardown" not in seen:
+            outcomes[test] = "missing"
+        elif call.get("outcome") == "passed" and call.get("returned") is True:
+            outcomes[test] = "passed"
+        else:
+            outcomes[test] = "failed"
+    return outcomes
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 
 from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
 
@@ -27,7 +28,7 @@ from prorl_farm.handlers.agentic import (
     final_answer,
 )
 from prorl_farm.handlers.base import JobContext
-from prorl_farm.sandbox.grading import run_isolated
+from prorl_farm.sandbox.grading import run_isolated, tagged_verdict
 
 DEFAULT_PROMPT = ("Write a Python program for the task below. You may try code with the python "
                   "tool. When done, call submit with your complete program as \"code\" (or give "
@@ -90,20 +91,24 @@ def tests_spec(inst: dict) -> dict:
 
 
 def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
-    spec = tests_spec(inst)
+    """Run the harness on ``program`` in a fresh sandbox: the tests reach it on its stdin,
+    never as a file, and its verdict is the line tagged with a nonce it read there."""
+    nonce = secrets.token_hex(16)
+    spec = {**tests_spec(inst), "nonce": nonce}
     n = len(spec.get("tests") or spec.get("cases"))
-    files = {"solution.py": program, "tests.json": json.dumps(spec),
-             "code_harness.py": source("code_harness.py")}
+    files = {"solution.py": program, "code_harness.py": source("code_harness.py")}
     out = run_isolated(ctx, files, ["python3", "-I", "-S", "code_harness.py"],
-                       timeout_s=n * (inst["time_limit_s"] + 2) + 10)
-    try:
-        verdict = json.loads(out["stdout"].strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"reward": 0.0, "pass_fraction": 0.0, "verdict": "the harness gave no verdict",
+                       timeout_s=n * (inst["time_limit_s"] + 2) + 10, stdin=json.dumps(spec))
+    verdict = tagged_verdict(out["stdout"], nonce)
+    if verdict is None:
+        why = "timed out" if out["timed_out"] else f"exit status {out['exit_code']}"
+        return {"reward": 0.0, "pass_fraction": 0.0,
+                "verdict": f"the harness gave no verdict ({why})",
                 "harness_stderr": out["stderr"][-2000:]}
     fraction = verdict["passed"] / verdict["total"] if verdict["total"] else 0.0
     return {"reward": 1.0 if verdict["passed"] == verdict["total"] > 0 else 0.0,
-            "pass_fraction": round(fraction, 6), "tests": verdict["results"][:100]}
+            "pass_fraction": round(fraction, 6), "jail": verdict.get("jail"),
+            "tests": verdict["results"][:100]}
 
 
 class CodeHandler(ToolAgentHandler):

@@ -10,13 +10,11 @@ letter only: "A or B" earns 0); anything else by math-verify, with the same boun
 
 from __future__ import annotations
 
-import re
-
 from marshmallow import fields, validate
 
+from prorl_farm.graders import answers
 from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler, final_answer
 from prorl_farm.handlers.base import JobContext
-from prorl_farm.handlers.math import grade, last_boxed
 
 CHOICE_PROMPT = ("Answer the question. Give the letter of the correct choice as \\boxed{{X}}."
                  "\n\n{question}\n\n{choices}")
@@ -30,23 +28,6 @@ class StemInstance(AgentOptions):
     tools = fields.List(fields.String(validate=validate.OneOf(["python"])), load_default=list)
     max_answer_chars = fields.Integer(load_default=200, strict=True,
                                       validate=validate.Range(min=1, max=10_000))
-
-
-_ANSWER_LINE = re.compile(r"(?im)^\s*answer\s*[:：]\s*\(?([A-Z])\)?\s*$")
-
-
-def grade_choice(final_text: str, reference: str, n_choices: int) -> tuple[float, str]:
-    picked = last_boxed(final_text)
-    if picked is None:
-        lines = _ANSWER_LINE.findall(final_text)
-        picked = lines[-1] if lines else None
-    if picked is None:
-        return 0.0, "no answer"
-    letter = picked.strip().strip("()").strip()
-    valid = {chr(ord("A") + i) for i in range(n_choices)}
-    if letter.upper() not in valid or len(letter) != 1:
-        return 0.0, "not a single choice letter"
-    return (1.0, "correct") if letter.upper() == reference.strip().upper() else (0.0, "wrong")
 
 
 class StemHandler(ToolAgentHandler):
@@ -66,9 +47,11 @@ class StemHandler(ToolAgentHandler):
         return self.episode(ctx, text)
 
     def eval(self, ctx: JobContext) -> dict:
-        inst, final = ctx.instance, final_answer(ctx.result)
+        inst = ctx.instance
+        request = {"text": final_answer(ctx.result), "reference": inst["answer"]}
         if inst.get("choices"):
-            reward, why = grade_choice(final, inst["answer"], len(inst["choices"]))
+            request.update(kind="choice", n_choices=len(inst["choices"]))
         else:
-            reward, why = grade(final, inst["answer"], inst["max_answer_chars"])
+            request.update(kind="math", max_chars=inst["max_answer_chars"])
+        reward, why = answers.grade_for(ctx, request)
         return {"reward": reward, "verdict": why}

@@ -34,7 +34,7 @@ from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHa
 from prorl_farm.handlers.base import JobContext, run_setup
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
-from prorl_farm.sandbox.grading import run_isolated
+from prorl_farm.sandbox.grading import run_isolated, tagged_verdict
 from prorl_farm.sandbox.manager import under_mount_roots
 
 DEFAULT_PROMPT = (
@@ -276,18 +276,25 @@ class SweHandler(ToolAgentHandler):
             tree, discarded = graded_tree(base, agent, patch_paths(inst["test_patch"]))
             diff = unified_diff(base, tree)
         tests = {"FAIL_TO_PASS": inst["FAIL_TO_PASS"], "PASS_TO_PASS": inst["PASS_TO_PASS"]}
-        spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"]}
+        test_files = patch_paths(inst["test_patch"])
+        changed = (patch_paths(inst["patch"]) if ctx.mode == "reference" else
+                   {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)})
+        spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"],
+                "changed": sorted(changed - test_files), "test_files": sorted(test_files),
+                "timeout_s": inst["test_timeout_s"], "protected_names": sorted(PROTECTED_NAMES),
+                "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS)}
         files.update({f"repo/{p}": data for p, data in tree.items()})
         files.update({"grader/spec.json": json.dumps(spec), "grader/test.patch":
-                      inst["test_patch"], "grader/swe_harness.py": source("swe_harness.py")})
+                      inst["test_patch"], "grader/swe_harness.py": source("swe_harness.py"),
+                      "grader/swe_runner.py": source("swe_runner.py")})
         nonce = secrets.token_hex(16)
         out = run_isolated(ctx, files, [inst["python"], "-I", "grader/swe_harness.py"],
                            timeout_s=inst["test_timeout_s"], stdin=nonce + "\n",
                            limits=Limits(processes=256))
+        verdict = tagged_verdict(out["stdout"], nonce)
+        if verdict and verdict.get("discarded"):  # a reference patch's, undone in the sandbox
+            discarded = verdict["discarded"]
         kept = {"diff": diff[:MAX_DIFF], "discarded": discarded}
-        verdict = next((json.loads(line[len(nonce) + 1:]) for line in
-                        reversed(out["stdout"].splitlines()) if line.startswith(nonce + " ")),
-                       None)
         if verdict is None:
             why = "timed out" if out["timed_out"] else f"exit status {out['exit_code']}"
             return {"reward": 0.0, "resolved": False, **kept,
@@ -298,9 +305,14 @@ class SweHandler(ToolAgentHandler):
         if verdict.get("applied") is False:
             return {"reward": 0.0, "resolved": False, **kept,
                     "verdict": f"the patch does not apply: {verdict['why']}"}
+        if verdict.get("suspicious"):
+            return {"reward": 0.0, "resolved": False, "suspicious": True, **kept,
+                    "verdict": f"the candidate reached into the test process: "
+                               f"{verdict['suspicious']}", "output": verdict.get("output", "")}
         outcomes = verdict["outcomes"]
         by_kind = {kind: {t: outcomes.get(t, "missing") for t in names}
                    for kind, names in tests.items()}
         resolved = all(o == "passed" for o in outcomes.values()) and bool(outcomes)
-        return {"reward": 1.0 if resolved else 0.0, "resolved": resolved, **kept,
-                "tests": by_kind}
+        return {"reward": 1.0 if resolved else 0.0, "resolved": resolved, "suspicious": False,
+                **kept, "tests": by_kind, "jail": verdict.get("jail"),
+                "timed_out": verdict.get("timed_out", False)}

@@ -11,6 +11,8 @@ sandbox (its slot is free before the grader's is taken), add the hidden tests, r
 
 from __future__ import annotations
 
+import json
+
 from prorl_farm.context import JobContext
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
@@ -35,6 +37,20 @@ def run_isolated(ctx: JobContext, files: dict[str, str | bytes], argv: list[str]
     finally:
         client.close()
         sandboxes.stop(sandbox)
+
+
+def tagged_verdict(stdout: str, nonce: str) -> dict | None:
+    """A grader's verdict: the JSON on its last stdout line that starts with ``nonce`` (which
+    only the grader read, from its stdin, before anything under test ran); None if there is
+    none or it does not parse."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(nonce + " "):
+            try:
+                verdict = json.loads(line[len(nonce) + 1:])
+            except ValueError:
+                return None
+            return verdict if isinstance(verdict, dict) else None
+    return None
 
 
 def agent_files(ctx: JobContext) -> dict[str, bytes]:

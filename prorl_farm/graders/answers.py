@@ -1,0 +1,295 @@
+"""Grading a final answer (``math``, ``stem``) where it can be bounded and killed.
+
+A policy's answer is text the pool process must never evaluate itself: math-verify turns
+``\\boxed{9^{9^{9^{9}}}}`` into an unbounded big-integer computation, which no timeout
+inside the process can stop (the computation holds the interpreter), and a long final
+message with many ``\\boxed`` is quadratic to scan. So the pool process only ships the
+final message and the reference to a *helper process* (``python -m
+prorl_farm.graders.answers``: math-verify imported once, a memory limit, a CPU-time limit
+over its life, lowest priority), waits for its one-line verdict within a time bound, and
+kills the helper if the bound passes: that answer earns 0 with the reason, the helper is
+replaced for the next one, and the pool and every other job go on. The helper also holds
+each answer to that many seconds of CPU itself (``RLIMIT_CPU``), so a computation goes
+even if the pool process dies under it.
+
+Helpers are kept between gradings (a per-process pool, one helper per grading in flight);
+a helper that dies without a verdict is retried once on a fresh one (what killed it may
+not have been the answer), then the answer earns 0 (``grading exceeded its memory bound``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import resource
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+GRADE_TIMEOUT_S = 10.0  # per answer, wall clock (PRORL_GRADE_TIMEOUT_S)
+GRADE_MEMORY_MB = 1024  # address space of a helper (PRORL_GRADE_MEMORY_MB)
+HELPER_CPU_S = 600  # per answer when the request does not say
+IDLE_EXIT_S = 120.0  # an unused helper exits
+MAX_IDLE_HELPERS = 4
+
+
+# -- what the helper runs ---------------------------------------------------------------
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` whose first brace is balanced, or None.
+    Linear in the text: each brace is matched once, each span searched once."""
+    closes, stack = {}, []
+    for m in _BRACES.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            closes[stack.pop()] = m.start()
+    # Searching back from the last \\boxed: ``known`` is the first brace at or after
+    # ``limit`` (None: there is none), so each start searches only [start, limit).
+    known, limit = None, len(text)
+    start = text.rfind("\\boxed")
+    while start != -1:
+        i = text.find("{", start, limit)
+        if i == -1:
+            if known is None:
+                return None
+            i = known
+        if i in closes:
+            return text[i + 1:closes[i]].strip()
+        known, limit = i, start
+        start = text.rfind("\\boxed", 0, start)
+    return None
+
+
+_BRACES = re.compile(r"[{}]")
+_SEPARATORS = re.compile(r",|;|\bor\b|\\text\{\s*or\s*\}|\\lor")
+_ANSWER_LINE = re.compile(r"(?im)^\s*answer\s*[:：]\s*\(?([A-Z])\)?\s*$")
+
+
+def grade_math(final_text: str, reference: str, max_chars: int = 200) -> tuple[float, str]:
+    """(reward, why) for a final message against the reference, by math-verify. Unbounded:
+    call it in a helper (:func:`grade`), never in a pool process."""
+    from math_verify import parse, verify
+
+    answer = last_boxed(final_text)
+    if answer is None:
+        return 0.0, "no \\boxed{} answer"
+    if len(answer) > max_chars:
+        return 0.0, f"answer longer than {max_chars} characters"
+    single = not _SEPARATORS.search(reference)
+    if single and _SEPARATORS.search(answer):
+        return 0.0, "several candidate answers"
+    gold = _parse(parse, reference)
+    pred = _parse(parse, answer)
+    if not gold or not pred:
+        return 0.0, "answer could not be parsed"
+    ok = verify(gold, pred, timeout_seconds=None)
+    return (1.0, "correct") if ok else (0.0, "wrong")
+
+
+def _parse(parse, text: str):
+    return (parse(f"${text}$", parsing_timeout=None)
+            or parse(text, parsing_timeout=None))
+
+
+def grade_choice(final_text: str, reference: str, n_choices: int) -> tuple[float, str]:
+    """(reward, why) for a multiple-choice answer: one letter, boxed or on an Answer line."""
+    picked = last_boxed(final_text)
+    if picked is None:
+        lines = _ANSWER_LINE.findall(final_text)
+        picked = lines[-1] if lines else None
+    if picked is None:
+        return 0.0, "no answer"
+    letter = picked.strip().strip("()").strip()
+    valid = {chr(ord("A") + i) for i in range(n_choices)}
+    if letter.upper() not in valid or len(letter) != 1:
+        return 0.0, "not a single choice letter"
+    return (1.0, "correct") if letter.upper() == reference.strip().upper() else (0.0, "wrong")
+
+
+def answer(request: dict) -> tuple[float, str]:
+    if request["kind"] == "choice":
+        return grade_choice(request["text"], request["reference"], request["n_choices"])
+    return grade_math(request["text"], request["reference"], request["max_chars"])
+
+
+def serve() -> None:
+    """The helper: one JSON request per stdin line, one ``[reward, why]`` line per answer.
+    Each answer may use ``cpu_s`` seconds of CPU (the kernel ends the helper past that,
+    even with the pool gone); an idle helper exits after ``IDLE_EXIT_S``."""
+    import math_verify  # noqa: F401 - imported once, before the first request
+
+    out = sys.stdout
+    out.write("ready\n")
+    out.flush()
+    parent = os.getppid()
+
+    def orphaned() -> None:  # the pool process went away: so do we
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    stdin = sys.stdin.buffer
+    while True:
+        ready, _, _ = select.select([stdin], [], [], IDLE_EXIT_S)
+        if not ready:
+            return
+        line = stdin.readline()
+        if not line:
+            return
+        request = json.loads(line)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = int(usage.ru_utime + usage.ru_stime + request.get("cpu_s", HELPER_CPU_S)) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
+        try:
+            reward, why = answer(request)
+        except MemoryError:
+            reward, why = 0.0, "grading exceeded its memory bound"
+        except Exception as e:  # noqa: BLE001 - an answer that breaks the parser earns 0
+            reward, why = 0.0, f"answer could not be graded ({type(e).__name__})"
+        out.write(json.dumps([reward, why]) + "\n")
+        out.flush()
+
+
+# -- the pool process's side ------------------------------------------------------------
+
+
+def _helper_limits(memory_mb: int) -> None:
+    mem = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.nice(19)
+
+
+class Helper:
+    """One helper process and its pipes."""
+
+    def __init__(self, memory_mb: int = GRADE_MEMORY_MB, timeout_s: float = 60.0):
+        self.memory_mb = memory_mb
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prorl_farm.graders.answers"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: _helper_limits(memory_mb), start_new_session=True,
+            close_fds=True)
+        if self._line(timeout_s, None) != "ready":
+            self.kill()
+            raise RuntimeError("the answer grader did not start")
+
+    def _line(self, timeout_s: float, check: Callable[[], None] | None) -> str | None:
+        """The next line, or None if the helper died or ``timeout_s`` passed."""
+        end = time.monotonic() + timeout_s
+        fd = self.proc.stdout
+        while True:
+            if check is not None:
+                check()
+            left = end - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], min(left, 0.2))
+            if ready:
+                line = fd.readline()
+                return line.decode().rstrip("\n") if line else None
+
+    def ask(self, request: dict, timeout_s: float, check) -> tuple[float, str] | None:
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError:
+            return None
+        line = self._line(timeout_s, check)
+        if line is None:
+            return None
+        reward, why = json.loads(line)
+        return float(reward), str(why)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+_idle: list[Helper] = []
+_lock = threading.Lock()
+
+
+def _take(memory_mb: int) -> Helper:
+    with _lock:
+        while _idle:
+            helper = _idle.pop()
+            if helper.alive() and helper.memory_mb == memory_mb:
+                return helper
+            helper.kill()
+    return Helper(memory_mb)
+
+
+def _give(helper: Helper) -> None:
+    with _lock:
+        if helper.alive() and len(_idle) < MAX_IDLE_HELPERS:
+            _idle.append(helper)
+            return
+    helper.kill()
+
+
+@atexit.register
+def close_helpers() -> None:
+    with _lock:
+        helpers, _idle[:] = list(_idle), []
+    for helper in helpers:
+        helper.kill()
+
+
+def grade(request: dict, timeout_s: float = GRADE_TIMEOUT_S,
+          check: Callable[[], None] | None = None,
+          memory_mb: int = GRADE_MEMORY_MB) -> tuple[float, str]:
+    """(reward, why) for ``request`` (``kind`` ``math``: text, reference, max_chars; or
+    ``choice``: text, reference, n_choices), graded in a helper process within
+    ``timeout_s``. ``check`` (e.g. ``ctx.check``) runs while waiting and may raise to
+    abandon the grading (the helper is then killed)."""
+    for attempt in (1, 2):
+        helper = _take(memory_mb)
+        try:
+            verdict = helper.ask({**request, "cpu_s": timeout_s}, timeout_s, check)
+        except BaseException:
+            helper.kill()
+            raise
+        if verdict is not None:
+            _give(helper)
+            return verdict
+        timed_out = helper.alive()
+        helper.kill()
+        if timed_out:
+            return 0.0, f"grading exceeded its time bound ({timeout_s:g} s)"
+        if attempt == 2:
+            return 0.0, "grading exceeded its memory bound (the grader died twice)"
+    raise AssertionError("unreachable")
+
+
+def grade_for(ctx, request: dict) -> tuple[float, str]:
+    """:func:`grade` within the farm's bounds (``PRORL_GRADE_*``) and the job's cancel and
+    deadline."""
+    settings = ctx.settings
+    return grade(request, getattr(settings, "grade_timeout_s", GRADE_TIMEOUT_S), ctx.check,
+                 getattr(settings, "grade_memory_mb", GRADE_MEMORY_MB))
+
+
+if __name__ == "__main__":
+    serve()
