@@ -60,6 +60,10 @@ class Settings:
     # Off where Redis's client list says nothing about worker processes (a proxy in front
     # of Redis, CLIENT disabled): then only heartbeat age tells a dead worker.
     presence: bool = True
+    # A pool whose liveness thread has not turned for this long while its process lives
+    # (wedged, e.g. in a C call that never returns) is killed by its watchdog, for its
+    # supervisor to restart; 0 turns the watchdog off.
+    watchdog_s: float = 60.0
     reap_interval_s: float = 1.0
     # A job whose worker died starts again at INIT at most this many times, then fails worker_lost.
     max_requeues: int = 1
@@ -164,7 +168,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "API_WORKERS": (1, 256), "API_THREADS": (1, 4096),
     "RESULT_TTL_S": (60, 365 * DAY_S),
     "HEARTBEAT_INTERVAL_S": (0.01, 60), "HEARTBEAT_STALE_S": (0.1, 3600),
-    "REAP_INTERVAL_S": (0.05, 600),
+    "REAP_INTERVAL_S": (0.05, 600), "WATCHDOG_S": (0, DAY_S),
     "MAX_REQUEUES": (0, 100),
     "MAX_BODY_BYTES": (1024, 1 << 34), "MAX_JOBS_PER_REQUEST": (1, 1_000_000),
     "MAX_WAIT_S": (0, 3600),
@@ -225,6 +229,7 @@ def load_settings(environ=None, **overrides) -> Settings:
         heartbeat_stale_s=_env(environ, "HEARTBEAT_STALE_S", float, d.heartbeat_stale_s),
         presence_grace_s=_env(environ, "PRESENCE_GRACE_S", float, d.presence_grace_s),
         presence=_env(environ, "PRESENCE", _bool, d.presence),
+        watchdog_s=_env(environ, "WATCHDOG_S", float, d.watchdog_s),
         reap_interval_s=_env(environ, "REAP_INTERVAL_S", float, d.reap_interval_s),
         max_requeues=_env(environ, "MAX_REQUEUES", int, d.max_requeues),
         max_body_bytes=_env(environ, "MAX_BODY_BYTES", int, d.max_body_bytes),
@@ -274,6 +279,11 @@ def load_settings(environ=None, **overrides) -> Settings:
             f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g} (a live worker "
             "reconnects within a tick) and PRORL_HEARTBEAT_STALE_S="
             f"{values['heartbeat_stale_s']:g}")
+    if 0 < values["watchdog_s"] < 3 * values["heartbeat_interval_s"]:
+        raise ConfigError(
+            f"PRORL_WATCHDOG_S={values['watchdog_s']:g} must be 0 (off) or at least 3 x "
+            f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g}: a live pool "
+            "would be killed")
     if values["flower_basic_auth"] and ":" not in values["flower_basic_auth"]:
         raise ConfigError("PRORL_FLOWER_BASIC_AUTH: expected user:password")
     from prorl_farm.access import parse_allow_list

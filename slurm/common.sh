@@ -46,10 +46,16 @@ PY
 # Children started with start_child run in the foreground of this script (never
 # daemonised: Slurm must see and signal them); stop_children TERMs them and waits.
 CHILDREN=()
+CHILD_CMDS=()
+CHILD_NAMES=()
+CHILD_LOGS=()
 start_child() {  # start_child NAME LOGFILE CMD...
   local name=$1 logf=$2; shift 2
   "$@" >>"$logf" 2>&1 &
   CHILDREN+=("$!")
+  CHILD_NAMES+=("$name")
+  CHILD_LOGS+=("$logf")
+  CHILD_CMDS+=("$(printf '%q ' "$@")")
   say "started $name (pid $!), log $logf"
 }
 stop_children() {
@@ -57,6 +63,33 @@ stop_children() {
   say "stopping: ${CHILDREN[*]}"
   kill -TERM "${CHILDREN[@]}" 2>/dev/null || true
   wait "${CHILDREN[@]}" 2>/dev/null || true
+}
+# restart_children: like supervise, but a child that dies (a pool killed by its watchdog,
+# say) is started again (after a pause that grows with its restarts, at most a minute)
+# instead of stopping the rest. Children must have been started with start_child.
+restart_children() {
+  trap 'stop_children; exit 0' TERM INT
+  declare -A restarts=()
+  set +e
+  while true; do
+    local pid
+    wait -n -p pid "${CHILDREN[@]}"
+    local code=$?
+    [ -n "$pid" ] || { sleep 1; continue; }
+    local i
+    for i in "${!CHILDREN[@]}"; do
+      [ "${CHILDREN[$i]}" = "$pid" ] || continue
+      local n=${restarts[$i]:-0}
+      restarts[$i]=$((n + 1))
+      local pause=$(( n < 6 ? 1 << n : 60 ))
+      say "${CHILD_NAMES[$i]} (pid $pid) exited (status $code); restarting in ${pause} s"
+      sleep "$pause" &
+      wait $!  # a signal meanwhile stops everything at once
+      eval "${CHILD_CMDS[$i]}" >>"${CHILD_LOGS[$i]}" 2>&1 &
+      CHILDREN[$i]=$!
+      say "restarted ${CHILD_NAMES[$i]} (pid $!)"
+    done
+  done
 }
 # Wait in the foreground until a signal (clean stop, exit 0) or a child dies (exit 1).
 supervise() {

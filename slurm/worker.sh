@@ -2,7 +2,9 @@
 # One worker node: the INIT, RUN and EVAL pools for this node's queues, in the foreground.
 # Reads the head's address from $PRORL_SHARED/head.env (waits up to PRORL_HEAD_WAIT_S for it).
 # On SIGTERM (scancel) the pools hand what they hold back to INIT for other nodes
-# (PRORL_REQUEUE_ON_STOP=1) and exit; the node's sandboxes go with it.
+# (PRORL_REQUEUE_ON_STOP=1) and exit; the node's sandboxes go with it. A pool that dies
+# otherwise (a wedged pool killed by its watchdog, say) is started again; the reaper
+# recovers its jobs.
 #
 # Environment: PRORL_NODE (default: <host>-j<job id>, one per array task), pool sizes
 # (PRORL_INIT_CONCURRENCY, PRORL_RUN_CONCURRENCY, PRORL_EVAL_CONCURRENCY) and any PRORL_*
@@ -30,4 +32,4 @@ done
 say "worker node $PRORL_NODE: pools started, head $PRORL_URL"
 cleanup() { rm -rf "$PRORL_SANDBOX_DIR" "$PRORL_HOME"; }
 trap cleanup EXIT
-supervise
+restart_children  # a pool that dies (killed by its watchdog, say) is started again

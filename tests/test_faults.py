@@ -133,3 +133,40 @@ def test_kill_9_of_redis_mid_batch_and_restart_from_its_append_only_file(faulty)
     print(f"\nkill -9 of Redis: both batches complete {time.monotonic() - t0:.1f} s after")
     _check_exact(client, r, subs)
     r.close()
+
+
+def test_a_wedged_pool_is_killed_by_its_watchdog_and_its_jobs_recovered(tmp_path):
+    """A stage that holds the interpreter in a C call (the first attempt of one job) stops
+    every thread of its pool, heartbeats included, while the process lives: the pool's
+    watchdog kills it, a new pool starts (what a supervisor does), and every job, the
+    wedging one and those that were running beside it, ends done."""
+    from api import create_app
+    from prorl_farm.config import load_settings
+
+    server = RedisServer(tmp_path / "redis")
+    env = farm_env(server.url, **{**SETTINGS, "watchdog_s": 2})
+    pools = Pools(env, tmp_path)
+    client = create_app(load_settings(env)).test_client()
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        pools.start()
+        eval_pool = pools.procs["eval"]
+        sub = _submit(client, [{"eval_s": 3.0}], n=4)
+        wait_until(lambda: sum(1 for i in sub["job_ids"] if r.hget(keys.job(i), "state")
+                               == "eval") == 4, 30, what="jobs in EVAL")
+        wedged = _submit(client, [{"wedge_stage": "eval", "wedge_s": 600}], n=1)
+        wait_until(lambda: eval_pool.poll() is not None, 30, 0.1, "the watchdog's kill")
+        assert eval_pool.returncode == -signal.SIGKILL
+        log = (tmp_path / "eval.log").read_text()
+        assert "has not ticked for 2 s while alive (wedged); killing it" in log, log[-2000:]
+        pools.procs.pop("eval")
+        pools.start("eval")  # what a supervisor does
+        for s in (sub, wedged):
+            wait_until(lambda s=s: client.get(f"/v1/batches/{s['batch_id']}").get_json()[
+                "complete"], 60, 0.2, "the batch")
+        jobs = _check_exact(client, r, [sub, wedged])
+        assert all(j["requeues"] == 1 for j in jobs), [j["requeues"] for j in jobs]
+    finally:
+        pools.stop()
+        r.close()
+        server.stop()

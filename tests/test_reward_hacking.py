@@ -12,10 +12,12 @@ Add a class of attack here when you find one: the test is the claim.
   grader's paths, flooding the output pipe, printing a verdict; a HumanEval helper the
   tests call, redefined by the candidate.
 - ``swe``: reaching into the test process from the code under test (frames by every route,
-  the heap, tracing, ctypes, ``/proc/self/mem``), patching pytest, pluggy, ``sys.modules``
-  or the builtins, reading the test files, writing to the evidence pipe, an early exit, a
-  killed parent, a pytest plugin through an entry point, ``conftest.py``,
+  the heap, tracing, ctypes, ``/proc/self/mem``), patching pytest, pluggy, unittest,
+  ``sys.modules`` or the builtins, reading the test files, writing to the evidence pipe,
+  an early exit, a killed parent, a pytest plugin through an entry point, ``conftest.py``,
   ``sitecustomize.py`` and ``.pth`` files, a printed verdict.
+- the graders' parts: the tests out of reach without the jail too; a jail that cannot run
+  the program is an error (the job fails), never a zero.
 - ``math``: an answer whose evaluation never ends (a power tower, a huge factorial) earns 0
   within its bound, while honest answers beside it and after it are graded and the EVAL
   pool stays alive.
@@ -24,6 +26,7 @@ Add a class of attack here when you find one: the test is the claim.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -139,7 +142,7 @@ print(0)
 FORGE_CALL = SNOOP + r'''
 def add(a, b):
     for text in found():
-        for args, value in re.findall(r"candidate\((.*?)\) == (\S+)", text):
+        for args, value in re.findall(r"candidate\((.*?)\) == (-?\d+)", text):
             if args.replace(" ", "") == ("%r, %r" % (a, b)).replace(" ", ""):
                 return int(value)
     return 0
@@ -294,6 +297,8 @@ SWE_ATTACKS = {
     "sys-modules-surgery": ("import sys, types\n"
                             "sys.modules['_pytest.runner'] = types.ModuleType('x')\n", True),
     "builtins": ("import builtins\nbuiltins.all = lambda *a: True\n", True),
+    "unittest-assertions": ("import unittest\n"
+                            "unittest.TestCase.assertEqual = lambda *a, **k: None\n", True),
     "read-the-tests": ("src = open('tests/test_calc.py').read()\n", True),
     "read-the-tests-via-linecache": ("import linecache\n"
                                      "linecache.getlines('tests/test_calc.py')\n", True),
@@ -383,3 +388,75 @@ def test_an_answer_that_never_evaluates_earns_nothing_and_stops_nobody(farm, r):
     assert r.zscore("prorl:pools", "eval:testnode") >= time.time() - 5
     after = batch(["honest"] * 3)
     assert [j["reward"] for j in after] == [1.0] * 3, [j["result"] for j in after]
+
+
+# -- the graders' own parts -----------------------------------------------------------
+
+
+@pytest.fixture
+def grading_sandbox(r, tmp_path):
+    """Runs a grader script in a fresh sandbox of a runtime, as EVAL does; yields
+    run(runtime, files, argv, stdin) -> the exec result."""
+    from prorl_farm.sandbox.abstract import Limits, SandboxSpec
+    from prorl_farm.sandbox.client import ToolClient
+    from prorl_farm.sandbox.manager import SandboxManager
+
+    managers = {}
+
+    def run(runtime: str, files: dict, argv: list[str], stdin: str | None = None) -> dict:
+        if runtime not in managers:
+            managers[runtime] = SandboxManager(r, "grading-node", runtime,
+                                               root=f"/tmp/prs-grading-{os.getpid()}")
+        manager = managers[runtime]
+        sandbox = manager.start(SandboxSpec(workspace_files=files, limits=Limits(
+            processes=64)))
+        client = ToolClient(sandbox.socket)
+        try:
+            return client.call("exec", argv=argv, timeout_s=120, stdin=stdin, env={})
+        finally:
+            client.close()
+            manager.stop(sandbox)
+
+    yield run
+    shutil.rmtree(f"/tmp/prs-grading-{os.getpid()}", ignore_errors=True)
+
+
+def _harness(run, runtime: str, program: str, tests: dict) -> dict:
+    from prorl_farm.graders import source
+    from prorl_farm.handlers.code import CodeInstance, tests_spec
+
+    spec = {**tests_spec(CodeInstance().load({"statement": "s", **tests})), "nonce": "N"}
+    out = run(runtime, {"solution.py": program, "code_harness.py": source("code_harness.py")},
+              ["python3", "-I", "-S", "code_harness.py"], json.dumps(spec))
+    return json.loads(out["stdout"].strip().splitlines()[-1][2:])
+
+
+@pytest.mark.parametrize("runtime", ["bwrap", "local"])
+def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, runtime):
+    """With the jail (bwrap) and without it (a runtime where it cannot be made, here the
+    unconfined ``local`` one as root): the tests are only in the harness's memory."""
+    jail = "bwrap" if runtime == "bwrap" else "none"
+    for program, tests, passed in [(DOUBLE, STDIO, 2), (FORGE_STDIO, STDIO, 0),
+                                   (ADD, CALL, 1), (FORGE_CALL, CALL, 0)]:
+        verdict = _harness(grading_sandbox, runtime, program, tests)
+        assert verdict["passed"] == passed and verdict["jail"] == jail, verdict
+
+
+def test_a_jail_that_cannot_run_the_program_is_an_error_not_a_zero(grading_sandbox):
+    from prorl_farm.graders import source
+
+    script = source("jail.py") + '''
+import subprocess, sys
+jail = Jail()
+ok = jail.popen(["/bin/sh", "-c", "exit 3"], stdin=subprocess.DEVNULL)
+ok.wait()
+jail.check(ok)  # the program ran to its end, with its own status
+broken = jail.popen(["/bin/true"], [("/no/such/path", False)], stdin=subprocess.DEVNULL)
+broken.wait()
+try:
+    jail.check(broken)
+except JailError as e:
+    print("error:", ok.returncode, e)
+'''
+    out = grading_sandbox("bwrap", {"probe.py": script}, ["python3", "-I", "probe.py"])
+    assert out["stdout"].startswith("error: 3 the jail did not run the program"), out

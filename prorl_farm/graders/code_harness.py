@@ -96,8 +96,8 @@ def kill_others():
 
 
 def binds(where):
-    """The jail's view for the program: its directory (a private copy of the program, and
-    nothing else), read-only; it writes to its own fresh ``/tmp`` if it must."""
+    """The jail's view for the program, as ``(binds, cwd)``: its directory (a private copy
+    of the program, and nothing else), read-only; it writes to its own fresh ``/tmp``."""
     return [(where, False)], where
 
 
@@ -110,10 +110,10 @@ def run_stdio(jail, where, test, time_s, memory_mb):
     a bound (four times the expected output, at least 1 MiB): a program that floods its
     stdout is stopped, not buffered."""
     bound = max(1 << 20, 4 * len(test["output"].encode()))
-    proc = subprocess.Popen(jail.command([sys.executable, "-I", SOLUTION], *binds(where)),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, close_fds=True,
-                            preexec_fn=limits(memory_mb), env=CHILD_ENV, cwd=where)
+    proc = jail.popen([sys.executable, "-I", SOLUTION], *binds(where),
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                      close_fds=True, preexec_fn=limits(memory_mb), env=CHILD_ENV)
+    why = "not run"
     try:
         out, why = collect(proc, test["input"].encode(), bound, time.monotonic() + time_s)
     finally:
@@ -122,6 +122,8 @@ def run_stdio(jail, where, test, time_s, memory_mb):
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
+        proc.stdout.close()
+        jail.check(proc, killed=why is not None)
     if why is not None:
         return False, why
     if proc.returncode != 0:
@@ -215,15 +217,21 @@ class Program:
     def __init__(self, jail, where, entry_point, time_s, memory_mb):
         self.time_s = time_s
         r, w = os.pipe()
-        self.proc = subprocess.Popen(
-            jail.command([sys.executable, "-I", "-c", CALL_SERVER, entry_point, str(w)],
-                         *binds(where)),
+        self.jail = jail
+        self.proc = jail.popen(
+            [sys.executable, "-I", "-c", CALL_SERVER, entry_point, str(w)], *binds(where),
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            pass_fds=(w,), close_fds=True, preexec_fn=limits(memory_mb), env=CHILD_ENV,
-            cwd=where)
+            pass_fds=(w,), close_fds=True, preexec_fn=limits(memory_mb), env=CHILD_ENV)
         os.close(w)
         self.results = os.fdopen(r, "rb")
-        first = self._read()
+        self.checked = False
+        try:
+            first = self._read()
+        except RuntimeError:  # it exited: the program's doing, or the jail's?
+            self.proc.wait()
+            self.checked = True
+            jail.check(self.proc)
+            raise
         if not first.startswith("ready "):
             raise RuntimeError(f"the program did not load ({first.lstrip('!')})")
         self.names = ast.literal_eval(first[len("ready "):])
@@ -259,11 +267,13 @@ class Program:
 
     def close(self):
         try:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
             pass
+        self.proc.wait()
         self.results.close()
+        if not self.checked:
+            self.jail.check(self.proc, killed=True)
 
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -311,6 +321,8 @@ def run_calls(jail, where, spec, time_s, memory_mb):
             if callable(ns.get("check")) and not re.search(r"^check\(", code, re.M):
                 ns["check"](candidate)
             results.append((True, "ok"))
+        except JailError:  # noqa: F821 - from jail.py
+            raise
         except AssertionError:
             results.append((False, "assertion failed"))
         except TimeoutError:
@@ -336,13 +348,18 @@ def main():
     where = tempfile.mkdtemp(prefix="candidate-")
     shutil.copy(SOLUTION, os.path.join(where, SOLUTION))
     os.chmod(where, 0o755)
-    if spec["style"] == "stdio":
-        results = []
-        for test in spec["tests"]:
-            results.append(run_stdio(jail, where, test, time_s, memory_mb))
-            kill_others()
-    else:
-        results = run_calls(jail, where, spec, time_s, memory_mb)
+    try:
+        if spec["style"] == "stdio":
+            results = []
+            for test in spec["tests"]:
+                results.append(run_stdio(jail, where, test, time_s, memory_mb))
+                kill_others()
+        else:
+            results = run_calls(jail, where, spec, time_s, memory_mb)
+    except JailError as e:  # noqa: F821 - the environment's fault: an error, not a zero
+        sys.stdout.write("\n" + nonce + " " + json.dumps({"error": str(e)}) + "\n")
+        sys.stdout.flush()
+        return
     passed = sum(1 for ok, _ in results if ok)
     sys.stdout.write("\n" + nonce + " " + json.dumps(
         {"passed": passed, "total": len(results), "jail": jail.name,

@@ -2,45 +2,86 @@
 # Included into a grader script where it says "# include: jail.py" (graders run isolated,
 # with nothing importable beside them).
 
+import json
 import os
+import shutil
+import subprocess
 
 JAIL_UID = 1001  # inside the jail's own user namespace: not the grader's uid there
 
 
+class JailError(RuntimeError):
+    """The jail could not run the program (the environment's fault, not the candidate's):
+    the grader reports an error, never a zero reward."""
+
+
 class Jail:
-    """``command(argv, binds)`` runs ``argv`` in a nested bubblewrap sandbox: its own user,
-    pid, mount, network, IPC and UTS namespaces, no capabilities, the grader's root
+    """``popen(argv, binds, cwd)`` runs ``argv`` in a nested bubblewrap sandbox: its own
+    user, pid, mount, network, IPC and UTS namespaces, no capabilities, the grader's root
     read-only, fresh ``/proc``, ``/dev``, ``/tmp`` and ``/run``, an empty ``/workspace``
-    holding only ``binds`` (``(path, writable)``, at the same path), dying with its
-    parent. From inside, the grader's processes cannot be seen or signalled, and nothing
-    of the grader's sandbox but the read-only system and the binds can be read. Where the
-    jail cannot be made (no bubblewrap, or no user namespaces here), ``command`` returns
-    ``argv`` as it is and ``name`` is ``"none"``."""
+    holding only ``binds`` (``(path, writable)``, at the same path), dying with its parent.
+    From inside, the grader's processes cannot be seen or signalled, and nothing of the
+    grader's sandbox but the read-only system and the binds can be read. Where the jail
+    cannot be made (no bubblewrap, or no user namespaces here), the program runs as a plain
+    child and ``name`` is ``"none"``.
+
+    After the program ends, ``check(proc)`` raises :class:`JailError` if bubblewrap never
+    ran it to its end (bubblewrap reports the program's exit on a status pipe, which the
+    program does not hold); call ``check(proc, killed=True)`` when the grader killed it."""
 
     def __init__(self):
-        import shutil
-        import subprocess
-
         self.bwrap = shutil.which("bwrap")
         self.works = False
         if self.bwrap and os.getuid() != 0:
-            probe = subprocess.run(self.argv([], "/") + ["/bin/true"], capture_output=True,
-                                   stdin=subprocess.DEVNULL, timeout=30)
+            probe = subprocess.run(self.argv([], "/", None) + ["/bin/true"],
+                                   capture_output=True, stdin=subprocess.DEVNULL, timeout=30)
             self.works = probe.returncode == 0
+        self._status = {}
 
     @property
     def name(self):
         return "bwrap" if self.works else "none"
 
-    def argv(self, binds, cwd):
+    def argv(self, binds, cwd, status_fd):
         argv = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net",
                 "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--uid",
                 str(JAIL_UID), "--gid", str(JAIL_UID), "--cap-drop", "ALL",
                 "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--proc", "/proc",
                 "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run", "--tmpfs", "/workspace"]
+        if status_fd is not None:
+            argv += ["--json-status-fd", str(status_fd)]
         for path, writable in binds:
             argv += ["--bind" if writable else "--ro-bind", path, path]
         return argv + ["--chdir", cwd, "--"]
 
-    def command(self, argv, binds=(), cwd="/workspace"):
-        return (self.argv(binds, cwd) + argv) if self.works else argv
+    def popen(self, argv, binds=(), cwd="/workspace", pass_fds=(), **kwargs):
+        if not self.works:
+            return subprocess.Popen(argv, pass_fds=pass_fds, cwd=cwd, **kwargs)
+        r, w = os.pipe()
+        try:
+            proc = subprocess.Popen(self.argv(binds, cwd, w) + argv,
+                                    pass_fds=(*pass_fds, w), **kwargs)
+        finally:
+            os.close(w)
+        self._status[proc.pid] = r
+        return proc
+
+    def run(self, argv, binds=(), cwd="/workspace", **kwargs):
+        """Like ``subprocess.run`` with ``capture_output``, text; checked."""
+        proc = self.popen(argv, binds, cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, **kwargs)
+        out, err = proc.communicate()
+        self.check(proc)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def check(self, proc, killed=False):
+        fd = self._status.pop(proc.pid, None)
+        if fd is None:
+            return
+        with os.fdopen(fd, "rb") as f:
+            records = f.read().decode(errors="replace")
+        ended = any("exit-code" in json.loads(line) for line in records.splitlines()
+                    if line.strip().startswith("{"))
+        if not ended and not killed:
+            raise JailError(f"the jail did not run the program to its end (bwrap exit "
+                            f"status {proc.returncode})")

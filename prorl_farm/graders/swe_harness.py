@@ -70,9 +70,10 @@ def main():
 
     jail = Jail()  # noqa: F821 - from jail.py, included when the harness is shipped
     in_repo = [(repo, True)]
-    probe = subprocess.run(jail.command([sys.executable, "-I", "-c", "import pytest"],
-                                        in_repo, repo), capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL)
+    try:
+        probe = jail.run([sys.executable, "-I", "-c", "import pytest"], in_repo, repo)
+    except JailError as e:  # noqa: F821 - from jail.py
+        verdict(error=str(e))
     if probe.returncode != 0:
         verdict(error=f"pytest is not importable by {sys.executable} in the sandbox: "
                       f"{probe.stderr[-1000:]}")
@@ -90,9 +91,10 @@ def main():
             verdict(applied=False, why=why)
         discarded = restore(repo, spec, before)
     for command in spec.get("setup", []):
-        out = subprocess.run(jail.command(["bash", "--noprofile", "--norc", "-c", command],
-                                          in_repo, repo), cwd=repo, capture_output=True,
-                             text=True, stdin=subprocess.DEVNULL)
+        try:
+            out = jail.run(["bash", "--noprofile", "--norc", "-c", command], in_repo, repo)
+        except JailError as e:  # noqa: F821 - from jail.py
+            verdict(error=str(e))
         if out.returncode != 0:
             verdict(error=f"setup command failed ({out.returncode}): {command}\n"
                           f"{(out.stdout + out.stderr)[-2000:]}")
@@ -104,8 +106,11 @@ def main():
     key = secrets.token_hex(24)
     deadline = started + max(5.0, float(spec.get("timeout_s", 900)) - 5.0)
     runner = kept["swe_runner.py"].decode()
-    records, suspicious, code, output, late = run_tests(jail, repo, runner, spec, wanted, key,
-                                                        deadline)
+    try:
+        records, suspicious, code, output, late = run_tests(jail, repo, runner, spec, wanted,
+                                                            key, deadline)
+    except JailError as e:  # noqa: F821 - from jail.py
+        verdict(error=str(e))
     verdict(outcomes=decide(wanted, records), suspicious=suspicious, jail=jail.name,
             exit_code=code, timed_out=late, output=output, discarded=discarded)
 
@@ -160,10 +165,9 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", [])}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-    child = subprocess.Popen(
-        jail.command([sys.executable, "-I", "-c", runner], [(repo, True)], repo),
-        stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(w,), close_fds=True,
-        cwd=repo, env=env, start_new_session=True)
+    child = jail.popen([sys.executable, "-I", "-c", runner], [(repo, True)], repo,
+                       pass_fds=(w,), stdin=subprocess.PIPE, stdout=log, stderr=log,
+                       close_fds=True, env=env, start_new_session=True)
     os.close(w)
     child.stdin.write((json.dumps(request) + "\n").encode())
     child.stdin.close()
@@ -199,11 +203,17 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                                                if record.get("where") else ""))
             records.append(record)
     os.close(r)
+    try:  # the runner ends itself after its last record; past the deadline we end it
+        child.wait(timeout=0 if late else 5)
+        killed = False
+    except subprocess.TimeoutExpired:
+        killed = True
     try:
         os.killpg(child.pid, 9)
     except (ProcessLookupError, PermissionError):
         pass
     child.wait()
+    jail.check(child, killed=killed)
     log.seek(0, 2)
     size = log.tell()
     log.seek(max(0, size - OUTPUT_TAIL))

@@ -105,6 +105,8 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
         return {"reward": 0.0, "pass_fraction": 0.0,
                 "verdict": f"the harness gave no verdict ({why})",
                 "harness_stderr": out["stderr"][-2000:]}
+    if "error" in verdict:  # the grader could not run the program: not the program's fault
+        raise RuntimeError(f"code grading failed: {verdict['error']}")
     fraction = verdict["passed"] / verdict["total"] if verdict["total"] else 0.0
     return {"reward": 1.0 if verdict["passed"] == verdict["total"] > 0 else 0.0,
             "pass_fraction": round(fraction, 6), "jail": verdict.get("jail"),

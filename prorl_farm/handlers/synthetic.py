@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 from marshmallow import RAISE, Schema, fields, validate
@@ -38,6 +39,12 @@ class SyntheticInstance(Schema):
                                                                                    max=1000))
     llm_tokens = fields.Integer(load_default=4, strict=True, validate=validate.Range(min=1,
                                                                                     max=4096))
+    # Hold the interpreter in a C call for this long at the start of this stage, on the
+    # job's first attempt only: a wedged pool, for the watchdog's tests.
+    wedge_stage = fields.String(load_default=None, allow_none=True,
+                                validate=validate.OneOf(STAGES))
+    wedge_s = fields.Integer(load_default=0, strict=True, validate=validate.Range(min=0,
+                                                                                 max=3600))
     # Carried and ignored: gives an instance the size of a real one (benchmarks, tests).
     payload = fields.String(validate=validate.Length(max=64 * 1024 * 1024))
 
@@ -52,6 +59,9 @@ class SyntheticHandler(AgentHandler):
     instance_schema = SyntheticInstance
 
     def _work(self, ctx: JobContext, seconds: float) -> None:
+        if ctx.instance.get("wedge_stage") == ctx.stage and ctx.requeues == 0:
+            # libc's sleep through PyDLL keeps the GIL: no thread of the process runs.
+            ctypes.PyDLL(None).sleep(ctx.instance.get("wedge_s", 0))
         if ctx.instance.get("mode") == "compute":
             end = time.monotonic() + seconds
             while time.monotonic() < end:

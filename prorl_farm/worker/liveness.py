@@ -94,6 +94,9 @@ class Liveness:
         # The node's sandbox janitor (main pool processes): called every JANITOR_EVERY ticks,
         # by one process per node at a time.
         self.janitor: Callable[[], int] | None = None
+        # The pool's watchdog (main pool processes): told of every turn of the loop, it
+        # kills the process if the turns stop while it lives (prorl_farm/worker/watchdog.py).
+        self.watchdog = None
         self._ticks = 0
         self._running: dict[tuple[str, str], JobContext] = {}
         self._lock = threading.Lock()
@@ -128,6 +131,8 @@ class Liveness:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval_s):
+            if self.watchdog is not None:
+                self.watchdog.tick()
             try:
                 self.tick()
             except Exception:

@@ -30,6 +30,7 @@ from prorl_farm.worker import logs
 from prorl_farm.worker.liveness import Liveness, present
 from prorl_farm.worker.reaper import Reaper
 from prorl_farm.worker.runner import StageRunner
+from prorl_farm.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class WorkerFarm:
         self.sandboxes = _sandbox_manager(self.store.r, settings)
         if main_process and self.sandboxes is not None:
             self.liveness.janitor = self.sandboxes.janitor
+        if main_process and _watchdog is not None:
+            self.liveness.watchdog = _watchdog
         self.runner = StageRunner(settings, self.store, HandlerRegistry(settings.handlers),
                                   self.liveness, self.messages, worker_name,
                                   self.backends,
@@ -120,6 +123,7 @@ _farm_lock = threading.Lock()
 _app: Celery | None = None
 _stage: str = ""
 _main_pid: int = 0
+_watchdog: Watchdog | None = None  # started by worker_main, fed by the liveness thread
 
 
 def get_farm(stage: str = "") -> WorkerFarm:
@@ -209,7 +213,7 @@ def _on_shutdown(**_):
 
 def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     """Run the pool for ``stage`` in the foreground until SIGTERM."""
-    global _app, _stage, _main_pid
+    global _app, _stage, _main_pid, _watchdog
     if stage not in STAGES:
         raise SystemExit(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
     settings = load_settings()
@@ -219,6 +223,7 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     pool = settings.pool(stage)
     _stage = stage
     _main_pid = os.getpid()
+    _watchdog = Watchdog(settings.watchdog_s, f"{stage}:{settings.node}")
     _app = create_celery_app(settings, include=[f"workers.{stage}.tasks"])
     _app.conf.worker_prefetch_multiplier = pool.prefetch_multiplier
     argv = [
