@@ -53,6 +53,7 @@ bench: bootstrap
 	$(PY) bench/scaling.py
 	$(PY) bench/submit.py
 	$(PY) bench/recovery.py
+	$(PY) bench/grading.py
 
 # GRPO on the CPU with every rollout from a farm it starts (examples/grpo_cpu.py).
 GRPO_ARGS ?=

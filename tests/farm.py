@@ -308,6 +308,15 @@ def http_farm(redis_url: str, log_dir: Path, tag: str, **settings):
         shutil.rmtree(sandbox_dir, ignore_errors=True)
 
 
+def needs_bwrap_and_git():
+    """The marks of a slow suite that grades in bubblewrap sandboxes with git."""
+    import pytest
+
+    return [pytest.mark.slow, pytest.mark.skipif(
+        not shutil.which("bwrap") or not shutil.which("git"),
+        reason="needs bubblewrap and git")]
+
+
 def use_only_backend(client, **spec) -> str:
     """Unregister every backend, register this one; returns its id."""
     for b in client.get("/v1/backends").get_json()["backends"]:

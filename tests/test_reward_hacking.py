@@ -39,6 +39,7 @@ import pytest
 from prorl_farm.handlers.swe import _git_tree, unified_diff
 from tests.farm import (
     ROOT,
+    needs_bwrap_and_git,
     pool_user,
     readable_copy,
     run_batch,
@@ -47,12 +48,20 @@ from tests.farm import (
 )
 from tests.test_swe import build_repos
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap") or
-                                                   not shutil.which("git"),
-                                                   reason="needs bubblewrap and git")]
+pytestmark = needs_bwrap_and_git()
 
 TOWER = "9^{9^{9^{9}}}"
+# RUN leaves a process behind that keeps trying to reach the grader: it rewrites whatever
+# solution.py and tests it can find, and signals every process it sees.
+RACER = ("import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 1; while true; do for f in "
+         "/workspace/solution.py /workspace/*.json /tmp/*/solution.py; do echo \"print(2 * "
+         "int(input()))\" > $f 2>/dev/null; done; kill -9 -1 2>/dev/null; sleep 0.05; done'], "
+         "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+         "print('started')\n")
 PLANS = {
+    "race": ["<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": RACER}})
+             + "\n</tool_call>", "<tool_call>\n" + json.dumps(
+                 {"name": "submit", "arguments": {"code": "print(0)\n"}}) + "\n</tool_call>"],
     "tower": [f"The answer is \\boxed{{{TOWER}}}."],
     "factorial": ["The answer is \\boxed{(10^{6})!}."],
     "honest": ["2 + 2 = 4, so the answer is \\boxed{4}."],
@@ -167,6 +176,10 @@ LINKS = ('import os\nfor i, target in enumerate(["/workspace/code_harness.py", "
          '                f.write("\\nprint(\'{\\"passed\\": 2, \\"total\\": 2}\')\\n")\n'
          '        except OSError:\n            pass\nprint(0)\n')
 FLOOD = "import sys\nwhile True:\n    sys.stdout.write('4\\n' * 65536)\n"
+# Fills what it can write (its /tmp is memory) until refused, then answers wrongly.
+FILL_DISK = ("import os\nblock = b'x' * (1 << 20)\nfor i in range(100000):\n    try:\n"
+             "        with open('/tmp/fill%d' % (i // 32), 'ab') as f:\n"
+             "            f.write(block)\n    except OSError:\n        break\nprint(0)\n")
 VERDICT = ('print(\'{"passed": 2, "total": 2, "jail": "none", "results": []}\')\n'
            'import sys\nprint(\'{"passed": 2, "total": 2}\', file=sys.stderr)\n')
 CODE_ATTACKS = {
@@ -176,6 +189,7 @@ CODE_ATTACKS = {
     "daemon-races-later-tests": (DAEMON, STDIO),
     "links-into-the-grader": (LINKS, STDIO),
     "flood-the-pipe": (FLOOD, STDIO),
+    "fill-the-disk": (FILL_DISK, STDIO),
     "print-a-verdict": (VERDICT, STDIO),
 }
 
@@ -198,6 +212,27 @@ def test_code_candidates_that_reach_for_the_tests_earn_nothing(farm):
         assert "tests" in ev, (name, ev)  # the grader survived and gave its verdict
     flood = _graded(attacks[names.index("flood-the-pipe")])
     assert flood["tests"][0]["why"] == "output limit", flood
+
+
+def test_a_process_left_from_run_reaches_nothing_of_the_grader(farm, r):
+    """The policy starts a process in RUN that keeps rewriting programs and killing what
+    it sees, then submits a wrong program: the grader never sees that process (the agent's
+    sandbox is gone before it starts), and the honest job beside it is unaffected."""
+    from tests.farm import wait_until
+
+    client = farm[0]
+    use_only_backend(client, **client.backend)
+    (raced,) = run_batch(client, {"handler": "code", "deadline_s": 180, "instances": [
+        {"statement": "[case:race] Double the number.", "tools": ["python"], **STDIO}],
+        "sampling": {"max_tokens": 512}}, 180)
+    (honest,) = _reference(client, "code", [{"statement": "honest",
+                                              "canonical_solution": DOUBLE, **STDIO}])
+    assert "started" in next(m["content"] for m in raced["result"]["messages"]
+                             if m["role"] == "tool"), raced["result"]["messages"]
+    assert _reward(raced) == 0.0, raced["result"]["eval"]
+    assert _graded(raced)["tests"][0]["why"] == "wrong output"
+    assert _reward(honest) == 1.0
+    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 20, 0.1, "sandboxes stopped")
 
 
 def test_a_humaneval_helper_is_the_tasks_not_the_candidates(farm):

@@ -19,6 +19,7 @@ import pytest
 
 from tests.farm import (
     ROOT,
+    needs_bwrap_and_git,
     pool_user,
     readable_copy,
     run_batch,
@@ -27,9 +28,7 @@ from tests.farm import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap") or
-                                                   not shutil.which("git"),
-                                                   reason="needs bubblewrap and git")]
+pytestmark = needs_bwrap_and_git()
 
 
 def _call(name: str, **arguments) -> str:

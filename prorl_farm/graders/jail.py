@@ -19,7 +19,8 @@ class Jail:
     """``popen(argv, binds, cwd)`` runs ``argv`` in a nested bubblewrap sandbox: its own
     user, pid, mount, network, IPC and UTS namespaces, no capabilities, the grader's root
     read-only, fresh ``/proc``, ``/dev``, ``/tmp`` and ``/run``, an empty ``/workspace``
-    holding only ``binds`` (``(path, writable)``, at the same path), dying with its parent.
+    holding only ``binds`` (``(path, writable)``, at the same path), dying with its parent;
+    its ``/tmp`` (memory) holds at most ``tmp_mb``.
     From inside, the grader's processes cannot be seen or signalled, and nothing of the
     grader's sandbox but the read-only system and the binds can be read. Where the jail
     cannot be made (no bubblewrap, or no user namespaces here), the program runs as a plain
@@ -29,7 +30,8 @@ class Jail:
     ran it to its end (bubblewrap reports the program's exit on a status pipe, which the
     program does not hold); call ``check(proc, killed=True)`` when the grader killed it."""
 
-    def __init__(self):
+    def __init__(self, tmp_mb=256):
+        self.tmp_bytes = str(tmp_mb << 20)  # the jail's /tmp is memory: bounded
         self.bwrap = shutil.which("bwrap")
         self.works = False
         if self.bwrap and os.getuid() != 0:
@@ -47,7 +49,9 @@ class Jail:
                 "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--uid",
                 str(JAIL_UID), "--gid", str(JAIL_UID), "--cap-drop", "ALL",
                 "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--proc", "/proc",
-                "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run", "--tmpfs", "/workspace"]
+                "--dev", "/dev", "--size", self.tmp_bytes, "--tmpfs", "/tmp",
+                "--size", "1048576", "--tmpfs", "/run", "--size", "1048576", "--tmpfs",
+                "/workspace"]
         if status_fd is not None:
             argv += ["--json-status-fd", str(status_fd)]
         for path, writable in binds:

@@ -68,7 +68,7 @@ def main():
         sys.stdout.flush()
         os._exit(0)
 
-    jail = Jail()  # noqa: F821 - from jail.py, included when the harness is shipped
+    jail = Jail(tmp_mb=int(spec.get("tmp_mb", 2048)))  # noqa: F821 - from jail.py
     in_repo = [(repo, True)]
     try:
         probe = jail.run([sys.executable, "-I", "-c", "import pytest"], in_repo, repo)
