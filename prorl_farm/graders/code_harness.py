@@ -309,7 +309,7 @@ def run_calls(jail, where, spec, time_s, memory_mb):
     for code in spec["cases"]:
         program = None
         try:
-            program = Program(jail, where, entry, time_s, memory_mb)
+            program = jail.retrying(lambda: Program(jail, where, entry, time_s, memory_mb))
             ns = {"__name__": "__tests__"}
             exec(compile(setup, "setup", "exec"), ns)
             candidate = program.function(entry)
@@ -352,7 +352,8 @@ def main():
         if spec["style"] == "stdio":
             results = []
             for test in spec["tests"]:
-                results.append(run_stdio(jail, where, test, time_s, memory_mb))
+                results.append(jail.retrying(lambda t=test: run_stdio(jail, where, t, time_s,
+                                                                      memory_mb)))
                 kill_others()
         else:
             results = run_calls(jail, where, spec, time_s, memory_mb)

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 JAIL_UID = 1001  # inside the jail's own user namespace: not the grader's uid there
 
@@ -77,6 +78,18 @@ class Jail:
         out, err = proc.communicate()
         self.check(proc)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def retrying(self, attempt, tries=3):
+        """``attempt()``, again after a pause if the jail could not run the program: that
+        is transient where the process cap still counts the processes of a jail that just
+        ended (the kernel releases them a little after they are reaped)."""
+        for i in range(tries):
+            try:
+                return attempt()
+            except JailError:
+                if i == tries - 1:
+                    raise
+                time.sleep(0.25 * (i + 1))
 
     def check(self, proc, killed=False):
         fd = self._status.pop(proc.pid, None)

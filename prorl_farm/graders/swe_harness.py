@@ -71,7 +71,8 @@ def main():
     jail = Jail(tmp_mb=int(spec.get("tmp_mb", 2048)))  # noqa: F821 - from jail.py
     in_repo = [(repo, True)]
     try:
-        probe = jail.run([sys.executable, "-I", "-c", "import pytest"], in_repo, repo)
+        probe = jail.retrying(lambda: jail.run([sys.executable, "-I", "-c", "import pytest"],
+                                               in_repo, repo))
     except JailError as e:  # noqa: F821 - from jail.py
         verdict(error=str(e))
     if probe.returncode != 0:
@@ -92,7 +93,8 @@ def main():
         discarded = restore(repo, spec, before)
     for command in spec.get("setup", []):
         try:
-            out = jail.run(["bash", "--noprofile", "--norc", "-c", command], in_repo, repo)
+            out = jail.retrying(lambda c=command: jail.run(
+                ["bash", "--noprofile", "--norc", "-c", c], in_repo, repo))
         except JailError as e:  # noqa: F821 - from jail.py
             verdict(error=str(e))
         if out.returncode != 0:
@@ -107,8 +109,8 @@ def main():
     deadline = started + max(5.0, float(spec.get("timeout_s", 900)) - 5.0)
     runner = kept["swe_runner.py"].decode()
     try:
-        records, suspicious, code, output, late = run_tests(jail, repo, runner, spec, wanted,
-                                                            key, deadline)
+        records, suspicious, code, output, late = jail.retrying(
+            lambda: run_tests(jail, repo, runner, spec, wanted, key, deadline))
     except JailError as e:  # noqa: F821 - from jail.py
         verdict(error=str(e))
     verdict(outcomes=decide(wanted, records), suspicious=suspicious, jail=jail.name,
