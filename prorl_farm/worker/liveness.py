@@ -95,7 +95,7 @@ class Liveness:
         # by one process per node at a time.
         self.janitor: Callable[[], int] | None = None
         # The pool's watchdog (main pool processes): told of every turn of the loop, it
-        # kills the process if the turns stop while it lives (prorl_farm/worker/watchdog.py).
+        # kills the process if the turns stop while it lives (prorl_farm/watchdog.py).
         self.watchdog = None
         self._ticks = 0
         self._running: dict[tuple[str, str], JobContext] = {}

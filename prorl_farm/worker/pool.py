@@ -26,11 +26,11 @@ from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.states import Reap, StageOutcome
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
+from prorl_farm.watchdog import Watchdog
 from prorl_farm.worker import logs
 from prorl_farm.worker.liveness import Liveness, present
 from prorl_farm.worker.reaper import Reaper
 from prorl_farm.worker.runner import StageRunner
-from prorl_farm.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

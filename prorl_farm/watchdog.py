@@ -5,7 +5,7 @@ A pool process can be wedged without dying: a C extension that never returns whi
 the interpreter stops every thread, the liveness thread included, so the heartbeats stop,
 but the process, and with it its Redis connection, stays, and nothing recovers its jobs
 until the heartbeats are stale, and nothing restarts it at all. The watchdog, started by
-the pool before anything else (``python -m prorl_farm.worker.watchdog``), reads one byte
+the pool before anything else (``python -m prorl_farm.watchdog``), reads one byte
 per liveness tick from a pipe. Once armed by the first tick, if no tick comes for
 ``PRORL_WATCHDOG_S`` seconds it kills the pool with SIGKILL and exits: what supervises the
 pool (``prorl-farm up``, the Slurm worker script, compose's restart policy) starts a new
@@ -37,7 +37,7 @@ class Watchdog:
         r, w = os.pipe()
         os.set_blocking(w, False)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prorl_farm.worker.watchdog", str(os.getpid()),
+            [sys.executable, "-m", "prorl_farm.watchdog", str(os.getpid()),
              str(stale_s), str(r), name], pass_fds=(r,), stdin=subprocess.DEVNULL,
             close_fds=True, preexec_fn=_die_with_parent)
         os.close(r)
