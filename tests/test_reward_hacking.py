@@ -253,10 +253,16 @@ def test_a_humaneval_helper_is_the_tasks_not_the_candidates(farm):
                            "'abc'\n    assert encode('ab') == 'ba'\n",
               "canonical_solution": "def encode(s):\n    return s[::-1]\n\n\n"
                                     "def decode(s):\n    return s[::-1]\n"}
-    honest, forged, helped = _reference(farm[0], "code", [row, rigged, helper])
+    # HumanEval's three tasks whose tests call the program's helpers, mapped without the
+    # prompt as setup: the canonical programs' own helpers serve, called through the pipe.
+    unset = [{k: v for k, v in r.items() if k != "test_setup"} for r in humaneval_rows()
+             if r["entry_point"] in ("find_zero", "decode_cyclic", "decode_shift")]
+    honest, forged, helped, *plain = _reference(farm[0], "code",
+                                                [row, rigged, helper, *unset])
     assert _reward(honest) == 1.0, honest["result"]
     assert _reward(forged) == 0.0, forged["result"]
     assert _reward(helped) == 1.0, helped["result"]
+    assert [_reward(j) for j in plain] == [1.0] * 3, [j["result"] for j in plain]
 
 
 def test_humaneval_canonical_solutions_pass_and_stubs_fail(farm):
