@@ -444,7 +444,8 @@ def grading_sandbox(r, tmp_path):
 
     managers = {}
 
-    def run(runtime: str, files: dict, argv: list[str], stdin: str | None = None) -> dict:
+    def run(runtime: str, files: dict, argv: list[str], stdin: str | None = None,
+            env: dict | None = None) -> dict:
         if runtime not in managers:
             managers[runtime] = SandboxManager(r, "grading-node", runtime,
                                                root=f"/tmp/prs-grading-{os.getpid()}")
@@ -453,7 +454,7 @@ def grading_sandbox(r, tmp_path):
             processes=64)))
         client = ToolClient(sandbox.socket)
         try:
-            return client.call("exec", argv=argv, timeout_s=120, stdin=stdin, env={})
+            return client.call("exec", argv=argv, timeout_s=120, stdin=stdin, env=env or {})
         finally:
             client.close()
             manager.stop(sandbox)
@@ -462,25 +463,26 @@ def grading_sandbox(r, tmp_path):
     shutil.rmtree(f"/tmp/prs-grading-{os.getpid()}", ignore_errors=True)
 
 
-def _harness(run, runtime: str, program: str, tests: dict) -> dict:
+def _harness(run, program: str, tests: dict, jail: bool) -> dict:
     from prorl_farm.graders import source
     from prorl_farm.handlers.code import CodeInstance, tests_spec
 
     spec = {**tests_spec(CodeInstance().load({"statement": "s", **tests})), "nonce": "N"}
-    out = run(runtime, {"solution.py": program, "code_harness.py": source("code_harness.py")},
-              ["python3", "-I", "-S", "code_harness.py"], json.dumps(spec))
+    out = run("bwrap", {"solution.py": program, "code_harness.py": source("code_harness.py")},
+              ["python3", "-I", "-S", "code_harness.py"], json.dumps(spec),
+              None if jail else {"PRORL_JAIL": "0"})
     return json.loads(out["stdout"].strip().splitlines()[-1][2:])
 
 
-@pytest.mark.parametrize("runtime", ["bwrap", "local"])
-def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, runtime):
-    """With the jail (bwrap) and without it (a runtime where it cannot be made, here the
-    unconfined ``local`` one as root): the tests are only in the harness's memory."""
-    jail = "bwrap" if runtime == "bwrap" else "none"
+@pytest.mark.parametrize("jail", [True, False], ids=["jail", "no-jail"])
+def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, jail):
+    """With the jail, and without it (where it cannot be made: the program then runs as a
+    plain child of the harness's user): the tests are only in the harness's memory."""
     for program, tests, passed in [(DOUBLE, STDIO, 2), (FORGE_STDIO, STDIO, 0),
                                    (ADD, CALL, 1), (FORGE_CALL, CALL, 0)]:
-        verdict = _harness(grading_sandbox, runtime, program, tests)
-        assert verdict["passed"] == passed and verdict["jail"] == jail, verdict
+        verdict = _harness(grading_sandbox, program, tests, jail)
+        assert verdict["passed"] == passed, (program, verdict)
+        assert verdict["jail"] == ("bwrap" if jail else "none"), verdict
 
 
 def test_a_jail_that_cannot_run_the_program_is_an_error_not_a_zero(grading_sandbox):

@@ -35,7 +35,8 @@ class Jail:
         self.tmp_bytes = str(tmp_mb << 20)  # the jail's /tmp is memory: bounded
         self.bwrap = shutil.which("bwrap")
         self.works = False
-        if self.bwrap and os.getuid() != 0:
+        # PRORL_JAIL=0 in the grader's environment: no jail (the tests of the fallback).
+        if self.bwrap and os.getuid() != 0 and os.environ.get("PRORL_JAIL") != "0":
             probe = subprocess.run(self.argv([], "/", None) + ["/bin/true"],
                                    capture_output=True, stdin=subprocess.DEVNULL, timeout=30)
             self.works = probe.returncode == 0
