@@ -65,6 +65,11 @@ class StageFailed(FarmError):
         self.kind = kind
 
 
+class GradingError(FarmError, RuntimeError):
+    """A grader could not give a verdict (its environment failed, it ran out of time, or it
+    was stopped): the job fails; a failure is never a zero reward."""
+
+
 class SandboxError(FarmError, RuntimeError):
     """A sandbox could not be started or reached."""
 

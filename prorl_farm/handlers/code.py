@@ -28,7 +28,7 @@ from prorl_farm.handlers.agentic import (
     final_answer,
 )
 from prorl_farm.handlers.base import JobContext
-from prorl_farm.sandbox.grading import run_isolated, tagged_verdict
+from prorl_farm.sandbox.grading import required_verdict, run_isolated
 
 DEFAULT_PROMPT = ("Write a Python program for the task below. You may try code with the python "
                   "tool. When done, call submit with your complete program as \"code\" (or give "
@@ -99,14 +99,7 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
     files = {"solution.py": program, "code_harness.py": source("code_harness.py")}
     out = run_isolated(ctx, files, ["python3", "-I", "-S", "code_harness.py"],
                        timeout_s=n * (inst["time_limit_s"] + 2) + 10, stdin=json.dumps(spec))
-    verdict = tagged_verdict(out["stdout"], nonce)
-    if verdict is None:
-        why = "timed out" if out["timed_out"] else f"exit status {out['exit_code']}"
-        return {"reward": 0.0, "pass_fraction": 0.0,
-                "verdict": f"the harness gave no verdict ({why})",
-                "harness_stderr": out["stderr"][-2000:]}
-    if "error" in verdict:  # the grader could not run the program: not the program's fault
-        raise RuntimeError(f"code grading failed: {verdict['error']}")
+    verdict = required_verdict(out, nonce, "code harness")
     fraction = verdict["passed"] / verdict["total"] if verdict["total"] else 0.0
     return {"reward": 1.0 if verdict["passed"] == verdict["total"] > 0 else 0.0,
             "pass_fraction": round(fraction, 6), "jail": verdict.get("jail"),

@@ -34,7 +34,7 @@ from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHa
 from prorl_farm.handlers.base import JobContext, run_setup
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
-from prorl_farm.sandbox.grading import run_isolated, tagged_verdict
+from prorl_farm.sandbox.grading import required_verdict, run_isolated
 from prorl_farm.sandbox.manager import under_mount_roots
 
 DEFAULT_PROMPT = (
@@ -291,17 +291,10 @@ class SweHandler(ToolAgentHandler):
         out = run_isolated(ctx, files, [inst["python"], "-I", "grader/swe_harness.py"],
                            timeout_s=inst["test_timeout_s"], stdin=nonce + "\n",
                            limits=Limits(processes=256))
-        verdict = tagged_verdict(out["stdout"], nonce)
-        if verdict and verdict.get("discarded"):  # a reference patch's, undone in the sandbox
+        verdict = required_verdict(out, nonce, "swe harness")
+        if verdict.get("discarded"):  # a reference patch's, undone in the sandbox
             discarded = verdict["discarded"]
         kept = {"diff": diff[:MAX_DIFF], "discarded": discarded}
-        if verdict is None:
-            why = "timed out" if out["timed_out"] else f"exit status {out['exit_code']}"
-            return {"reward": 0.0, "resolved": False, **kept,
-                    "verdict": f"the tests gave no verdict ({why})",
-                    "output": (out["stdout"] + out["stderr"])[-4000:]}
-        if "error" in verdict:
-            raise RuntimeError(f"swe grading failed: {verdict['error']}")
         if verdict.get("applied") is False:
             return {"reward": 0.0, "resolved": False, **kept,
                     "verdict": f"the patch does not apply: {verdict['why']}"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from prorl_farm.context import JobContext
+from prorl_farm.errors import GradingError
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec
 from prorl_farm.sandbox.client import ToolClient
 
@@ -51,6 +52,18 @@ def tagged_verdict(stdout: str, nonce: str) -> dict | None:
                 return None
             return verdict if isinstance(verdict, dict) else None
     return None
+
+
+def required_verdict(out: dict, nonce: str, grader: str) -> dict:
+    """The grader's verdict from an ``exec`` result, or :class:`GradingError` if it gave
+    none, or says that it could not grade (``{"error": ...}``)."""
+    verdict = tagged_verdict(out["stdout"], nonce)
+    if verdict is None:
+        why = "timed out" if out["timed_out"] else f"exit status {out['exit_code']}"
+        raise GradingError(f"the {grader} gave no verdict ({why}): {out['stderr'][-1500:]}")
+    if "error" in verdict:
+        raise GradingError(f"the {grader} could not grade: {verdict['error']}")
+    return verdict
 
 
 def agent_files(ctx: JobContext) -> dict[str, bytes]:
