@@ -503,3 +503,18 @@ except JailError as e:
 '''
     out = grading_sandbox("bwrap", {"probe.py": script}, ["python3", "-I", "probe.py"])
     assert out["stdout"].startswith("error: 3 the jail did not run the program"), out
+
+
+def test_no_verdict_is_a_failure_never_a_zero():
+    from prorl_farm.errors import GradingError
+    from prorl_farm.sandbox.grading import required_verdict
+
+    out = {"stdout": 'printed by the program\nN {"passed": 1, "total": 1}\nN2 {"passed": 9}\n',
+           "stderr": "", "timed_out": False, "exit_code": 0}
+    assert required_verdict(out, "N", "harness") == {"passed": 1, "total": 1}
+    for broken in ({**out, "stdout": '{"passed": 1, "total": 1}\n'},  # untagged
+                   {**out, "stdout": "", "exit_code": -9},  # killed
+                   {**out, "stdout": "", "timed_out": True},
+                   {**out, "stdout": 'N {"error": "the jail did not run the program"}\n'}):
+        with pytest.raises(GradingError):
+            required_verdict(broken, "N", "harness")
