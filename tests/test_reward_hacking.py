@@ -9,13 +9,16 @@ Add a class of attack here when you find one: the test is the claim.
 
 - ``code``: reading the hidden tests (the files, other processes through ``/proc``, the
   grader's pipes), signalling the grader, a daemon left to race later tests, links into the
-  grader's paths, flooding the output pipe, printing a verdict; a HumanEval helper the
-  tests call, redefined by the candidate.
+  grader's paths, flooding the output pipe, filling the disk, printing a verdict, and the
+  tricks of tests/test_code.py (an early exit, a rigged ``__eq__``, patched assertions)
+  in both call styles; a process left from RUN; a HumanEval helper the tests call,
+  redefined by the candidate.
 - ``swe``: reaching into the test process from the code under test (frames by every route,
   the heap, tracing, ctypes, ``/proc/self/mem``), patching pytest, pluggy, unittest,
   ``sys.modules`` or the builtins, reading the test files, writing to the evidence pipe,
   an early exit, a killed parent, a pytest plugin through an entry point, ``conftest.py``,
-  ``sitecustomize.py`` and ``.pth`` files, a printed verdict.
+  ``sitecustomize.py`` and ``.pth`` files, edited tests, a test configuration that loads a
+  plugin, a ``pytest.py`` shadowing pytest, a printed verdict.
 - the graders' parts: the tests out of reach without the jail too; a jail that cannot run
   the program is an error (the job fails), never a zero.
 - ``math``: an answer whose evaluation never ends (a power tower, a huge factorial) earns 0
@@ -46,7 +49,8 @@ from tests.farm import (
     scripted_farm,
     use_only_backend,
 )
-from tests.test_swe import build_repos
+from tests.test_code import PROGRAMS as CODE_TRICKS
+from tests.test_swe import FORCE_PASS, build_repos
 
 pytestmark = needs_bwrap_and_git()
 
@@ -192,6 +196,15 @@ CODE_ATTACKS = {
     "fill-the-disk": (FILL_DISK, STDIO),
     "print-a-verdict": (VERDICT, STDIO),
 }
+
+
+MBPP = {"test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"], "entry_point": "add",
+        "time_limit_s": 3.0, "memory_mb": 256}
+# The tricks of tests/test_code.py (a printed verdict with an early exit, a rigged __eq__,
+# patched assertions), each in both call styles, through reference mode.
+CODE_ATTACKS.update({f"{trick} ({style})": (CODE_TRICKS[trick], tests)
+                     for trick in ("fake-output", "rigged-eq", "patched", "exit-early")
+                     for style, tests in (("check", CALL), ("asserts", MBPP))})
 
 
 def test_code_candidates_that_reach_for_the_tests_earn_nothing(farm):
@@ -352,9 +365,6 @@ SWE_ATTACKS = {
     "print-a-verdict": ("print('{\"outcomes\": {\"tests/test_calc.py::test_mul\": \"passed\"}}')"
                         "\nimport os\nos._exit(0)\n", False),
 }
-FORCE_PASS = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
-              "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
-              "    outcome.get_result().outcome = 'passed'\n")
 # Files the candidate adds beside the bug (not code in calc/__init__.py).
 SWE_FILES = {
     "entry-point-plugin": {  # a distribution on sys.path naming a pytest11 plugin
@@ -363,6 +373,11 @@ SWE_FILES = {
                                              "Version: 1.0\n",
         "calc_forge-1.0.dist-info/entry_points.txt": "[pytest11]\nforge = calc.forge\n"},
     "conftest": {"conftest.py": FORCE_PASS, "tests/conftest.py": FORCE_PASS},
+    "edit-the-tests": {"tests/test_calc.py": "def test_add():\n    pass\n"},
+    "config-loads-a-plugin": {"calc/plugin.py": FORCE_PASS,
+                              "setup.cfg": "[tool:pytest]\ntestpaths = tests\n"
+                                           "addopts = -p calc.plugin\n"},
+    "shadow-pytest": {"pytest.py": "def main(*args, **kwargs):\n    return 0\n"},
     "sitecustomize": {"sitecustomize.py": "import builtins\nbuiltins.all = None\n" + FORCE_PASS,
                       "usercustomize.py": FORCE_PASS, "calc.pth": "import calc.forge\n",
                       "calc/forge.py": FORCE_PASS},
@@ -402,6 +417,8 @@ def test_swe_candidates_that_reach_into_the_test_process_earn_nothing(farm):
                                                                "tests/conftest.py"}
     assert set(_graded(by_name["sitecustomize"])["discarded"]) == {
         "sitecustomize.py", "usercustomize.py", "calc.pth"}
+    assert _graded(by_name["edit-the-tests"])["discarded"] == ["tests/test_calc.py"]
+    assert _graded(by_name["config-loads-a-plugin"])["discarded"] == ["setup.cfg"]
 
 
 # -- math -----------------------------------------------------------------------------
