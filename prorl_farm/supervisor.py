@@ -10,7 +10,6 @@ supervisor should the supervisor itself be killed).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -29,6 +28,7 @@ import redis
 
 from prorl_farm.access import is_loopback
 from prorl_farm.config import STAGES, Settings
+from prorl_farm.sandbox.process import parent_death_signal
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _die_with_parent() -> None:
     """Runs in the child before exec: own process group, SIGTERM when the parent dies."""
     os.setsid()
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        parent_death_signal(signal.SIGTERM)
     except OSError:
         pass
 

@@ -16,7 +16,6 @@ dies with it (parent-death signal).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import signal
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import time
 
-PR_SET_PDEATHSIG = 1
+from prorl_farm.sandbox.process import parent_death_signal
 
 
 class Watchdog:
@@ -54,8 +53,8 @@ class Watchdog:
 
 def _die_with_parent() -> None:
     try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+        parent_death_signal(signal.SIGKILL)
+    except OSError:
         pass
 
 

@@ -5,8 +5,8 @@ A policy's answer is text the pool process must never evaluate itself: math-veri
 inside the process can stop (the computation holds the interpreter), and a long final
 message with many ``\\boxed`` is quadratic to scan. So the pool process only ships the
 final message and the reference to a *helper process* (``python -m
-prorl_farm.graders.answers``: math-verify imported once, a memory limit, a CPU-time limit
-over its life, lowest priority), waits for its one-line verdict within a time bound, and
+prorl_farm.graders.answers``: math-verify imported once, a memory limit, lowest
+priority), waits for its one-line verdict within a time bound, and
 kills the helper if the bound passes: that answer earns 0 with the reason, the helper is
 replaced for the next one, and the pool and every other job go on. The helper also holds
 each answer to that many seconds of CPU itself (``RLIMIT_CPU``), so a computation goes
@@ -31,6 +31,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+from prorl_farm.sandbox.process import kill_group
 
 GRADE_TIMEOUT_S = 10.0  # per answer, wall clock (PRORL_GRADE_TIMEOUT_S)
 GRADE_MEMORY_MB = 1024  # address space of a helper (PRORL_GRADE_MEMORY_MB)
@@ -215,10 +217,7 @@ class Helper:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
             try:

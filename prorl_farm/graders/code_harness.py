@@ -358,13 +358,14 @@ def main():
         else:
             results = run_calls(jail, where, spec, time_s, memory_mb)
     except JailError as e:  # noqa: F821 - the environment's fault: an error, not a zero
-        sys.stdout.write("\n" + nonce + " " + json.dumps({"error": str(e)}) + "\n")
-        sys.stdout.flush()
+        verdict(nonce, error=str(e))
         return
-    passed = sum(1 for ok, _ in results if ok)
-    sys.stdout.write("\n" + nonce + " " + json.dumps(
-        {"passed": passed, "total": len(results), "jail": jail.name,
-         "results": [{"ok": ok, "why": why} for ok, why in results]}) + "\n")
+    verdict(nonce, passed=sum(1 for ok, _ in results if ok), total=len(results),
+            jail=jail.name, results=[{"ok": ok, "why": why} for ok, why in results])
+
+
+def verdict(nonce, **fields):
+    sys.stdout.write("\n" + nonce + " " + json.dumps(fields) + "\n")
     sys.stdout.flush()
 
 

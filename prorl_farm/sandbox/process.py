@@ -36,6 +36,12 @@ class Limits:
     nice: int = 15
 
 
+def parent_death_signal(sig: int) -> None:
+    """Ask the kernel to send this process ``sig`` when its parent dies (in a child before
+    exec; a change of uid clears it)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
 def kill_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -120,7 +126,7 @@ def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
             os.setgid(run_as[1])
             os.setuid(run_as[0])
         if die_with_parent:  # after the uid change, which clears the parent-death signal
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            parent_death_signal(signal.SIGKILL)
         for res, value in ((resource.RLIMIT_CPU, limits.cpu_s),
                            (resource.RLIMIT_AS, limits.address_space_bytes),
                            (resource.RLIMIT_FSIZE, limits.file_size_bytes),
