@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from flask import Blueprint, request
 
 from api.errors import ApiError
-from api.schemas import BackendRegisterSchema, BackendResumeSchema, RegisterQuerySchema
+from api.schemas import (
+    BackendRegisterSchema,
+    BackendResumeSchema,
+    BackendWeightsSchema,
+    RegisterQuerySchema,
+)
 from api.services import json_body, services
 from prorl_farm.access import backend_url_refusal
-from prorl_farm.llm.registry import BackendSpec, probe
+from prorl_farm.llm import weights
+from prorl_farm.llm.registry import BackendSpec, context_length, probe
 
 bp = Blueprint("backends", __name__)
 
@@ -28,6 +36,8 @@ def register():
     error = probe(spec.url)
     if error and query["probe"] == "strict":
         raise ApiError(422, "backend_unhealthy", f"url: {error}", {"url": [error]})
+    if not spec.max_model_len and not error:
+        spec = dataclasses.replace(spec, max_model_len=context_length(spec.url, spec.model) or 0)
     backend_id = services().backends.register(spec, probe_error=error)
     return services().backends.get(backend_id), 201
 
@@ -57,3 +67,48 @@ def drain(backend_id: str):
 def resume(backend_id: str):
     body = BackendResumeSchema().load(json_body())
     return services().backends.resume(backend_id, body["policy_version"])
+
+
+def _sync(backend_id: str, body: dict) -> dict:
+    svc = services()
+    probe = weights.Probe(**body["probe"]) if body.get("probe") else None
+    try:
+        return weights.sync(svc.backends, backend_id, body["path"], body["policy_version"],
+                            probe=probe,
+                            tolerance=body.get("tolerance") or svc.settings.weights_tolerance,
+                            drain_timeout_s=body["drain_timeout_s"], verify=body["verify"])
+    except weights.WeightSyncError as e:
+        raise ApiError(422, "weight_sync_failed", str(e)) from e
+
+
+@bp.post("/v1/backends/<backend_id>/weights")
+def sync_weights(backend_id: str):
+    """Load new weights into one backend the engine's way and resume it at the new policy
+    version once a check shows it computes what the checkpoint computes: drain, wait for
+    in-flight 0, load, reset its prefix cache, verify, resume. A failed check keeps the
+    backend out of the heap (``weights.error``) and answers 409 ``weights_mismatch``."""
+    body = BackendWeightsSchema().load(json_body())
+    services().backends.get(backend_id)  # 404 before anything
+    out = _sync(backend_id, body)
+    if out["weights"]["error"]:
+        raise ApiError(409, "weights_mismatch", out["weights"]["error"], {"backend": out})
+    return out
+
+
+@bp.post("/v1/weights")
+def sync_all_weights():
+    """:func:`sync_weights` for every registered backend (or those of ``model``), one after
+    another, so the others keep serving while each one loads. Answers each backend's
+    record; 409 if any failed its check."""
+    body = BackendWeightsSchema().load(json_body())
+    targets = [b["id"] for b in services().backends.list()
+               if not body.get("model") or b["model"] == body["model"]]
+    if not targets:
+        raise ApiError(404, "not_found", "no backend is registered" +
+                       (f" for model {body['model']!r}" if body.get("model") else ""))
+    out = [_sync(b, body) for b in targets]
+    bad = [b for b in out if b["weights"]["error"]]
+    if bad:
+        raise ApiError(409, "weights_mismatch", "; ".join(f"{b['id']}: {b['weights']['error']}"
+                                                          for b in bad), {"backends": out})
+    return {"backends": out}

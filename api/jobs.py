@@ -15,6 +15,7 @@ from prorl_farm.errors import InvalidInstance, NotFound
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 from prorl_farm.jobs.store import new_id
+from prorl_farm.llm.clients.abstract import explicit_sampling
 
 bp = Blueprint("jobs", __name__)
 
@@ -91,7 +92,8 @@ def submit():
         # One transaction: the jobs, their INIT messages and the idempotency record land
         # together or not at all (jobs/messages.py).
         jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
-                                     req["sampling"], req["deadline_s"], req["mode"],
+                                     explicit_sampling(req["sampling"]), req["deadline_s"],
+                                     req["mode"],
                                      idempotency, svc.messages)
     except BaseException:
         if key:

@@ -19,7 +19,7 @@ _spec = APISpec(title="prorl-farm", version=__version__, openapi_version="3.0.3"
                 plugins=[_plugin])
 for _name in ("Submit", "SubmitResponse", "Job", "Batch", "BatchList", "Results",
               "ManyResultsQuery", "ManyResults", "CancelResponse", "Error", "BackendRegister",
-              "BackendResume", "Backend"):
+              "BackendResume", "Backend", "BackendWeights"):
     _spec.components.schema(_name, schema=getattr(s, f"{_name}Schema"))
 
 
@@ -84,6 +84,14 @@ _spec.path("/v1/backends/{backend_id}/drain", operations={
 _spec.path("/v1/backends/{backend_id}/resume", operations={
     "post": _op("Resume with a new policy version", body="BackendResume", out="Backend",
                 params=[_path_param("backend_id")])})
+_spec.path("/v1/backends/{backend_id}/weights", operations={
+    "post": _op("Weight sync: drain, load the engine's way, reset its prefix cache, check the "
+                "served logprobs against the checkpoint's, resume at the new version (409 "
+                "weights_mismatch: kept out of the heap)", body="BackendWeights", out="Backend",
+                params=[_path_param("backend_id")])})
+_spec.path("/v1/weights", operations={
+    "post": _op("Weight sync of every backend (or of one model), one at a time",
+                body="BackendWeights")})
 for _p, _summary in (("/healthz", "Process up"), ("/readyz", "Redis and pools ready"),
                      ("/metrics", "Prometheus metrics")):
     _spec.path(_p, operations={"get": _op(_summary)})

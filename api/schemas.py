@@ -41,6 +41,8 @@ class SamplingSchema(Schema):
     repetition_penalty = fields.Float(validate=validate.Range(min=0, min_inclusive=False))
     presence_penalty = fields.Float(validate=validate.Range(min=-2, max=2))
     frequency_penalty = fields.Float(validate=validate.Range(min=-2, max=2))
+    ignore_eos = fields.Boolean(metadata={"description": "keep sampling past the end-of-"
+                                          "sequence token, up to max_tokens"})
 
 
 class SubmitSchema(Schema):
@@ -242,6 +244,52 @@ class BackendRegisterSchema(Schema):
                                      "count): an integer that only grows"})
     logprobs_mode = fields.String(load_default="", validate=validate.OneOf(
         ["", "raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]))
+    max_model_len = fields.Integer(load_default=0, strict=True, validate=validate.Range(
+        min=0, max=100_000_000), metadata={"description": "the engine's context length; "
+                                           "0 (default): read from its GET /v1/models"})
+
+
+class ProbeSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    token_ids = fields.List(fields.Integer(strict=True, validate=validate.Range(min=0)),
+                            required=True, validate=validate.Length(min=2, max=65_536))
+    logprobs = fields.List(fields.Float(allow_nan=False), required=True, metadata={
+        "description": "each token's logprob given those before it, from the trainer's own "
+                       "model: one per token after the first"})
+
+    @validates_schema
+    def _lengths(self, data, **_):
+        if len(data["logprobs"]) != len(data["token_ids"]) - 1:
+            raise ValidationError("one per token after the first (len(token_ids) - 1)",
+                                  "logprobs")
+
+
+class BackendWeightsSchema(Schema):
+    """POST /v1/backends/<id>/weights and /v1/weights."""
+
+    class Meta:
+        unknown = RAISE
+
+    path = fields.String(required=True, validate=validate.Length(min=1, max=4096), metadata={
+        "description": "the checkpoint's directory (safetensors), as the engine sees it"})
+    policy_version = fields.Integer(required=True, strict=True, validate=validate.Range(
+        min=0, max=2**53), metadata={"description": "the version these weights are"})
+    probe = fields.Nested(ProbeSchema, load_default=None, allow_none=True, metadata={
+        "description": "token ids and their logprobs under the new weights; without it the "
+                       "farm computes them from the checkpoint at path"})
+    tolerance = fields.Float(load_default=None, allow_none=True, allow_nan=False,
+                             validate=validate.Range(min=0, min_inclusive=False, max=100),
+                             metadata={"description": "largest logprob error accepted "
+                                       "(default PRORL_WEIGHTS_TOLERANCE, 0.01)"})
+    verify = fields.Boolean(load_default=True, metadata={
+        "description": "false: resume without the check (the backend's weights are then "
+                       "taken on trust)"})
+    drain_timeout_s = fields.Float(load_default=600.0, allow_nan=False,
+                                   validate=validate.Range(min=0, max=24 * 3600))
+    model = fields.String(load_default=None, allow_none=True, metadata={
+        "description": "/v1/weights only: the backends serving this model (default: all)"})
 
 
 class RegisterQuerySchema(Schema):
@@ -288,3 +336,9 @@ class BackendSchema(Schema):
     requests_total = fields.Integer()
     last_error = fields.String(allow_none=True)
     registered_at = fields.Float()
+    max_model_len = fields.Integer(allow_none=True, metadata={
+        "description": "the engine's context length: jobs on it end `context` rather than "
+                       "outgrow it"})
+    weights = fields.Dict(metadata={
+        "description": "the last weight sync: path, error (weights_mismatch: kept out of the "
+                       "heap), max_error, checked_at, load_s"})

@@ -4,20 +4,25 @@ What it does, end to end:
 1. Builds a character-level tokenizer and a tiny Qwen2 (about 126k parameters) offline.
 2. A short supervised warm start on correct sums (without it RL tends to collapse onto the
    most common sum).
-3. Starts a farm with `prorl-farm up --dev-model` (a private Redis, the API, the three pools,
-   the CPU model server registered as a backend at policy version 0).
+3. Starts a farm with `prorl-farm up --model DIR --engine ENGINE` (a private Redis, the API,
+   the three pools, the model served on the CPU by the farm's dev server or, with
+   ``--engine vllm``, by vLLM's CPU build, registered as a backend at policy version 0).
 4. Each step asks the dynamic sampler (DAPO: groups whose rewards all agree are dropped and
    replaced while the step waits) for ``--groups`` groups of ``--n`` rollouts of the
    ``arith`` task, turns them into a VeRL-layout batch with the adapter, checks the
    recorded logprobs against a teacher-forced recomputation, and takes PPO-clip steps with
    the recorded logprobs as the old policy (group-normalised advantages, clip-higher).
-5. After each update: save the weights (safetensors), drain the backend, wait until nothing
-   is in flight, load the weights into the model server, resume with the next policy
-   version. Every trajectory of step k must carry version k on every turn.
+5. After each update: save the weights (safetensors) and ask the farm to sync them
+   (``FarmClient.sync_weights``: drain, wait until nothing is in flight, load them the
+   engine's way, reset its prefix cache, check the served logprobs of a probe the trainer
+   computes with its own model, resume with the next policy version). Every trajectory of
+   step k must carry version k on every turn, and its recorded logprobs must match the
+   trainer's teacher-forced ones within ``--max-drift`` (the check at every step).
 
 Prints a row per step, writes ``history.json`` and the reward curve ``reward.png``.
 
     .venv/bin/python examples/grpo_cpu.py [--steps 40] [--out grpo-run]      # or: make grpo
+    make grpo GRPO_ARGS="--engine vllm --steps 5"                # rollouts from real vLLM
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import requests  # noqa: E402
 import torch  # noqa: E402
 
 from prorl_farm.client import FarmClient  # noqa: E402
@@ -91,19 +95,26 @@ class Config:
     operands: int = 4
     seed: int = 0
     threads: int = 1
+    # What serves the rollouts: the farm's dev server, or vLLM's CPU build (make vllm).
+    engine: str = "dev"
+    # The logprob check at every step: the largest difference between a recorded logprob
+    # and the trainer's teacher-forced one, before the update (float32 on both sides).
+    max_drift: float = 1e-3
 
 
 # -- the model --------------------------------------------------------------------------
 
 
-def build(out: Path, seed: int):
+def build(out: Path, seed: int, small: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from prorl_farm.dev.tiny import build_tiny_model
 
     hf_logging.disable_progress_bar()
-    path = build_tiny_model(out / "init", seed=seed, chars=True)
+    # vLLM's CPU attention needs heads of 32 or more: the small model (heads of 16) learns
+    # fastest, so it is the default where the dev server serves it.
+    path = build_tiny_model(out / "init", seed=seed, chars=True, small=small)
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return path, tok, model
@@ -217,9 +228,10 @@ def update(model, opt, batch: dict, uids, cfg: Config, rng: random.Random) -> di
 
 
 class LocalFarm:
-    """`prorl-farm up --dev-model DIR` in the background, stopped (SIGTERM) on exit."""
+    """`prorl-farm up --model DIR --engine ENGINE` in the background, stopped (SIGTERM) on
+    exit."""
 
-    def __init__(self, model_dir: Path, home: Path):
+    def __init__(self, model_dir: Path, home: Path, engine: str = "dev"):
         self.api_port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
         # Short (a sandbox's socket path must fit 107 bytes); removed with the farm.
@@ -231,11 +243,12 @@ class LocalFarm:
         home.mkdir(parents=True, exist_ok=True)
         self.log = open(home / "up.out", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prorl_farm.cli", "up", "--dev-model", str(model_dir)],
+            [sys.executable, "-m", "prorl_farm.cli", "up", "--model", str(model_dir),
+             "--engine", engine],
             env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.api_port}"
         self.client = FarmClient(self.url)
-        end = time.monotonic() + 180
+        end = time.monotonic() + (600 if engine == "vllm" else 180)
         while not (self.client.ready() and self.client.backends()):
             if self.proc.poll() is not None or time.monotonic() > end:
                 self.stop()
@@ -254,16 +267,21 @@ class LocalFarm:
         shutil.rmtree(self.sandbox_dir, ignore_errors=True)
 
 
-def sync_weights(farm: FarmClient, backend: dict, model, path: Path, version: int) -> None:
-    """Save, drain, wait for nothing in flight, load into the server, resume at ``version``."""
+def probe(model, tok) -> dict:
+    """Token ids and the logprob the trainer's model gives each after the first: what the
+    farm checks the backend against before it serves the new weights."""
+    ids = prompt_ids(tok, 3, 4) + tok.encode("7", add_special_tokens=False)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    return {"token_ids": ids, "logprobs": [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]}
+
+
+def sync_weights(farm: FarmClient, backend: dict, model, tok, path: Path, version: int) -> dict:
+    """Save, then one farm call: drain, wait for nothing in flight, load the engine's way,
+    check the probe, resume at ``version``."""
     model.save_pretrained(str(path))
-    farm.drain_backend(backend["id"])
-    farm.wait_drained(backend["id"], timeout_s=120)
-    resp = requests.post(backend["url"] + "/update_weights_from_disk",
-                         json={"model_path": str(path)}, timeout=120)
-    if resp.status_code != 200 or not resp.json().get("success"):
-        raise RuntimeError(f"weight sync failed: {resp.status_code} {resp.text[:300]}")
-    farm.resume_backend(backend["id"], version)
+    return farm.sync_weights(str(path), version, backend_id=backend["id"],
+                             probe=probe(model, tok), tolerance=1e-3, drain_timeout_s=120)
 
 
 def prompts(rng: random.Random, operands: int = 10):
@@ -279,7 +297,7 @@ def train(cfg: Config, out: Path, log=print) -> dict:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
-    init_dir, tok, model = build(out, cfg.seed)
+    init_dir, tok, model = build(out, cfg.seed, small=cfg.engine != "vllm")
     t0 = time.monotonic()
     warm_start(model, tok, cfg, rng)
     acc0 = greedy_accuracy(model, tok, cfg.operands)
@@ -287,7 +305,7 @@ def train(cfg: Config, out: Path, log=print) -> dict:
         f"accuracy {acc0:.2f}")
     model.save_pretrained(str(init_dir))  # the farm's model server starts from these
     pad = tok.convert_tokens_to_ids("<|endoftext|>")
-    farm = LocalFarm(init_dir, out / "farm")
+    farm = LocalFarm(init_dir, out / "farm", cfg.engine)
     history: list[dict] = []
     violations: list[str] = []
     try:
@@ -324,7 +342,10 @@ def train(cfg: Config, out: Path, log=print) -> dict:
                              rng)
                 update_s = time.monotonic() - t1
                 t2 = time.monotonic()
-                sync_weights(client, backend, model, out / "weights", step + 1)
+                if upd["logprob_drift"] > cfg.max_drift:
+                    violations.append(f"step {step}: recorded logprobs differ from the "
+                                      f"trainer's by {upd['logprob_drift']:.2e}")
+                sync_weights(client, backend, model, tok, out / "weights", step + 1)
                 sync_s = time.monotonic() - t2
                 s = batch.stats
                 row = {"step": step, "reward": s.reward_mean, "accepted": s.accepted,
@@ -412,7 +433,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = Config()
     for name, value in asdict(d).items():
+        if name == "engine":
+            continue
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    ap.add_argument("--engine", choices=["dev", "vllm"], default=d.engine)
     ap.add_argument("--out", default="grpo-run", help="where weights, logs, history.json "
                     "and reward.png go")
     args = vars(ap.parse_args(argv))

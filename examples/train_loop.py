@@ -3,7 +3,7 @@
 Against a running farm with a model backend, e.g. the CPU dev model:
 
     .venv/bin/prorl-farm tiny-model /tmp/tiny
-    make up UP_ARGS="--dev-model /tmp/tiny"            # in another terminal
+    make up UP_ARGS="--model /tmp/tiny"                # in another terminal
     .venv/bin/python examples/train_loop.py --url http://127.0.0.1:8000 --steps 3
 
 Each step:
@@ -18,10 +18,12 @@ Each step:
 3. ``train_step``: your framework's update. Here it checks the layout and returns the
    weights to serve next: the backend's own, unchanged, so this loop shows the protocol
    without learning anything (``examples/grpo_cpu.py`` learns for real).
-4. Weight sync: drain the backend (no new job pins it), wait until nothing is in flight on
-   it, load the new weights into the server (SGLang's ``/update_weights_from_disk``, which
-   the dev model server speaks too), resume it with policy version + 1. Every trajectory of
-   the next step then carries that version.
+4. Weight sync, one farm call (``FarmClient.sync_weights``): the farm drains the backend
+   (no new job pins it), waits until nothing is in flight on it, loads the new weights the
+   engine's way (vLLM's ``reload_weights``, SGLang's ``/update_weights_from_disk``; the dev
+   model server speaks both), resets its prefix cache, checks that it now computes what the
+   checkpoint computes, and resumes it with policy version + 1. Every trajectory of the
+   next step then carries that version.
 
 Prints a JSON line per step (the sampler's stats, the layout's shapes) and, at the end,
 a summary line.
@@ -35,8 +37,6 @@ import random
 import sys
 from dataclasses import asdict
 from pathlib import Path
-
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -77,13 +77,9 @@ def train_step(layout: dict, name: str, backend: dict) -> str:
 
 
 def sync_weights(farm: FarmClient, backend: dict, weights: str, version: int) -> None:
-    farm.drain_backend(backend["id"])
-    farm.wait_drained(backend["id"], timeout_s=300)
-    resp = requests.post(backend["url"] + "/update_weights_from_disk",
-                         json={"model_path": weights}, timeout=300)
-    if resp.status_code != 200 or not resp.json().get("success"):
-        raise RuntimeError(f"weight sync failed: {resp.status_code} {resp.text[:300]}")
-    farm.resume_backend(backend["id"], version)
+    """Drain, wait, load, reset, check, resume: the farm does it all (409 if the check
+    fails, the backend then kept out of service)."""
+    farm.sync_weights(weights, version, backend_id=backend["id"], drain_timeout_s=300)
 
 
 def shapes(layout: dict) -> dict:
@@ -108,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b for b in farm.backends() if b["healthy"]]
     if len(backends) != 1:
         raise SystemExit(f"this example syncs one backend; the farm has {len(backends)} "
-                         "healthy (start it with `make up UP_ARGS=\"--dev-model DIR\"`)")
+                         "healthy (start it with `make up UP_ARGS=\"--model DIR\"`)")
     backend = backends[0]
     version = int(backend["policy_version"] or 0)
     adapt = to_verl if args.layout == "verl" else to_nemo_rl

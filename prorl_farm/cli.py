@@ -14,20 +14,31 @@ from prorl_farm.errors import ConfigError
 def _cmd_up(args) -> int:
     from prorl_farm.supervisor import Supervisor
 
-    return Supervisor(load_settings(), dev_model=args.dev_model, auth=args.auth).run()
+    return Supervisor(load_settings(), dev_model=args.model, auth=args.auth,
+                      engine=args.engine).run()
 
 
 def _cmd_serve_model(args) -> int:
+    from prorl_farm.dev.engines import choose, vllm_command
+
+    engine, python, line = choose(args.engine)
+    print(line, flush=True)
+    if engine == "vllm":
+        name = args.name or os.path.basename(os.path.normpath(args.model))
+        argv, env = vllm_command(python, args.model, args.host, args.port, name,
+                                 dtype=args.dtype, max_model_len=args.max_model_len)
+        os.execve(python, argv, env)
     from prorl_farm.dev.devserver import serve
 
-    serve(args.model, args.host, args.port, args.name)
+    serve(args.model, args.host, args.port, args.name, max_model_len=args.max_model_len)
     return 0
 
 
 def _cmd_tiny_model(args) -> int:
     from prorl_farm.dev.tiny import build_tiny_model
 
-    print(build_tiny_model(args.out, seed=args.seed, chars=args.chars))
+    print(build_tiny_model(args.out, seed=args.seed, chars=args.chars, small=args.small,
+                           tie_embeddings=args.tie_embeddings))
     return 0
 
 
@@ -157,9 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run the whole farm on this machine (private Redis unless "
                         "PRORL_REDIS_URL is set)")
-    up.add_argument("--dev-model", metavar="DIR",
+    up.add_argument("--model", "--dev-model", metavar="DIR", dest="model",
                     help="also serve this local Hugging Face model on the CPU (serve-model) and "
                     "register it as a backend")
+    up.add_argument("--engine", choices=["dev", "vllm"], default="dev",
+                    help="what serves --model: the farm's dev server, or vLLM's CPU build "
+                    "where it is installed (make vllm; the dev server otherwise, said so)")
     up.add_argument("--auth", action="store_true",
                     help="require an API token for mutating calls: PRORL_API_TOKEN, or one "
                     "made up and printed (always so when PRORL_API_HOST is not loopback)")
@@ -175,12 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(func=_cmd_check_pool)
     a = sub.add_parser("api", help="serve the HTTP API with gunicorn")
     a.set_defaults(func=_cmd_api)
-    sm = sub.add_parser("serve-model", help="serve a local causal LM on the CPU with vLLM and "
-                        "SGLang routes (development and tests)")
+    sm = sub.add_parser("serve-model", help="serve a local causal LM on the CPU: the farm's "
+                        "dev server (vLLM and SGLang routes) or vLLM's CPU build")
     sm.add_argument("--model", required=True, metavar="DIR")
     sm.add_argument("--host", default="127.0.0.1")
     sm.add_argument("--port", type=int, default=8100)
     sm.add_argument("--name", help="model name to report (default: the directory name)")
+    sm.add_argument("--engine", choices=["dev", "vllm"], default="dev",
+                    help="vllm: vLLM's CPU build where installed (make vllm), with the weight "
+                    "sync routes on; the dev server otherwise, said so")
+    sm.add_argument("--max-model-len", type=int, default=None,
+                    help="context length served (default: the model's)")
+    sm.add_argument("--dtype", default="float32", help="vLLM's --dtype (default float32)")
     sm.set_defaults(func=_cmd_serve_model)
     url = os.environ.get("PRORL_URL", "http://127.0.0.1:8000")
     s = sub.add_parser("submit", help="submit a JSONL dataset, show progress until the batch "
@@ -217,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--chars", action="store_true",
                     help="a character-level tokenizer (45 tokens), for the arith RL loop")
+    tm.add_argument("--small", action="store_true",
+                    help="hidden 64 (heads of 16) instead of 128 (heads of 32): faster, but "
+                    "only the dev server serves it (vLLM's CPU attention needs heads >= 32)")
+    tm.add_argument("--tie-embeddings", action="store_true",
+                    help="share the output layer with the embeddings (as small Qwen models do)")
     tm.set_defaults(func=_cmd_tiny_model)
     return p
 

@@ -84,6 +84,10 @@ class Settings:
     # resumed, within its deadline, instead of failing.
     llm_drain_wait_s: float = 600.0
     backend_audit: bool = False
+    # A weight sync's check: the largest logprob error (served vs the checkpoint's, on the
+    # probe's tokens) a backend may show and still serve the new version. float32 engines
+    # agree within 1e-5; bfloat16 small models within about 5e-3.
+    weights_tolerance: float = 1e-2
     # Grading a final answer (math, stem) in a helper process: the time and memory an
     # answer may cost before it earns 0 (prorl_farm/graders/answers.py).
     grade_timeout_s: float = 10.0
@@ -136,7 +140,7 @@ class Settings:
 
 # Read outside Settings: the CLI's farm URL and log level; clients' API token is
 # PRORL_API_TOKEN, a setting too.
-OTHER_ENV = ("PRORL_URL", "PRORL_LOG_LEVEL")
+OTHER_ENV = ("PRORL_URL", "PRORL_LOG_LEVEL", "PRORL_VLLM_PYTHON")
 
 
 def env_names() -> set[str]:
@@ -173,7 +177,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "MAX_BODY_BYTES": (1024, 1 << 34), "MAX_JOBS_PER_REQUEST": (1, 1_000_000),
     "MAX_WAIT_S": (0, 3600),
     "LLM_REQUEST_TIMEOUT_S": (0.1, DAY_S), "LLM_RETRIES": (0, 100),
-    "LLM_DRAIN_WAIT_S": (0, DAY_S),
+    "LLM_DRAIN_WAIT_S": (0, DAY_S), "WEIGHTS_TOLERANCE": (1e-9, 100),
     "LLM_MAX_FAILOVERS": (0, 100),
     "GRADE_TIMEOUT_S": (0.1, 3600), "GRADE_MEMORY_MB": (256, 1 << 20),
     "SANDBOX_MAX": (1, 65_000),
@@ -249,6 +253,7 @@ def load_settings(environ=None, **overrides) -> Settings:
         llm_max_failovers=_env(environ, "LLM_MAX_FAILOVERS", int, d.llm_max_failovers),
         llm_drain_wait_s=_env(environ, "LLM_DRAIN_WAIT_S", float, d.llm_drain_wait_s),
         backend_audit=_env(environ, "BACKEND_AUDIT", _bool, d.backend_audit),
+        weights_tolerance=_env(environ, "WEIGHTS_TOLERANCE", float, d.weights_tolerance),
         grade_timeout_s=_env(environ, "GRADE_TIMEOUT_S", float, d.grade_timeout_s),
         grade_memory_mb=_env(environ, "GRADE_MEMORY_MB", int, d.grade_memory_mb),
         sandbox_runtime=_env(environ, "SANDBOX_RUNTIME", str, d.sandbox_runtime),

@@ -205,6 +205,12 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
         "drained": ("1 while drained (no new jobs).", lambda b: int(b["drained"])),
         "policy_version": ("The policy version the backend serves.",
                            lambda b: b["policy_version"]),
+        "weights_mismatch": ("1 while its weights failed their check after a sync (kept out "
+                             "of the heap).", lambda b: int(bool(b["weights"]["error"]))),
+        "weights_max_error": ("The largest logprob error its last weight check measured.",
+                              lambda b: b["weights"]["max_error"]),
+        "max_model_len": ("The context length the engine serves.",
+                          lambda b: b["max_model_len"]),
     }
     for name, (doc, get) in per_backend.items():
         g = GaugeMetricFamily(f"prorl_backend_{name}", doc, labels=["backend", "model"])

@@ -143,7 +143,8 @@ def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, dev_model: str | None = None, auth: bool = False):
+    def __init__(self, settings: Settings, dev_model: str | None = None, auth: bool = False,
+                 engine: str = "dev"):
         # Off loopback, the API needs a token and Flower a password: made up if not given.
         exposed = not is_loopback(settings.api_host)
         self.generated: list[str] = []
@@ -157,6 +158,12 @@ class Supervisor:
         self.settings = settings
         self.dev_model = str(Path(dev_model).resolve()) if dev_model else None
         self.dev_model_port = free_port() if dev_model else None
+        self.engine, self.engine_line = "dev", ""
+        if dev_model:
+            from prorl_farm.dev.engines import choose
+
+            self.engine, _, self.engine_line = choose(engine)
+            print(self.engine_line, flush=True)
         self.dev_backend_id: str | None = None
         self.home = Path(settings.home).resolve()
         self.logs = self.home / "logs"
@@ -185,7 +192,8 @@ class Supervisor:
         if self.dev_model:
             self.children.append(Child(
                 "dev-model", cli + ["serve-model", "--model", self.dev_model,
-                                    "--port", str(self.dev_model_port)],
+                                    "--port", str(self.dev_model_port),
+                                    "--engine", self.engine],
                 self.logs / "dev-model.log"))
 
     def _start_redis(self) -> str:
@@ -313,10 +321,10 @@ class Supervisor:
         os.chmod(path, 0o600)
 
     def _register_dev_model(self, redis_url: str) -> None:
-        from prorl_farm.llm.registry import BackendRegistry, BackendSpec
+        from prorl_farm.llm.registry import BackendRegistry, BackendSpec, context_length
 
         base = f"http://127.0.0.1:{self.dev_model_port}"
-        end = time.monotonic() + 120
+        end = time.monotonic() + (600 if self.engine == "vllm" else 120)
         while True:
             try:
                 with urllib.request.urlopen(base + "/health", timeout=2) as resp:
@@ -324,13 +332,15 @@ class Supervisor:
                         break
             except OSError:
                 pass
-            if time.monotonic() > end:
+            if time.monotonic() > end or self._stopping:
                 raise SystemExit(f"dev model did not come up; see {self.logs}/dev-model.log")
             time.sleep(0.2)
         registry = BackendRegistry(redis.Redis.from_url(redis_url, decode_responses=True))
+        name = Path(self.dev_model).name
         self.dev_backend_id = registry.register(BackendSpec(
-            url=base, kind="vllm", model=Path(self.dev_model).name, tokenizer=self.dev_model,
-            capacity=4, logprobs_mode="raw_logprobs"))
+            url=base, kind="vllm", model=name, tokenizer=self.dev_model,
+            capacity=4, logprobs_mode="raw_logprobs",
+            max_model_len=context_length(base, name) or 0))
         self._registry = registry
 
     def _announce(self, url: str) -> None:
@@ -354,7 +364,7 @@ class Supervisor:
             lines.append(f"  Flower login  {s.flower_basic_auth}")
         if self.dev_model:
             lines.append(f"  model   {self.dev_model} on http://127.0.0.1:{self.dev_model_port} "
-                         f"(backend {self.dev_backend_id})")
+                         f"(backend {self.dev_backend_id}; {self.engine_line})")
         lines += [f"  logs    {self.logs}/", "Ctrl-C stops everything."]
         print("\n".join(lines), flush=True)
 

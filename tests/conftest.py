@@ -70,6 +70,82 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
+    """vLLM's CPU build serving ``model_dir`` in float32 (a real process group); skips
+    (fails where REQUIRE_VLLM=1, as `make test` sets once it installed vLLM) when it cannot
+    run here. Returns (url, stop)."""
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    from prorl_farm.dev.engines import cpu_supports_vllm, find_vllm, vllm_command
+    from tests.farm import free_port, wait_until
+
+    found = find_vllm()
+    why = found.reason if found.python is None else cpu_supports_vllm()
+    if why:
+        if os.environ.get("REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is required here but cannot run: {why}")
+        pytest.skip(f"vLLM's CPU build cannot run here: {why}")
+    port = free_port()
+    argv, env = vllm_command(found.python, str(model_dir), "127.0.0.1", port, name,
+                             max_model_len=max_model_len)
+    log = open(log_dir / "vllm.log", "wb")  # noqa: SIM115 - closed by stop()
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def stop() -> None:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the engine core and its workers
+        except ProcessLookupError:
+            pass
+        log.close()
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"vLLM exited {proc.returncode}; see {log_dir}/vllm.log")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, 600, 0.5, "vLLM to start")
+    except BaseException:
+        stop()
+        raise
+    return url, stop
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory):
+    """The tiny model vLLM serves (a copy: weight syncs point the engine elsewhere)."""
+    from prorl_farm.dev.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model, tmp_path_factory):
+    """Real vLLM (CPU build, float32) on the tiny untied model, 4096 tokens of context."""
+    url, stop = start_vllm(vllm_model, tmp_path_factory.mktemp("vllm"), 4096)
+    yield url
+    stop()
+
+
 @pytest.fixture(scope="session")
 def dev_server(tiny_model, tmp_path_factory):
     """`prorl-farm serve-model` on the tiny model, as a real process."""

@@ -16,7 +16,7 @@ from tests.policy_server import PolicyServer
 def char_model(tmp_path_factory):
     from prorl_farm.dev.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("char-model"), chars=True)
+    return build_tiny_model(tmp_path_factory.mktemp("char-model"), chars=True, small=True)
 
 
 def _ctx(instance: dict, result: dict | None = None) -> JobContext:

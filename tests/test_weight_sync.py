@@ -115,7 +115,9 @@ def test_a_load_waits_for_the_generation_in_progress(served, tiny_model, tmp_pat
     ids, lp = _sampled(ended["choice"])
     assert len(ids) == 400
     expected = _teacher_forced(old_path, PROMPT + ids, len(ids))
-    assert max(abs(a - b) for a, b in zip(lp, expected)) < 1e-4
+    # 400 KV-cached decode steps against one full forward: float32 rounding adds up to a
+    # few 1e-4; the other weights would be off by tenths.
+    assert max(abs(a - b) for a, b in zip(lp, expected)) < 1e-3
     ids, lp = _sampled(_completion(url))
     assert max(abs(a - b) for a, b in zip(lp, _teacher_forced(new, PROMPT + ids, len(ids)))
                ) < 1e-4

@@ -25,6 +25,9 @@ from prorl_farm.llm.session import BackendSession, turn_seed
 # End reasons (recorded in the result's ``stats.end_reason``).
 SUBMITTED, ANSWERED, MAX_TURNS, MAX_TOKENS, CONTEXT, TIMEOUT = (
     "submitted", "answered", "max_turns", "max_tokens", "context", "timeout")
+# The context a job may fill unless its request says otherwise, and never more than its
+# engine's own (max_model_len, read when the backend registers).
+CONTEXT_LENGTH = 32_768
 
 
 @dataclass
@@ -32,7 +35,7 @@ class AgentLimits:
     max_turns: int = 20
     max_total_tokens: int = 16_384  # generated, all turns together
     max_tokens_per_turn: int = 2_048
-    context_length: int = 32_768
+    context_length: int = CONTEXT_LENGTH
     call_timeout_s: float = 60.0
     observation_chars: int = 8_000
     # A turn with no tool call ends the episode (its text is the final answer).
@@ -107,7 +110,7 @@ def _loop(ctx, session, traj, ep, offered, parser, limits, runner) -> None:
         ctx.check()
         context = traj.context()
         budget = limits.max_total_tokens - generated
-        room = limits.context_length - len(context)
+        room = session.room(limits.context_length, len(context), first_turn=turn == 0)
         if budget <= 0:
             ep.end_reason = MAX_TOKENS
             return
@@ -146,7 +149,8 @@ def _loop(ctx, session, traj, ep, offered, parser, limits, runner) -> None:
             observations.append({"role": "tool", "content": f"error: {error}"})
         if not observations:
             observations = [{"role": "user", "content": "Continue."}]
-        if not traj.add_messages(observations, limit=limits.context_length):
+        if not traj.add_messages(observations, limit=session.context_limit(
+                limits.context_length)):
             ep.end_reason = CONTEXT
             return
     ep.end_reason = MAX_TURNS

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 # Fields whose shape varies by handler: JSON text in Parquet (native in JSONL).
-JSON_COLUMNS = ("failure", "turns", "messages", "timings", "eval", "stats")
+JSON_COLUMNS = ("failure", "sampling", "turns", "messages", "timings", "eval", "stats")
 
 
 def trajectory_row(job: dict) -> dict:
@@ -17,6 +17,7 @@ def trajectory_row(job: dict) -> dict:
         "instance_index": job["instance_index"], "sample_index": job["sample_index"],
         "state": job["state"], "reward": job["reward"], "filtered": job["filtered"],
         "failure": job.get("failure"), "policy_version": job.get("policy_version"),
+        "sampling": job.get("sampling") or {},
         "prompt_ids": result.get("prompt_ids") or [],
         "response_ids": result.get("response_ids") or [],
         "response_mask": result.get("response_mask") or [],

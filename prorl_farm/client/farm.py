@@ -241,6 +241,26 @@ class FarmClient:
         return self._call("POST", f"/v1/backends/{backend_id}/resume",
                           json={"policy_version": policy_version})
 
+    def sync_weights(self, path: str, policy_version: int, backend_id: str | None = None,
+                     probe: dict | None = None, tolerance: float | None = None,
+                     verify: bool = True, drain_timeout_s: float = 600.0,
+                     model: str | None = None) -> dict:
+        """Load the checkpoint at ``path`` into one backend (or every backend, or those of
+        ``model``) the engine's way and resume it at ``policy_version`` once the farm has
+        checked that it computes what the checkpoint computes. ``probe``: ``{"token_ids":
+        [...], "logprobs": [...]}`` from the trainer's own model (one logprob per token
+        after the first); without it the farm computes one from ``path``. A backend that
+        fails the check stays out of service: :class:`FarmConflict` ``weights_mismatch``.
+        Returns the backend's record (one backend) or ``{"backends": [...]}``."""
+        body = {"path": str(path), "policy_version": policy_version, "probe": probe,
+                "tolerance": tolerance, "verify": verify, "drain_timeout_s": drain_timeout_s}
+        timeout_s = drain_timeout_s + 900.0  # the drain, the load and the check
+        if backend_id:
+            return self._call("POST", f"/v1/backends/{backend_id}/weights", timeout_s=timeout_s,
+                              retry="connect", json=body)
+        return self._call("POST", "/v1/weights", timeout_s=timeout_s, retry="connect",
+                          json={**body, "model": model})
+
     def overview(self) -> dict:
         """Queues, stages, pools, backends, sandboxes and jobs by state (what the dashboard
         draws)."""

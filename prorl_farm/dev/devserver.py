@@ -8,9 +8,18 @@ temperature, top-k and top-p (vLLM's default ``raw_logprobs``); sampling applies
 Requests that arrive together are generated together (one padded forward pass per token,
 each with its own sampling parameters and seed); a client that disconnects aborts its
 generation.
-``POST /update_weights_from_disk {"model_path": ...}`` (SGLang's weight-sync route) loads
-new weights from local safetensors between requests: a trainer drains the backend, saves,
-calls it, and resumes the backend with the new policy version.
+New weights load from local safetensors between requests through either engine's route:
+vLLM's ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": ...}}``
+(which vLLM serves with ``VLLM_SERVER_DEV_MODE=1``) or SGLang's
+``POST /update_weights_from_disk {"model_path": ...}``; ``/reset_prefix_cache`` (vLLM) and
+``/flush_cache`` (SGLang) answer as theirs do (this server keeps no prefix cache) and are
+counted in ``/get_model_info``, so tests see that a weight sync called them. Prompt logprobs
+come as vLLM (``prompt_logprobs``) and SGLang (``logprob_start_len`` with
+``input_token_logprobs``) return them: what the farm's weight check reads.
+
+Sampling fields it does not implement (repetition, presence and frequency penalties other
+than neutral) are refused with a 400, never ignored: a trainer must not believe it sampled
+with settings it did not get.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ class _Request:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
     stops: set
     gen: object
     aborted: object
@@ -72,7 +82,8 @@ class _Request:
 class DevModel:
     """A local causal LM with KV-cache sampling that records raw logprobs."""
 
-    def __init__(self, model_dir: str | Path, name: str | None = None, threads: int = 0):
+    def __init__(self, model_dir: str | Path, name: str | None = None, threads: int = 0,
+                 max_model_len: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -87,7 +98,7 @@ class DevModel:
         self.model = AutoModelForCausalLM.from_pretrained(str(self.dir), dtype=torch.float32)
         self.model.eval()
         cfg = self.model.config
-        self.max_len = int(getattr(cfg, "max_position_embeddings", 4096))
+        self.max_len = int(max_model_len or getattr(cfg, "max_position_embeddings", 4096))
         self.vocab_size = int(cfg.vocab_size)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -99,6 +110,7 @@ class DevModel:
         self.lock = threading.Lock()
         self.weights_path = str(self.dir)
         self.weight_loads = 0
+        self.cache_resets = 0  # /reset_prefix_cache and /flush_cache calls
         self._pending: list[_Request] = []
         self._pending_cv = threading.Condition()
         threading.Thread(target=self._scheduler, name="dev-model-batches", daemon=True).start()
@@ -114,11 +126,15 @@ class DevModel:
             new_cache = out.past_key_values
         return out.logits[:, -1].float(), new_cache
 
-    def _pick(self, logits, temperature: float, top_p: float, top_k: int, gen) -> int:
+    def _pick(self, logits, temperature: float, top_p: float, top_k: int, min_p: float,
+              gen) -> int:
         torch = self.torch
         if temperature <= 0:
             return int(torch.argmax(logits))
         scaled = logits / temperature
+        if min_p > 0:  # drop tokens less likely than min_p times the likeliest
+            probs = torch.softmax(scaled, -1)
+            scaled = scaled.masked_fill(probs < min_p * probs.max(), float("-inf"))
         if 0 < top_k < scaled.numel():
             kth = torch.topk(scaled, top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -131,22 +147,17 @@ class DevModel:
         return int(torch.multinomial(probs, 1, generator=gen))
 
     def sample(self, prompt: list[int], max_tokens: int, temperature: float = 1.0,
-               top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+               top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
+               seed: int | None = None,
                stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
                aborted=lambda: False) -> Sampled:
         """Sample one completion. Requests that wait together are generated together, one
         padded forward pass per token for all of them, each with its own sampling
         parameters and seeded generator; a request returns as soon as it ends."""
         torch = self.torch
-        if not prompt:
-            raise BadRequest("prompt must not be empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt):
-            raise BadRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(prompt) + max_tokens > self.max_len:
-            raise BadRequest(f"This model's maximum context length is {self.max_len} tokens; "
-                             f"the prompt has {len(prompt)} and max_tokens is {max_tokens}")
+        self._check_prompt(prompt, max_tokens)
         req = _Request(prompt=list(prompt), max_tokens=max_tokens, temperature=temperature,
-                       top_p=top_p, top_k=top_k,
+                       top_p=top_p, top_k=top_k, min_p=min_p,
                        stops=set(stop_token_ids or []) | (set() if ignore_eos
                                                            else self.eos_ids),
                        gen=torch.Generator().manual_seed(
@@ -195,7 +206,8 @@ class DevModel:
                 nxt = torch.zeros(len(batch), dtype=torch.long)
                 for i in list(live):
                     r = batch[i]
-                    token = self._pick(logits[i], r.temperature, r.top_p, r.top_k, r.gen)
+                    token = self._pick(logits[i], r.temperature, r.top_p, r.top_k, r.min_p,
+                                       r.gen)
                     r.out.append(token)
                     r.logprobs.append(float(raw[i, token]))
                     nxt[i] = token
@@ -215,6 +227,25 @@ class DevModel:
                 pos = pos[:, -1:] + 1
                 logits, cache = self._forward(nxt.unsqueeze(1), cache, mask, pos)
                 step += 1
+
+    def prompt_logprobs(self, prompt: list[int]) -> list[float | None]:
+        """Each prompt token's raw logprob given the tokens before it (None for the first):
+        one forward pass, under the sampling lock."""
+        torch = self.torch
+        self._check_prompt(prompt, 0)
+        with self.lock, torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([prompt])).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        return [None] + [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+
+    def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
+        if not prompt:
+            raise BadRequest("prompt must not be empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt):
+            raise BadRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt) + max_tokens > self.max_len:
+            raise BadRequest(f"This model's maximum context length is {self.max_len} tokens; "
+                             f"the prompt has {len(prompt)} and max_tokens is {max_tokens}")
 
     def load_weights(self, path: str) -> dict:
         """Load new weights into the served model: safetensors, a file or a directory of
@@ -261,6 +292,25 @@ def _int_list(value, name: str) -> list[int]:
                                               for t in value):
         raise BadRequest(f"{name} must be a list of token ids")
     return value
+
+
+# Sampling fields this server accepts only at their neutral value (it does not implement them).
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _sampling(body: dict, max_tokens_name: str, default_max: int) -> dict:
+    """The sample() arguments a request's sampling fields give (vLLM and SGLang agree on
+    the names but for the token budget and the seed)."""
+    for name, neutral in NEUTRAL.items():
+        if _number(body, name, neutral) != neutral:
+            raise BadRequest(f"{name}: this development server samples without it; send "
+                             f"{neutral} (or serve the model with vLLM)")
+    return dict(max_tokens=int(_number(body, max_tokens_name, default_max, int)),
+                temperature=_number(body, "temperature", 1.0),
+                top_p=_number(body, "top_p", 1.0), top_k=int(_number(body, "top_k", -1, int)),
+                min_p=_number(body, "min_p", 0.0),
+                stop_token_ids=body.get("stop_token_ids"),
+                ignore_eos=bool(body.get("ignore_eos")))
 
 
 def _number(body: dict, name: str, default, cast=float):
@@ -330,7 +380,10 @@ class DevHandler(BaseHTTPRequestHandler):
         elif self.path == "/get_model_info":
             self._send(200, {"model_path": str(m.dir), "tokenizer_path": str(m.dir),
                              "is_generation": True, "weights_path": m.weights_path,
-                             "weight_loads": m.weight_loads})
+                             "weight_loads": m.weight_loads, "cache_resets": m.cache_resets,
+                             "max_model_len": m.max_len})
+        elif self.path == "/flush_cache":
+            self._flush()
         else:
             self._error(404, f"no route {self.path}")
 
@@ -347,6 +400,13 @@ class DevHandler(BaseHTTPRequestHandler):
                 if not isinstance(path, str) or not path:
                     raise BadRequest("model_path: a local path is required")
                 self._send(200, self.model.load_weights(path))
+            elif self.path == "/collective_rpc":
+                self._collective_rpc(body)
+            elif self.path.split("?")[0] == "/reset_prefix_cache":
+                self.model.cache_resets += 1
+                self._send(200, {"success": True})
+            elif self.path == "/flush_cache":
+                self._flush()
             else:
                 self._error(404, f"no route {self.path}")
         except BadRequest as e:
@@ -354,7 +414,30 @@ class DevHandler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             log.info("client went away")
 
+    def _flush(self) -> None:
+        """SGLang's /flush_cache: 200 with a plain-text message."""
+        self.model.cache_resets += 1
+        data = b"Cache flushed.\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     # -- vLLM -----------------------------------------------------------------------------
+
+    def _collective_rpc(self, body: dict) -> None:
+        """vLLM's /collective_rpc for the one method a weight sync calls: reload_weights
+        (kwargs weights_path; answers as vLLM does: one result per worker)."""
+        if body.get("method") != "reload_weights":
+            raise BadRequest(f"method: this server offers reload_weights only, not "
+                             f"{body.get('method')!r}")
+        kwargs = body.get("kwargs") or {}
+        path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
+        if not isinstance(path, str) or not path:
+            raise BadRequest("kwargs.weights_path: a local path is required")
+        self.model.load_weights(path)
+        self._send(200, {"results": [None]})
 
     def _completions(self, body: dict) -> dict:
         m = self.model
@@ -371,13 +454,9 @@ class DevHandler(BaseHTTPRequestHandler):
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         skip = body.get("skip_special_tokens", True)
         choices, usage_p, usage_c = [], 0, 0
+        sampling = _sampling(body, "max_tokens", 16)
         for index, p in enumerate(prompts):
-            s = m.sample(
-                p, max_tokens=int(_number(body, "max_tokens", 16, int)),
-                temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-                top_k=int(_number(body, "top_k", -1, int)),
-                seed=body.get("seed"), stop_token_ids=body.get("stop_token_ids"),
-                ignore_eos=bool(body.get("ignore_eos")), aborted=self._client_gone)
+            s = m.sample(p, **sampling, seed=body.get("seed"), aborted=self._client_gone)
             choice = {"index": index, "text": m.decode(s.token_ids, skip),
                       "finish_reason": s.finish_reason, "stop_reason": s.stop_token,
                       "logprobs": None}
@@ -389,6 +468,11 @@ class DevHandler(BaseHTTPRequestHandler):
             if body.get("return_token_ids"):
                 choice["token_ids"] = s.token_ids
                 choice["prompt_token_ids"] = p
+            if body.get("prompt_logprobs") is not None:
+                # vLLM's shape: None, then {str(token id): {logprob, rank, decoded_token}}.
+                choice["prompt_logprobs"] = [None] + [
+                    {str(t): {"logprob": lp, "rank": None, "decoded_token": f"token_id:{t}"}}
+                    for t, lp in zip(p[1:], m.prompt_logprobs(p)[1:])]
             choices.append(choice)
             usage_p, usage_c = usage_p + len(p), usage_c + len(s.token_ids)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -409,13 +493,8 @@ class DevHandler(BaseHTTPRequestHandler):
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise BadRequest("sampling_params must be an object")
-        s = m.sample(
-            prompt, max_tokens=int(_number(sp, "max_new_tokens", 128, int)),
-            temperature=_number(sp, "temperature", 1.0), top_p=_number(sp, "top_p", 1.0),
-            top_k=int(_number(sp, "top_k", -1, int)),
-            seed=sp.get("sampling_seed", sp.get("seed")),
-            stop_token_ids=sp.get("stop_token_ids"), ignore_eos=bool(sp.get("ignore_eos")),
-            aborted=self._client_gone)
+        s = m.sample(prompt, **_sampling(sp, "max_new_tokens", 128),
+                     seed=sp.get("sampling_seed", sp.get("seed")), aborted=self._client_gone)
         if s.finish_reason == "stop":
             finish = {"type": "stop", "matched": s.stop_token}
         elif s.finish_reason == "length":
@@ -427,6 +506,12 @@ class DevHandler(BaseHTTPRequestHandler):
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None]
                                              for lp, t in zip(s.logprobs, s.token_ids)]
+            start = body.get("logprob_start_len", -1)
+            if isinstance(start, int) and 0 <= start < len(prompt):
+                # SGLang's shape: [logprob, token id, text] from prompt position start.
+                lps = m.prompt_logprobs(prompt)
+                meta["input_token_logprobs"] = [[lps[i], prompt[i], None]
+                                                for i in range(start, len(prompt))]
         return {"text": m.decode(s.token_ids, sp.get("skip_special_tokens", True)),
                 "output_ids": s.token_ids, "meta_info": meta}
 
@@ -440,8 +525,9 @@ def make_server(model: DevModel, host: str = "127.0.0.1", port: int = 0) -> Thre
     return server
 
 
-def serve(model_dir: str, host: str, port: int, name: str | None = None) -> None:
-    model = DevModel(model_dir, name)
+def serve(model_dir: str, host: str, port: int, name: str | None = None,
+          max_model_len: int | None = None) -> None:
+    model = DevModel(model_dir, name, max_model_len=max_model_len)
     server = make_server(model, host, port)
     log.info("serving %s on http://%s:%d (vLLM and SGLang routes)", model.name, host,
              server.server_address[1])

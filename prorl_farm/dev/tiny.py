@@ -2,7 +2,11 @@
 
 The tokenizer is a byte-level BPE trained on local text (Python's standard library
 sources), wrapped with a ChatML chat template; the model is a randomly initialised Qwen2
-(hidden 64, 2 layers). Nothing is downloaded. Needs ``torch`` and ``transformers``.
+(hidden 128, 4 heads of 32, 2 layers, output layer untied from the embeddings), which real
+inference engines serve: vLLM's CPU attention needs heads of 32 or more, and vLLM reloads an
+untied model's weights exactly. ``small=True`` gives hidden 64 (heads of 16) where speed
+matters and only the farm's own server serves it. Nothing is downloaded. Needs ``torch`` and
+``transformers``.
 """
 
 from __future__ import annotations
@@ -127,12 +131,18 @@ def build_char_tokenizer(out_dir: Path):
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2000,
-                     hidden_size: int = 64, layers: int = 2, chars: bool = False) -> Path:
+                     hidden_size: int | None = None, layers: int = 2, chars: bool = False,
+                     small: bool = False, tie_embeddings: bool = False) -> Path:
     """Write a tokenizer and a random Qwen2 model to ``out_dir``; returns the directory.
-    ``chars``: the character-level tokenizer (the arith RL loop) instead of the BPE one."""
+    ``chars``: the character-level tokenizer (the arith RL loop) instead of the BPE one.
+    ``hidden_size``: 128 (4 heads of 32), or 64 with ``small`` (heads of 16: too small for
+    vLLM's CPU attention). ``tie_embeddings``: share the output layer with the embeddings,
+    as small Qwen models do."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    if hidden_size is None:
+        hidden_size = 64 if small else 128
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(out) if chars else build_tokenizer(out, vocab_size=vocab_size)
@@ -140,7 +150,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2000,
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=8192, tie_word_embeddings=True,
+        max_position_embeddings=8192, tie_word_embeddings=tie_embeddings,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from marshmallow import RAISE, Schema, fields, validate
 
+from prorl_farm.agent.loop import CONTEXT_LENGTH
 from prorl_farm.agent.trajectory import Trajectory, load_chat_tokens
 from prorl_farm.handlers.base import AgentHandler, JobContext
 from prorl_farm.llm.session import BackendSession, turn_seed
@@ -60,9 +61,17 @@ class ChatHandler(AgentHandler):
             traj = Trajectory.start(load_chat_tokens(first.tokenizer), inst["messages"])
             observations = inst.get("observations") or []
             max_turns = inst.get("max_turns") or len(observations) + 1
+            requested = int(ctx.sampling.get("context_length") or CONTEXT_LENGTH)
+            end = "turns"
             for turn in range(max_turns):
                 sent = traj.context()
-                sampling = dict(ctx.sampling, seed=turn_seed(ctx, turn))
+                # A turn that would not fit the engine's context ends the conversation.
+                room = session.room(requested, len(sent), first_turn=turn == 0)
+                if room <= 0:
+                    end = "context"
+                    break
+                sampling = dict(ctx.sampling, seed=turn_seed(ctx, turn),
+                                max_tokens=min(int(ctx.sampling.get("max_tokens") or 256), room))
                 t = session.generate(sent, sampling)
                 g = t.generation
                 traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason,
@@ -70,12 +79,18 @@ class ChatHandler(AgentHandler):
                                     t.backend.logprobs_mode)
                 stopped = g.finish_reason == "stop" or (
                     g.finish_reason == "length" and inst.get("continue_on_length"))
+                if not stopped:
+                    end = "length"
                 if turn >= len(observations) or not stopped or turn + 1 == max_turns:
                     break
-                traj.add_messages([{"role": inst["observation_role"],
-                                    "content": observations[turn]}])
+                if not traj.add_messages([{"role": inst["observation_role"],
+                                           "content": observations[turn]}],
+                                         limit=session.context_limit(requested)):
+                    end = "context"
+                    break
         out = traj.to_dict()
         out["failovers"] = session.failovers
+        out["stats"] = {"end_reason": end, "turns": len(traj.turns)}
         return out
 
     def eval(self, ctx: JobContext) -> dict:

@@ -48,6 +48,20 @@ def probe(url: str, timeout_s: float = 2.0) -> str | None:
         return f"{HEALTH_PATH} unreachable: {reason}"
 
 
+def context_length(url: str, model: str, timeout_s: float = 2.0) -> int | None:
+    """The context length the engine serves ``model`` with: ``max_model_len`` of its entry
+    in ``GET /v1/models`` (vLLM's and SGLang's), or None where it does not say."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as resp:
+            doc = json.loads(resp.read())
+        rows = [m for m in doc.get("data") or [] if isinstance(m, dict)]
+        row = next((m for m in rows if m.get("id") == model), rows[0] if rows else {})
+        value = row.get("max_model_len")
+        return int(value) if isinstance(value, int) and value > 0 else None
+    except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     url: str
@@ -57,6 +71,7 @@ class BackendSpec:
     capacity: int = 1
     policy_version: int = 0
     logprobs_mode: str = ""
+    max_model_len: int = 0  # tokens of context the engine serves (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,7 @@ class Backend:
     policy_version: int
     logprobs_mode: str
     in_flight: int = 0  # jobs pinned to it when this pin was read (this one included)
+    max_model_len: int = 0  # the engine's context length (0: unknown)
 
 
 class BackendRegistry:
@@ -134,10 +150,19 @@ class BackendRegistry:
 
     def resume(self, backend_id: str, policy_version: int) -> dict:
         """Take new jobs again, sampling under ``policy_version`` from now on (not lower
-        than the current one: Conflict)."""
+        than the current one: Conflict; nor while its weights failed their check)."""
+        error = self.r.hget(keys.backend(backend_id), "weights_error")
+        if error:
+            raise Conflict("weights_mismatch", f"backend {backend_id} stays out until a "
+                           f"weight sync passes its check: {error}")
         if not self._update(backend_id, drained=0, policy_version=policy_version):
             raise NotFound(f"backend {backend_id!r} not found")
         return self.get(backend_id)
+
+    def set_fields(self, backend_id: str, **fields) -> None:
+        """Record fields (weights state, context length) and re-place it in the heap."""
+        if not self._update(backend_id, **fields):
+            raise NotFound(f"backend {backend_id!r} not found")
 
     def mark_unhealthy(self, backend_id: str, error: str) -> None:
         if self._update(backend_id, healthy=0, last_error=error[:500]):
@@ -181,6 +206,16 @@ class BackendRegistry:
             "requests_total": int(raw.get("requests_total", 0)),
             "last_error": raw.get("last_error") or None,
             "registered_at": float(raw["registered_at"]),
+            "max_model_len": _version(raw.get("max_model_len")) or None,
+            "weights": {
+                "path": raw.get("weights_path") or None,
+                "error": raw.get("weights_error") or None,
+                "max_error": float(raw["weights_max_error"])
+                if raw.get("weights_max_error") else None,
+                "checked_at": float(raw["weights_checked_at"])
+                if raw.get("weights_checked_at") else None,
+                "load_s": float(raw["weights_load_s"]) if raw.get("weights_load_s") else None,
+            },
         }
 
     def list(self) -> list[dict]:
@@ -214,8 +249,9 @@ class BackendRegistry:
         out = self._call("ACQUIRE", job_id, exclude, "1" if self.audit else "", *lat)
         if not out:
             return None
-        b, _how, url, kind, model, tokenizer, version, mode, in_flight = out
-        return Backend(b, url, kind, model, tokenizer, _version(version), mode, int(in_flight))
+        b, _how, url, kind, model, tokenizer, version, mode, max_len, in_flight = out
+        return Backend(b, url, kind, model, tokenizer, _version(version), mode, int(in_flight),
+                       _version(max_len))
 
     def release(self, job_id: str) -> str | None:
         return self._call("RELEASE", job_id) or None
@@ -248,6 +284,9 @@ class BackendRegistry:
             if b["healthy"]:
                 continue
             if probe(b["url"], timeout_s) is None:
+                length = context_length(b["url"], b["model"], timeout_s)
+                if length and length != b["max_model_len"]:
+                    self.set_fields(b["id"], max_model_len=length)
                 self.mark_healthy(b["id"])
                 recovered.append(b["id"])
         return recovered

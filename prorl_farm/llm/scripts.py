@@ -85,7 +85,8 @@ PRELUDE = keys.LUA + RELEASE_FN + LATENCY_FN
 # to). ARGV: job, exclude (a backend id not to pick, or ''), audit ('1' or ''), and
 # optionally latency to record first (backend, mean ms, requests, load seen or ''), so a
 # turn costs one round trip. Returns {backend, 'sticky' | 'new', url, kind, model,
-# tokenizer, policy_version, logprobs_mode, in-flight} or {} when no backend can take it.
+# tokenizer, policy_version, logprobs_mode, max_model_len, in-flight} or {} when no backend
+# can take it.
 ACQUIRE = r"""
 local job, exclude, audit = ARGV[1], ARGV[2], ARGV[3]
 if ARGV[4] and ARGV[4] ~= '' then
@@ -95,7 +96,8 @@ end
 -- already released it, and a stage that has not noticed yet must not pin it again.
 local state = redis.call('HGET', K.job(job), 'state')
 if state == 'done' or state == 'failed' or state == 'cancelled' then return {} end
-local FIELDS = {'url', 'kind', 'model', 'tokenizer', 'policy_version', 'logprobs_mode'}
+local FIELDS = {'url', 'kind', 'model', 'tokenizer', 'policy_version', 'logprobs_mode',
+                'max_model_len'}
 local function pinned(b, how)
   local out = {b, how}
   for _, v in ipairs(redis.call('HMGET', K.backend(b), unpack(FIELDS))) do
@@ -134,8 +136,9 @@ RELEASE = r"""
 return release_backend(ARGV[1])
 """
 
-# Update a backend's fields, then put it in the heap at its current load if it is healthy
-# and not drained, else take it out. ARGV: backend, then field/value pairs.
+# Update a backend's fields, then put it in the heap at its current load if it is healthy,
+# not drained and its weights passed their check (no weights_error), else take it out.
+# ARGV: backend, then field/value pairs.
 # Returns 1 (in the heap), 0 (out of it), -1 (no such backend: nothing written).
 UPDATE = r"""
 local b = ARGV[1]
@@ -151,8 +154,8 @@ for i = 2, #ARGV, 2 do
   end
 end
 for i = 2, #ARGV, 2 do redis.call('HSET', bk, ARGV[i], ARGV[i + 1]) end
-local h = redis.call('HMGET', bk, 'healthy', 'drained')
-if h[1] ~= '1' or h[2] == '1' then
+local h = redis.call('HMGET', bk, 'healthy', 'drained', 'weights_error')
+if h[1] ~= '1' or h[2] == '1' or (h[3] and h[3] ~= '') then
   redis.call('ZREM', K.BACKEND_HEAP, b)
   return 0
 end

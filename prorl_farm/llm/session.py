@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from prorl_farm.context import JobContext
-from prorl_farm.errors import BackendError, BackendUnavailable
+from prorl_farm.errors import BackendError, BackendUnavailable, InvalidInstance
 from prorl_farm.llm.clients import Generation, client_for
 from prorl_farm.llm.registry import Backend, BackendRegistry
 
@@ -78,6 +78,23 @@ class BackendSession:
                                      f"tokenizer ({backend.tokenizer})")
         return backend
 
+    def context_limit(self, requested: int) -> int:
+        """The context a turn may fill: ``requested`` (the job's), or the pinned engine's
+        ``max_model_len`` where that is smaller."""
+        served = self.backend().max_model_len
+        return min(requested, served) if served else requested
+
+    def room(self, requested: int, context_len: int, first_turn: bool) -> int:
+        """Tokens the next turn may generate (0: the episode ends ``context``). A prompt
+        that leaves no room at all is the instance's fault, not the policy's: the job
+        fails ``invalid_instance`` rather than earning a reward it had no chance at."""
+        limit = self.context_limit(requested)
+        if first_turn and context_len >= limit:
+            raise InvalidInstance(f"the prompt is {context_len} tokens and the context is "
+                                  f"{limit} (the request's or the engine's max_model_len): "
+                                  "nothing can be generated")
+        return max(0, limit - context_len)
+
     def _wait_for_resume(self) -> Backend:
         """No backend to pin. While a healthy one is drained (a trainer syncing weights:
         it resumes soon), wait for it, up to ``llm_drain_wait_s`` and the job's deadline,
@@ -87,8 +104,10 @@ class BackendSession:
         end = time.monotonic() + wait_s
         pause = 0.02
         while True:
+            # A backend kept out by a failed weight check is not about to resume.
             drained = [b["id"] for b in self.registry.list()
                        if b["drained"] and b["healthy"] and b["id"] != self._exclude
+                       and not b["weights"]["error"]
                        and (self.tokenizer is None or b["tokenizer"] == self.tokenizer)]
             if not drained:
                 # Resumed since the pin failed (or there is none at all): one more pin says.

@@ -20,6 +20,21 @@ from prorl_farm.errors import BackendError, BackendRequestError, JobAborted
 log = logging.getLogger(__name__)
 
 
+# What the farm samples with where a request does not say: plain temperature sampling.
+# Every request states every one of these, so an engine never fills one in from the model's
+# generation_config.json (vLLM and SGLang both would: Qwen models ship top_k, top_p and a
+# repetition penalty there) and a trainer never trains on samples from settings it did not
+# ask for.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                     "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                     "frequency_penalty": 0.0, "ignore_eos": False}
+
+
+def explicit_sampling(sampling: dict) -> dict:
+    """``sampling`` with every field of :data:`SAMPLING_DEFAULTS` stated."""
+    return {**SAMPLING_DEFAULTS, **{k: v for k, v in sampling.items() if v is not None}}
+
+
 @dataclass
 class Generation:
     """What one request sampled: exactly the IDs and logprobs the server returned."""

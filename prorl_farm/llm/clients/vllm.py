@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prorl_farm.errors import BackendError
-from prorl_farm.llm.clients.abstract import Generation, LLMClient
+from prorl_farm.llm.clients.abstract import Generation, LLMClient, explicit_sampling
 
 # Sampling fields passed through as vLLM names them.
 PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
@@ -21,6 +21,7 @@ class VLLMClient(LLMClient):
                 "logprobs": 0,  # the sampled token's logprob only
                 "return_token_ids": True, "return_tokens_as_token_ids": True,
                 "skip_special_tokens": False}
+        sampling = explicit_sampling(sampling)
         body.update({k: sampling[k] for k in PASS_THROUGH if sampling.get(k) is not None})
         t0 = time.monotonic()
         doc = self.post_json("/v1/completions", body, abort_hook)

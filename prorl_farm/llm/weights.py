@@ -1,0 +1,273 @@
+"""Weight sync through each engine's own routes, verified before the backend serves again.
+
+One call (:func:`sync`): drain the backend, wait until no job is pinned to it, load the
+weights the engine's way, reset what holds state computed with the old weights, check that
+the engine now computes what the checkpoint computes, and only then resume it at the new
+policy version. A backend whose check fails stays out of the heap with the reason
+(``weights_error``: ``weights_mismatch`` and the largest logprob error) until a later sync
+passes: it never serves a version it does not hold.
+
+The engines' routes (from their own servers' code):
+
+- vLLM (``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc {"method": "reload_weights",
+  "kwargs": {"weights_path": DIR}}`` reloads in place; ``POST /reset_prefix_cache`` drops KV
+  blocks computed with the old weights (without it, conversations sharing a cached prefix
+  keep sampling from them); it answers ``{"success": false}`` while blocks are held.
+- SGLang: ``POST /update_weights_from_disk {"model_path": DIR}``; ``POST /flush_cache``
+  (400 while requests run).
+
+The check: the probe's token ids go to the backend as a prompt with prompt logprobs (vLLM's
+``prompt_logprobs``; SGLang's ``logprob_start_len: 0``, which both skip the prefix cache),
+and each is compared with the logprob the trainer's model gives it (the probe it passes), or
+that the checkpoint on disk gives it (computed here, in a child process, in float32).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from prorl_farm.errors import Conflict, FarmError
+
+log = logging.getLogger(__name__)
+
+# A text every tokenizer splits into a few dozen tokens: the farm's own probe.
+PROBE_TEXT = ("The farm checks new weights with this sentence: 12 + 30 = 42, and "
+              "def f(x): return x * 2.")
+
+
+class WeightSyncError(FarmError):
+    """A load the engine refused, or that could not be made or checked (HTTP 422 at the
+    API, with the reason)."""
+
+    code = "weight_sync_failed"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Token ids and, for each after the first, its logprob given those before it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+    @classmethod
+    def parse(cls, doc: dict) -> Probe:
+        ids, lps = doc.get("token_ids"), doc.get("logprobs")
+        if (not isinstance(ids, list) or len(ids) < 2
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                           for t in ids)):
+            raise ValueError("probe.token_ids: at least two token ids")
+        if not isinstance(lps, list) or len(lps) not in (len(ids), len(ids) - 1):
+            raise ValueError("probe.logprobs: one per token after the first")
+        if len(lps) == len(ids):
+            lps = lps[1:]  # a leading null for the first token
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
+            raise ValueError("probe.logprobs: numbers")
+        return cls(list(ids), [float(x) for x in lps])
+
+
+def _http(method: str, url: str, body: dict | None = None, timeout_s: float = 600.0
+          ) -> tuple[int, str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as e:
+        raise WeightSyncError(f"{url}: unreachable: {getattr(e, 'reason', e)}") from e
+
+
+def _ok(what: str, status: int, text: str) -> None:
+    if status == 404:
+        raise WeightSyncError(f"{what}: 404: the engine does not offer this route (vLLM "
+                              f"serves it only with VLLM_SERVER_DEV_MODE=1): {text[:200]}")
+    if status >= 300:
+        raise WeightSyncError(f"{what}: HTTP {status}: {text[:300]}")
+
+
+def load(kind: str, url: str, path: str, timeout_s: float = 600.0) -> None:
+    """Load ``path`` into the engine and reset its prefix cache (retried while the engine
+    says blocks are still held)."""
+    url = url.rstrip("/")
+    if kind == "vllm":
+        status, text = _http("POST", url + "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                             timeout_s)
+        _ok("reload_weights", status, text)
+        reset = ("POST", url + "/reset_prefix_cache")
+    elif kind == "sglang":
+        status, text = _http("POST", url + "/update_weights_from_disk", {"model_path": path},
+                             timeout_s)
+        _ok("update_weights_from_disk", status, text)
+        try:
+            if json.loads(text).get("success") is False:
+                raise WeightSyncError(f"update_weights_from_disk: {text[:300]}")
+        except (ValueError, AttributeError):
+            pass
+        reset = ("POST", url + "/flush_cache")
+    else:
+        raise WeightSyncError(f"no weight loading for backend kind {kind!r}")
+    for attempt in range(20):
+        status, text = _http(*reset, timeout_s=60)
+        done = status < 300 and '"success":false' not in text.replace(" ", "")
+        if done:
+            return
+        if status == 404 or attempt == 19:
+            _ok(reset[1].rsplit("/", 1)[1], status if status >= 300 else 409, text)
+        time.sleep(0.25)
+
+
+def served_logprobs(kind: str, url: str, model: str, token_ids: list[int],
+                    timeout_s: float = 120.0) -> list[float]:
+    """The backend's logprob of each of ``token_ids`` after the first, given those before."""
+    url = url.rstrip("/")
+    neutral = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+               "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    if kind == "vllm":
+        body = {"model": model, "prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0,
+                **neutral}
+        status, text = _http("POST", url + "/v1/completions", body, timeout_s)
+        _ok("prompt logprobs", status, text)
+        try:
+            rows = json.loads(text)["choices"][0]["prompt_logprobs"][1:]
+            return [float(row[str(t)]["logprob"]) for row, t in zip(rows, token_ids[1:])]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise WeightSyncError(f"prompt logprobs: malformed answer ({e!r}): "
+                                  f"{text[:200]}") from e
+    body = {"input_ids": token_ids, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, **neutral}}
+    status, text = _http("POST", url + "/generate", body, timeout_s)
+    _ok("input logprobs", status, text)
+    try:
+        rows = json.loads(text)["meta_info"]["input_token_logprobs"]
+        return [float(row[0]) for row in rows[1:]]
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise WeightSyncError(f"input logprobs: malformed answer ({e!r}): {text[:200]}") from e
+
+
+def checkpoint_probe(path: str, tokenizer: str | None = None, timeout_s: float = 600.0
+                     ) -> Probe:
+    """The probe of the checkpoint at ``path``: :data:`PROBE_TEXT` tokenized, and the
+    checkpoint's own logprobs of it in float32 (a child process: the model's memory is
+    freed when it ends)."""
+    cmd = [sys.executable, "-m", "prorl_farm.llm.weights", path, tokenizer or path]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    except subprocess.TimeoutExpired as e:
+        raise WeightSyncError(f"computing the checkpoint's probe took over {timeout_s} s") \
+            from e
+    if out.returncode != 0:
+        tail = " ".join(out.stderr.strip().splitlines()[-3:])
+        raise WeightSyncError(f"cannot compute a probe from {path} (pass one instead): "
+                              f"{tail[-400:]}")
+    return Probe.parse(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def compare(expected: Probe, served: list[float]) -> tuple[float, int]:
+    """(largest absolute logprob error, its position in token_ids)."""
+    if len(served) != len(expected.logprobs):
+        raise WeightSyncError(f"the backend gave {len(served)} prompt logprobs for "
+                              f"{len(expected.logprobs)} tokens")
+    errors = [abs(a - b) for a, b in zip(served, expected.logprobs)]
+    worst = max(range(len(errors)), key=errors.__getitem__)
+    return errors[worst], worst + 1
+
+
+def sync(registry, backend_id: str, path: str, policy_version: int,
+         probe: Probe | None = None, tolerance: float = 1e-2, drain_timeout_s: float = 600.0,
+         verify: bool = True) -> dict:
+    """Drain, wait for in-flight 0, load, reset, verify, resume at ``policy_version``.
+    Returns the backend's record with ``weights`` (path, max error, tolerance). A mismatch
+    leaves the backend out of the heap (``weights_error``) and returns it so; a load the
+    engine refused raises :class:`WeightSyncError`, the backend kept out likewise."""
+    b = registry.get(backend_id)
+    if policy_version < b["policy_version"]:
+        raise Conflict("policy_version_regressed", f"backend {backend_id}: policy_version "
+                       f"{policy_version} is lower than its current {b['policy_version']} "
+                       f"(versions only grow)")
+    if not b["healthy"]:
+        raise WeightSyncError(f"backend {backend_id} is unhealthy ({b['last_error']}); "
+                              "nothing was loaded")
+    if probe is None and verify:
+        if not os.path.isdir(path):
+            raise WeightSyncError(f"path: {path} is not a directory here, so the farm cannot "
+                                  "compute the check's probe from it: pass a probe (or "
+                                  "verify: false)")
+        probe = checkpoint_probe(path, b["tokenizer"])  # before draining: may take a while
+    was_drained = b["drained"]
+    registry.drain(backend_id)
+    end = time.monotonic() + drain_timeout_s
+    while registry.get(backend_id)["in_flight"] > 0:
+        if time.monotonic() > end:
+            if not was_drained:
+                registry.set_fields(backend_id, drained=0)
+            raise Conflict("drain_timeout", f"backend {backend_id} still had jobs in flight "
+                           f"after {drain_timeout_s:g} s; nothing was loaded")
+        time.sleep(0.05)
+    started = time.monotonic()
+    try:
+        load(b["kind"], b["url"], path)
+    except WeightSyncError as e:
+        registry.set_fields(backend_id, weights_error=f"load_failed: {e}"[:500],
+                         weights_path=path)
+        raise
+    loaded_s = time.monotonic() - started
+    max_error, at = None, None
+    if verify:
+        try:
+            served = served_logprobs(b["kind"], b["url"], b["model"], probe.token_ids)
+            max_error, at = compare(probe, served)
+        except WeightSyncError as e:
+            registry.set_fields(backend_id, weights_error=f"unverified: {e}"[:500],
+                             weights_path=path)
+            raise
+    fields = {"weights_path": path, "weights_load_s": f"{loaded_s:.3f}",
+              "weights_max_error": "" if max_error is None else f"{max_error:.3g}",
+              "weights_checked_at": f"{time.time():.3f}"}
+    if max_error is not None and max_error > tolerance:
+        why = (f"weights_mismatch: logprob error {max_error:.3g} at probe token {at} "
+               f"exceeds {tolerance:g}: the backend does not compute what {path} computes")
+        log.error("backend %s: %s", backend_id, why)
+        registry.set_fields(backend_id, weights_error=why, **fields)
+        return registry.get(backend_id)
+    registry.set_fields(backend_id, weights_error="", **fields)
+    out = registry.resume(backend_id, policy_version)
+    log.info("backend %s: loaded %s in %.2f s, verified (max error %s), serving version %d",
+             backend_id, path, loaded_s, fields["weights_max_error"] or "unchecked",
+             policy_version)
+    return out
+
+
+def _main(argv: list[str]) -> None:
+    """``python -m prorl_farm.llm.weights MODEL_DIR TOKENIZER_DIR``: print the probe."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(argv[1])
+    ids = tok.encode(PROBE_TEXT, add_special_tokens=False)
+    if len(ids) < 8:  # a vocabulary that cannot spell it (a character-level one, say)
+        ids = [i % len(tok) for i in range(3, 35)]
+    model = AutoModelForCausalLM.from_pretrained(argv[0], dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    print(json.dumps({"token_ids": ids,
+                      "logprobs": [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
