@@ -69,9 +69,20 @@ def resume(backend_id: str):
     return services().backends.resume(backend_id, body["policy_version"])
 
 
-def _sync(backend_id: str, body: dict) -> dict:
+def _probe(body: dict) -> weights.Probe | None:
+    probe = body.get("probe")
+    if probe is None:
+        return None
+    if len(probe["logprobs"]) != len(probe["token_ids"]) - 1:
+        why = (f"one per token after the first: {len(probe['token_ids']) - 1} for "
+               f"{len(probe['token_ids'])} token ids, not {len(probe['logprobs'])}")
+        raise ApiError(422, "invalid_probe", f"probe.logprobs: {why}",
+                       {"probe": {"logprobs": [why]}})
+    return weights.Probe(probe["token_ids"], probe["logprobs"])
+
+
+def _sync(backend_id: str, body: dict, probe: weights.Probe | None) -> dict:
     svc = services()
-    probe = weights.Probe(**body["probe"]) if body.get("probe") else None
     try:
         return weights.sync(svc.backends, backend_id, body["path"], body["policy_version"],
                             probe=probe,
@@ -88,8 +99,9 @@ def sync_weights(backend_id: str):
     in-flight 0, load, reset its prefix cache, verify, resume. A failed check keeps the
     backend out of the heap (``weights.error``) and answers 409 ``weights_mismatch``."""
     body = BackendWeightsSchema().load(json_body())
+    probe = _probe(body)
     services().backends.get(backend_id)  # 404 before anything
-    out = _sync(backend_id, body)
+    out = _sync(backend_id, body, probe)
     if out["weights"]["error"]:
         raise ApiError(409, "weights_mismatch", out["weights"]["error"], {"backend": out})
     return out
@@ -101,12 +113,13 @@ def sync_all_weights():
     another, so the others keep serving while each one loads. Answers each backend's
     record; 409 if any failed its check."""
     body = BackendWeightsSchema().load(json_body())
+    probe = _probe(body)
     targets = [b["id"] for b in services().backends.list()
                if not body.get("model") or b["model"] == body["model"]]
     if not targets:
         raise ApiError(404, "not_found", "no backend is registered" +
                        (f" for model {body['model']!r}" if body.get("model") else ""))
-    out = [_sync(b, body) for b in targets]
+    out = [_sync(b, body, probe) for b in targets]
     bad = [b for b in out if b["weights"]["error"]]
     if bad:
         raise ApiError(409, "weights_mismatch", "; ".join(f"{b['id']}: {b['weights']['error']}"

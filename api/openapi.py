@@ -102,7 +102,7 @@ _DOC["paths"]["/v1/jobs"]["post"]["responses"]["200"] = {
     "content": {"application/json": {"schema": _ref("SubmitResponse")}}}
 # Bounds that exclude their limit (marshmallow's min_inclusive=False), in OpenAPI 3.0 terms.
 for _schema, _field in (("Submit", "deadline_s"), ("Sampling", "top_p"),
-                        ("Sampling", "repetition_penalty")):
+                        ("Sampling", "repetition_penalty"), ("BackendWeights", "tolerance")):
     _prop = _DOC["components"]["schemas"][_schema]["properties"][_field]
     _prop["exclusiveMinimum"] = True
 

@@ -258,12 +258,7 @@ class ProbeSchema(Schema):
     logprobs = fields.List(fields.Float(allow_nan=False), required=True, metadata={
         "description": "each token's logprob given those before it, from the trainer's own "
                        "model: one per token after the first"})
-
-    @validates_schema
-    def _lengths(self, data, **_):
-        if len(data["logprobs"]) != len(data["token_ids"]) - 1:
-            raise ValidationError("one per token after the first (len(token_ids) - 1)",
-                                  "logprobs")
+    # One logprob per token after the first: checked by the route (422 invalid_probe).
 
 
 class BackendWeightsSchema(Schema):
@@ -276,10 +271,10 @@ class BackendWeightsSchema(Schema):
         "description": "the checkpoint's directory (safetensors), as the engine sees it"})
     policy_version = fields.Integer(required=True, strict=True, validate=validate.Range(
         min=0, max=2**53), metadata={"description": "the version these weights are"})
-    probe = fields.Nested(ProbeSchema, load_default=None, allow_none=True, metadata={
+    probe = fields.Nested(ProbeSchema, metadata={
         "description": "token ids and their logprobs under the new weights; without it the "
                        "farm computes them from the checkpoint at path"})
-    tolerance = fields.Float(load_default=None, allow_none=True, allow_nan=False,
+    tolerance = fields.Float(allow_nan=False,
                              validate=validate.Range(min=0, min_inclusive=False, max=100),
                              metadata={"description": "largest logprob error accepted "
                                        "(default PRORL_WEIGHTS_TOLERANCE, 0.01)"})
@@ -288,7 +283,7 @@ class BackendWeightsSchema(Schema):
                        "taken on trust)"})
     drain_timeout_s = fields.Float(load_default=600.0, allow_nan=False,
                                    validate=validate.Range(min=0, max=24 * 3600))
-    model = fields.String(load_default=None, allow_none=True, metadata={
+    model = fields.String(validate=validate.Length(min=1, max=512), metadata={
         "description": "/v1/weights only: the backends serving this model (default: all)"})
 
 

@@ -10,6 +10,7 @@ from api import create_app
 from prorl_farm.config import load_settings
 from prorl_farm.errors import NotFound
 from prorl_farm.handlers.registry import HandlerRegistry
+from prorl_farm.llm.clients.abstract import SAMPLING_DEFAULTS
 from tests.conftest import make_pools
 from tests.farm import farm_env, wait_until
 
@@ -56,7 +57,9 @@ def test_handler_errors_map_to_failure_kinds(redis_server, tmp_path, r):
         ok = jobs["ok"]
         assert ok["state"] == "done" and ok["reward"] == 1.0
         assert ok["result"]["echo"] == {"behaviour": "ok"}
-        assert ok["result"]["sampling"] == {"temperature": 0.7, "max_tokens": 64}
+        # The request's sampling, every other field stated at the farm's default.
+        assert ok["result"]["sampling"] == {**SAMPLING_DEFAULTS, "temperature": 0.7,
+                                            "max_tokens": 64}
         assert ok["result"]["eval"] == {"checked": True}
         assert jobs["invalid"]["failure"]["kind"] == "invalid_instance"
         assert jobs["no-backend"]["failure"]["kind"] == "backend_unavailable"

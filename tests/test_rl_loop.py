@@ -53,6 +53,34 @@ def test_grpo_through_the_farm_raises_the_reward(tmp_path):
     assert any("mean reward, first 10 steps" in line for line in lines)
 
 
+def test_grpo_with_its_rollouts_from_real_vllm(tmp_path):
+    """`make grpo GRPO_ARGS="--engine vllm"`: `prorl-farm up --model DIR --engine vllm`
+    starts vLLM's CPU build and registers it; every step's rollouts come from it, the
+    trainer's teacher-forced logprobs match the recorded ones (the check at every step),
+    each weight sync goes through vLLM's reload_weights and the farm's probe. No reward
+    trend is asserted: a few steps of a model vLLM serves (heads of 32) learn little."""
+    import os
+
+    from prorl_farm.dev.engines import choose
+
+    engine, _, why = choose("vllm")
+    if engine != "vllm":
+        if os.environ.get("REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is required here: {why}")
+        pytest.skip(why)
+    grpo = _example()
+    cfg = grpo.Config(engine="vllm", steps=3, groups=4, n=4, max_groups_per_step=8)
+    lines: list[str] = []
+    result = grpo.train(cfg, tmp_path / "run", log=lines.append)
+    history = result["history"]
+    assert [r["step"] for r in history] == [0, 1, 2]
+    assert all(r["logprob_drift"] <= 1e-3 for r in history), history
+    assert result["version_violations"] == []
+    assert result["unfinished_batches"] == [] and result["backend_in_flight"] == 0
+    up = (tmp_path / "run" / "farm" / "up.out").read_text()
+    assert "engine: vLLM 0.32" in up, up[-2000:]
+
+
 def test_the_train_loop_template_syncs_weights_between_steps(tmp_path, capsys):
     """examples/train_loop.py against `prorl-farm up --dev-model` (a warm-started model, so
     groups vary): each step trains on groups from the sampler in both layouts, then drains,

@@ -121,3 +121,81 @@ def test_a_load_waits_for_the_generation_in_progress(served, tiny_model, tmp_pat
     ids, lp = _sampled(_completion(url))
     assert max(abs(a - b) for a, b in zip(lp, _teacher_forced(new, PROMPT + ids, len(ids)))
                ) < 1e-4
+
+
+# -- the farm's weight sync (POST /v1/backends/<id>/weights) on the dev server's routes ----
+
+
+def _info(url: str) -> dict:
+    return requests.get(url + "/get_model_info", timeout=10).json()
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_the_farm_syncs_through_the_engines_own_routes_and_checks_before_resuming(
+        served, tiny_model, tmp_path, client, r, kind):
+    """vLLM's path (/collective_rpc reload_weights, /reset_prefix_cache) and SGLang's
+    (/update_weights_from_disk, /flush_cache), both spoken by the dev server exactly; the
+    farm's own probe, computed from the checkpoint, passes; the backend resumes at the new
+    version only then."""
+    model, url = served
+    from tests.farm import use_only_backend
+
+    backend = use_only_backend(client, url=url, kind=kind, model="m", tokenizer=str(tiny_model),
+                               policy_version=4)
+    # Registration read the engine's context length from its /v1/models.
+    assert client.get(f"/v1/backends/{backend}").get_json()["max_model_len"] == model.max_len
+    before = _info(url)
+    new = _perturbed(tiny_model, tmp_path / "new", 0.2)
+    resp = client.post(f"/v1/backends/{backend}/weights",
+                       json={"path": str(new), "policy_version": 5})
+    assert resp.status_code == 200, resp.get_json()
+    out = resp.get_json()
+    after = _info(url)
+    assert after["weight_loads"] == before["weight_loads"] + 1
+    assert after["weights_path"] == str(new)
+    assert after["cache_resets"] == before["cache_resets"] + 1  # the reset route was called
+    assert out["policy_version"] == 5 and out["in_heap"] and not out["drained"]
+    assert out["weights"]["max_error"] < 1e-4 and out["weights"]["error"] is None
+    # A version lower than the current one is refused before anything is loaded.
+    resp = client.post(f"/v1/backends/{backend}/weights",
+                       json={"path": str(new), "policy_version": 4})
+    assert resp.status_code == 409 and _info(url)["weight_loads"] == after["weight_loads"]
+
+
+def test_a_backend_given_the_wrong_weights_stays_out_with_the_reason(
+        served, tiny_model, tmp_path, client, r):
+    from tests.farm import scrape, use_only_backend
+
+    model, url = served
+    backend = use_only_backend(client, url=url, kind="vllm", model="m",
+                               tokenizer=str(tiny_model))
+    meant = _perturbed(tiny_model, tmp_path / "meant", 0.2)
+    other = _perturbed(tiny_model, tmp_path / "other", 0.6)
+    m = DevModel(meant)
+    ids = list(range(3, 30))
+    lp = m.prompt_logprobs(ids)
+    probe = {"token_ids": ids, "logprobs": lp[1:]}
+    resp = client.post(f"/v1/backends/{backend}/weights",
+                       json={"path": str(other), "policy_version": 1, "probe": probe})
+    assert resp.status_code == 409 and resp.get_json()["error"]["code"] == "weights_mismatch"
+    listed = client.get("/v1/backends").get_json()["backends"][0]
+    assert not listed["in_heap"] and listed["weights"]["error"].startswith("weights_mismatch")
+    assert scrape(client)[("prorl_backend_weights_mismatch",
+                           (("backend", backend), ("model", "m")))] == 1
+    assert client.post(f"/v1/backends/{backend}/resume",
+                       json={"policy_version": 1}).status_code == 409
+    # A bad probe or a path the farm cannot read is a 4xx, and changes nothing.
+    for body, status in (({"path": str(meant), "policy_version": 1,
+                           "probe": {"token_ids": ids, "logprobs": lp[2:]}}, 422),
+                         ({"path": str(meant), "policy_version": 1,
+                           "probe": {"token_ids": [10**6, 5], "logprobs": [-1.0]}}, 422),
+                         ({"path": str(tmp_path / "nowhere"), "policy_version": 1}, 422),
+                         ({"policy_version": 1}, 400)):
+        resp = client.post(f"/v1/backends/{backend}/weights", json=body)
+        assert resp.status_code == status, resp.get_json()
+    resp = client.post(f"/v1/backends/{backend}/weights",
+                       json={"path": str(meant), "policy_version": 1, "probe": probe})
+    assert resp.status_code == 200, resp.get_json()
+    assert resp.get_json()["in_heap"] and resp.get_json()["weights"]["max_error"] < 1e-4
+    assert scrape(client)[("prorl_backend_weights_mismatch",
+                           (("backend", backend), ("model", "m")))] == 0

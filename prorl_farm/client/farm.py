@@ -252,14 +252,16 @@ class FarmClient:
         after the first); without it the farm computes one from ``path``. A backend that
         fails the check stays out of service: :class:`FarmConflict` ``weights_mismatch``.
         Returns the backend's record (one backend) or ``{"backends": [...]}``."""
-        body = {"path": str(path), "policy_version": policy_version, "probe": probe,
-                "tolerance": tolerance, "verify": verify, "drain_timeout_s": drain_timeout_s}
+        body = {"path": str(path), "policy_version": policy_version, "verify": verify,
+                "drain_timeout_s": drain_timeout_s}
+        body.update({k: v for k, v in (("probe", probe), ("tolerance", tolerance),
+                                       ("model", model)) if v is not None})
         timeout_s = drain_timeout_s + 900.0  # the drain, the load and the check
         if backend_id:
             return self._call("POST", f"/v1/backends/{backend_id}/weights", timeout_s=timeout_s,
                               retry="connect", json=body)
         return self._call("POST", "/v1/weights", timeout_s=timeout_s, retry="connect",
-                          json={**body, "model": model})
+                          json=body)
 
     def overview(self) -> dict:
         """Queues, stages, pools, backends, sandboxes and jobs by state (what the dashboard

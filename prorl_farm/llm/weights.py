@@ -205,6 +205,10 @@ def sync(registry, backend_id: str, path: str, policy_version: int,
                                   "compute the check's probe from it: pass a probe (or "
                                   "verify: false)")
         probe = checkpoint_probe(path, b["tokenizer"])  # before draining: may take a while
+    if probe is not None:
+        # The probe on the weights served now: a probe the engine refuses (token ids out
+        # of its vocabulary, longer than its context) fails here, before anything changed.
+        served_logprobs(b["kind"], b["url"], b["model"], probe.token_ids)
     was_drained = b["drained"]
     registry.drain(backend_id)
     end = time.monotonic() + drain_timeout_s
