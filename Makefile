@@ -66,7 +66,7 @@ $(VLLM_STAMP):
 lint: bootstrap
 	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
 
-bench: bootstrap
+bench: bootstrap vllm
 	$(PY) bench/pipeline.py
 	$(PY) bench/backends.py
 	$(PY) bench/tools.py
@@ -77,6 +77,7 @@ bench: bootstrap
 	$(PY) bench/submit.py
 	$(PY) bench/recovery.py
 	$(PY) bench/grading.py
+	$(PY) bench/engines.py
 
 # GRPO on the CPU with every rollout from a farm it starts (examples/grpo_cpu.py).
 GRPO_ARGS ?=
