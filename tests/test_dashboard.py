@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from prorl_farm.client import FarmClient
+from prorl_farm.llm.registry import BackendRegistry
 from tests.farm import chromium_dom, chromium_screenshot, http_farm, wait_until
 from tests.policy_server import PolicyServer, text_planner
 from tests.policy_server import tool_call as call
@@ -46,6 +47,10 @@ def test_dashboard_pages_in_chromium(redis_server, r, tmp_path, tiny_model):
             farm = FarmClient(url)
             backend = farm.register_backend(server.url, "vllm", "tiny", str(tiny_model),
                                             capacity=8, policy_version=5)["id"]
+            # A second backend whose weights failed their check after a sync: shown so.
+            bad = farm.register_backend(server.url, "vllm", "tiny", str(tiny_model))["id"]
+            BackendRegistry(r).set_fields(bad, weights_max_error="0.94", weights_error=(
+                "weights_mismatch: logprob error 0.94 at probe token 3 exceeds 0.01"))
             agent = farm.submit("math", [
                 {"problem": f"[case:good] {HOSTILE} What is 6 times 7?", "answer": "42"},
                 {"problem": "[case:wrong] What is 6 times 7?", "answer": "42"}])
@@ -61,7 +66,7 @@ def test_dashboard_pages_in_chromium(redis_server, r, tmp_path, tiny_model):
             home = chromium_dom(url + "/", tmp_path / "profile")
             for text in (agent["batch_id"], mixed["batch_id"], slow["batch_id"], "complete",
                          backend, "healthy", "run.testnode", "eval_error", "testnode",
-                         "Queues and stages", "Nodes"):
+                         "Queues and stages", "Nodes", bad, "weights_mismatch (0.940)"):
                 assert text in home, f"{text!r} missing from the dashboard"
             assert "node(s)" in home and "updated" in home  # the script ran and drew
 
