@@ -6,9 +6,10 @@ dev model server, same machine, same tiny model, same jobs.
 For each engine, `prorl-farm up --model DIR --engine E` runs the whole farm; then
 - rollouts: ``--jobs`` two-turn `chat` jobs (32 tokens a turn, temperature 1), submitted at
   once; wall time to the last one, rollouts and sampled tokens a second;
-- weight sync: three `FarmClient.sync_weights` calls (drain, load the engine's way, reset
-  its prefix cache, check the farm's own probe scored from the checkpoint, resume), each
-  to a new checkpoint: the call's wall time, and the engine's load alone.
+- weight sync: `FarmClient.sync_weights` calls (drain, load the engine's way, reset its
+  prefix cache, check the served logprobs of a probe, resume), each to a new checkpoint:
+  three with the farm's own probe (scored from the checkpoint in a child process), three
+  with a probe the trainer passes; the call's wall time, and the engine's load alone.
 The dev server is the baseline (ratio 1).
 """
 
@@ -30,6 +31,18 @@ from common import ROOT, machine, report  # noqa: E402
 from prorl_farm.client import FarmClient  # noqa: E402
 from prorl_farm.dev.engines import choose  # noqa: E402
 from prorl_farm.supervisor import free_port  # noqa: E402
+
+
+def _probe(path: Path) -> dict:
+    """What a trainer passes: token ids and its own model's logprob of each after the first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    ids = list(range(10, 42))
+    with torch.no_grad():
+        lp = torch.log_softmax(m(input_ids=torch.tensor([ids])).logits[0], -1)
+    return {"token_ids": ids, "logprobs": [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]}
 
 
 def _perturbed(model_dir: Path, out: Path, seed: int) -> Path:
@@ -89,16 +102,18 @@ def measure(model: Path, engine: str, jobs: int, work: Path) -> dict:
         wall = time.monotonic() - t0
         ok = [j for j in done if j["state"] == "done"]
         tokens = sum(sum(j["result"]["response_mask"]) for j in ok)
-        syncs, loads = [], []
-        for step in range(1, 4):
+        syncs, probed, loads = [], [], []
+        for step in range(1, 7):
             path = _perturbed(model, work / f"{engine}-step{step}", step)
+            probe = _probe(path) if step > 3 else None
             t0 = time.monotonic()
-            out = c.sync_weights(str(path), step, backend_id=backend["id"])
-            syncs.append(time.monotonic() - t0)
+            out = c.sync_weights(str(path), step, backend_id=backend["id"], probe=probe)
+            (probed if probe else syncs).append(time.monotonic() - t0)
             loads.append(out["weights"]["load_s"])
             assert out["weights"]["error"] is None and out["weights"]["max_error"] < 1e-4, out
         return {"ok": len(ok), "wall": wall, "rollouts_s": len(ok) / wall,
                 "tokens_s": tokens / wall, "sync_s": statistics.median(syncs),
+                "probed_s": statistics.median(probed),
                 "load_s": statistics.median(loads)}
     finally:
         farm.stop()
@@ -122,16 +137,19 @@ def main() -> None:
     lines = [f"\n### engines — {datetime.date.today()} — {machine()}\n",
              f"{args.jobs} two-turn `chat` jobs (32 tokens a turn, ignore_eos), submitted at "
              "once, through `prorl-farm up --model DIR --engine E` (tiny untied Qwen2, hidden "
-             "128, float32); then 3 checked weight syncs.\n",
-             "| engine | done | wall (s) | rollouts/s | sampled tokens/s | x dev | sync call (s) "
-             "| engine load (s) |", "|---|---|---|---|---|---|---|---|"]
+             "128, float32); then 6 checked weight syncs (3 with the farm's probe, 3 with the "
+             "trainer's).\n",
+             "| engine | done | wall (s) | rollouts/s | sampled tokens/s | x dev | sync, farm's "
+             "probe (s) | sync, trainer's probe (s) | engine load (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e, r in rows.items():
         lines.append(f"| {e} | {r['ok']}/{args.jobs} | {r['wall']:.2f} | {r['rollouts_s']:.1f} "
                      f"| {r['tokens_s']:.0f} | {r['tokens_s'] / base['tokens_s']:.2f} "
-                     f"| {r['sync_s']:.2f} | {r['load_s']:.3f} |")
+                     f"| {r['sync_s']:.2f} | {r['probed_s']:.2f} | {r['load_s']:.3f} |")
     lines.append("\nA sync call is drain + wait for in-flight 0 + the engine's load + its cache "
-                 "reset + the check (the probe scored from the checkpoint in a child process, "
-                 "about a second of it) + resume.")
+                 "reset + the check + resume. Scoring the farm's probe from the checkpoint "
+                 "costs a child process that imports torch and transformers (about 4 s here, "
+                 "the model's forward pass a few ms); a trainer's own probe skips it.")
     report(lines, args.record)
 
 
