@@ -5,15 +5,28 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
+
 from prorl_farm.celery_app import create_celery_app
 from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.states import JobState
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.worker.kombu import message_args
 
+_STORES: list[JobStore] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores():
+    """Every store a test makes is closed with it (its pool's sockets with it)."""
+    yield
+    while _STORES:
+        _STORES.pop().r.connection_pool.disconnect()
+
 
 def make(settings, r, n=1, **kw):
     store = JobStore.from_settings(settings)
+    _STORES.append(store)
     jobs = store.create_jobs("b", "synthetic", [{}], n, {}, kw.get("deadline_s"))
     return store, jobs
 
