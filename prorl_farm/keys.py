@@ -117,6 +117,12 @@ def backend(backend_id: str) -> str:
     return f"{PREFIX}backend:{backend_id}"
 
 
+def backend_sync(backend_id: str) -> str:
+    """String with expiry: the token of the weight sync under way on the backend (one at a
+    time)."""
+    return f"{PREFIX}backend:{backend_id}:sync"
+
+
 # Set: every registered backend id.
 BACKENDS = f"{PREFIX}backends:all"
 # Sorted set, the min-heap: backend -> the request time one more job would add there

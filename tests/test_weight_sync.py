@@ -156,6 +156,12 @@ def test_the_farm_syncs_through_the_engines_own_routes_and_checks_before_resumin
     assert after["cache_resets"] == before["cache_resets"] + 1  # the reset route was called
     assert out["policy_version"] == 5 and out["in_heap"] and not out["drained"]
     assert out["weights"]["max_error"] < 1e-4 and out["weights"]["error"] is None
+    # One sync at a time per backend: another one meanwhile is refused.
+    r.set(f"prorl:backend:{backend}:sync", "someone-else", ex=60)
+    resp = client.post(f"/v1/backends/{backend}/weights",
+                       json={"path": str(new), "policy_version": 6})
+    assert resp.status_code == 409 and resp.get_json()["error"]["code"] == "sync_in_progress"
+    r.delete(f"prorl:backend:{backend}:sync")
     # A version lower than the current one is refused before anything is loaded.
     resp = client.post(f"/v1/backends/{backend}/weights",
                        json={"path": str(new), "policy_version": 4})

@@ -32,8 +32,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
 
+from prorl_farm import keys
 from prorl_farm.errors import Conflict, FarmError
 
 log = logging.getLogger(__name__)
@@ -187,10 +189,26 @@ def compare(expected: Probe, served: list[float]) -> tuple[float, int]:
 def sync(registry, backend_id: str, path: str, policy_version: int,
          probe: Probe | None = None, tolerance: float = 1e-2, drain_timeout_s: float = 600.0,
          verify: bool = True) -> dict:
-    """Drain, wait for in-flight 0, load, reset, verify, resume at ``policy_version``.
+    """Drain, wait for in-flight 0, load, reset, verify, resume at ``policy_version``: one
+    sync per backend at a time (another one meanwhile is a Conflict, ``sync_in_progress``).
     Returns the backend's record with ``weights`` (path, max error, tolerance). A mismatch
     leaves the backend out of the heap (``weights_error``) and returns it so; a load the
     engine refused raises :class:`WeightSyncError`, the backend kept out likewise."""
+    registry.get(backend_id)  # NotFound first
+    lock, token = keys.backend_sync(backend_id), uuid.uuid4().hex
+    if not registry.r.set(lock, token, nx=True, ex=int(drain_timeout_s + 3600)):
+        raise Conflict("sync_in_progress", f"backend {backend_id}: another weight sync is "
+                       "under way")
+    try:
+        return _sync(registry, backend_id, path, policy_version, probe, tolerance,
+                     drain_timeout_s, verify)
+    finally:
+        if registry.r.get(lock) == token:
+            registry.r.delete(lock)
+
+
+def _sync(registry, backend_id: str, path: str, policy_version: int, probe: Probe | None,
+          tolerance: float, drain_timeout_s: float, verify: bool) -> dict:
     b = registry.get(backend_id)
     if policy_version < b["policy_version"]:
         raise Conflict("policy_version_regressed", f"backend {backend_id}: policy_version "
