@@ -99,9 +99,7 @@ def sync_weights(backend_id: str):
     in-flight 0, load, reset its prefix cache, verify, resume. A failed check keeps the
     backend out of the heap (``weights.error``) and answers 409 ``weights_mismatch``."""
     body = BackendWeightsSchema().load(json_body())
-    probe = _probe(body)
-    services().backends.get(backend_id)  # 404 before anything
-    out = _sync(backend_id, body, probe)
+    out = _sync(backend_id, body, _probe(body))
     if out["weights"]["error"]:
         raise ApiError(409, "weights_mismatch", out["weights"]["error"], {"backend": out})
     return out

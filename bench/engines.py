@@ -30,19 +30,14 @@ from common import ROOT, machine, report  # noqa: E402
 
 from prorl_farm.client import FarmClient  # noqa: E402
 from prorl_farm.dev.engines import choose  # noqa: E402
+from prorl_farm.llm.weights import score  # noqa: E402
 from prorl_farm.supervisor import free_port  # noqa: E402
 
 
 def _probe(path: Path) -> dict:
     """What a trainer passes: token ids and its own model's logprob of each after the first."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    ids = list(range(10, 42))
-    with torch.no_grad():
-        lp = torch.log_softmax(m(input_ids=torch.tensor([ids])).logits[0], -1)
-    return {"token_ids": ids, "logprobs": [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]}
+    probe = score(str(path), list(range(10, 42)))
+    return {"token_ids": probe.token_ids, "logprobs": probe.logprobs}
 
 
 def _perturbed(model_dir: Path, out: Path, seed: int) -> Path:

@@ -70,26 +70,35 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+def require_vllm() -> str:
+    """The interpreter of vLLM's environment; skips the test where vLLM cannot run here,
+    or fails it where REQUIRE_VLLM=1 (as `make test` sets once it installed vLLM)."""
+    import os
+
+    from prorl_farm.dev.engines import choose
+
+    engine, python, why = choose("vllm")
+    if engine != "vllm":
+        if os.environ.get("REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is required here but cannot run: {why}")
+        pytest.skip(f"vLLM's CPU build cannot run here: {why}")
+    return python
+
+
 def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
-    """vLLM's CPU build serving ``model_dir`` in float32 (a real process group); skips
-    (fails where REQUIRE_VLLM=1, as `make test` sets once it installed vLLM) when it cannot
-    run here. Returns (url, stop)."""
+    """vLLM's CPU build serving ``model_dir`` in float32 (a real process group), or a skip
+    (:func:`require_vllm`). Returns (url, stop)."""
     import os
     import signal
     import subprocess
     import urllib.request
 
-    from prorl_farm.dev.engines import cpu_supports_vllm, find_vllm, vllm_command
+    from prorl_farm.dev.engines import vllm_command
     from tests.farm import free_port, wait_until
 
-    found = find_vllm()
-    why = found.reason if found.python is None else cpu_supports_vllm()
-    if why:
-        if os.environ.get("REQUIRE_VLLM") == "1":
-            pytest.fail(f"vLLM is required here but cannot run: {why}")
-        pytest.skip(f"vLLM's CPU build cannot run here: {why}")
+    python = require_vllm()
     port = free_port()
-    argv, env = vllm_command(found.python, str(model_dir), "127.0.0.1", port, name,
+    argv, env = vllm_command(python, str(model_dir), "127.0.0.1", port, name,
                              max_model_len=max_model_len)
     log = open(log_dir / "vllm.log", "wb")  # noqa: SIM115 - closed by stop()
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from tests.conftest import require_vllm
 from tests.farm import ROOT, wait_until
 
 pytestmark = pytest.mark.slow
@@ -59,15 +60,7 @@ def test_grpo_with_its_rollouts_from_real_vllm(tmp_path):
     trainer's teacher-forced logprobs match the recorded ones (the check at every step),
     each weight sync goes through vLLM's reload_weights and the farm's probe. No reward
     trend is asserted: a few steps of a model vLLM serves (heads of 32) learn little."""
-    import os
-
-    from prorl_farm.dev.engines import choose
-
-    engine, _, why = choose("vllm")
-    if engine != "vllm":
-        if os.environ.get("REQUIRE_VLLM") == "1":
-            pytest.fail(f"vLLM is required here: {why}")
-        pytest.skip(why)
+    require_vllm()
     grpo = _example()
     cfg = grpo.Config(engine="vllm", steps=3, groups=4, n=4, max_groups_per_step=8)
     lines: list[str] = []

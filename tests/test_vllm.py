@@ -24,6 +24,7 @@ from prorl_farm.llm.session import turn_seed
 from tests.conftest import make_pools, start_vllm
 from tests.farm import farm_env, run_batch, scrape, use_only_backend, wait_until
 from tests.test_tokens import teacher_forced_logprobs
+from tests.test_weight_sync import _perturbed
 
 pytestmark = pytest.mark.slow
 
@@ -40,19 +41,6 @@ def farm(redis_server, tmp_path_factory, vllm_server):
     client = create_app(load_settings(farm_env(redis_server.url))).test_client()
     yield pools, client
     pools.stop()
-
-
-def _perturbed(model_dir, out, scale: float, seed: int):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    m.save_pretrained(str(out))
-    return out
 
 
 def _register(client, url: str, model_dir, version: int = 0) -> str:
@@ -166,19 +154,13 @@ def test_weight_sync_resets_the_prefix_cache_and_serves_the_new_weights(
 
 def test_the_check_refuses_a_backend_given_the_wrong_checkpoint(
         farm, vllm_server, vllm_model, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     _, client = farm
     backend = _register(client, vllm_server, vllm_model, version=10)
     meant = _perturbed(vllm_model, tmp_path / "meant", 0.2, seed=2)
     wrong = _perturbed(vllm_model, tmp_path / "wrong", 0.2, seed=3)
     # The trainer's probe comes from the weights it means to serve...
     ids = list(range(10, 40))
-    model = AutoModelForCausalLM.from_pretrained(str(meant), dtype=torch.float32)
-    with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)
-    probe = {"token_ids": ids, "logprobs": [float(lp[i - 1, ids[i]]) for i in range(1, 30)]}
+    probe = {"token_ids": ids, "logprobs": teacher_forced_logprobs(meant, ids)[1:]}
     # ...but the path it names holds other weights.
     resp = client.post(f"/v1/backends/{backend}/weights",
                        json={"path": str(wrong), "policy_version": 11, "probe": probe})

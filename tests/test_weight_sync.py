@@ -46,11 +46,12 @@ def _teacher_forced(model_dir, ids: list[int], n_new: int) -> list[float]:
     return [float(lp[p - 1, ids[p]]) for p in range(start, len(ids))]
 
 
-def _perturbed(tiny_model, out, scale: float):
+def _perturbed(tiny_model, out, scale: float, seed: int = 7):
+    """The model's weights plus Gaussian noise of ``scale``, saved to ``out``."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)

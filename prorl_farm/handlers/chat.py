@@ -14,6 +14,7 @@ from marshmallow import RAISE, Schema, fields, validate
 from prorl_farm.agent.loop import CONTEXT_LENGTH
 from prorl_farm.agent.trajectory import Trajectory, load_chat_tokens
 from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.llm.clients.abstract import MAX_TOKENS
 from prorl_farm.llm.session import BackendSession, turn_seed
 
 
@@ -70,8 +71,9 @@ class ChatHandler(AgentHandler):
                 if room <= 0:
                     end = "context"
                     break
+                wanted = int(ctx.sampling.get("max_tokens") or MAX_TOKENS)
                 sampling = dict(ctx.sampling, seed=turn_seed(ctx, turn),
-                                max_tokens=min(int(ctx.sampling.get("max_tokens") or 256), room))
+                                max_tokens=min(wanted, room))
                 t = session.generate(sent, sampling)
                 g = t.generation
                 traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason,

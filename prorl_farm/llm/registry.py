@@ -34,6 +34,11 @@ def _version(raw: str | None) -> int:
         return 0
 
 
+def _float(raw: dict, name: str) -> float | None:
+    """A stored number (None where it is absent or empty)."""
+    return float(raw[name]) if raw.get(name) else None
+
+
 def probe(url: str, timeout_s: float = 2.0) -> str | None:
     """GET the backend's health route: None if it answers 200, else what went wrong."""
     try:
@@ -200,8 +205,8 @@ class BackendRegistry:
             "load": int(inflight or 0) / max(1, int(raw["capacity"])),
             # The heap's key: the request time one more job adds there (absent out of it).
             "expected_delay_ms": round(float(score), 3) if score is not None else None,
-            "latency_ms": float(raw["latency_ms"]) if raw.get("latency_ms") else None,
-            "service_ms": float(raw["service_ms"]) if raw.get("service_ms") else None,
+            "latency_ms": _float(raw, "latency_ms"),
+            "service_ms": _float(raw, "service_ms"),
             "jobs_total": int(raw.get("jobs_total", 0)),
             "requests_total": int(raw.get("requests_total", 0)),
             "last_error": raw.get("last_error") or None,
@@ -210,11 +215,9 @@ class BackendRegistry:
             "weights": {
                 "path": raw.get("weights_path") or None,
                 "error": raw.get("weights_error") or None,
-                "max_error": float(raw["weights_max_error"])
-                if raw.get("weights_max_error") else None,
-                "checked_at": float(raw["weights_checked_at"])
-                if raw.get("weights_checked_at") else None,
-                "load_s": float(raw["weights_load_s"]) if raw.get("weights_load_s") else None,
+                "max_error": _float(raw, "weights_max_error"),
+                "checked_at": _float(raw, "weights_checked_at"),
+                "load_s": _float(raw, "weights_load_s"),
             },
         }
 

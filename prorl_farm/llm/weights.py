@@ -59,20 +59,22 @@ class Probe:
     token_ids: list[int]
     logprobs: list[float]
 
-    @classmethod
-    def parse(cls, doc: dict) -> Probe:
-        ids, lps = doc.get("token_ids"), doc.get("logprobs")
-        if (not isinstance(ids, list) or len(ids) < 2
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                           for t in ids)):
-            raise ValueError("probe.token_ids: at least two token ids")
-        if not isinstance(lps, list) or len(lps) not in (len(ids), len(ids) - 1):
-            raise ValueError("probe.logprobs: one per token after the first")
-        if len(lps) == len(ids):
-            lps = lps[1:]  # a leading null for the first token
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps):
-            raise ValueError("probe.logprobs: numbers")
-        return cls(list(ids), [float(x) for x in lps])
+
+def score(model_dir: str, token_ids: list[int]) -> Probe:
+    """The probe of ``token_ids`` under the checkpoint at ``model_dir``: each token's
+    logprob given those before it, teacher-forced in float32 (in this process: needs torch
+    and transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([token_ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return Probe(list(token_ids),
+                 [float(lp[i - 1, token_ids[i]]) for i in range(1, len(token_ids))])
 
 
 def _http(method: str, url: str, body: dict | None = None, timeout_s: float = 600.0
@@ -97,36 +99,45 @@ def _ok(what: str, status: int, text: str) -> None:
         raise WeightSyncError(f"{what}: HTTP {status}: {text[:300]}")
 
 
+def _refused(text: str) -> bool:
+    """A 2xx answer that says ``{"success": false}`` (vLLM's cache reset while blocks are
+    held, SGLang's load)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False  # SGLang's /flush_cache answers plain text
+    return isinstance(doc, dict) and doc.get("success") is False
+
+
+# kind -> (the load's route, its body for a path, the cache reset's route)
+ROUTES = {
+    "vllm": ("/collective_rpc",
+             lambda path: {"method": "reload_weights", "kwargs": {"weights_path": path}},
+             "/reset_prefix_cache"),
+    "sglang": ("/update_weights_from_disk", lambda path: {"model_path": path}, "/flush_cache"),
+}
+
+
 def load(kind: str, url: str, path: str, timeout_s: float = 600.0) -> None:
     """Load ``path`` into the engine and reset its prefix cache (retried while the engine
     says blocks are still held)."""
-    url = url.rstrip("/")
-    if kind == "vllm":
-        status, text = _http("POST", url + "/collective_rpc",
-                             {"method": "reload_weights", "kwargs": {"weights_path": path}},
-                             timeout_s)
-        _ok("reload_weights", status, text)
-        reset = ("POST", url + "/reset_prefix_cache")
-    elif kind == "sglang":
-        status, text = _http("POST", url + "/update_weights_from_disk", {"model_path": path},
-                             timeout_s)
-        _ok("update_weights_from_disk", status, text)
-        try:
-            if json.loads(text).get("success") is False:
-                raise WeightSyncError(f"update_weights_from_disk: {text[:300]}")
-        except (ValueError, AttributeError):
-            pass
-        reset = ("POST", url + "/flush_cache")
-    else:
+    if kind not in ROUTES:
         raise WeightSyncError(f"no weight loading for backend kind {kind!r}")
-    for attempt in range(20):
-        status, text = _http(*reset, timeout_s=60)
-        done = status < 300 and '"success":false' not in text.replace(" ", "")
-        if done:
+    route, body, reset = ROUTES[kind]
+    url = url.rstrip("/")
+    status, text = _http("POST", url + route, body(path), timeout_s)
+    _ok(route, status, text)
+    if _refused(text):
+        raise WeightSyncError(f"{route}: {text[:300]}")
+    for _ in range(20):
+        status, text = _http("POST", url + reset, timeout_s=60)
+        if status < 300 and not _refused(text):
             return
-        if status == 404 or attempt == 19:
-            _ok(reset[1].rsplit("/", 1)[1], status if status >= 300 else 409, text)
+        if status == 404:
+            _ok(reset, status, text)
         time.sleep(0.25)
+    raise WeightSyncError(f"{reset}: the engine did not reset its cache in 20 tries: HTTP "
+                          f"{status}: {text[:300]}")
 
 
 def served_logprobs(kind: str, url: str, model: str, token_ids: list[int],
@@ -173,7 +184,8 @@ def checkpoint_probe(path: str, tokenizer: str | None = None, timeout_s: float =
         tail = " ".join(out.stderr.strip().splitlines()[-3:])
         raise WeightSyncError(f"cannot compute a probe from {path} (pass one instead): "
                               f"{tail[-400:]}")
-    return Probe.parse(json.loads(out.stdout.strip().splitlines()[-1]))
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    return Probe(doc["token_ids"], doc["logprobs"])
 
 
 def compare(expected: Probe, served: list[float]) -> tuple[float, int]:
@@ -194,22 +206,22 @@ def sync(registry, backend_id: str, path: str, policy_version: int,
     Returns the backend's record with ``weights`` (path, max error, tolerance). A mismatch
     leaves the backend out of the heap (``weights_error``) and returns it so; a load the
     engine refused raises :class:`WeightSyncError`, the backend kept out likewise."""
-    registry.get(backend_id)  # NotFound first
+    b = registry.get(backend_id)  # NotFound first
     lock, token = keys.backend_sync(backend_id), uuid.uuid4().hex
     if not registry.r.set(lock, token, nx=True, ex=int(drain_timeout_s + 3600)):
         raise Conflict("sync_in_progress", f"backend {backend_id}: another weight sync is "
                        "under way")
     try:
-        return _sync(registry, backend_id, path, policy_version, probe, tolerance,
-                     drain_timeout_s, verify)
+        return _sync(registry, b, path, policy_version, probe, tolerance, drain_timeout_s,
+                     verify)
     finally:
         if registry.r.get(lock) == token:
             registry.r.delete(lock)
 
 
-def _sync(registry, backend_id: str, path: str, policy_version: int, probe: Probe | None,
+def _sync(registry, b: dict, path: str, policy_version: int, probe: Probe | None,
           tolerance: float, drain_timeout_s: float, verify: bool) -> dict:
-    b = registry.get(backend_id)
+    backend_id = b["id"]
     if policy_version < b["policy_version"]:
         raise Conflict("policy_version_regressed", f"backend {backend_id}: policy_version "
                        f"{policy_version} is lower than its current {b['policy_version']} "
@@ -242,7 +254,7 @@ def _sync(registry, backend_id: str, path: str, policy_version: int, probe: Prob
         load(b["kind"], b["url"], path)
     except WeightSyncError as e:
         registry.set_fields(backend_id, weights_error=f"load_failed: {e}"[:500],
-                         weights_path=path)
+                            weights_path=path)
         raise
     loaded_s = time.monotonic() - started
     max_error, at = None, None
@@ -252,7 +264,7 @@ def _sync(registry, backend_id: str, path: str, policy_version: int, probe: Prob
             max_error, at = compare(probe, served)
         except WeightSyncError as e:
             registry.set_fields(backend_id, weights_error=f"unverified: {e}"[:500],
-                             weights_path=path)
+                                weights_path=path)
             raise
     fields = {"weights_path": path, "weights_load_s": f"{loaded_s:.3f}",
               "weights_max_error": "" if max_error is None else f"{max_error:.3g}",
@@ -273,22 +285,14 @@ def _sync(registry, backend_id: str, path: str, policy_version: int, probe: Prob
 
 def _main(argv: list[str]) -> None:
     """``python -m prorl_farm.llm.weights MODEL_DIR TOKENIZER_DIR``: print the probe."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoTokenizer
 
-    hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(argv[1])
     ids = tok.encode(PROBE_TEXT, add_special_tokens=False)
     if len(ids) < 8:  # a vocabulary that cannot spell it (a character-level one, say)
         ids = [i % len(tok) for i in range(3, 35)]
-    model = AutoModelForCausalLM.from_pretrained(argv[0], dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    print(json.dumps({"token_ids": ids,
-                      "logprobs": [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]}))
+    probe = score(argv[0], ids)
+    print(json.dumps({"token_ids": probe.token_ids, "logprobs": probe.logprobs}))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0
                      "frequency_penalty": 0.0, "ignore_eos": False}
 
 
+# Tokens a turn generates at most where the request does not say.
+MAX_TOKENS = 256
+
+
 def explicit_sampling(sampling: dict) -> dict:
     """``sampling`` with every field of :data:`SAMPLING_DEFAULTS` stated."""
     return {**SAMPLING_DEFAULTS, **{k: v for k, v in sampling.items() if v is not None}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prorl_farm.errors import BackendError
-from prorl_farm.llm.clients.abstract import Generation, LLMClient, explicit_sampling
+from prorl_farm.llm.clients.abstract import MAX_TOKENS, Generation, LLMClient, explicit_sampling
 
 PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids",
                 "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos")
@@ -16,7 +16,8 @@ class SGLangClient(LLMClient):
 
     def generate(self, prompt_ids: list[int], sampling: dict, abort_hook=None) -> Generation:
         sampling = explicit_sampling(sampling)
-        params = {"max_new_tokens": sampling.get("max_tokens", 256), "skip_special_tokens": False}
+        params = {"max_new_tokens": sampling.get("max_tokens", MAX_TOKENS),
+                  "skip_special_tokens": False}
         params.update({k: sampling[k] for k in PASS_THROUGH if sampling.get(k) is not None})
         if sampling.get("seed") is not None:
             params["sampling_seed"] = sampling["seed"]

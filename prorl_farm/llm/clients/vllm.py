@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prorl_farm.errors import BackendError
-from prorl_farm.llm.clients.abstract import Generation, LLMClient, explicit_sampling
+from prorl_farm.llm.clients.abstract import MAX_TOKENS, Generation, LLMClient, explicit_sampling
 
 # Sampling fields passed through as vLLM names them.
 PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
@@ -17,7 +17,7 @@ class VLLMClient(LLMClient):
 
     def generate(self, prompt_ids: list[int], sampling: dict, abort_hook=None) -> Generation:
         body = {"model": self.model, "prompt": prompt_ids,
-                "max_tokens": sampling.get("max_tokens", 256),
+                "max_tokens": sampling.get("max_tokens", MAX_TOKENS),
                 "logprobs": 0,  # the sampled token's logprob only
                 "return_token_ids": True, "return_tokens_as_token_ids": True,
                 "skip_special_tokens": False}
