@@ -206,3 +206,51 @@ def test_a_backend_given_the_wrong_weights_stays_out_with_the_reason(
     assert resp.get_json()["in_heap"] and resp.get_json()["weights"]["max_error"] < 1e-4
     assert scrape(client)[("prorl_backend_weights_mismatch",
                            (("backend", backend), ("model", "m")))] == 0
+
+
+def test_a_sync_mid_batch_loses_nothing_and_never_mixes_weights(
+        served, tiny_model, tmp_path, pools, client, r):
+    """A weight sync called while a batch runs: the farm waits for the jobs pinned to the
+    backend to finish on the old weights, loads, checks, resumes; the jobs not yet pinned
+    wait and run on the new ones. Every job finishes, none mixes versions, and every
+    trajectory is exact under the weights its version names."""
+    import threading
+
+    from tests.farm import use_only_backend
+    from tests.test_tokens import teacher_forced_logprobs
+
+    model, url = served
+    backend = use_only_backend(client, url=url, kind="vllm", model="m",
+                               tokenizer=str(tiny_model), capacity=4, policy_version=20)
+    old = model.weights_path
+    new = _perturbed(tiny_model, tmp_path / "mid", 0.3, seed=11)
+    ids = list(range(3, 30))  # the trainer's probe: the sync starts at once
+    probe = {"token_ids": ids, "logprobs": teacher_forced_logprobs(new, ids)[1:]}
+    sub = client.post("/v1/jobs", json={"handler": "chat", "n": 8, "instances": [
+        {"messages": [{"role": "user", "content": f"Count to {i}."}],
+         "observations": ["more", "more"], "continue_on_length": True} for i in range(4)],
+        "sampling": {"max_tokens": 48, "ignore_eos": True}}).get_json()
+    wait_until(lambda: client.get(f"/v1/backends/{backend}").get_json()["in_flight"] >= 2,
+               60, 0.01, "jobs running on the backend")
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(resp=client.post(
+        f"/v1/backends/{backend}/weights", json={"path": str(new), "policy_version": 21,
+                                                  "probe": probe})))
+    thread.start()
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+               180, 0.2, "the batch")
+    thread.join(120)
+    assert answer["resp"].status_code == 200, answer["resp"].get_json()
+    jobs = [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+    assert [j["state"] for j in jobs] == ["done"] * 32, [j["failure"] for j in jobs]
+    versions = set()
+    for job in jobs:
+        t = job["result"]
+        [version] = {turn["policy_version"] for turn in t["turns"]}  # never mixed
+        versions.add(version)
+        weights = {20: old, 21: new}[version]
+        full = t["prompt_ids"] + t["response_ids"]
+        forced = teacher_forced_logprobs(weights, full)[len(t["prompt_ids"]):]
+        sampled = [i for i, m in enumerate(t["response_mask"]) if m]
+        assert max(abs(forced[i] - t["response_logprobs"][i]) for i in sampled) < 1e-4
+    assert versions == {20, 21}
