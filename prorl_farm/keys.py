@@ -24,6 +24,12 @@ def instance(instance_id: str) -> str:
     return f"{PREFIX}instance:{instance_id}"
 
 
+def sampling(sampling_id: str) -> str:
+    """String: one request's sampling parameters (JSON), shared by all of its jobs (kept
+    out of the job hash, which it would push out of Redis's compact encoding)."""
+    return f"{PREFIX}sampling:{sampling_id}"
+
+
 def batch(batch_id: str) -> str:
     """Hash: ``total``, ``created_at``, ``handler``."""
     return f"{PREFIX}batch:{batch_id}"
@@ -169,8 +175,8 @@ _LUA_CONSTANTS = ("CLAIMED", "QUEUES", "ACTIVE", "DEADLINES", "POOLS", "STATS", 
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
                   "REAPER_ACTIONS")
-_LUA_FUNCTIONS = ("job", "instance", "batch", "batch_counts", "batch_jobs", "batch_stream",
-                  "queued", "published", "backend", "histogram")
+_LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
+                  "batch_stream", "queued", "published", "backend", "histogram")
 
 
 def _lua() -> str:

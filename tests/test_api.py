@@ -196,7 +196,11 @@ def test_an_instance_is_stored_once_for_its_samples(client, r):
     assert len(instances) == 1
     job = client.get(f"/v1/jobs/{resp.get_json()['job_ids'][7]}").get_json()
     assert job["instance"]["payload"] == big["payload"] and job["sample_index"] == 7
-    assert used < 50 * 2000  # no copy of the instance in each job hash
+    # No copy of the instance, nor of the sampling parameters, in each job hash: it stays
+    # in Redis's compact encoding.
+    assert used < 50 * 1000, used
+    assert all(r.object("encoding", k) == "listpack" for k in r.scan_iter("prorl:job:*"))
+    assert job["sampling"]["temperature"] == 1.0 and job["sampling"]["top_k"] == -1
 
 
 def test_recent_batches_are_listed(client, r):

@@ -60,6 +60,10 @@ def test_handler_errors_map_to_failure_kinds(redis_server, tmp_path, r):
         # The request's sampling, every other field stated at the farm's default.
         assert ok["result"]["sampling"] == {**SAMPLING_DEFAULTS, "temperature": 0.7,
                                             "max_tokens": 64}
+        # ...recorded with the job, in its document and on a results page alike.
+        page = client.get(f"/v1/batches/{batch}/results").get_json()["results"]
+        assert {j["id"]: j["sampling"] for j in page}[ids[0]] == ok["result"]["sampling"]
+        assert ok["sampling"] == ok["result"]["sampling"]
         assert ok["result"]["eval"] == {"checked": True}
         assert jobs["invalid"]["failure"]["kind"] == "invalid_instance"
         assert jobs["no-backend"]["failure"]["kind"] == "backend_unavailable"

@@ -63,7 +63,8 @@ def render_job(raw: dict, include_instance: bool = True) -> dict:
     }
     # The oldest policy version among the job's turns (None: no LLM turn).
     doc["policy_version"] = (doc["result"] or {}).get("policy_version")
+    # Every field stated (SAMPLING_DEFAULTS filled in at submission): what sampled it.
+    doc["sampling"] = json.loads(raw.get("sampling") or "{}")
     if include_instance:
         doc["instance"] = json.loads(raw.get("instance") or "null")
-        doc["sampling"] = json.loads(raw.get("sampling", "{}"))
     return doc

@@ -6,7 +6,7 @@ single Redis, not Redis Cluster). Times come from Redis ``TIME`` so that timings
 across nodes whatever their clocks say. Outcome strings are the values of the enums in
 :mod:`prorl_farm.jobs.states`.
 
-Job hash fields: ``id batch_id handler instance_id instance_index sample_index sampling
+Job hash fields: ``id batch_id handler instance_id instance_index sample_index sampling_id
 state stage phase token queue node worker holder requeues attempts created_at deadline_at
 finished_at failure_kind failure_message hstate result reward`` and
 ``t_<stage>_{queued,start,end}``.
@@ -68,7 +68,7 @@ end
 -- The one way into a terminal state. Returns "<old state>:<old phase>:<old token>".
 local function finish(id, jk, state, kind, msg, ttl, now)
   local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token',
-                       'instance_id')
+                       'instance_id', 'sampling_id')
   local old, stage, phase, batch, queue, token, inst = j[1], j[2], j[3], j[4], j[5], j[6], j[7]
   if phase == 'active' then
     redis.call('HSET', jk, 't_' .. stage .. '_end', fmt(now))
@@ -88,6 +88,7 @@ local function finish(id, jk, state, kind, msg, ttl, now)
   redis.call('HINCRBY', K.STATS, state, 1)
   redis.call('EXPIRE', jk, ttl)
   if inst then redis.call('EXPIRE', K.instance(inst), ttl) end
+  if j[8] then redis.call('EXPIRE', K.sampling(j[8]), ttl) end
   for _, k in ipairs({K.batch(batch), K.batch_counts(batch), K.batch_stream(batch),
                       K.batch_jobs(batch)}) do
     redis.call('EXPIRE', k, ttl)
@@ -98,7 +99,7 @@ end
 
 # Claim a stage for a worker. ARGV: job, stage, token, worker, ttl_s, holder (the worker
 # process's presence name, or ''; its heartbeats keep it up to date from then on).
-# Returns {"ok", <the job fields a stage needs>, <instance JSON>} | {"missing"} | {"terminal"} |
+# Returns {"ok", <the job fields a stage needs>, <instance JSON>, <sampling JSON>} | {"missing"} | {"terminal"} |
 # {"stale"} | {"expired"}. "stale": a redelivery of a stage that already ran or runs, or of an
 # earlier attempt.
 CLAIM = r"""
@@ -106,7 +107,7 @@ local id, stage, token, worker, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumb
 local holder = ARGV[6]
 local jk = K.job(id)
 local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'token', 'deadline_at', 'batch_id',
-                     'queue', 't_' .. stage .. '_queued', 'instance_id')
+                     'queue', 't_' .. stage .. '_queued', 'instance_id', 'sampling_id')
 if not j[1] then return {'missing'} end
 if TERMINAL[j[1]] then return {'terminal'} end
 if j[2] ~= stage or j[4] ~= token or j[3] ~= 'waiting' then return {'stale'} end
@@ -131,10 +132,11 @@ if j[7] and j[8] then
 end
 unqueue(id, j[7])
 local inst = j[9] and redis.call('GET', K.instance(j[9])) or false
+local sampling = j[10] and redis.call('GET', K.sampling(j[10])) or false
 -- What the stage needs of the job (store.CLAIM_FIELDS, in that order), not all of it.
-return {'ok', redis.call('HMGET', jk, 'id', 'batch_id', 'handler', 'sampling', 'instance_index',
+return {'ok', redis.call('HMGET', jk, 'id', 'batch_id', 'handler', 'instance_index',
                          'sample_index', 'requeues', 'mode', 'hstate', 'result', 'deadline_at',
-                         't_' .. stage .. '_start'), inst}
+                         't_' .. stage .. '_start'), inst, sampling}
 """
 
 # Hand a job from a finished stage to the next one's queue.
@@ -166,11 +168,11 @@ return 'ok'
 
 # Submission: the jobs of one request, waiting for INIT, with their INIT messages pushed and
 # recorded as published. Run inside the submission's MULTI/EXEC (with the instances, batch
-# and idempotency writes). ARGV: batch, handler, sampling JSON, deadline_at ('' = none),
+# and idempotency writes). ARGV: batch, handler, sampling id, deadline_at ('' = none),
 # mode, created_at, then per job: id, token, instance id, instance index, sample index,
 # message ('' = none: the caller publishes it and then records it with HANDED_OFF).
 CREATE_JOBS = r"""
-local batch, handler, sampling, deadline_at = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local batch, handler, sampling_id, deadline_at = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local mode, created = ARGV[5], ARGV[6]
 -- Queued and published at the time of the push itself, not of the request: submissions
 -- running side by side push in an order their request times need not follow, and the
@@ -183,7 +185,7 @@ for i = 7, #ARGV, 6 do
   local id = ARGV[i]
   redis.call('HSET', K.job(id), 'id', id, 'batch_id', batch, 'handler', handler,
     'instance_id', ARGV[i + 2], 'instance_index', ARGV[i + 3], 'sample_index', ARGV[i + 4],
-    'sampling', sampling, 'state', 'queued', 'stage', 'init', 'phase', 'waiting',
+    'sampling_id', sampling_id, 'state', 'queued', 'stage', 'init', 'phase', 'waiting',
     'token', ARGV[i + 1], 'queue', 'init', 'requeues', 0, 'created_at', created,
     't_init_queued', now, 'deadline_at', deadline_at, 'mode', mode)
   redis.call('ZADD', queued, nowf, id)

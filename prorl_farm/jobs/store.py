@@ -73,7 +73,7 @@ class Finished:
 
 
 # The job fields CLAIM returns, in its order; the last is t_<stage>_start.
-CLAIM_FIELDS = ("id", "batch_id", "handler", "sampling", "instance_index", "sample_index",
+CLAIM_FIELDS = ("id", "batch_id", "handler", "instance_index", "sample_index",
                 "requeues", "mode", "hstate", "result", "deadline_at", "t_start")
 
 
@@ -129,7 +129,9 @@ class JobStore:
         pipe = self.r.pipeline(transaction=True)
         # Until its jobs finish (finish() extends it), an instance lives twice the result TTL.
         instance_ttl = 2 * self._ttl + int(deadline_s or 0)
-        args: list = [batch_id, handler, json.dumps(sampling), deadline_at, mode, f"{now:.6f}"]
+        sampling_id = new_id()
+        pipe.set(keys.sampling(sampling_id), json.dumps(sampling), ex=instance_ttl)
+        args: list = [batch_id, handler, sampling_id, deadline_at, mode, f"{now:.6f}"]
         for index, instance in enumerate(instances):
             instance_id = new_id()
             pipe.set(keys.instance(instance_id), json.dumps(instance), ex=instance_ttl)
@@ -191,7 +193,8 @@ class JobStore:
             return Claim(out[0]), {}
         names = CLAIM_FIELDS[:-1] + (f"t_{stage}_start",)
         raw = {k: v for k, v in zip(names, out[1]) if v is not None}
-        raw["instance"] = out[2] if len(out) > 2 and out[2] else None
+        raw["instance"] = out[2] or None
+        raw["sampling"] = out[3] or None
         return Claim.OK, raw
 
     def advance(self, job_id: str, from_stage: str, token: str, to_stage: str, queue: str,
@@ -272,13 +275,13 @@ class JobStore:
 
     # -- reads ----------------------------------------------------------------------------
 
-    def get_raw(self, job_id: str, with_instance: bool = True) -> dict:
-        """The job's hash, with its ``instance`` JSON when asked for."""
+    def get_raw(self, job_id: str) -> dict:
+        """The job's hash with its ``sampling`` and ``instance`` JSON."""
         raw = self.r.hgetall(keys.job(job_id))
         if not raw:
             raise NotFound(f"job {job_id!r} not found")
-        if with_instance and raw.get("instance_id"):
-            raw["instance"] = self.r.get(keys.instance(raw["instance_id"]))
+        raw["sampling"], raw["instance"] = self.r.mget(
+            keys.sampling(raw.get("sampling_id", "")), keys.instance(raw.get("instance_id", "")))
         return raw
 
     def state_of(self, job_id: str) -> str | None:
@@ -286,10 +289,18 @@ class JobStore:
         return self.r.hget(keys.job(job_id), "state")
 
     def get_many_raw(self, job_ids: Sequence[str]) -> list[dict]:
+        """Job hashes (``{}`` for one that is gone), each with its ``sampling`` JSON."""
         pipe = self.r.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(keys.job(job_id))
-        return pipe.execute()
+        raws = pipe.execute()
+        ids = sorted({raw["sampling_id"] for raw in raws if raw.get("sampling_id")})
+        if ids:  # a request's jobs share one: usually one read for the page
+            of = dict(zip(ids, self.r.mget([keys.sampling(i) for i in ids])))
+            for raw in raws:
+                if raw.get("sampling_id"):
+                    raw["sampling"] = of[raw["sampling_id"]]
+        return raws
 
     def batch_exists(self, batch_id: str) -> bool:
         return bool(self.r.exists(keys.batch(batch_id)))
