@@ -15,7 +15,7 @@ PREFIX = "prorl:"
 
 
 def job(job_id: str) -> str:
-    """Hash: one job's fields (see jobs/scripts.py for the field names)."""
+    """Hash: one job's fields (the field names: states.py)."""
     return f"{PREFIX}job:{job_id}"
 
 
@@ -123,6 +123,11 @@ def backend(backend_id: str) -> str:
     return f"{PREFIX}backend:{backend_id}"
 
 
+# What pinning a job to a backend returns of the backend's hash (lua/backend_acquire.lua).
+BACKEND_FIELDS = ("url", "kind", "model", "tokenizer", "policy_version", "logprobs_mode",
+                  "max_model_len")
+
+
 def backend_sync(backend_id: str) -> str:
     """String with expiry: the token of the weight sync under way on the backend (one at a
     time)."""
@@ -132,7 +137,7 @@ def backend_sync(backend_id: str) -> str:
 # Set: every registered backend id.
 BACKENDS = f"{PREFIX}backends:all"
 # Sorted set, the min-heap: backend -> the request time one more job would add there
-# (llm/scripts.py heap_score); only healthy, undrained ones.
+# (lua/lib/backends.lua heap_score); only healthy, undrained ones.
 BACKEND_HEAP = f"{PREFIX}backends:heap"
 # Hash: backend -> in-flight jobs (every backend, in the heap or not).
 BACKEND_INFLIGHT = f"{PREFIX}backends:inflight"

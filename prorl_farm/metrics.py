@@ -21,22 +21,9 @@ from prorl_farm import keys
 BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
              30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
-LUA_OBSERVE = "local BUCKETS = {" + ", ".join(repr(b) for b in BUCKETS_S) + "}\n" + r"""
-local function observe(name, v)
-  if v < 0 then v = 0 end
-  local i = #BUCKETS + 1
-  for b = 1, #BUCKETS do
-    if v <= BUCKETS[b] then i = b break end
-  end
-  local hk = K.histogram(name)
-  redis.call('HINCRBY', hk, 'b' .. i, 1)
-  redis.call('HINCRBYFLOAT', hk, 'sum', string.format('%.6f', v))
-end
-"""
-
-
 def bucket_index(value: float) -> int:
-    """1-based bucket of ``value`` (len(BUCKETS_S) + 1 for +Inf), as LUA_OBSERVE picks it."""
+    """1-based bucket of ``value`` (len(BUCKETS_S) + 1 for +Inf), as lua/lib/metrics.lua
+    picks it."""
     for i, bound in enumerate(BUCKETS_S, 1):
         if value <= bound:
             return i
@@ -147,7 +134,7 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
     )
 
     from prorl_farm.config import STAGES
-    from prorl_farm.jobs.states import ALL_STATES, TERMINAL_STATES
+    from prorl_farm.states import ALL_STATES, TERMINAL_STATES
 
     snap = read_counters(r)
     states, stats, failures, reaper, started = (snap.states, snap.stats, snap.failures,

@@ -10,8 +10,8 @@ from collections import Counter
 
 from prorl_farm import keys
 from prorl_farm.config import STAGES
-from prorl_farm.jobs.states import ALL_STATES
 from prorl_farm.metrics import BUCKETS_S, read_counters, read_histogram
+from prorl_farm.states import ALL_STATES
 
 # Finished jobs the rate of a batch is measured over (its newest ones).
 RATE_WINDOW = 200

@@ -33,7 +33,8 @@ def _remove_pool_sandbox_dir():
 def r(redis_server):
     """A client on the test Redis, with every farm key removed before and after the test.
 
-    Only ``prorl:*`` keys: kombu's own bindings must survive for workers that stay up.
+    Only ``prorl:*`` keys and the farm's queues: kombu's own bindings must survive for
+    workers that stay up.
     """
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     _clear(client)
@@ -44,6 +45,8 @@ def r(redis_server):
 
 def _clear(client) -> None:
     keys = list(client.scan_iter("prorl:*", count=1000))
+    keys += [k for pattern in ("init", "run.*", "eval.*")
+             for k in client.scan_iter(pattern, count=1000, _type="list")]
     if keys:
         client.delete(*keys)
 

@@ -116,8 +116,8 @@ def test_drain_unhealthy_unregister_leave_the_heap(registry, r):
 
 
 def test_terminal_transitions_release_the_slot(settings, r):
-    from prorl_farm.jobs.states import JobState
     from prorl_farm.jobs.store import JobStore
+    from prorl_farm.states import JobState
 
     store = JobStore.from_settings(settings)
     registry = BackendRegistry(r)

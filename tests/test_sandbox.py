@@ -339,8 +339,8 @@ def test_a_job_ending_stops_its_sandboxes_only(manager_for, r):
 
 def test_node_cap_makes_start_wait_and_janitor_cleans(manager_for, r):
     from prorl_farm.config import load_settings
-    from prorl_farm.jobs.states import JobState
     from prorl_farm.jobs.store import JobStore
+    from prorl_farm.states import JobState
     from tests.farm import farm_env
 
     manager = manager_for("local", max_sandboxes=2)

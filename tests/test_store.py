@@ -9,8 +9,8 @@ import pytest
 
 from prorl_farm.celery_app import create_celery_app
 from prorl_farm.jobs.messages import StageMessages
-from prorl_farm.jobs.states import JobState
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.states import JobState
 from prorl_farm.worker.kombu import message_args
 
 _STORES: list[JobStore] = []

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from celery import Celery
 
-from prorl_farm.jobs.states import FailureKind, JobState, Phase
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.states import FailureKind, JobState, Phase
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from prorl_farm.config import STAGES
-from prorl_farm.jobs.states import TERMINAL_STATES, JobState
+from prorl_farm.states import TERMINAL_STATES, JobState
 
 
 def _f(raw: dict, name: str) -> float | None:

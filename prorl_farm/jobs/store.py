@@ -16,9 +16,16 @@ from redis.retry import Retry
 from prorl_farm import keys
 from prorl_farm.config import Settings
 from prorl_farm.errors import ConfigError, NotFound
-from prorl_farm.jobs import scripts
 from prorl_farm.jobs.messages import StageMessages
-from prorl_farm.jobs.states import ALL_STATES, Claim, JobState, Reap
+from prorl_farm.lua import Scripts
+from prorl_farm.states import (
+    ALL_STATES,
+    CLAIM_FIELDS,
+    MAX_ATTEMPT_HISTORY,
+    Claim,
+    JobState,
+    Reap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +33,9 @@ log = logging.getLogger(__name__)
 # A blocking read (the results long-poll) may take this much longer than it asked for before
 # the socket gives up: the socket timeout is max_wait_s plus this.
 SOCKET_SLACK_S = 30.0
-# Jobs whose publish is recorded per HANDED_OFF call.
+# Jobs whose publish is recorded per handed_off call.
 HANDED_OFF_CHUNK = 2000
-# Jobs per CREATE_JOBS call of a submission (all calls in one MULTI/EXEC).
+# Jobs per create_jobs call of a submission (all calls in one MULTI/EXEC).
 CREATE_CHUNK = 2048
 
 
@@ -72,30 +79,17 @@ class Finished:
     old_token: str = ""
 
 
-# The job fields CLAIM returns, in its order; the last is t_<stage>_start.
-CLAIM_FIELDS = ("id", "batch_id", "handler", "instance_index", "sample_index",
-                "requeues", "mode", "hstate", "result", "deadline_at", "t_start")
-
-
 class JobStore:
     """All reads and writes of job state. Thread-safe (redis-py pools connections)."""
 
     def __init__(self, client: redis.Redis, settings: Settings):
         self.r = client
         self.settings = settings
-        self._scripts = {
-            name: client.register_script(scripts.PRELUDE + getattr(scripts, name))
-            for name in ("CREATE_JOBS", "CLAIM", "ADVANCE", "HANDED_OFF", "FINISH",
-                         "HEARTBEAT", "REAP", "EXPIRE_DEADLINES")
-        }
-        self._release_lock = client.register_script(scripts.RELEASE_LOCK)
+        self.lua = Scripts(client)
 
     @classmethod
     def from_settings(cls, settings: Settings, max_connections: int = 64) -> JobStore:
         return cls(connect(settings, max_connections), settings)
-
-    def _call(self, name: str, *args):
-        return self._scripts[name](args=list(args))
 
     @property
     def _ttl(self) -> int:
@@ -131,7 +125,7 @@ class JobStore:
         instance_ttl = 2 * self._ttl + int(deadline_s or 0)
         sampling_id = new_id()
         pipe.set(keys.sampling(sampling_id), json.dumps(sampling), ex=instance_ttl)
-        args: list = [batch_id, handler, sampling_id, deadline_at, mode, f"{now:.6f}"]
+        rows: list = []
         for index, instance in enumerate(instances):
             instance_id = new_id()
             pipe.set(keys.instance(instance_id), json.dumps(instance), ex=instance_ttl)
@@ -140,10 +134,11 @@ class JobStore:
                 jobs.append(job)
                 message = (messages.payload("init", "init", job.job_id, job.token)
                            if messages is not None else "")
-                args += [job.job_id, job.token, instance_id, index, sample, message]
-        for i in range(6, len(args), 6 * CREATE_CHUNK):  # bounded script calls, one MULTI
-            self._scripts["CREATE_JOBS"](args=args[:6] + args[i:i + 6 * CREATE_CHUNK],
-                                         client=pipe)
+                rows += [job.job_id, job.token, instance_id, index, sample, message]
+        for i in range(0, len(rows), 6 * CREATE_CHUNK):  # bounded script calls, one MULTI
+            self.lua("create_jobs", client=pipe, batch=batch_id, handler=handler,
+                     sampling_id=sampling_id, deadline_at=deadline_at, mode=mode,
+                     created_at=f"{now:.6f}", jobs=rows[i:i + 6 * CREATE_CHUNK])
         ids = [j.job_id for j in jobs]
         pipe.hsetnx(keys.batch(batch_id), "created_at", f"{now:.6f}")
         pipe.hsetnx(keys.batch(batch_id), "handler", handler)
@@ -188,10 +183,11 @@ class JobStore:
               ) -> tuple[Claim, dict]:
         """Claim ``stage`` of a job for ``worker`` (in the process whose presence name is
         ``holder``): (OK, job fields with its ``instance`` JSON) or (the reason, {})."""
-        out = self._call("CLAIM", job_id, stage, token, worker, self._ttl, holder)
+        out = self.lua("claim", job=job_id, stage=stage, token=token, worker=worker,
+                       ttl_s=self._ttl, holder=holder)
         if out[0] != Claim.OK.value:
             return Claim(out[0]), {}
-        names = CLAIM_FIELDS[:-1] + (f"t_{stage}_start",)
+        names = CLAIM_FIELDS + (f"t_{stage}_start",)
         raw = {k: v for k, v in zip(names, out[1]) if v is not None}
         raw["instance"] = out[2] or None
         raw["sampling"] = out[3] or None
@@ -206,8 +202,9 @@ class JobStore:
         new_token = new_id()
         message = (messages.payload(to_stage, queue, job_id, new_token)
                    if messages is not None else "")
-        out = self._call("ADVANCE", job_id, from_stage, token, to_stage, new_token, queue,
-                         node, field, value, message)
+        out = self.lua("advance", job=job_id, from_stage=from_stage, token=token,
+                       to_stage=to_stage, new_token=new_token, queue=queue, node=node,
+                       field=field, value=value, message=message)
         return new_token if out == "ok" else None
 
     def handed_off(self, pairs: Iterable[tuple[str, str]]) -> None:
@@ -215,7 +212,7 @@ class JobStore:
         heartbeating them."""
         flat = [x for pair in pairs for x in pair]
         for i in range(0, len(flat), 2 * HANDED_OFF_CHUNK):
-            self._call("HANDED_OFF", *flat[i:i + 2 * HANDED_OFF_CHUNK])
+            self.lua("handed_off", pairs=flat[i:i + 2 * HANDED_OFF_CHUNK])
 
     def finish(self, job_id: str, state: JobState, kind: str = "", message: str = "",
                token: str = "", fields: dict | None = None) -> Finished:
@@ -223,8 +220,8 @@ class JobStore:
         flat: list = []
         for k, v in (fields or {}).items():
             flat += [k, v]
-        out = self._call("FINISH", job_id, token, state.value, kind, message[:4000],
-                         self._ttl, *flat)
+        out = self.lua("finish", job=job_id, token=token, state=state.value, kind=kind,
+                       message=message[:4000], ttl_s=self._ttl, fields=flat)
         if not out.startswith("ok:"):
             return Finished(False, old_state=out.partition(":")[2])
         _, old_state, old_phase, old_token = out.split(":", 3)
@@ -237,20 +234,21 @@ class JobStore:
         flat = [x for pair in held for x in pair]
         if not flat:
             return []
-        out = self._call("HEARTBEAT", holder, *flat)
+        out = self.lua("heartbeat", holder=holder, pairs=flat)
         return list(zip(out[::2], out[1::2]))
 
     def reap(self, job_id: str, mode: str, cutoff: float, expect_token: str, queue: str,
              message: str, messages: StageMessages | None = None) -> tuple[Reap, str]:
         """Recover one job whose worker is dead, if it still carries ``expect_token``;
-        returns (outcome, new token if re-queued). See scripts.REAP for the modes. With
+        returns (outcome, new token if re-queued). See lua/reap.lua for the modes. With
         ``messages``, a re-queued job's INIT message is pushed in the same script; without,
         the caller publishes it and then calls :meth:`handed_off`."""
         token = new_id()
         init = messages.payload("init", "init", job_id, token) if messages is not None else ""
-        out = self._call("REAP", job_id, mode, cutoff, expect_token, queue,
-                         self.settings.max_requeues, token, self._ttl, message,
-                         scripts.MAX_ATTEMPT_HISTORY, init)
+        out = self.lua("reap", job=job_id, mode=mode, cutoff=cutoff, expect_token=expect_token,
+                       queue=queue, max_requeues=self.settings.max_requeues, new_token=token,
+                       ttl_s=self._ttl, reason=message, max_history=MAX_ATTEMPT_HISTORY,
+                       message=init)
         return Reap(out), token
 
     def tokens(self, job_ids: Sequence[str]) -> list[str | None]:
@@ -267,11 +265,11 @@ class JobStore:
         return bool(self.r.set(key, value, nx=True, px=max(1, int(ttl_s * 1000))))
 
     def unlock(self, key: str, value: str) -> None:
-        self._release_lock(keys=[key], args=[value])
+        self.lua("release_lock", lock=key, value=value)
 
     def expire_deadlines(self, limit: int = 1000, grace_s: float = 0.0) -> int:
         """Fail jobs past their deadline; running ones only ``grace_s`` after it."""
-        return int(self._call("EXPIRE_DEADLINES", self._ttl, limit, grace_s))
+        return int(self.lua("expire_deadlines", ttl_s=self._ttl, limit=limit, grace_s=grace_s))
 
     # -- reads ----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import redis
 
 from prorl_farm import keys
 from prorl_farm.errors import Conflict, NotFound
-from prorl_farm.llm import scripts
+from prorl_farm.lua import Scripts
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +98,7 @@ class BackendRegistry:
     def __init__(self, client: redis.Redis, audit: bool = False):
         self.r = client
         self.audit = audit
-        self._s = {name: client.register_script(scripts.PRELUDE + getattr(scripts, name))
-                   for name in ("ACQUIRE", "RELEASE", "UPDATE", "RECORD_LATENCY")}
-
-    def _call(self, name: str, *args):
-        return self._s[name](args=list(args))
+        self.lua = Scripts(client)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -140,7 +136,7 @@ class BackendRegistry:
         """Set fields and re-place the backend in (or out of) the heap; False if unknown.
         Raises Conflict for a ``policy_version`` lower than the backend's."""
         flat = [x for kv in fields.items() for x in (kv[0], str(kv[1]))]
-        out = self._call("UPDATE", backend_id, *flat)
+        out = self.lua("backend_update", backend=backend_id, fields=flat)
         if out == -2:
             raise Conflict("policy_version_regressed", f"backend {backend_id}: policy_version "
                            f"{fields.get('policy_version')} is lower than its current "
@@ -238,8 +234,8 @@ class BackendRegistry:
 
     def acquire(self, job_id: str, exclude: str = "") -> str | None:
         """The backend this job is pinned to, pinning it to the least-loaded one if needed."""
-        out = self._call("ACQUIRE", job_id, exclude, "1" if self.audit else "")
-        return out[0] if out else None
+        out = self.pin(job_id, exclude)
+        return out.id if out else None
 
     def pin(self, job_id: str, exclude: str = "",
             latency: tuple[str, float, int, float | None] | None = None) -> Backend | None:
@@ -249,22 +245,25 @@ class BackendRegistry:
         lat = ((latency[0], f"{latency[1]:.3f}", str(latency[2]),
                 "" if latency[3] is None else f"{latency[3]:.3f}") if latency
                else ("", "", "", ""))
-        out = self._call("ACQUIRE", job_id, exclude, "1" if self.audit else "", *lat)
+        out = self.lua("backend_acquire", job=job_id, exclude=exclude,
+                       audit="1" if self.audit else "", latency_backend=lat[0],
+                       latency_ms=lat[1], latency_requests=lat[2], latency_load=lat[3])
         if not out:
             return None
-        b, _how, url, kind, model, tokenizer, version, mode, max_len, in_flight = out
-        return Backend(b, url, kind, model, tokenizer, _version(version), mode, int(in_flight),
-                       _version(max_len))
+        f = dict(zip(keys.BACKEND_FIELDS, out[2:-1]))
+        return Backend(out[0], f["url"], f["kind"], f["model"], f["tokenizer"],
+                       _version(f["policy_version"]), f["logprobs_mode"], int(out[-1]),
+                       _version(f["max_model_len"]))
 
     def release(self, job_id: str) -> str | None:
-        return self._call("RELEASE", job_id) or None
+        return self.lua("backend_release", job=job_id) or None
 
     def record_latency(self, backend_id: str, latency_ms: float, requests: int = 1,
                        load: float | None = None) -> None:
         """Fold ``requests`` requests of mean ``latency_ms`` into the backend's averages;
         ``load``: the backend's in-flight count while they ran (now's if None)."""
-        self._call("RECORD_LATENCY", backend_id, f"{latency_ms:.3f}", str(requests),
-                   "" if load is None else f"{load:.3f}")
+        self.lua("backend_record_latency", backend=backend_id, latency_ms=f"{latency_ms:.3f}",
+                 requests=str(requests), load="" if load is None else f"{load:.3f}")
 
     def audit_log(self) -> list[dict]:
         """Acquire audit records: the chosen backend, the one the job asked not to get (or

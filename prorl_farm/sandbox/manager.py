@@ -17,7 +17,7 @@ import redis
 
 from prorl_farm import keys
 from prorl_farm.errors import JobAborted, StageTimeout
-from prorl_farm.jobs.states import TERMINAL_STATES, JobState
+from prorl_farm.lua import Scripts
 from prorl_farm.sandbox import cgroups
 from prorl_farm.sandbox.abstract import (
     INSIDE_WORKSPACE,
@@ -29,34 +29,14 @@ from prorl_farm.sandbox.abstract import (
 )
 from prorl_farm.sandbox.bwrap import SYSTEM
 from prorl_farm.sandbox.process import INSIDE_FARM, sandbox_python, usable_by
+from prorl_farm.states import TERMINAL_STATES, JobState
 
 log = logging.getLogger(__name__)
 
 # Per node (keys.sandbox_slots): slot -> sandbox id; a slot gives a sandbox its own loopback
 # IP. Per node (keys.sandbox_records): sandbox id -> JSON record (the Sandbox, its job, the
-# job's requeue count).
-
-# ARGV: slots key, records key, max slots, sandbox id, hint. Returns a free slot, or -1 when
-# the node is at its cap.
-ALLOC = r"""
-local slots, cap, id, hint = KEYS[1], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-if redis.call('HLEN', slots) >= cap then return -1 end
-for i = 0, cap - 1 do
-  local s = (hint + i) % cap
-  if redis.call('HSETNX', slots, s, id) == 1 then
-    redis.call('HINCRBY', KEYS[2], ARGV[4], 1)
-    redis.call('SADD', KEYS[3], ARGV[4])
-    return s
-  end
-end
-return -1
-"""
-FREE = r"""
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
-  return redis.call('HDEL', KEYS[1], ARGV[1])
-end
-return 0
-"""
+# job's requeue count). Slots are taken and given back by lua/sandbox_alloc.lua and
+# lua/sandbox_free.lua.
 
 
 def _chown_tree(path: Path, uid: int, gid: int) -> None:
@@ -198,18 +178,17 @@ class SandboxManager:
         self.max_sandboxes = max_sandboxes
         self.slots_key = keys.sandbox_slots(node)
         self.records_key = keys.sandbox_records(node)
-        self._alloc = r.register_script(ALLOC)
-        self._free = r.register_script(FREE)
+        self.lua = Scripts(r)
 
     # -- start / stop ---------------------------------------------------------------------
 
     def _slot(self, sandbox_id: str, ctx=None) -> int:
         """A free slot; waits (does not fail) while the node is at its cap."""
         while True:
-            slot = self._alloc(keys=[self.slots_key, keys.SANDBOXES_STARTED,
-                                     keys.SANDBOX_NODES],
-                               args=[self.max_sandboxes, sandbox_id,
-                                     uuid.uuid4().int % self.max_sandboxes, self.node])
+            slot = self.lua("sandbox_alloc", slots=self.slots_key,
+                            started=keys.SANDBOXES_STARTED, nodes=keys.SANDBOX_NODES,
+                            cap=self.max_sandboxes, sandbox=sandbox_id,
+                            hint=uuid.uuid4().int % self.max_sandboxes, node=self.node)
             if slot >= 0:
                 return int(slot)
             if ctx is not None:
@@ -279,7 +258,7 @@ class SandboxManager:
     def _release(self, sandbox_id: str, slot, base: Path, job_id: str | None = None) -> None:
         shutil.rmtree(base, ignore_errors=True)
         if slot is not None:
-            self._free(keys=[self.slots_key], args=[slot, sandbox_id])
+            self.lua("sandbox_free", slots=self.slots_key, slot=slot, sandbox=sandbox_id)
         with self.r.pipeline() as p:
             p.hdel(self.records_key, sandbox_id)
             if job_id:
@@ -357,5 +336,5 @@ class SandboxManager:
             # A slot whose start is still in progress has no record yet, but has its
             # directory or processes: free only slots with neither (their starter died).
             if not (self.root / owner).exists() and not processes_of(owner):
-                self._free(keys=[self.slots_key], args=[slot, owner])
+                self.lua("sandbox_free", slots=self.slots_key, slot=slot, sandbox=owner)
         return stopped

@@ -19,8 +19,8 @@ import redis
 from prorl_farm import keys
 from prorl_farm.config import Settings
 from prorl_farm.context import JobContext
-from prorl_farm.jobs.states import FailureKind, JobState
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.states import FailureKind, JobState
 from prorl_farm.worker.reaper import STOP_GRACE_S, Reaper
 
 log = logging.getLogger(__name__)

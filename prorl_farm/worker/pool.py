@@ -23,9 +23,9 @@ from prorl_farm.config import STAGES, Settings, load_settings
 from prorl_farm.errors import StageFailed
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.messages import StageMessages
-from prorl_farm.jobs.states import Reap, StageOutcome
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
+from prorl_farm.states import Reap, StageOutcome
 from prorl_farm.watchdog import Watchdog
 from prorl_farm.worker import logs
 from prorl_farm.worker.liveness import Liveness, present

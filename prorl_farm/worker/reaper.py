@@ -40,8 +40,8 @@ from collections.abc import Callable
 from prorl_farm import keys
 from prorl_farm.config import Settings
 from prorl_farm.jobs.messages import StageMessages
-from prorl_farm.jobs.states import Reap
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.states import Reap
 from prorl_farm.worker.kombu import reserved_messages, settle
 
 log = logging.getLogger(__name__)

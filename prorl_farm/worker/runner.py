@@ -27,8 +27,8 @@ from prorl_farm.errors import (
 from prorl_farm.handlers.base import AgentHandler
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.messages import StageMessages
-from prorl_farm.jobs.states import NEXT_STAGE, Claim, FailureKind, JobState, StageOutcome
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.states import NEXT_STAGE, Claim, FailureKind, JobState, StageOutcome
 from prorl_farm.worker.liveness import Liveness
 from prorl_farm.worker.logs import job_log_context
 

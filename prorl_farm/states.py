@@ -32,6 +32,21 @@ class FailureKind(str, Enum):
 
 NEXT_STAGE = {"init": "run", "run": "eval", "eval": None}
 
+# The job hash (keys.job): ``id batch_id handler instance_id instance_index sample_index
+# sampling_id state stage phase token queue node worker holder requeues attempts created_at
+# deadline_at finished_at failure_kind failure_message hstate result reward`` and
+# ``t_<stage>_{queued,start,end}``.
+
+# What a stage's claim returns of its job (lua/claim.lua), in this order, then the stage's
+# start time.
+CLAIM_FIELDS = ("id", "batch_id", "handler", "instance_index", "sample_index", "requeues",
+                "mode", "hstate", "result", "deadline_at")
+# Fields that belong to one attempt: a re-queued job starts again without them.
+ATTEMPT_FIELDS = ("hstate", "result", "node", "worker", "holder", "reward") + tuple(
+    f"t_{stage}_{k}" for stage in NEXT_STAGE for k in ("queued", "start", "end"))
+# Earlier attempts' failures kept in a re-queued job's ``attempts`` (the newest).
+MAX_ATTEMPT_HISTORY = 5
+
 
 class Phase(str, Enum):
     """Where a job is within its current stage."""

@@ -1,0 +1,17 @@
+-- finish: a job's terminal transition.
+-- uses: jobs
+-- KEYS: (none)
+-- ARGV: job, token, state, kind, message, ttl_s, fields...
+--   token: '' = any attempt; else only from that active attempt. fields: field, value,
+--   ... to set first.
+-- returns: 'ok:<old state>:<old phase>:<old token>' | 'terminal:<state>' | 'stale' |
+--   'missing'
+
+local id, token, state, kind, msg, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
+local jk = K.job(id)
+local j = redis.call('HMGET', jk, 'state', 'token', 'phase')
+if not j[1] then return 'missing' end
+if TERMINAL[j[1]] then return 'terminal:' .. j[1] end
+if token ~= '' and (j[2] ~= token or j[3] ~= 'active') then return 'stale' end
+for i = 7, #ARGV, 2 do redis.call('HSET', jk, ARGV[i], ARGV[i + 1]) end
+return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s())
