@@ -21,7 +21,7 @@ from prorl_farm.metrics import LatencyRecorder
 
 @dataclass
 class FarmServices:
-    """What request handlers need, stored in ``app.extensions["prorl"]``."""
+    """What the routes need, stored in ``app.extensions["prorl"]``."""
 
     settings: Settings
     store: JobStore
@@ -96,5 +96,5 @@ def create_app(settings: Settings | None = None) -> Flask:
         _require_token(app, settings)
     for module in (jobs, batches, handlers, health, openapi, backends, dashboard):
         app.register_blueprint(module.bp)
-    errors.register_error_handlers(app)
+    errors.register_error_replies(app)
     return app

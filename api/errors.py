@@ -9,12 +9,14 @@ from flask import Flask, jsonify
 from marshmallow import ValidationError
 from werkzeug.exceptions import HTTPException
 
-from prorl_farm.errors import Conflict, NotFound
+from prorl_farm.errors import Conflict, FarmError, NotFound
 
 log = logging.getLogger(__name__)
 
 
-class ApiError(Exception):
+class ApiError(FarmError):
+    """An API refusal: its HTTP status, error code, message and field details."""
+
     def __init__(self, status: int, code: str, message: str, details=None):
         super().__init__(message)
         self.status, self.code, self.message, self.details = status, code, message, details
@@ -44,7 +46,7 @@ def validation_error(messages, code: str = "invalid_request"):
     return ApiError(400, code, "; ".join(lines[:10]), messages)
 
 
-def register_error_handlers(app: Flask) -> None:
+def register_error_replies(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(e: ApiError):
         return error_response(e.status, e.code, e.message, e.details)

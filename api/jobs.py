@@ -15,7 +15,7 @@ from prorl_farm.errors import InvalidInstance, NotFound
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 from prorl_farm.jobs.store import new_id
-from prorl_farm.llm.clients.abstract import explicit_sampling
+from prorl_farm.llm.backends.abstract import explicit_sampling
 
 bp = Blueprint("jobs", __name__)
 

@@ -34,10 +34,10 @@ from prorl_farm.agent.tools import ToolRunner  # noqa: E402
 from prorl_farm.config import load_settings  # noqa: E402
 from prorl_farm.context import JobContext  # noqa: E402
 from prorl_farm.dev.tiny import build_tokenizer  # noqa: E402
-from prorl_farm.llm.clients import client_for  # noqa: E402
+from prorl_farm.llm.backends import client_for  # noqa: E402
 from prorl_farm.llm.registry import BackendRegistry, BackendSpec  # noqa: E402
 from prorl_farm.sandbox.abstract import SandboxSpec  # noqa: E402
-from prorl_farm.sandbox.client import ToolClient  # noqa: E402
+from prorl_farm.sandbox.connection import ToolConnection  # noqa: E402
 from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
 from tests.policy_server import PolicyServer, text_planner  # noqa: E402
 
@@ -53,7 +53,7 @@ def _in_flight(args, registry, manager, settings) -> float:
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
-        client = ToolClient(boxes[i].socket)
+        client = ToolConnection(boxes[i].socket)
         ctx = JobContext(job_id=f"flight-{i}", batch_id="bench", stage="run", token="t",
                          node="bench", instance={}, sampling={}, backends=registry,
                          sandboxes=manager, settings=settings)
@@ -110,10 +110,10 @@ def main() -> None:
             turn_s, policy_s, tool_s, ratios, in_llm, in_tool = [], [], [], [], [], []
             llm = client_for("vllm", server.url, "bench", timeout_s=10.0)  # the farm's client
             floor_box = manager.start(SandboxSpec())
-            floor_client = ToolClient(floor_box.socket)
+            floor_client = ToolConnection(floor_box.socket)
             for e in range(-1, args.episodes):  # -1: a warm-up (tokenizer load), not counted
                 sb = manager.start(SandboxSpec())
-                client = ToolClient(sb.socket)
+                client = ToolConnection(sb.socket)
                 ctx = JobContext(job_id=f"bench-{e}", batch_id="bench", stage="run",
                                  token="t", node="bench", instance={}, sampling={},
                                  backends=registry, sandboxes=manager, settings=settings)

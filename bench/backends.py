@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import redis
 from common import machine, private_redis, report  # noqa: E402
 
-from prorl_farm.llm.clients import client_for  # noqa: E402
+from prorl_farm.llm.backends import client_for  # noqa: E402
 from prorl_farm.llm.registry import BackendRegistry, BackendSpec  # noqa: E402
 
 BACKENDS = [("fast-a", 0.05, 4), ("fast-b", 0.05, 4), ("slow", 0.15, 4)]  # name, s/request, cap

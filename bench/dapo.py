@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, private_redis, report  # noqa: E402
 from bench.pipeline import Processes, start_farm_api  # noqa: E402
-from prorl_farm.client import FarmClient  # noqa: E402
-from prorl_farm.client.dapo import DynamicSampler  # noqa: E402
+from prorl_farm.trainer import FarmClient  # noqa: E402
+from prorl_farm.trainer.dapo import DynamicSampler  # noqa: E402
 
 POOLS = {"init": 16, "run": 96, "eval": 16}
 

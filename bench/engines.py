@@ -28,10 +28,10 @@ from pathlib import Path
 
 from common import ROOT, machine, report  # noqa: E402
 
-from prorl_farm.client import FarmClient  # noqa: E402
 from prorl_farm.dev.engines import choose  # noqa: E402
 from prorl_farm.llm.weights import score  # noqa: E402
 from prorl_farm.supervisor import free_port  # noqa: E402
+from prorl_farm.trainer import FarmClient  # noqa: E402
 
 
 def _probe(path: Path) -> dict:

@@ -33,7 +33,7 @@ from common import machine, private_redis, report  # noqa: E402
 from prorl_farm.graders import answers, source  # noqa: E402
 from prorl_farm.handlers.swe import _git_tree, patch_paths  # noqa: E402
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec  # noqa: E402
-from prorl_farm.sandbox.client import ToolClient  # noqa: E402
+from prorl_farm.sandbox.connection import ToolConnection  # noqa: E402
 from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ FLOOR_LOOP = ("import subprocess, sys\nfor i in range(int(sys.argv[1])):\n"
 def in_sandbox(manager, files, argv, stdin=None, processes=64) -> float:
     """Seconds for one ``exec`` of ``argv`` in a fresh sandbox (start and stop excluded)."""
     sb = manager.start(SandboxSpec(workspace_files=files, limits=Limits(processes=processes)))
-    client = ToolClient(sb.socket)
+    client = ToolConnection(sb.socket)
     try:
         t0 = time.perf_counter()
         out = client.call("exec", argv=argv, timeout_s=600, stdin=stdin, env={})

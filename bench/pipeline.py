@@ -89,8 +89,8 @@ def start_farm(procs, url, pools, tmp, events: bool = True) -> None:
 def start_farm_api(procs, url, pools, tmp) -> str:
     """The pools (events off) and the API under gunicorn (2 workers x 16 threads) on a free
     port; returns the API's base URL once /readyz passes."""
-    from prorl_farm.client import FarmClient
     from prorl_farm.supervisor import free_port
+    from prorl_farm.trainer import FarmClient
 
     start_farm(procs, url, pools, tmp, events=False)
     port = free_port()

@@ -29,6 +29,7 @@ from prorl_farm.config import load_settings  # noqa: E402
 
 POOLS = {"init": 2, "run": 4, "eval": 2}
 STAGE = {"init_s": 0.1, "run_s": 0.4, "eval_s": 0.1}
+IDLE_SETTLE_S, IDLE_S = 3.0, 10.0
 
 
 def start_nodes(procs: Processes, url: str, k: int, tmp: Path) -> None:
@@ -48,10 +49,16 @@ def start_nodes(procs: Processes, url: str, k: int, tmp: Path) -> None:
         time.sleep(0.1)
 
 
-def redis_cost(r) -> tuple[int, float]:
-    calls = sum(v["calls"] for k, v in r.info("commandstats").items())
+def redis_cost(r) -> tuple[dict[str, int], float]:
+    """Redis's calls so far by command (those run inside scripts included), and its CPU s."""
+    calls = {k.removeprefix("cmdstat_"): int(v["calls"])
+             for k, v in r.info("commandstats").items()}
     cpu = r.info("cpu")
     return calls, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
+def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: b[k] - a.get(k, 0) for k in b if b[k] - a.get(k, 0)}
 
 
 def run(url: str, k: int, jobs: int, tmp: Path) -> dict:
@@ -62,7 +69,7 @@ def run(url: str, k: int, jobs: int, tmp: Path) -> dict:
         start_nodes(procs, url, k, tmp)
         r = redis.Redis.from_url(url, decode_responses=True)
         client = create_app(load_settings(farm_env(url, POOLS, events=False))).test_client()
-        time.sleep(1.0)
+        time.sleep(3.0)  # past the pools' start-up
         calls0, cpu0 = redis_cost(r)
         t0 = time.monotonic()
         resp = client.post("/v1/jobs", json={"handler": "synthetic", "instances": [STAGE],
@@ -75,17 +82,22 @@ def run(url: str, k: int, jobs: int, tmp: Path) -> dict:
         calls1, cpu1 = redis_cost(r)
         summary = client.get(f"/v1/batches/{batch}").get_json()
         assert summary["counts"]["done"] == jobs, summary
-        # The idle baseline: what pools alone cost Redis per second (heartbeats, reaper).
-        time.sleep(2.0)
+        # The idle baseline: what pools alone cost Redis per second (heartbeats, reaper),
+        # once the jobs' traces (their last heartbeats, the reaper's last looks) are gone.
+        time.sleep(IDLE_SETTLE_S)
         calls2, cpu2 = redis_cost(r)
-        idle_calls_s = (calls2 - calls1) / 2.0
-        idle_cpu_s = (cpu2 - cpu1) / 2.0
+        time.sleep(IDLE_S)
+        calls3, cpu3 = redis_cost(r)
+        idle = _delta(calls2, calls3)
+        idle_calls_s = sum(idle.values()) / IDLE_S
+        busy = _delta(calls0, calls1)
         r.close()
         return {"k": k, "jobs": jobs, "wall": wall, "rate": jobs / wall,
-                "calls_per_job": (calls1 - calls0 - idle_calls_s * wall) / jobs,
-                "calls_total_per_job": (calls1 - calls0) / jobs,
+                "calls_per_job": (sum(busy.values()) - idle_calls_s * wall) / jobs,
+                "by_command": {c: n / jobs for c, n in busy.items()},
+                "idle_by_command": {c: n / IDLE_S / k for c, n in idle.items()},
                 "cpu_ms_per_job": 1000 * (cpu1 - cpu0) / jobs,
-                "idle_calls_s": idle_calls_s, "idle_cpu": idle_cpu_s}
+                "idle_calls_s": idle_calls_s, "idle_cpu": (cpu3 - cpu2) / IDLE_S}
     finally:
         procs.stop()
         for i in range(k):
@@ -105,7 +117,8 @@ def main() -> None:
         for k in counts:
             with private_redis() as url:  # a fresh Redis per size: clean counters
                 rows.append(run(url, k, args.jobs_per_node * k, tmp))
-                print(rows[-1], flush=True)
+                print({k: v for k, v in rows[-1].items() if "by_command" not in k},
+                      flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     base = rows[0]["rate"] / rows[0]["k"]
@@ -113,6 +126,9 @@ def main() -> None:
     worst = max(rows, key=lambda x: x["cpu_ms_per_job"])
     # One Redis core saturates at 1000 / cpu_ms_per_job jobs/s; a node does `base` jobs/s.
     served = 1000 / worst["cpu_ms_per_job"] / base
+    last = rows[-1]
+    top = sorted(last["by_command"].items(), key=lambda kv: -kv[1])
+    idle_top = sorted(last["idle_by_command"].items(), key=lambda kv: -kv[1])
     lines = [
         f"### scaling — {date.today()} — {machine()}", "",
         f"Simulated nodes, each INIT/RUN/EVAL pools of {POOLS} with its own PRORL_NODE; "
@@ -125,10 +141,16 @@ def main() -> None:
           f"{x['cpu_ms_per_job']:.2f} |" for x in rows], "",
         f"Efficiency at {rows[-1]['k']} nodes: **{rows[-1]['rate'] / (rows[-1]['k'] * base):.2f}"
         f"** of linear. Idle pools cost Redis {rows[-1]['idle_calls_s']:.0f} commands/s at "
-        f"{rows[-1]['k']} nodes (heartbeats, reaper). At {worst['cpu_ms_per_job']:.2f} ms of "
+        f"{rows[-1]['k']} nodes ({rows[-1]['idle_calls_s'] / rows[-1]['k']:.1f} per node: "
+        "heartbeats, reaper, queue polls). At "
+        f"{worst['cpu_ms_per_job']:.2f} ms of "
         f"Redis CPU per job, one Redis core serves about {1000 / worst['cpu_ms_per_job']:.0f} "
         f"jobs/s: **~{served:.0f} nodes** of this size (the machine runs every pool as well "
         "as Redis, so this is a lower bound).", "",
+        f"Commands per job at {last['k']} nodes, by command (inside scripts included): "
+        + ", ".join(f"{c} {n:.1f}" for c, n in top if n >= 0.05) + ".", "",
+        f"Idle commands per node and second at {last['k']} nodes: "
+        + (", ".join(f"{c} {n:.2f}" for c, n in idle_top if n >= 0.005) or "none") + ".", "",
     ]
     report(lines, args.record)
 

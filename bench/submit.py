@@ -30,8 +30,8 @@ import requests
 from common import machine, pct, private_redis, report  # noqa: E402
 from pipeline import Processes, farm_env, wait_for  # noqa: E402
 
-from prorl_farm.client import FarmClient  # noqa: E402
 from prorl_farm.supervisor import free_port  # noqa: E402
+from prorl_farm.trainer import FarmClient  # noqa: E402
 
 SIZES = [(500, 1), (128, 16), (512, 16)]  # instances, n
 

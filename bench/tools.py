@@ -24,9 +24,9 @@ import redis
 from common import machine, pct, private_redis, report  # noqa: E402
 
 from prorl_farm.sandbox.abstract import SandboxSpec, processes_of  # noqa: E402
-from prorl_farm.sandbox.client import ToolClient  # noqa: E402
+from prorl_farm.sandbox.connection import ToolConnection  # noqa: E402
 from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
-from prorl_farm.sandbox.tools.bash import BashSession  # noqa: E402
+from prorl_farm.toolserver.bash import BashSession  # noqa: E402
 
 
 def timed(fn, n: int, warmup: int = 10) -> list[float]:
@@ -108,7 +108,7 @@ def bench_runtime(r, runtime: str, n: int, starts: int, bash_with: dict) -> dict
         manager.stop(sb)
         stop_ms.append(1000 * (time.perf_counter() - t0))
     sb = manager.start(SandboxSpec())
-    client = ToolClient(sb.socket)
+    client = ToolConnection(sb.socket)
     try:
         time.sleep(0.5)
         idle_kib = pss_kib(processes_of(sb.id))

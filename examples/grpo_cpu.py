@@ -46,11 +46,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from prorl_farm.client import FarmClient  # noqa: E402
-from prorl_farm.client.adapters import to_verl  # noqa: E402
-from prorl_farm.client.dapo import DynamicSampler  # noqa: E402
 from prorl_farm.handlers.arith import prompt_messages  # noqa: E402
 from prorl_farm.supervisor import free_port  # noqa: E402
+from prorl_farm.trainer import FarmClient  # noqa: E402
+from prorl_farm.trainer.adapters import to_verl  # noqa: E402
+from prorl_farm.trainer.dapo import DynamicSampler  # noqa: E402
 
 
 @dataclass

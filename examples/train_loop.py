@@ -40,9 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prorl_farm.client import FarmClient  # noqa: E402
-from prorl_farm.client.adapters import to_nemo_rl, to_verl  # noqa: E402
-from prorl_farm.client.dapo import DynamicSampler  # noqa: E402
+from prorl_farm.trainer import FarmClient  # noqa: E402
+from prorl_farm.trainer.adapters import to_nemo_rl, to_verl  # noqa: E402
+from prorl_farm.trainer.dapo import DynamicSampler  # noqa: E402
 
 LETTERS = "etaoinsrhl"
 

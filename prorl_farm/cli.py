@@ -7,15 +7,19 @@ import logging
 import os
 import sys
 
-from prorl_farm.config import STAGES, load_settings
+from prorl_farm.config import STAGES, load_settings, read
 from prorl_farm.errors import ConfigError
 
 
 def _cmd_up(args) -> int:
-    from prorl_farm.supervisor import Supervisor
+    from prorl_farm.supervisor import StartupError, Supervisor
 
-    return Supervisor(load_settings(), dev_model=args.model, auth=args.auth,
-                      engine=args.engine).run()
+    try:
+        return Supervisor(load_settings(), dev_model=args.model, auth=args.auth,
+                          engine=args.engine).run()
+    except StartupError as e:
+        print(e, file=sys.stderr)
+        return 1
 
 
 def _cmd_serve_model(args) -> int:
@@ -104,8 +108,8 @@ def _cmd_submit(args) -> int:
     """Submit a dataset, follow the batch to its end, print the summary."""
     import json
 
-    from prorl_farm.client import FarmClient
-    from prorl_farm.client.report import follow
+    from prorl_farm.trainer import FarmClient
+    from prorl_farm.trainer.report import follow
 
     farm = FarmClient(args.url)
     sampling = json.loads(args.sampling) if args.sampling else {}
@@ -120,8 +124,8 @@ def _cmd_submit(args) -> int:
 def _cmd_watch(args) -> int:
     import json
 
-    from prorl_farm.client import FarmClient
-    from prorl_farm.client.report import follow
+    from prorl_farm.trainer import FarmClient
+    from prorl_farm.trainer.report import follow
 
     farm = FarmClient(args.url)
     print(json.dumps({"batch_id": args.batch, **follow(farm, args.batch, args.output)},
@@ -130,7 +134,7 @@ def _cmd_watch(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from prorl_farm.client import FarmClient
+    from prorl_farm.trainer import FarmClient
 
     farm = FarmClient(args.url)
     output = args.output or f"{args.batch}.{args.format}"
@@ -141,7 +145,7 @@ def _cmd_export(args) -> int:
 
 def _cmd_validate(args) -> int:
     """Grade every instance's own reference through a running farm; list those that fail."""
-    from prorl_farm.client import FarmClient
+    from prorl_farm.trainer import FarmClient
 
     farm = FarmClient(args.url)
     rows = _read_jsonl(args.file)
@@ -161,6 +165,17 @@ def _cmd_validate(args) -> int:
         print(f"{args.file}:{line}: {why}")
     print(f"{len(rows) - len(bad)} of {len(rows)} references pass")
     return 1 if bad else 0
+
+
+def _cmd_settings(args) -> int:
+    from prorl_farm import config
+
+    if args.deploy:
+        for name, doc in config.DEPLOY_ENV.items():
+            print(f"{name}\t{doc}")
+    else:
+        sys.stdout.write(config.table())
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context length served (default: the model's)")
     sm.add_argument("--dtype", default="float32", help="vLLM's --dtype (default float32)")
     sm.set_defaults(func=_cmd_serve_model)
-    url = os.environ.get("PRORL_URL", "http://127.0.0.1:8000")
+    url = read("url")
     s = sub.add_parser("submit", help="submit a JSONL dataset, show progress until the batch "
                        "ends, then a summary (mean reward, pass@k, failures, end reasons)")
     s.add_argument("file", metavar="FILE.jsonl")
@@ -229,9 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "canonical solution) through a running farm; list those that fail")
     v.add_argument("file", metavar="FILE.jsonl")
     v.add_argument("--handler", required=True)
-    v.add_argument("--url", default=os.environ.get("PRORL_URL", "http://127.0.0.1:8000"))
+    v.add_argument("--url", default=url)
     v.add_argument("--deadline-s", type=float, default=600.0)
     v.set_defaults(func=_cmd_validate)
+    st = sub.add_parser("settings", help="every PRORL_* setting: default, range, meaning (a "
+                        "Markdown table)")
+    st.add_argument("--deploy", action="store_true",
+                    help="the variables of the compose and Slurm scripts instead")
+    st.set_defaults(func=_cmd_settings)
     tm = sub.add_parser("tiny-model", help="build a tiny random model and tokenizer offline")
     tm.add_argument("out", metavar="DIR")
     tm.add_argument("--seed", type=int, default=0)
@@ -247,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("PRORL_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=read("log_level"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

@@ -1,6 +1,13 @@
-"""All settings, read once from PRORL_* environment variables.
+"""Every setting of the farm, declared once.
 
-Every duration is in seconds and says so in its name (``*_S``).
+A setting is a field of :class:`Settings` (or, for each stage's pool, of
+:class:`PoolSettings`) made with :func:`setting`: its default, its range or choices and one
+line of documentation. From these declarations follow loading from ``PRORL_*`` environment
+variables (:func:`load_settings`, :func:`read`), validation, the table ``prorl-farm
+settings`` prints and the README carries, and the checks of the compose and Slurm files
+(``tests/test_deploy.py``). Nothing else in the farm reads a ``PRORL_*`` variable.
+
+Every duration is in seconds and says so in its name (``*_s``).
 """
 
 from __future__ import annotations
@@ -11,11 +18,38 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 from prorl_farm.errors import ConfigError
 
 STAGES = ("init", "run", "eval")
 POOL_TYPES = ("threads", "prefork", "solo", "gevent", "eventlet")
+SANDBOX_RUNTIMES = ("auto", "local", "bwrap", "apptainer", "docker")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DAY_S = 24 * 3600.0
+NODE_PATTERN = r"[A-Za-z0-9_-]{1,64}"
+
+
+def setting(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
+            choices: tuple[str, ...] | None = None, pattern: str | None = None,
+            cast: type | None = None, shown: str | None = None, env: str | None = None,
+            factory=None):
+    """One setting: ``default``, ``doc`` (a line for the table), and what a value may be.
+
+    ``lo``/``hi``: the range of a number, both ends allowed (every number has one);
+    ``choices``/``pattern``: what a string may be; ``cast``: the type where the default
+    does not say it (None); ``shown``: the default as the table shows it; ``env``: the
+    variable's name where it is not ``PRORL_`` + the field's name in capitals (a stage's
+    pool fields: the suffix after ``PRORL_<STAGE>_``).
+    """
+    cast = cast or type(default)
+    if cast in (int, float) and (lo is None or hi is None):
+        raise TypeError(f"a numeric setting needs its range: {doc!r}")
+    meta = dict(doc=doc, lo=lo, hi=hi, choices=choices, pattern=pattern, cast=cast,
+                shown=shown, env=env)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def _short_hostname() -> str:
@@ -24,104 +58,132 @@ def _short_hostname() -> str:
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """How one stage's worker pool runs."""
+    """How one stage's worker pool runs (``PRORL_<STAGE>_*``)."""
 
-    pool: str = "threads"
-    concurrency: int = 8
-    prefetch_multiplier: int = 1
-    timeout_s: float = 600.0
+    pool: str = setting("threads", "Celery pool type of each stage", choices=POOL_TYPES,
+                        env="POOL")
+    concurrency: int = setting(8, "pool sizes", lo=1, hi=10_000, env="CONCURRENCY")
+    prefetch_multiplier: int = setting(1, "Celery prefetch multiplier of each pool", lo=1,
+                                       hi=1000, env="PREFETCH")
+    timeout_s: float = setting(600.0, "stage time limits (enforced by the farm)", lo=1,
+                               hi=30 * DAY_S, env="TIMEOUT_S")
+
+
+STAGE_DEFAULTS = {
+    "init": PoolSettings(concurrency=8, timeout_s=600.0),
+    "run": PoolSettings(concurrency=64, timeout_s=3600.0),
+    "eval": PoolSettings(concurrency=8, timeout_s=600.0),
+}
+
+
+def _stage(name: str):
+    return field(default=STAGE_DEFAULTS[name], metadata=dict(stage=True))
 
 
 @dataclass(frozen=True)
 class Settings:
     """Farm-wide settings; build with :func:`load_settings`."""
 
-    # None: `prorl-farm up` starts a private redis-server of its own.
-    redis_url: str | None = None
-    node: str = field(default_factory=_short_hostname)
-    home: str = ".prorl"
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
-    api_workers: int = 2
-    api_threads: int = 16
-    flower_port: int = 5555
-    init: PoolSettings = PoolSettings(concurrency=8, prefetch_multiplier=1, timeout_s=600.0)
-    run: PoolSettings = PoolSettings(concurrency=64, prefetch_multiplier=1, timeout_s=3600.0)
-    eval: PoolSettings = PoolSettings(concurrency=8, prefetch_multiplier=1, timeout_s=600.0)
-    # Finished jobs, batch counters and result streams expire this long after the last change.
-    result_ttl_s: float = 7 * 24 * 3600.0
-    # Liveness: how often each worker process heartbeats its jobs and checks for aborts,
-    # and how old a heartbeat may get before the reaper declares the worker dead.
-    heartbeat_interval_s: float = 0.5
-    heartbeat_stale_s: float = 30.0
-    # A worker process whose presence connection is gone (it died) has its jobs recovered
-    # once their heartbeat is this old, without waiting for heartbeat_stale_s.
-    presence_grace_s: float = 1.5
-    # Off where Redis's client list says nothing about worker processes (a proxy in front
-    # of Redis, CLIENT disabled): then only heartbeat age tells a dead worker.
-    presence: bool = True
-    # A pool whose liveness thread has not turned for this long while its process lives
-    # (wedged, e.g. in a C call that never returns) is killed by its watchdog, for its
-    # supervisor to restart; 0 turns the watchdog off.
-    watchdog_s: float = 60.0
-    reap_interval_s: float = 1.0
-    # A job whose worker died starts again at INIT at most this many times, then fails worker_lost.
-    max_requeues: int = 1
-    # API limits.
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_jobs_per_request: int = 10_000
-    max_wait_s: float = 60.0
-    # Celery task events (task-received/started/succeeded): Flower shows tasks only with them;
-    # they cost three extra publishes per stage, so they are off unless asked for (`prorl-farm
-    # up`, which starts Flower, asks for them).
-    task_events: bool = False
-    # LLM backends: per-request timeout, retries on one backend, fail-overs to others per job;
-    # audit=True logs every acquire's heap snapshot (tests, debugging).
-    llm_request_timeout_s: float = 600.0
-    llm_retries: int = 2
-    llm_max_failovers: int = 1
-    # A job that finds every backend drained (a weight sync) waits this long for one to be
-    # resumed, within its deadline, instead of failing.
-    llm_drain_wait_s: float = 600.0
-    backend_audit: bool = False
-    # A weight sync's check: the largest logprob error (served vs the checkpoint's, on the
-    # probe's tokens) a backend may show and still serve the new version. float32 engines
-    # agree within 1e-5; bfloat16 small models within about 5e-3.
-    weights_tolerance: float = 1e-2
-    # Grading a final answer (math, stem) in a helper process: the time and memory an
-    # answer may cost before it earns 0 (prorl_farm/graders/answers.py).
-    grade_timeout_s: float = 10.0
-    grade_memory_mb: int = 1024
-    # Sandboxes: runtime (auto = bwrap where installed, else local), where their files live
-    # (keep it short: Unix socket paths are limited to 107 bytes), live sandboxes per node.
-    sandbox_runtime: str = "auto"
-    sandbox_dir: str = "/tmp/prorl-sandboxes"
-    sandbox_max: int = 64
-    # Who a sandbox runs as on the host: "auto" (nobody when the farm runs as root, else the
-    # farm's own uid), a user name or "uid[:gid]"; never root. Inside it is always uid 1000.
-    sandbox_user: str = "auto"
-    # The interpreter of the tool server inside; "" = the farm's, or the system's python3 of
-    # the same version where the sandbox user cannot run the farm's.
-    sandbox_python: str = ""
-    # Read-only paths in every sandbox: "host[:inside],..."; and the host roots under which
-    # handlers and instances may ask for more (nothing else is ever bound on request).
-    sandbox_ro_paths: str = ""
-    sandbox_mount_roots: str = ""
-    # Extra handlers without packaging: "name=module:Class,other=module:Class".
-    handlers: str = ""
-    # Access. With a token, every mutating API call needs "Authorization: Bearer <token>";
-    # read_auth extends that to every read but the probes (/healthz, /readyz).
-    api_token: str = ""
-    api_read_auth: bool = False
-    # Hosts and CIDRs (besides loopback) whose URLs may be registered as LLM backends.
-    backend_allow: str = ""
-    # Whether an instance may ask for a sandbox with the outside network (shell `network`).
-    sandbox_network: bool = False
-    # On SIGTERM, re-queue what this pool holds (and what waits on its node's queue) at once
-    # instead of finishing it: for nodes that go away with their sandboxes (Slurm's scancel).
-    requeue_on_stop: bool = False
-    # Flower's basic auth, "user:password"; required when the farm binds a non-loopback host.
-    flower_basic_auth: str = ""
+    redis_url: str | None = setting(
+        None, "Redis to use; unset: `up` starts a private one", cast=str, shown="unset")
+    node: str = setting(
+        "", "node name for the node-local `run.<node>` / `eval.<node>` queues",
+        pattern=NODE_PATTERN, shown="short hostname", factory=_short_hostname)
+    home: str = setting(".prorl", "data and logs of `prorl-farm up`")
+    api_host: str = setting("127.0.0.1", "the API's listen address")
+    api_port: int = setting(8000, "the API's port", lo=1, hi=65535)
+    api_workers: int = setting(2, "gunicorn worker processes of the API", lo=1, hi=256)
+    api_threads: int = setting(16, "threads per API worker process", lo=1, hi=4096)
+    flower_port: int = setting(5555, "Flower's port under `prorl-farm up`", lo=1, hi=65535)
+    url: str = setting("http://127.0.0.1:8000",
+                       "the farm the CLI's `submit`, `watch`, `export`, `validate` talk to")
+    log_level: str = setting("INFO", "log level of every farm process", choices=LOG_LEVELS)
+    init: PoolSettings = _stage("init")
+    run: PoolSettings = _stage("run")
+    eval: PoolSettings = _stage("eval")
+    result_ttl_s: float = setting(
+        7 * DAY_S, "finished jobs, batch counters and result streams expire this long after "
+        "their last change", lo=60, hi=365 * DAY_S)
+    heartbeat_interval_s: float = setting(
+        0.5, "how often each worker process heartbeats its jobs and checks for aborts",
+        lo=0.01, hi=60)
+    heartbeat_stale_s: float = setting(
+        30.0, "the heartbeat age at which the reaper declares a job's worker dead (at least "
+        "3 x the interval)", lo=0.1, hi=3600)
+    presence_grace_s: float = setting(
+        1.5, "a worker process whose own Redis connection is gone has its jobs recovered once "
+        "their heartbeat is this old", lo=0.02, hi=3600)
+    presence: bool = setting(
+        True, "tell dead workers by their Redis connection; 0 where Redis's client list says "
+        "nothing of them (a proxy in front of Redis, CLIENT disabled)")
+    watchdog_s: float = setting(
+        60.0, "a pool whose liveness thread stops turning this long while its process lives "
+        "(wedged in a C call) is killed for its supervisor to restart; 0 = off",
+        lo=0, hi=DAY_S)
+    reap_interval_s: float = setting(
+        1.0, "how often the reaper sweeps (one pool process at a time)", lo=0.05, hi=600)
+    max_requeues: int = setting(
+        1, "times a job whose worker died starts again at INIT before failing `worker_lost`",
+        lo=0, hi=100)
+    max_body_bytes: int = setting(16 * 1024 * 1024, "the largest request body the API takes",
+                                  lo=1024, hi=1 << 34, shown="16 MiB")
+    max_jobs_per_request: int = setting(10_000, "the most jobs one submit may create", lo=1,
+                                        hi=1_000_000)
+    max_wait_s: float = setting(60.0, "the longest long-poll (`wait=`) of the API", lo=0,
+                                hi=3600)
+    task_events: bool = setting(
+        False, "Celery task events, for Flower's task views (3 extra publishes per stage; "
+        "`prorl-farm up` turns them on)", shown="0 (1 under `prorl-farm up`)")
+    llm_request_timeout_s: float = setting(600.0, "timeout of one LLM request", lo=0.1,
+                                           hi=DAY_S)
+    llm_retries: int = setting(2, "retries of an LLM request on one backend", lo=0, hi=100)
+    llm_max_failovers: int = setting(1, "moves to another backend per job", lo=0, hi=100)
+    llm_drain_wait_s: float = setting(
+        600.0, "how long a job that finds every backend drained (a weight sync) waits for a "
+        "resume, within its deadline", lo=0, hi=DAY_S)
+    backend_audit: bool = setting(False, "log every acquire's heap snapshot (debugging the "
+                                  "balancer)")
+    weights_tolerance: float = setting(
+        1e-2, "the largest logprob error a weight sync's check accepts (float32 engines agree "
+        "within 1e-5, bfloat16 small models within about 5e-3)", lo=1e-9, hi=100)
+    vllm_python: str = setting("", "the interpreter of vLLM's environment, for `--engine "
+                               "vllm`", shown="`.venv-vllm/bin/python`")
+    grade_timeout_s: float = setting(
+        10.0, "time one `math`/`stem` answer's grading may take (in a helper process) before "
+        "it earns 0 with the reason", lo=0.1, hi=3600)
+    grade_memory_mb: int = setting(1024, "memory one answer's grading may take", lo=256,
+                                   hi=1 << 20)
+    sandbox_runtime: str = setting(
+        "auto", "`auto`: `bwrap` where installed, else `local`; or `apptainer`, `docker`",
+        choices=SANDBOX_RUNTIMES)
+    sandbox_dir: str = setting(
+        "/tmp/prorl-sandboxes", "sandbox files (keep it short: Unix socket paths are limited "
+        "to 107 bytes)")
+    sandbox_max: int = setting(64, "live sandboxes per node", lo=1, hi=65_000)
+    sandbox_user: str = setting(
+        "auto", "host user a sandbox runs as: `auto` = `nobody` when the farm is root (if "
+        "`nobody` can read the farm's installation; else the farm's own, with a warning), "
+        "else the farm's own; a name or `uid[:gid]`; never root")
+    sandbox_python: str = setting(
+        "", "the tool server's interpreter inside (the farm's, or the system's python3 of "
+        "the same version where the sandbox user cannot run the farm's)", shown="the farm's")
+    sandbox_ro_paths: str = setting("", "read-only paths in every sandbox, `host[:inside],...`")
+    sandbox_mount_roots: str = setting(
+        "", "host roots under which handlers and instances may ask for more read-only paths")
+    sandbox_network: bool = setting(
+        False, "whether an instance may ask for a sandbox with the outside network")
+    handlers: str = setting("", "extra handlers without packaging, `name=module:Class,...`")
+    api_token: str = setting(
+        "", "Bearer token for every mutating API call (clients send it too)", shown="unset")
+    api_read_auth: bool = setting(False, "the token for every read too, but the probes")
+    backend_allow: str = setting(
+        "", "hosts and CIDRs (besides loopback) whose URLs may be registered as LLM backends",
+        shown="loopback only")
+    requeue_on_stop: bool = setting(
+        False, "on SIGTERM re-queue what the pool holds at once instead of finishing it (nodes "
+        "that go away with their sandboxes)", shown="0 (1 in `slurm/`)")
+    flower_basic_auth: str = setting(
+        "", "Flower's basic auth, `user:password`; required off loopback", shown="unset")
 
     def pool(self, stage: str) -> PoolSettings:
         if stage not in STAGES:
@@ -138,22 +200,45 @@ class Settings:
         return 2 * max(self.pool(s).timeout_s for s in STAGES) + 3600.0
 
 
-# Read outside Settings: the CLI's farm URL and log level; clients' API token is
-# PRORL_API_TOKEN, a setting too.
-OTHER_ENV = ("PRORL_URL", "PRORL_LOG_LEVEL", "PRORL_VLLM_PYTHON")
+# Variables of the deployment scripts (compose, Slurm), not of the farm's processes.
+DEPLOY_ENV = {
+    "PRORL_API_PUBLISH": "compose: the host port the API is published on (8000)",
+    "PRORL_FLOWER_PUBLISH": "compose: the host port Flower is published on (5555)",
+    "PRORL_SHARED": "Slurm: a directory on the shared filesystem (required)",
+    "PRORL_FARM_DIR": "Slurm: the project checkout (default: where sbatch ran)",
+    "PRORL_PYTHON": "Slurm: the Python with the farm installed (default: the checkout's .venv)",
+    "PRORL_LOG_DIR": "Slurm: where logs go (default: $PRORL_SHARED/logs)",
+    "PRORL_HEAD_HOST": "Slurm: the name workers reach the head by (default: its host)",
+    "PRORL_HEAD_WAIT_S": "Slurm: how long a worker node waits for the head (600)",
+    "PRORL_HEAD_JOB": "Slurm: the head's job id, in head.env",
+    "PRORL_REDIS_PORT": "Slurm: the head's Redis port (6379)",
+    "PRORL_REDIS_DIR": "Slurm: the head's Redis data (default: $PRORL_SHARED/redis)",
+    "PRORL_REDIS_PASSWORD": "Slurm: the head's Redis password, in head.env",
+    "PRORL_FLOWER_URL": "Slurm: Flower's address, in head.env",
+}
+
+
+def env_name(f: dataclasses.Field, stage: str | None = None) -> str:
+    """The environment variable of a field (of a stage's pool, with ``stage``)."""
+    if stage is not None:
+        return f"PRORL_{stage.upper()}_{f.metadata['env']}"
+    return f.metadata.get("env") or f"PRORL_{f.name.upper()}"
+
+
+def _declared() -> list[tuple[dataclasses.Field, str | None]]:
+    """(field, stage) for every setting; stage is None but for the pools' fields."""
+    out: list[tuple[dataclasses.Field, str | None]] = []
+    for f in dataclasses.fields(Settings):
+        if f.metadata.get("stage"):
+            out += [(pf, f.name) for pf in dataclasses.fields(PoolSettings)]
+        else:
+            out.append((f, None))
+    return out
 
 
 def env_names() -> set[str]:
-    """Every PRORL_* variable the farm reads (settings and OTHER_ENV)."""
-
-    class Recorder(dict):
-        def get(self, key, default=None):
-            seen.add(key)
-            return default
-
-    seen: set[str] = set()
-    load_settings(Recorder())
-    return seen | set(OTHER_ENV)
+    """Every PRORL_* variable the farm's processes read."""
+    return {env_name(f, stage) for f, stage in _declared()}
 
 
 def _bool(raw: str) -> bool:
@@ -164,135 +249,112 @@ def _bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-# The range of every numeric setting: (lowest, highest), both allowed. A value outside its
-# range (or NaN, or infinite) stops start-up with the variable's name.
-DAY_S = 24 * 3600.0
-RANGES: dict[str, tuple[float, float]] = {
-    "API_PORT": (1, 65535), "FLOWER_PORT": (1, 65535),
-    "API_WORKERS": (1, 256), "API_THREADS": (1, 4096),
-    "RESULT_TTL_S": (60, 365 * DAY_S),
-    "HEARTBEAT_INTERVAL_S": (0.01, 60), "HEARTBEAT_STALE_S": (0.1, 3600),
-    "REAP_INTERVAL_S": (0.05, 600), "WATCHDOG_S": (0, DAY_S),
-    "MAX_REQUEUES": (0, 100),
-    "MAX_BODY_BYTES": (1024, 1 << 34), "MAX_JOBS_PER_REQUEST": (1, 1_000_000),
-    "MAX_WAIT_S": (0, 3600),
-    "LLM_REQUEST_TIMEOUT_S": (0.1, DAY_S), "LLM_RETRIES": (0, 100),
-    "LLM_DRAIN_WAIT_S": (0, DAY_S), "WEIGHTS_TOLERANCE": (1e-9, 100),
-    "LLM_MAX_FAILOVERS": (0, 100),
-    "GRADE_TIMEOUT_S": (0.1, 3600), "GRADE_MEMORY_MB": (256, 1 << 20),
-    "SANDBOX_MAX": (1, 65_000),
-    "CONCURRENCY": (1, 10_000), "PREFETCH": (1, 1000), "TIMEOUT_S": (1, 30 * DAY_S),
-}
-SANDBOX_RUNTIMES = ("auto", "local", "bwrap", "apptainer", "docker")
-
-
-def _env(environ, name: str, cast, default, range_key: str | None = None):
-    raw = environ.get(f"PRORL_{name}")
-    if raw is None or raw == "":
-        return default
-    try:
-        value = cast(raw)
-    except ValueError as e:
-        raise ConfigError(f"PRORL_{name}={raw!r}: not a valid {cast.__name__}") from e
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        lo, hi = RANGES.get(range_key or name, (0, float("inf")))
+def _check(name: str, raw: Any, value: Any, meta) -> None:
+    if meta["cast"] in (int, float):
+        lo, hi = meta["lo"], meta["hi"]
         if not math.isfinite(value) or not lo <= value <= hi:
-            raise ConfigError(f"PRORL_{name}={raw!r}: must be a number from {lo:g} to {hi:g}")
+            raise ConfigError(f"{name}={raw!r}: must be a number from {lo:g} to {hi:g}")
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"{name}={raw!r}: expected one of {meta['choices']}")
+    if meta["pattern"] and not re.fullmatch(meta["pattern"], value):
+        raise ConfigError(f"{name}={raw!r}: must match {meta['pattern']}")
+
+
+def _read(environ, f: dataclasses.Field, default: Any, stage: str | None = None) -> Any:
+    name = env_name(f, stage)
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        value = default() if callable(default) else default
+        if value is not None:
+            _check(name, value, value, f.metadata)
+        return value
+    cast = f.metadata["cast"]
+    try:
+        value = (_bool if cast is bool else cast)(raw)
+    except ValueError as e:
+        raise ConfigError(f"{name}={raw!r}: not a valid {cast.__name__}") from e
+    _check(name, raw, value, f.metadata)
     return value
 
 
-def _pool_from_env(environ, stage: str, base: PoolSettings) -> PoolSettings:
-    up = stage.upper()
-    pool = _env(environ, f"{up}_POOL", str, base.pool)
-    if pool not in POOL_TYPES:
-        raise ConfigError(f"PRORL_{up}_POOL={pool!r}: expected one of {POOL_TYPES}")
-    return PoolSettings(
-        pool=pool,
-        concurrency=_env(environ, f"{up}_CONCURRENCY", int, base.concurrency, "CONCURRENCY"),
-        prefetch_multiplier=_env(environ, f"{up}_PREFETCH", int, base.prefetch_multiplier,
-                                 "PREFETCH"),
-        timeout_s=_env(environ, f"{up}_TIMEOUT_S", float, base.timeout_s, "TIMEOUT_S"),
-    )
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory if f.default is dataclasses.MISSING else f.default
+
+
+def read(name: str, environ=None) -> Any:
+    """One setting from the environment, validated (for a process that needs only it:
+    a client's URL and token, the log level)."""
+    environ = os.environ if environ is None else environ
+    f = next(f for f in dataclasses.fields(Settings) if f.name == name)
+    return _read(environ, f, _default(f))
 
 
 def load_settings(environ=None, **overrides) -> Settings:
     """Defaults, then PRORL_* environment variables, then explicit overrides."""
     environ = os.environ if environ is None else environ
-    d = Settings()
-    values = dict(
-        redis_url=_env(environ, "REDIS_URL", str, None),
-        node=_env(environ, "NODE", str, d.node),
-        home=_env(environ, "HOME", str, d.home),
-        api_host=_env(environ, "API_HOST", str, d.api_host),
-        api_port=_env(environ, "API_PORT", int, d.api_port),
-        api_workers=_env(environ, "API_WORKERS", int, d.api_workers),
-        api_threads=_env(environ, "API_THREADS", int, d.api_threads),
-        flower_port=_env(environ, "FLOWER_PORT", int, d.flower_port),
-        result_ttl_s=_env(environ, "RESULT_TTL_S", float, d.result_ttl_s),
-        heartbeat_interval_s=_env(environ, "HEARTBEAT_INTERVAL_S", float, d.heartbeat_interval_s),
-        heartbeat_stale_s=_env(environ, "HEARTBEAT_STALE_S", float, d.heartbeat_stale_s),
-        presence_grace_s=_env(environ, "PRESENCE_GRACE_S", float, d.presence_grace_s),
-        presence=_env(environ, "PRESENCE", _bool, d.presence),
-        watchdog_s=_env(environ, "WATCHDOG_S", float, d.watchdog_s),
-        reap_interval_s=_env(environ, "REAP_INTERVAL_S", float, d.reap_interval_s),
-        max_requeues=_env(environ, "MAX_REQUEUES", int, d.max_requeues),
-        max_body_bytes=_env(environ, "MAX_BODY_BYTES", int, d.max_body_bytes),
-        max_jobs_per_request=_env(environ, "MAX_JOBS_PER_REQUEST", int, d.max_jobs_per_request),
-        max_wait_s=_env(environ, "MAX_WAIT_S", float, d.max_wait_s),
-        handlers=_env(environ, "HANDLERS", str, d.handlers),
-        api_token=_env(environ, "API_TOKEN", str, d.api_token),
-        api_read_auth=_env(environ, "API_READ_AUTH", _bool, d.api_read_auth),
-        backend_allow=_env(environ, "BACKEND_ALLOW", str, d.backend_allow),
-        sandbox_network=_env(environ, "SANDBOX_NETWORK", _bool, d.sandbox_network),
-        flower_basic_auth=_env(environ, "FLOWER_BASIC_AUTH", str, d.flower_basic_auth),
-        requeue_on_stop=_env(environ, "REQUEUE_ON_STOP", _bool, d.requeue_on_stop),
-        task_events=_env(environ, "TASK_EVENTS", _bool, d.task_events),
-        llm_request_timeout_s=_env(environ, "LLM_REQUEST_TIMEOUT_S", float,
-                                   d.llm_request_timeout_s),
-        llm_retries=_env(environ, "LLM_RETRIES", int, d.llm_retries),
-        llm_max_failovers=_env(environ, "LLM_MAX_FAILOVERS", int, d.llm_max_failovers),
-        llm_drain_wait_s=_env(environ, "LLM_DRAIN_WAIT_S", float, d.llm_drain_wait_s),
-        backend_audit=_env(environ, "BACKEND_AUDIT", _bool, d.backend_audit),
-        weights_tolerance=_env(environ, "WEIGHTS_TOLERANCE", float, d.weights_tolerance),
-        grade_timeout_s=_env(environ, "GRADE_TIMEOUT_S", float, d.grade_timeout_s),
-        grade_memory_mb=_env(environ, "GRADE_MEMORY_MB", int, d.grade_memory_mb),
-        sandbox_runtime=_env(environ, "SANDBOX_RUNTIME", str, d.sandbox_runtime),
-        sandbox_dir=_env(environ, "SANDBOX_DIR", str, d.sandbox_dir),
-        sandbox_max=_env(environ, "SANDBOX_MAX", int, d.sandbox_max),
-        sandbox_user=_env(environ, "SANDBOX_USER", str, d.sandbox_user),
-        sandbox_python=_env(environ, "SANDBOX_PYTHON", str, d.sandbox_python),
-        sandbox_ro_paths=_env(environ, "SANDBOX_RO_PATHS", str, d.sandbox_ro_paths),
-        sandbox_mount_roots=_env(environ, "SANDBOX_MOUNT_ROOTS", str, d.sandbox_mount_roots),
-    )
-    for stage in STAGES:
-        values[stage] = _pool_from_env(environ, stage, getattr(d, stage))
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", values["node"]):
-        raise ConfigError(f"PRORL_NODE={values['node']!r}: 1-64 characters from A-Z a-z 0-9 "
-                          "_ - (no '.' or ':')")
-    if values["sandbox_runtime"] not in SANDBOX_RUNTIMES:
-        raise ConfigError(f"PRORL_SANDBOX_RUNTIME={values['sandbox_runtime']!r}: expected one "
-                          f"of {SANDBOX_RUNTIMES}")
-    if values["heartbeat_stale_s"] < 3 * values["heartbeat_interval_s"]:
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        if f.metadata.get("stage"):
+            base = STAGE_DEFAULTS[f.name]
+            values[f.name] = PoolSettings(**{
+                pf.name: _read(environ, pf, getattr(base, pf.name), f.name)
+                for pf in dataclasses.fields(PoolSettings)})
+        else:
+            values[f.name] = _read(environ, f, _default(f))
+    _check_together(values)
+    values.update(overrides)
+    return Settings(**values)
+
+
+def _check_together(values: dict) -> None:
+    """What one setting's range cannot say: the liveness timings against each other."""
+    beat, stale = values["heartbeat_interval_s"], values["heartbeat_stale_s"]
+    grace, watchdog = values["presence_grace_s"], values["watchdog_s"]
+    if stale < 3 * beat:
         raise ConfigError(
-            f"PRORL_HEARTBEAT_STALE_S={values['heartbeat_stale_s']:g} must be at least 3 x "
-            f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g}: a live worker "
-            "would be taken for dead")
-    if not (2 * values["heartbeat_interval_s"] <= values["presence_grace_s"]
-            <= values["heartbeat_stale_s"]):
+            f"PRORL_HEARTBEAT_STALE_S={stale:g} must be at least 3 x "
+            f"PRORL_HEARTBEAT_INTERVAL_S={beat:g}: a live worker would be taken for dead")
+    if not 2 * beat <= grace <= stale:
         raise ConfigError(
-            f"PRORL_PRESENCE_GRACE_S={values['presence_grace_s']:g} must lie between 2 x "
-            f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g} (a live worker "
-            "reconnects within a tick) and PRORL_HEARTBEAT_STALE_S="
-            f"{values['heartbeat_stale_s']:g}")
-    if 0 < values["watchdog_s"] < 3 * values["heartbeat_interval_s"]:
+            f"PRORL_PRESENCE_GRACE_S={grace:g} must lie between 2 x "
+            f"PRORL_HEARTBEAT_INTERVAL_S={beat:g} (a live worker reconnects within a tick) "
+            f"and PRORL_HEARTBEAT_STALE_S={stale:g}")
+    if 0 < watchdog < 3 * beat:
         raise ConfigError(
-            f"PRORL_WATCHDOG_S={values['watchdog_s']:g} must be 0 (off) or at least 3 x "
-            f"PRORL_HEARTBEAT_INTERVAL_S={values['heartbeat_interval_s']:g}: a live pool "
-            "would be killed")
+            f"PRORL_WATCHDOG_S={watchdog:g} must be 0 (off) or at least 3 x "
+            f"PRORL_HEARTBEAT_INTERVAL_S={beat:g}: a live pool would be killed")
     if values["flower_basic_auth"] and ":" not in values["flower_basic_auth"]:
         raise ConfigError("PRORL_FLOWER_BASIC_AUTH: expected user:password")
     from prorl_farm.access import parse_allow_list
 
     parse_allow_list(values["backend_allow"])  # a bad entry stops start-up with its name
-    values.update(overrides)
-    return dataclasses.replace(d, **values)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if value == "":
+        return "empty"
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def table() -> str:
+    """The settings as a Markdown table (``prorl-farm settings``, the README)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    stages = "{" + ",".join(s.upper() for s in STAGES) + "}"
+    for f in dataclasses.fields(Settings):
+        if f.metadata.get("stage"):
+            if f.name != STAGES[0]:
+                continue
+            for pf in dataclasses.fields(PoolSettings):
+                shown = sorted({_shown(getattr(STAGE_DEFAULTS[s], pf.name)) for s in STAGES})
+                shown = (" / ".join(_shown(getattr(STAGE_DEFAULTS[s], pf.name))
+                                    for s in STAGES) if len(shown) > 1 else shown[0])
+                rows.append(f"| `PRORL_{stages}_{pf.metadata['env']}` | {shown} | "
+                            f"{pf.metadata['doc']} |")
+            continue
+        shown = f.metadata["shown"] or _shown(_default(f))
+        rows.append(f"| `{env_name(f)}` | {shown} | {f.metadata['doc']} |")
+    return "\n".join(rows) + "\n"

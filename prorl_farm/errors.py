@@ -1,4 +1,10 @@
-"""The farm's exception tree: one root, subclasses that also inherit the builtin that fits."""
+"""The farm's exception tree: one root, subclasses that also inherit the builtin that fits.
+
+Every exception the farm defines derives from FarmError, here or beside the code that raises
+it (``api.errors.ApiError``, ``trainer.farm.FarmHTTPError``, ``supervisor.StartupError``...).
+The one exception to it: the graders' programs (``graders/*_harness.py`` with ``jail.py``)
+run inside sandboxes as standalone scripts that import nothing of the farm, and keep their
+own ``JailError``."""
 
 from __future__ import annotations
 
@@ -74,21 +80,20 @@ class SandboxError(FarmError, RuntimeError):
     """A sandbox could not be started or reached."""
 
 
-class ToolCallError(FarmError, RuntimeError):
-    """The tool rejected the call (bad path, ambiguous edit, unknown tool...)."""
+class ToolRejected(FarmError, RuntimeError):
+    """A tool call its tool refused (bad path, ambiguous edit, unknown tool, bad arguments).
+    Raised by the tool inside a sandbox, sent back as an error reply (never fatal to the
+    tool server), and raised again on the host by ``ToolConnection.call`` with the reply's
+    ``kind`` (``tool_error``, ``bad_request``, ``internal``)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, message: str, kind: str = "tool_error"):
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+        self.message = message
 
 
 class ProtocolError(FarmError, ConnectionError):
     """A malformed or truncated frame on a tool server's socket."""
-
-
-class ToolError(FarmError):
-    """A tool call the tool itself rejects (bad path, ambiguous edit, ...): reported to the
-    caller as an error reply, never fatal to the tool server."""
 
 
 class TokenMismatch(FarmError, AssertionError):

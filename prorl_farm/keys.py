@@ -31,7 +31,7 @@ def sampling(sampling_id: str) -> str:
 
 
 def batch(batch_id: str) -> str:
-    """Hash: ``total``, ``created_at``, ``handler``."""
+    """Hash: ``total``, ``created_at``, ``handler``, ``left`` (jobs not ended yet)."""
     return f"{PREFIX}batch:{batch_id}"
 
 
@@ -74,8 +74,9 @@ def janitor_lock(node: str) -> str:
 
 # Sorted set: batch id -> creation time (GET /v1/batches lists the newest).
 BATCHES = f"{PREFIX}batches"
-# Hash: queue -> the newest publish-start time of a job claimed from it (lost-message checks).
-CLAIMED = f"{PREFIX}claimed"
+# Sorted set: queue -> the newest publish-start time of a job claimed from it (lost-message
+# checks).
+CLAIMED = f"{PREFIX}claimed_at"
 # Set: names of every queue a job was ever put on (the reaper walks these).
 QUEUES = f"{PREFIX}queues"
 # Sorted set: job -> last heartbeat of the worker that holds it (reserved or running).
@@ -87,9 +88,7 @@ POOLS = f"{PREFIX}pools"
 # Client name of each worker process's presence connection (worker/liveness.py):
 # "<prefix><stage>:<node>:<host>:<pid>:<random>".
 PRESENCE_PREFIX = "prorl-worker:"
-# Hash: terminal state -> number of jobs that ended in it (farm lifetime, for /metrics).
-STATS = f"{PREFIX}stats"
-# Hash: state -> jobs in it now (every state; terminal ones count up, as STATS).
+# Hash: state -> jobs in it now; terminal states count up (the farm's lifetime totals).
 STATE_COUNTS = f"{PREFIX}metrics:states"
 # Hash: failure kind -> jobs that failed with it (farm lifetime).
 FAILURE_KINDS = f"{PREFIX}metrics:failures"
@@ -108,10 +107,8 @@ def histogram(name: str) -> str:
     return f"{PREFIX}metrics:hist:{name}"
 
 
-# String: held (with a unique value) by the pool process running a reaper sweep right now.
-REAPER_LOCK = f"{PREFIX}reaper:lock"
-# String: set when a sweep starts, expiring after the reap interval (one sweep per interval).
-REAPER_PACE = f"{PREFIX}reaper:pace"
+# String with expiry: the reaper id of the pool process that sweeps (lua/reaper_lead.lua).
+REAPER_LEASE = f"{PREFIX}reaper:lease"
 # Hash: kombu delivery tag -> time it was settled (a dead worker's message already handled).
 SETTLED = f"{PREFIX}reaper:settled"
 
@@ -176,7 +173,7 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 
 # -- the Lua view -----------------------------------------------------------------------
 
-_LUA_CONSTANTS = ("CLAIMED", "QUEUES", "ACTIVE", "DEADLINES", "POOLS", "STATS", "BATCHES",
+_LUA_CONSTANTS = ("CLAIMED", "QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
                   "REAPER_ACTIONS")

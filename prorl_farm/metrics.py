@@ -95,13 +95,14 @@ class FarmCounters:
 
 def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
     from prorl_farm.config import STAGES
+    from prorl_farm.states import TERMINAL_STATES
 
     queues = sorted(r.smembers(keys.QUEUES))
     nodes = sorted(r.smembers(keys.SANDBOX_NODES))
     hist_names = [f"{kind}:{stage}" for kind in ("wait", "active") for stage in STAGES]
     api_names = sorted(r.smembers(keys.API_ROUTES)) if api else []
     pipe = r.pipeline(transaction=False)
-    for name in (keys.STATE_COUNTS, keys.STATS, keys.FAILURE_KINDS, keys.REAPER_ACTIONS,
+    for name in (keys.STATE_COUNTS, keys.FAILURE_KINDS, keys.REAPER_ACTIONS,
                  keys.SANDBOXES_STARTED):
         pipe.hgetall(name)
     for q in queues:
@@ -113,8 +114,10 @@ def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
     for name in hist_names + api_names:
         pipe.hgetall(keys.histogram(name))
     out = pipe.execute()
-    states, stats, failures, reaper, started = out[:5]
-    out = out[5:]
+    states, failures, reaper, started = out[:4]
+    out = out[4:]
+    # Terminal states only count up: their counters are the farm's lifetime totals.
+    stats = {s.value: states.get(s.value, 0) for s in TERMINAL_STATES}
     queue_rows = {q: (out[2 * i], out[2 * i + 1][0][1] if out[2 * i + 1] else None)
                   for i, q in enumerate(queues)}
     out = out[2 * len(queues):]

@@ -28,6 +28,7 @@ import redis
 
 from prorl_farm.access import is_loopback
 from prorl_farm.config import STAGES, Settings
+from prorl_farm.errors import FarmError
 from prorl_farm.sandbox.process import parent_death_signal
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ READY_TIMEOUT_S = 120.0
 LOG_TAIL_LINES = 15
 
 
-class StartupError(SystemExit):
-    """`up` cannot start: the message says why (printed, exit status 1)."""
+class StartupError(FarmError):
+    """`up` cannot start: the message says why (the CLI prints it, exit status 1)."""
 
     def __init__(self, message: str):
         super().__init__(f"prorl-farm up: {message}")

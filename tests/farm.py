@@ -182,7 +182,7 @@ class Pools:
 def nobody_can_run_pools() -> bool:
     """Root here, with runuser, a system Python of this version, and a checkout that user
     nobody can read: what running the pools as nobody needs."""
-    from prorl_farm.sandbox.process import usable_by
+    from prorl_farm.sandbox.interpreter import usable_by
 
     python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
     return (os.geteuid() == 0 and bool(shutil.which("runuser")) and os.path.exists(python)
@@ -291,7 +291,7 @@ def stop_process(proc: subprocess.Popen) -> None:
 def http_farm(redis_url: str, log_dir: Path, tag: str, **settings):
     """Real pools and the API under gunicorn on a free port; yields (url, env). ``settings``
     override the PRORL_* settings. Its sandbox directory goes with it."""
-    from prorl_farm.client import FarmClient
+    from prorl_farm.trainer import FarmClient
 
     sandbox_dir = f"/tmp/prs-{tag}-{free_port()}"
     pools = Pools(farm_env(redis_url, sandbox_dir=sandbox_dir, **settings), log_dir)

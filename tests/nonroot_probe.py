@@ -6,14 +6,14 @@ import sys
 import redis
 
 from prorl_farm.sandbox.abstract import SandboxSpec, processes_of
-from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.sandbox.connection import ToolConnection
 from prorl_farm.sandbox.manager import SandboxManager
 
 assert os.geteuid() != 0
 r = redis.Redis.from_url(sys.argv[1], decode_responses=True)
 manager = SandboxManager(r, f"nonroot-{os.getpid()}", "bwrap", root=sys.argv[2])
 sb = manager.start(SandboxSpec(workspace_files={"a.txt": "hello\n"}))
-c = ToolClient(sb.socket)
+c = ToolConnection(sb.socket)
 out = c.bash("cat a.txt; touch /usr/x 2>&1; echo $PRORL_SANDBOX_IP")
 assert out["output"].splitlines()[0] == "hello", out
 assert "cannot touch" in out["output"], out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prorl_farm.client.adapters import to_nemo_rl, to_verl
+from prorl_farm.trainer.adapters import to_nemo_rl, to_verl
 
 
 def _job(prompt, response, mask, reward, state="done", version=3):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from prorl_farm.client import FarmClient
 from prorl_farm.context import JobContext
 from prorl_farm.errors import InvalidInstance
 from prorl_farm.handlers.arith import ArithHandler
+from prorl_farm.trainer import FarmClient
 from tests.farm import http_farm
 from tests.policy_server import PolicyServer
 

@@ -342,8 +342,8 @@ def test_requests_reuse_one_connection_and_survive_its_close():
     """A client keeps its connection alive across requests, and the next job's client takes
     it over once closed; when the server has closed an idle one, the next request goes out
     once more on a new connection, not as a failure."""
-    from prorl_farm.llm.clients import client_for
-    from prorl_farm.llm.clients.abstract import _IDLE
+    from prorl_farm.llm.backends import client_for
+    from prorl_farm.llm.backends.abstract import _IDLE
 
     server = PolicyServer()
     try:

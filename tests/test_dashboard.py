@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from prorl_farm.client import FarmClient
 from prorl_farm.llm.registry import BackendRegistry
+from prorl_farm.trainer import FarmClient
 from tests.farm import chromium_dom, chromium_screenshot, http_farm, wait_until
 from tests.policy_server import PolicyServer, text_planner
 from tests.policy_server import tool_call as call

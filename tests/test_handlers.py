@@ -10,7 +10,7 @@ from api import create_app
 from prorl_farm.config import load_settings
 from prorl_farm.errors import NotFound
 from prorl_farm.handlers.registry import HandlerRegistry
-from prorl_farm.llm.clients.abstract import SAMPLING_DEFAULTS
+from prorl_farm.llm.backends.abstract import SAMPLING_DEFAULTS
 from tests.conftest import make_pools
 from tests.farm import farm_env, wait_until
 

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import redis
 
-from prorl_farm.client import FarmClient
+from prorl_farm.trainer import FarmClient
 from tests.conftest import make_pools
 from tests.farm import ROOT, RedisServer, farm_env, gunicorn_api, stop_process, wait_until
 

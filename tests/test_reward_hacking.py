@@ -456,7 +456,7 @@ def grading_sandbox(r, tmp_path):
     """Runs a grader script in a fresh sandbox of a runtime, as EVAL does; yields
     run(runtime, files, argv, stdin) -> the exec result."""
     from prorl_farm.sandbox.abstract import Limits, SandboxSpec
-    from prorl_farm.sandbox.client import ToolClient
+    from prorl_farm.sandbox.connection import ToolConnection
     from prorl_farm.sandbox.manager import SandboxManager
 
     managers = {}
@@ -469,7 +469,7 @@ def grading_sandbox(r, tmp_path):
         manager = managers[runtime]
         sandbox = manager.start(SandboxSpec(workspace_files=files, limits=Limits(
             processes=64)))
-        client = ToolClient(sandbox.socket)
+        client = ToolConnection(sandbox.socket)
         try:
             return client.call("exec", argv=argv, timeout_s=120, stdin=stdin, env=env or {})
         finally:
@@ -484,10 +484,10 @@ def _harness(run, program: str, tests: dict, jail: bool) -> dict:
     from prorl_farm.graders import source
     from prorl_farm.handlers.code import CodeInstance, tests_spec
 
-    spec = {**tests_spec(CodeInstance().load({"statement": "s", **tests})), "nonce": "N"}
+    spec = {**tests_spec(CodeInstance().load({"statement": "s", **tests})), "nonce": "N",
+            "jail": jail}
     out = run("bwrap", {"solution.py": program, "code_harness.py": source("code_harness.py")},
-              ["python3", "-I", "-S", "code_harness.py"], json.dumps(spec),
-              None if jail else {"PRORL_JAIL": "0"})
+              ["python3", "-I", "-S", "code_harness.py"], json.dumps(spec))
     return json.loads(out["stdout"].strip().splitlines()[-1][2:])
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from prorl_farm.sandbox.abstract import Limits, SandboxError, SandboxSpec, processes_of
-from prorl_farm.sandbox.client import ToolCallError, ToolClient
+from prorl_farm.sandbox.connection import ToolConnection, ToolRejected
 from prorl_farm.sandbox.manager import SandboxManager
 from tests.farm import ROOT
 
@@ -77,7 +77,7 @@ def manager_for(r, tmp_path):
 def sandbox(request, manager_for):
     manager = manager_for(request.param)
     sb = manager.start(SandboxSpec(workspace_files={"src/app.py": "def f():\n    return 1\n"}))
-    client = ToolClient(sb.socket)
+    client = ToolConnection(sb.socket)
     yield sb, client
     client.close()
     manager.stop(sb)
@@ -164,11 +164,11 @@ def test_file_tools(sandbox):
         "2\t    return 1"
     assert "src/app.py" in c.call("view", path=".")["entries"]
     c.call("create", path="notes/a.txt", content="x\nx\n")
-    with pytest.raises(ToolCallError, match="exists"):
+    with pytest.raises(ToolRejected, match="exists"):
         c.call("create", path="notes/a.txt", content="y")
-    with pytest.raises(ToolCallError, match="occurs 2 times"):
+    with pytest.raises(ToolRejected, match="occurs 2 times"):
         c.call("str_replace", path="notes/a.txt", old_str="x", new_str="y")
-    with pytest.raises(ToolCallError, match="not found"):
+    with pytest.raises(ToolRejected, match="not found"):
         c.call("str_replace", path="notes/a.txt", old_str="zzz", new_str="y")
     c.call("str_replace", path="src/app.py", old_str="return 1", new_str="return 2")
     c.call("insert", path="src/app.py", line=0, text="# header")
@@ -176,15 +176,15 @@ def test_file_tools(sandbox):
     c.call("undo", path="src/app.py")
     c.call("undo", path="src/app.py")
     assert c.bash("cat src/app.py")["output"] == "def f():\n    return 1\n"
-    with pytest.raises(ToolCallError, match="no edit"):
+    with pytest.raises(ToolRejected, match="no edit"):
         c.call("undo", path="src/app.py")
     for escape in ("../../etc/passwd", "/etc/passwd"):
-        with pytest.raises(ToolCallError, match="outside the workspace"):
+        with pytest.raises(ToolRejected, match="outside the workspace"):
             c.call("view", path=escape)
     c.bash("ln -s /etc link")
-    with pytest.raises(ToolCallError, match="outside the workspace"):
+    with pytest.raises(ToolRejected, match="outside the workspace"):
         c.call("create", path="link/evil", content="x")
-    with pytest.raises(ToolCallError, match="bad_request"):
+    with pytest.raises(ToolRejected, match="bad_request"):
         c.call("no_such_tool")
 
 
@@ -196,7 +196,7 @@ def bwrap_box(manager_for, redis_server):
     manager = manager_for("bwrap")
     limits = Limits(address_space_bytes=2 * 1024**3, processes=64)
     sb = manager.start(SandboxSpec(limits=limits))
-    client = ToolClient(sb.socket)
+    client = ToolConnection(sb.socket)
     yield manager, sb, client
     client.close()
     manager.stop(sb)
@@ -246,7 +246,7 @@ def test_bwrap_contains_fork_bomb_and_memory_hog(bwrap_box, manager_for):
     assert c.call("ping")["pong"]  # the tool server is fine
     # The host is fine too: another sandbox starts and works.
     other = manager.start(SandboxSpec())
-    other_client = ToolClient(other.socket)
+    other_client = ToolConnection(other.socket)
     try:
         assert other_client.bash("echo ok")["output"] == "ok\n"
     finally:
@@ -264,7 +264,7 @@ def test_bwrap_as_a_non_root_user(tmp_path, redis_server):
             [system_python, "-c", "import sys; assert sys.version_info[:2] == (3, 11)"]
     ).returncode != 0:
         pytest.skip("needs a system Python 3.11 that user nobody can run")
-    from prorl_farm.sandbox.process import usable_by
+    from prorl_farm.sandbox.interpreter import usable_by
 
     if not usable_by(str(ROOT / "prorl_farm"), 65534, 65534):
         pytest.skip("the checkout lies where user nobody cannot read it")
@@ -292,7 +292,7 @@ def test_100_sandboxes_leave_nothing_behind(manager_for):
     for i in range(100):
         sb = manager.start(SandboxSpec())
         ids.append(sb.id)
-        client = ToolClient(sb.socket)
+        client = ToolConnection(sb.socket)
         if i % 4 == 0:
             # Killed mid-command: the call in flight fails cleanly, the sandbox goes away.
             def call(client=client):
@@ -330,7 +330,7 @@ def test_a_job_ending_stops_its_sandboxes_only(manager_for, r):
     assert not r.exists(keys.job_sandboxes("sbx-node", "job-a"))
     for sb in mine:
         assert not Path(sb.socket).exists()
-    client = ToolClient(other.socket)
+    client = ToolConnection(other.socket)
     assert client.bash("echo alive")["output"] == "alive\n"
     client.close()
     manager.stop(other)  # a stop by sandbox also leaves no index behind
@@ -434,7 +434,7 @@ def test_shell_jobs_run_in_sandboxes_stopped_however_they_end(shell_farm, r):
 
 
 def test_apptainer_command_line(tmp_path):
-    from prorl_farm.sandbox.apptainer import apptainer_argv
+    from prorl_farm.sandbox.runtimes.apptainer import apptainer_argv
 
     spec = SandboxSpec(image="/images/task.sif", env={"TASK": "1"})
     argv = apptainer_argv("apptainer", spec, "abc123", tmp_path / "ws", tmp_path / "run",
@@ -449,7 +449,7 @@ def test_apptainer_command_line(tmp_path):
     image_at = argv.index("/images/task.sif")
     # The tool server, in isolated mode, its import path as the first argument.
     assert argv[image_at + 1:image_at + 3] == ["/usr/bin/python3", "-I"]
-    assert "prorl_farm.sandbox.server" in argv[image_at + 4]
+    assert "prorl_farm.toolserver.server" in argv[image_at + 4]
     assert argv[image_at + 5] == "/opt/prorl"
     networked = apptainer_argv("singularity", SandboxSpec(image="/d", network=True), "x",
                                tmp_path, tmp_path, "127.16.0.3", "python3")
@@ -466,7 +466,7 @@ def test_apptainer_runtime_for_real(manager_for):  # pragma: no cover - HPC host
         pytest.skip("set PRORL_TEST_APPTAINER_IMAGE to a .sif with python3")
     manager = manager_for("apptainer")
     sb = manager.start(SandboxSpec(image=image))
-    client = ToolClient(sb.socket)
+    client = ToolConnection(sb.socket)
     try:
         assert client.bash("echo hi")["output"] == "hi\n"
     finally:
@@ -476,8 +476,8 @@ def test_apptainer_runtime_for_real(manager_for):  # pragma: no cover - HPC host
 
 
 def test_docker_and_bwrap_command_lines(tmp_path):
-    from prorl_farm.sandbox.bwrap import bwrap_argv
-    from prorl_farm.sandbox.docker import docker_argv
+    from prorl_farm.sandbox.runtimes.bwrap import bwrap_argv
+    from prorl_farm.sandbox.runtimes.docker import docker_argv
 
     spec = SandboxSpec(image="python:3.11")
     argv = docker_argv("docker", spec, "abc", tmp_path / "ws", tmp_path / "run", "127.16.0.2",
@@ -486,7 +486,7 @@ def test_docker_and_bwrap_command_lines(tmp_path):
     assert argv[argv.index("--network") + 1] == "none"
     assert argv[argv.index("--pids-limit") + 1] == str(spec.limits.processes)
     assert "PRORL_SANDBOX_ID=abc" in argv
-    from prorl_farm.sandbox.process import sandbox_python
+    from prorl_farm.sandbox.interpreter import sandbox_python
 
     python = sandbox_python()
     b = bwrap_argv(SandboxSpec(), "abc", tmp_path / "ws", "127.16.0.2", tmp_path, python)
@@ -511,7 +511,7 @@ def test_a_pools_threads_track_their_sandboxes_without_racing():
     """Many INIT threads start sandboxes at once: each start also collects the exited ones
     of this process. Two threads collecting the same one raised KeyError (a failed INIT);
     every start must be tracked, every exited process collected once."""
-    from prorl_farm.sandbox.local import LocalRuntime
+    from prorl_farm.sandbox.runtimes.local import LocalRuntime
 
     runtime = LocalRuntime()
     exited = [subprocess.Popen(["true"]) for _ in range(300)]
@@ -581,7 +581,7 @@ def test_without_a_cgroup_each_sandbox_has_its_own_process_cap(manager_for, monk
         pytest.skip("the sandboxes would run as host root here")
     spec = SandboxSpec(limits=Limits(processes=40))
     a, b = manager.start(spec), manager.start(spec)
-    ca, cb = ToolClient(a.socket), ToolClient(b.socket)
+    ca, cb = ToolConnection(a.socket), ToolConnection(b.socket)
     bomb = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
             "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
             "except OSError:\n    pass\nopen('forked', 'w').write(str(n))\ntime.sleep(60)\n")

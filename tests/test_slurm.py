@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from prorl_farm.client import FarmClient
+from prorl_farm.trainer import FarmClient
 from tests.farm import ROOT, free_port, wait_until
 from tests.slurm_cluster import SlurmCluster, install
 

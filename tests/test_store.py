@@ -74,7 +74,7 @@ def test_a_hand_off_pushes_the_next_message_in_the_same_script(settings, r):
     assert message["properties"]["delivery_info"]["routing_key"] == "run.n"
     assert r.zscore("prorl:active", job.job_id) is None  # no heartbeat left to go stale
     assert r.zscore("prorl:published:run.n", job.job_id) is not None
-    assert r.hget(f"prorl:job:{job.job_id}", "holder") is None  # the next stage's to set
+    assert not r.hget(f"prorl:job:{job.job_id}", "holder")  # the next stage's to set
     r.delete("run.n")
 
 

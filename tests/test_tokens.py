@@ -229,7 +229,7 @@ def test_farm_trajectories_are_token_exact(chat_farm, dev_server, tiny_model, r)
     assert max(turns) == 3 and finishes == {"stop", "length"}
     # The trainer layouts, on these real trajectories: log-probs sit where teacher forcing
     # the padded rows' real tokens puts them, masks on exactly the sampled tokens.
-    from prorl_farm.client.adapters import to_nemo_rl, to_verl
+    from prorl_farm.trainer.adapters import to_nemo_rl, to_verl
 
     groups = [[j for j in jobs if j["instance_index"] == i] for i in range(2)]
     verl = to_verl(groups, pad_token_id=0)["batch"]

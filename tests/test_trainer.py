@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from prorl_farm.client import FarmClient, FarmConflict, FarmNotFound
-from prorl_farm.client.dapo import DynamicSampler
+from prorl_farm.trainer import FarmClient, FarmConflict, FarmNotFound
+from prorl_farm.trainer.dapo import DynamicSampler
 from tests.farm import (
     ROOT,
     TcpListener,

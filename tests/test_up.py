@@ -13,7 +13,7 @@ import psutil
 import pytest
 import requests
 
-from prorl_farm.client import FarmClient, FarmUnauthorized
+from prorl_farm.trainer import FarmClient, FarmUnauthorized
 from tests.farm import ROOT, SANDBOX_DIR, chromium_dom, free_port, wait_until
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import requests
 
 from api import create_app
 from prorl_farm.config import load_settings
-from prorl_farm.llm.clients.abstract import SAMPLING_DEFAULTS
+from prorl_farm.llm.backends.abstract import SAMPLING_DEFAULTS
 from prorl_farm.llm.session import turn_seed
 from tests.conftest import make_pools, start_vllm
 from tests.farm import farm_env, run_batch, scrape, use_only_backend, wait_until

@@ -1,5 +1,5 @@
 """The tools an agent is offered: their JSON schemas (rendered into the prompt by the chat
-template) and how each call runs through the job's sandbox ``ToolClient``.
+template) and how each call runs through the job's sandbox ``ToolConnection``.
 
 ``bash`` and ``python`` (IPython) run code; ``str_replace_editor`` views and edits files
 (view / create / str_replace / insert / undo_edit); ``submit`` ends the episode (handlers
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prorl_farm.errors import ToolCallError
+from prorl_farm.errors import FarmError, ToolRejected
 
 SCHEMAS: dict[str, dict] = {
     "bash": {"type": "function", "function": {
@@ -45,7 +45,7 @@ SCHEMAS: dict[str, dict] = {
 }
 
 
-class BadArguments(ValueError):
+class BadArguments(FarmError, ValueError):
     """A call whose arguments do not fit the tool (reported to the model, counted)."""
 
 
@@ -69,9 +69,9 @@ def _str(args: dict, key: str, required: bool = True) -> str | None:
 
 @dataclass
 class ToolRunner:
-    """Runs calls of the offered tools through a sandbox's ToolClient."""
+    """Runs calls of the offered tools through a sandbox's ToolConnection."""
 
-    client: object  # ToolClient, or None for tool-less episodes
+    client: object  # ToolConnection, or None for tool-less episodes
     timeout_s: float = 60.0
 
     def run(self, name: str, args: dict, abort_hook=None, timeout_s: float | None = None
@@ -102,7 +102,7 @@ class ToolRunner:
                 return "\n".join(p for p in parts if p), not out.get("error")
             if name == "str_replace_editor":
                 return self._edit(args, abort_hook), True
-        except ToolCallError as e:
+        except ToolRejected as e:
             return f"error: {e}", False
         raise BadArguments(f"unknown tool {name!r}")
 

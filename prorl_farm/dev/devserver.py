@@ -37,11 +37,13 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from prorl_farm.errors import FarmError
+
 log = logging.getLogger(__name__)
 
 
-class BadRequest(ValueError):
-    pass
+class BadRequest(FarmError, ValueError):
+    """A request the dev server refuses (400), with the reason."""
 
 
 @dataclass

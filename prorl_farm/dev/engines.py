@@ -22,6 +22,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from prorl_farm.config import read
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = ("dev", "vllm")
 VLLM_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -35,7 +37,7 @@ class Found:
 
 def find_vllm() -> Found:
     """The interpreter of the environment vLLM is installed in, or why there is none."""
-    given = os.environ.get("PRORL_VLLM_PYTHON")
+    given = read("vllm_python")
     candidates = [given] if given else [str(ROOT / ".venv-vllm" / "bin" / "python")]
     for python in candidates:
         if not Path(python).exists():

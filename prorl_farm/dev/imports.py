@@ -1,8 +1,10 @@
-"""Print the project's import graph and its cycles: ``python -m prorl_farm.dev.imports``.
+"""Print the project's import graph, its cycles and any import the layering forbids:
+``python -m prorl_farm.dev.imports``.
 
 Reads the source with ``ast`` (nothing is imported), counts every import, at module level
 or inside a function, of one project module by another, and reports the strongly connected
-components of more than one module (import cycles). Exit status 1 if there is a cycle.
+components of more than one module (import cycles) and every import that breaks a rule of
+LAYERS (docs/architecture.md explains them). Exit status 1 if there is either.
 """
 
 from __future__ import annotations
@@ -13,6 +15,59 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("prorl_farm", "api", "workers")
+# What may import what: a module under a prefix on the left imports project modules only
+# under the prefixes on the right (or its own). The most specific prefix applies.
+_BASE = ("prorl_farm.errors", "prorl_farm.keys", "prorl_farm.states")
+LAYERS: dict[str, tuple[str, ...]] = {
+    # The library never imports the app (api) or the pools' task modules (workers).
+    "prorl_farm": ("prorl_farm",),
+    # The foundations import nothing of the farm but each other.
+    "prorl_farm.errors": (), "prorl_farm.keys": (), "prorl_farm.states": (),
+    "prorl_farm.config": ("prorl_farm.errors", "prorl_farm.access"),
+    "prorl_farm.access": ("prorl_farm.errors",),
+    "prorl_farm.lua": (*_BASE, "prorl_farm.metrics"),
+    "prorl_farm.metrics": (*_BASE, "prorl_farm.config"),
+    # What runs inside a sandbox: only the wire contract and the exceptions.
+    "prorl_farm.toolserver": ("prorl_farm.errors",),
+    # The trainer's SDK: HTTP only, no Redis, Celery or farm internals.
+    "prorl_farm.trainer": ("prorl_farm.config", "prorl_farm.errors"),
+    # The host side of sandboxes speaks to the tool server through its protocol only.
+    "prorl_farm.sandbox": ("prorl_farm.context", "prorl_farm.lua",
+                           "prorl_farm.toolserver.protocol", *_BASE),
+    "api": ("api", "prorl_farm"),
+    "workers": ("workers", "prorl_farm.worker"),
+}
+
+
+def _rule(module: str) -> tuple[str, tuple[str, ...]] | None:
+    best = None
+    for prefix in LAYERS:
+        if (module == prefix or module.startswith(prefix + ".")) and (
+                best is None or len(prefix) > len(best)):
+            best = prefix
+    return (best, LAYERS[best]) if best else None
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import LAYERS forbids, as "importer -> imported (rule)"."""
+    out = []
+    for module, deps in sorted(graph.items()):
+        rule = _rule(module)
+        if rule is None:
+            continue
+        prefix, allowed = rule
+        for dep in sorted(deps):
+            # The bare package (prorl_farm/__init__.py) holds nothing but its path.
+            if dep == "prorl_farm" and prefix.startswith("prorl_farm"):
+                continue
+            if not _under(dep, prefix) and not any(_under(dep, a) for a in allowed):
+                out.append(f"{module} -> {dep} (a {prefix} module imports only "
+                           f"{', '.join(allowed) or 'nothing of the farm'})")
+    return out
 
 
 def _module_name(root: Path, path: Path) -> str:
@@ -121,13 +176,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{m} -> {d}")
     found = cycles(graph)
     packages = cycles(package_graph(graph))
+    broken = violations(graph)
     print(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports, "
-          f"{len(found)} module cycles, {len(packages)} package cycles")
+          f"{len(found)} module cycles, {len(packages)} package cycles, "
+          f"{len(broken)} layering violations")
+    for line in broken:
+        print("layering: " + line)
     for comp in found:
         print("module cycle: " + " <-> ".join(comp))
     for comp in packages:
         print("package cycle: " + " <-> ".join(comp))
-    return 1 if found or packages else 0
+    return 1 if found or packages or broken else 0
 
 
 if __name__ == "__main__":

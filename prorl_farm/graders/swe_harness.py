@@ -68,7 +68,7 @@ def main():
         sys.stdout.flush()
         os._exit(0)
 
-    jail = Jail(tmp_mb=int(spec.get("tmp_mb", 2048)))  # noqa: F821 - from jail.py
+    jail = Jail(tmp_mb=int(spec.get("tmp_mb", 2048)), enabled=spec.get("jail", True))  # noqa: F821 - from jail.py
     in_repo = [(repo, True)]
     try:
         probe = jail.retrying(lambda: jail.run([sys.executable, "-I", "-c", "import pytest"],

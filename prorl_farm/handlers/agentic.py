@@ -11,7 +11,7 @@ from prorl_farm.agent.tools import ToolRunner
 from prorl_farm.agent.trajectory import Trajectory
 from prorl_farm.handlers.base import AgentHandler, JobContext
 from prorl_farm.sandbox.abstract import SandboxSpec
-from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.sandbox.connection import ToolConnection
 
 # Fields every agent instance may set, all visible to the policy.
 AGENT_OPTIONS = ("tools", "system", "parser", "max_turns", "call_timeout_s",
@@ -67,7 +67,7 @@ class ToolAgentHandler(AgentHandler):
         messages.append({"role": "user", "content": user_text})
         limits = AgentLimits.from_job(inst, ctx.sampling)
         sandbox = ctx.state.get("sandbox")
-        client = ToolClient(sandbox["socket"]) if sandbox else None
+        client = ToolConnection(sandbox["socket"]) if sandbox else None
         try:
             runner = ToolRunner(client, limits.call_timeout_s) if client else None
             return run_episode(ctx, messages, list(inst.get("tools") or []) +

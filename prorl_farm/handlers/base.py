@@ -91,7 +91,7 @@ class AgentHandler(ABC):
 
 
 def sandbox_bash(ctx: JobContext, client, command: str, timeout_s: float) -> dict:
-    """One command in the job's sandbox shell (a ToolClient), checked for cancellation and
+    """One command in the job's sandbox shell (a ToolConnection), checked for cancellation and
     deadline first, and given at most ``timeout_s`` and what is left of the deadline."""
     ctx.check()
     timeout = min(timeout_s, max(0.1, ctx.remaining_s))

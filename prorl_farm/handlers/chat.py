@@ -14,7 +14,7 @@ from marshmallow import RAISE, Schema, fields, validate
 from prorl_farm.agent.loop import CONTEXT_LENGTH
 from prorl_farm.agent.trajectory import Trajectory, load_chat_tokens
 from prorl_farm.handlers.base import AgentHandler, JobContext
-from prorl_farm.llm.clients.abstract import MAX_TOKENS
+from prorl_farm.llm.backends.abstract import MAX_TOKENS
 from prorl_farm.llm.session import BackendSession, turn_seed
 
 

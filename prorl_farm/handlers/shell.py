@@ -16,7 +16,7 @@ from marshmallow import RAISE, Schema, fields, validate
 
 from prorl_farm.handlers.base import AgentHandler, JobContext, run_setup, sandbox_bash
 from prorl_farm.sandbox.abstract import SandboxSpec
-from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.sandbox.connection import ToolConnection
 from prorl_farm.sandbox.grading import agent_files, run_isolated
 
 
@@ -48,8 +48,8 @@ class ShellHandler(AgentHandler):
                                 "(an operator enables it with PRORL_SANDBOX_NETWORK=1)"]}
         return {}
 
-    def _client(self, ctx: JobContext) -> ToolClient:
-        return ToolClient(ctx.state["sandbox"]["socket"])
+    def _client(self, ctx: JobContext) -> ToolConnection:
+        return ToolConnection(ctx.state["sandbox"]["socket"])
 
     def init(self, ctx: JobContext) -> dict:
         spec = SandboxSpec(workspace_files=ctx.instance["files"], network=ctx.instance["network"])

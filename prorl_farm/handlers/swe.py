@@ -33,7 +33,7 @@ from prorl_farm.graders import source
 from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler
 from prorl_farm.handlers.base import JobContext, run_setup
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec
-from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.sandbox.connection import ToolConnection
 from prorl_farm.sandbox.grading import required_verdict, run_isolated
 from prorl_farm.sandbox.manager import under_mount_roots
 
@@ -238,7 +238,7 @@ class SweHandler(ToolAgentHandler):
         sandbox = ctx.sandboxes.start(SandboxSpec(workspace_files=files, image=inst["image"]),
                                       ctx.job_id, ctx.requeues, ctx)
         ctx.state = {"sandbox": sandbox.to_dict()}
-        client = ToolClient(sandbox.socket)
+        client = ToolConnection(sandbox.socket)
         try:
             fresh_history = (f"if command -v git >/dev/null; then git init -q && git add -A "
                              f"&& git {GIT_IDENTITY} commit -q --no-verify -m base; fi")

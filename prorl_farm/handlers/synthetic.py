@@ -8,6 +8,7 @@ import time
 from marshmallow import RAISE, Schema, fields, validate
 
 from prorl_farm.config import STAGES
+from prorl_farm.errors import FarmError
 from prorl_farm.handlers.base import AgentHandler, JobContext
 from prorl_farm.llm.session import BackendSession
 
@@ -49,7 +50,7 @@ class SyntheticInstance(Schema):
     payload = fields.String(validate=validate.Length(max=64 * 1024 * 1024))
 
 
-class SyntheticFailure(RuntimeError):
+class SyntheticFailure(FarmError, RuntimeError):
     """The failure a synthetic instance asked for."""
 
 

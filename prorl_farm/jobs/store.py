@@ -144,6 +144,11 @@ class JobStore:
         pipe.hsetnx(keys.batch(batch_id), "handler", handler)
         pipe.hincrby(keys.batch(batch_id), "total", len(jobs))
         pipe.hincrby(keys.batch_counts(batch_id), JobState.QUEUED.value, len(jobs))
+        # Jobs not yet ended: the batch's keys expire after the last one ends (lua/lib/jobs.lua).
+        pipe.hincrby(keys.batch(batch_id), "left", len(jobs))
+        for k in (keys.batch(batch_id), keys.batch_counts(batch_id),
+                  keys.batch_stream(batch_id), keys.batch_jobs(batch_id)):
+            pipe.persist(k)
         pipe.hincrby(keys.STATE_COUNTS, JobState.QUEUED.value, len(jobs))
         pipe.rpush(keys.batch_jobs(batch_id), *ids)
         pipe.zadd(keys.BATCHES, {batch_id: now}, nx=True)
@@ -263,9 +268,6 @@ class JobStore:
 
     def try_lock(self, key: str, value: str, ttl_s: float) -> bool:
         return bool(self.r.set(key, value, nx=True, px=max(1, int(ttl_s * 1000))))
-
-    def unlock(self, key: str, value: str) -> None:
-        self.lua("release_lock", lock=key, value=value)
 
     def expire_deadlines(self, limit: int = 1000, grace_s: float = 0.0) -> int:
         """Fail jobs past their deadline; running ones only ``grace_s`` after it."""

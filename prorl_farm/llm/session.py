@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from prorl_farm.context import JobContext
 from prorl_farm.errors import BackendError, BackendUnavailable, InvalidInstance
-from prorl_farm.llm.clients import Generation, client_for
+from prorl_farm.llm.backends import Generation, client_for
 from prorl_farm.llm.registry import Backend, BackendRegistry
 
 log = logging.getLogger(__name__)

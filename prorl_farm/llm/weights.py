@@ -215,8 +215,7 @@ def sync(registry, backend_id: str, path: str, policy_version: int,
         return _sync(registry, b, path, policy_version, probe, tolerance, drain_timeout_s,
                      verify)
     finally:
-        if registry.r.get(lock) == token:
-            registry.r.delete(lock)
+        registry.lua("release_lock", lock=lock, value=token)
 
 
 def _sync(registry, b: dict, path: str, policy_version: int, probe: Probe | None,

@@ -12,16 +12,17 @@
 local id, from, token, to, new = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local queue, node, field, value, message = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local jk = K.job(id)
-local j = redis.call('HMGET', jk, 'state', 'phase', 'token', 'batch_id')
+local j = redis.call('HMGET', jk, 'state', 'phase', 'token', 'batch_id', 't_' .. from .. '_start')
 if not j[1] then return 'missing' end
 if TERMINAL[j[1]] then return 'terminal' end
 if j[1] ~= from or j[3] ~= token or j[2] ~= 'active' then return 'stale' end
 local now = now_s()
-observe_active(jk, from, now)
-redis.call('HSET', jk, 't_' .. from .. '_end', fmt(now), 'stage', to, 'phase', 'waiting',
-  'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now), 'node', node, field, value)
-redis.call('HDEL', jk, 'holder')  -- whoever takes the next stage heartbeats it
-set_state(jk, j[1], to, j[4])
+observe_active(from, j[5], now)
+-- No holder until whoever takes the next stage heartbeats it.
+redis.call('HSET', jk, 'state', to, 't_' .. from .. '_end', fmt(now), 'stage', to,
+  'phase', 'waiting', 'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now),
+  'node', node, 'holder', '', field, value)
+count_state(j[1], to, j[4])
 release_backend(id)  -- a backend slot is held within a stage, never across a hand-off
 redis.call('ZADD', K.queued(queue), now, id)
 redis.call('SADD', K.QUEUES, queue)

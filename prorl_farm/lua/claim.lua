@@ -10,34 +10,41 @@
 local id, stage, token, worker, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local holder = ARGV[6]
 local jk = K.job(id)
-local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'token', 'deadline_at', 'batch_id',
-                     'queue', 't_' .. stage .. '_queued', 'instance_id', 'sampling_id')
-if not j[1] then return {'missing'} end
-if TERMINAL[j[1]] then return {'terminal'} end
-if j[2] ~= stage or j[4] ~= token or j[3] ~= 'waiting' then return {'stale'} end
+-- CLAIM_FIELDS (what the stage gets) and what the claim itself needs, in one read.
+local n = #CLAIM_FIELDS
+local fields = {unpack(CLAIM_FIELDS)}
+for _, f in ipairs({'state', 'stage', 'phase', 'token', 'queue', 't_' .. stage .. '_queued',
+                    'instance_id', 'sampling_id'}) do
+  fields[#fields + 1] = f
+end
+local v, at = redis.call('HMGET', jk, unpack(fields)), {}
+for i, f in ipairs(fields) do at[f] = v[i] end
+local state, cur, phase, tok, queue = at.state, at.stage, at.phase, at.token, at.queue
+local queued, deadline = v[n + 6], at.deadline_at
+if not state then return {'missing'} end
+if TERMINAL[state] then return {'terminal'} end
+if cur ~= stage or tok ~= token or phase ~= 'waiting' then return {'stale'} end
 local now = now_s()
-if j[5] and j[5] ~= '' and tonumber(j[5]) <= now then
+if deadline and deadline ~= '' and tonumber(deadline) <= now then
   finish(id, jk, 'failed', 'timeout', 'deadline passed while queued for ' .. stage, ttl, now)
   return {'expired'}
 end
-redis.call('HSET', jk, 'phase', 'active', 'worker', worker, 't_' .. stage .. '_start', fmt(now))
-if holder and holder ~= '' then redis.call('HSET', jk, 'holder', holder) end
-if j[8] then observe('wait:' .. stage, now - tonumber(j[8])) end
-set_state(jk, j[1], stage, j[6])
+redis.call('HSET', jk, 'state', stage, 'phase', 'active', 'worker', worker, 'holder', holder,
+           't_' .. stage .. '_start', fmt(now))
+if queued then observe('wait:' .. stage, now - tonumber(queued)) end
+count_state(state, stage, at.batch_id)
 redis.call('ZADD', K.ACTIVE, now, id)
-if j[7] and j[8] then
+if queue and queued then
   -- Queues are FIFO. t_<stage>_queued was taken before this job's message was pushed, so
   -- every message whose push completed before it (published score below it) was popped
   -- before this one: the reaper uses the newest such time to tell a lost message.
-  local last = redis.call('HGET', K.CLAIMED, j[7])
-  if not last or tonumber(j[8]) > tonumber(last) then
-    redis.call('HSET', K.CLAIMED, j[7], j[8])
-  end
+  redis.call('ZADD', K.CLAIMED, 'GT', queued, queue)
 end
-unqueue(id, j[7])
-local inst = j[9] and redis.call('GET', K.instance(j[9])) or false
-local sampling = j[10] and redis.call('GET', K.sampling(j[10])) or false
+unqueue(id, queue)
+local inst = at.instance_id and redis.call('GET', K.instance(at.instance_id)) or false
+local sampling = at.sampling_id and redis.call('GET', K.sampling(at.sampling_id)) or false
 -- What the stage needs of the job, not all of it: CLAIM_FIELDS, then its start time.
-local fields = {unpack(CLAIM_FIELDS)}
-fields[#fields + 1] = 't_' .. stage .. '_start'
-return {'ok', redis.call('HMGET', jk, unpack(fields)), inst, sampling}
+local out = {}
+for i = 1, n do out[i] = v[i] end
+out[n + 1] = fmt(now)
+return {'ok', out, inst, sampling}

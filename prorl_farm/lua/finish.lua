@@ -13,5 +13,6 @@ local j = redis.call('HMGET', jk, 'state', 'token', 'phase')
 if not j[1] then return 'missing' end
 if TERMINAL[j[1]] then return 'terminal:' .. j[1] end
 if token ~= '' and (j[2] ~= token or j[3] ~= 'active') then return 'stale' end
-for i = 7, #ARGV, 2 do redis.call('HSET', jk, ARGV[i], ARGV[i + 1]) end
-return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s())
+local extra = {}
+for i = 7, #ARGV do extra[#extra + 1] = ARGV[i] end
+return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s(), extra)

@@ -49,10 +49,10 @@ table.insert(history, {attempt = n, stage = j[6], node = j[8] or cjson.null, rea
 while #history > keep do table.remove(history, 1) end
 unqueue(id, j[3])
 redis.call('HDEL', jk, unpack(ATTEMPT_FIELDS))
-redis.call('HSET', jk, 'stage', 'init', 'phase', 'waiting', 'token', new, 'queue', 'init',
-  'requeues', mode == 'leave' and n or n + 1, 't_init_queued', fmt(now),
+redis.call('HSET', jk, 'state', 'queued', 'stage', 'init', 'phase', 'waiting', 'token', new,
+  'queue', 'init', 'requeues', mode == 'leave' and n or n + 1, 't_init_queued', fmt(now),
   'attempts', cjson.encode(history))
-set_state(jk, j[1], 'queued', j[5])
+count_state(j[1], 'queued', j[5])
 release_backend(id)
 redis.call('ZADD', K.queued('init'), now, id)
 if message and message ~= '' then

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from prorl_farm.errors import SandboxError
 from prorl_farm.sandbox.process import (
-    IP_ENV,
-    SANDBOX_ENV,
     Limits,
     kill_group,
     listen_socket,
@@ -24,12 +22,11 @@ from prorl_farm.sandbox.process import (
     spawn,
     wait_ready,
 )
+from prorl_farm.toolserver.protocol import INSIDE_RUN, INSIDE_WORKSPACE, IP_ENV, SANDBOX_ENV
 
-__all__ = ["IP_ENV", "SANDBOX_ENV", "Limits", "Runtime", "Sandbox", "SandboxError",
-           "SandboxSpec", "kill_group", "pid_alive", "processes_of", "reap"]
-# Where isolating runtimes put the workspace and the tool server's socket, inside.
-INSIDE_WORKSPACE = "/workspace"
-INSIDE_RUN = "/run/prorl"
+__all__ = ["INSIDE_RUN", "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime",
+           "Sandbox", "SandboxError", "SandboxSpec", "kill_group", "pid_alive", "processes_of",
+           "reap"]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import json
 from prorl_farm.context import JobContext
 from prorl_farm.errors import GradingError
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec
-from prorl_farm.sandbox.client import ToolClient
+from prorl_farm.sandbox.connection import ToolConnection
 
 # A grader needs few processes: a fork bomb in the program under test stops here.
 GRADER_LIMITS = Limits(processes=64)
@@ -30,7 +30,7 @@ def run_isolated(ctx: JobContext, files: dict[str, str | bytes], argv: list[str]
     sandboxes = ctx.sandboxes
     sandbox = sandboxes.start(SandboxSpec(workspace_files=files, limits=limits), ctx.job_id,
                               ctx.requeues, ctx)
-    client = ToolClient(sandbox.socket)
+    client = ToolConnection(sandbox.socket)
     try:
         timeout = max(0.1, min(timeout_s, ctx.remaining_s))
         return client.call("exec", abort_hook=ctx.on_abort, argv=argv, timeout_s=timeout,

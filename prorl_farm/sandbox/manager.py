@@ -21,15 +21,16 @@ from prorl_farm.lua import Scripts
 from prorl_farm.sandbox import cgroups
 from prorl_farm.sandbox.abstract import (
     INSIDE_WORKSPACE,
-    Runtime,
     Sandbox,
     SandboxError,
     SandboxSpec,
     processes_of,
 )
-from prorl_farm.sandbox.bwrap import SYSTEM
-from prorl_farm.sandbox.process import INSIDE_FARM, sandbox_python, usable_by
+from prorl_farm.sandbox.interpreter import sandbox_python, usable_by
+from prorl_farm.sandbox.runtimes import RuntimeOptions, make_runtime
+from prorl_farm.sandbox.runtimes.bwrap import SYSTEM
 from prorl_farm.states import TERMINAL_STATES, JobState
+from prorl_farm.toolserver.protocol import INSIDE_FARM
 
 log = logging.getLogger(__name__)
 
@@ -128,29 +129,6 @@ def check_ro_paths(ro_paths: dict[str, str], roots: list[str]) -> dict[str, str]
     return out
 
 
-def make_runtime(name: str, sandbox_root: Path, run_as: tuple[int, int] | None = None,
-                 python: str = "", ro_paths: dict[str, str] | None = None) -> Runtime:
-    if name == "auto":
-        name = "bwrap" if shutil.which("bwrap") else "local"
-    if name == "local":
-        from prorl_farm.sandbox.local import LocalRuntime
-
-        return LocalRuntime()
-    if name == "bwrap":
-        from prorl_farm.sandbox.bwrap import BwrapRuntime
-
-        return BwrapRuntime(sandbox_root, run_as, python, ro_paths)
-    if name == "apptainer":
-        from prorl_farm.sandbox.apptainer import ApptainerRuntime
-
-        return ApptainerRuntime(sandbox_root)
-    if name == "docker":
-        from prorl_farm.sandbox.docker import DockerRuntime
-
-        return DockerRuntime(sandbox_root)
-    raise SandboxError(f"unknown sandbox runtime {name!r}")
-
-
 class SandboxManager:
     def __init__(self, r: redis.Redis, node: str, runtime: str = "auto",
                  root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64,
@@ -173,8 +151,8 @@ class SandboxManager:
                         "PRORL_SANDBOX_USER", self.run_as[0])
             self.run_as = None
         self.mount_roots = [p for p in mount_roots.split(",") if p.strip()]
-        self.runtime = make_runtime(runtime, self.root, self.run_as, python,
-                                    parse_paths(ro_paths))
+        self.runtime = make_runtime(runtime, RuntimeOptions(self.root, self.run_as, python,
+                                                            parse_paths(ro_paths)))
         self.max_sandboxes = max_sandboxes
         self.slots_key = keys.sandbox_slots(node)
         self.records_key = keys.sandbox_records(node)

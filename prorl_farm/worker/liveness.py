@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import redis
@@ -21,7 +22,7 @@ from prorl_farm.config import Settings
 from prorl_farm.context import JobContext
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.states import FailureKind, JobState
-from prorl_farm.worker.reaper import STOP_GRACE_S, Reaper
+from prorl_farm.worker.reaper import STOP_GRACE_S, Reaper, pool_beat_s
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,10 @@ log = logging.getLogger(__name__)
 ReservedSource = Callable[[], Iterable[tuple[str, str]]]
 
 
-JANITOR_EVERY = 10
+# Seconds between runs of a node's sandbox janitor (by one of its pool processes).
+JANITOR_EVERY_S = 10.0
+# Seconds between re-readings of the offset of Redis's clock from this host's.
+CLOCK_EVERY_S = 60.0
 
 
 class Presence:
@@ -39,7 +43,8 @@ class Presence:
     connection at once, and the reaper, which lists Redis's clients, knows within one sweep
     that the process is gone, instead of waiting for its heartbeats to go stale. A live
     process keeps its connection however slow or busy it is (a stalled tick does not make it
-    look dead); it pings every tick, which reconnects (and renames) it after a drop.
+    look dead); its pool heartbeat goes over it (reaper.pool_beat_s), which reconnects (and
+    renames) it after a drop.
     """
 
     def __init__(self, settings: Settings, stage: str):
@@ -50,9 +55,13 @@ class Presence:
                                       single_connection_client=True, socket_timeout=10,
                                       socket_connect_timeout=10)
 
-    def beat(self) -> None:
+    def beat(self, pool: str = "", at: float = 0.0) -> None:
+        """Heartbeat ``pool`` ("<stage>:<node>") at ``at`` (Redis's clock), or just ping."""
         try:
-            self.r.ping()
+            if pool:
+                self.r.zadd(keys.POOLS, {pool: at})
+            else:
+                self.r.ping()
         except redis.exceptions.RedisError as e:
             # Heartbeats go on without it; the reaper then judges by their age alone.
             log.warning("presence connection: %s", e)
@@ -91,13 +100,14 @@ class Liveness:
         self.stage = stage
         self.reserved = reserved
         self.reaper = reaper
-        # The node's sandbox janitor (main pool processes): called every JANITOR_EVERY ticks,
+        # The node's sandbox janitor (main pool processes): called every JANITOR_EVERY_S,
         # by one process per node at a time.
         self.janitor: Callable[[], int] | None = None
         # The pool's watchdog (main pool processes): told of every turn of the loop, it
         # kills the process if the turns stop while it lives (prorl_farm/watchdog.py).
         self.watchdog = None
-        self._ticks = 0
+        self._next_beat = self._next_janitor = self._next_clock = 0.0
+        self._clock_offset = 0.0  # Redis's clock less this host's
         self._running: dict[tuple[str, str], JobContext] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -144,7 +154,7 @@ class Liveness:
         held = set(running)
         if self.reserved is not None:
             held.update(self.reserved())
-        self.presence.beat()
+        # One script call for every job held; none while nothing is.
         for pair in self.store.heartbeat(held, self.presence.name):
             ctx = running.get(pair)
             if ctx is not None:
@@ -157,14 +167,20 @@ class Liveness:
         for ctx in running.values():
             if ctx.remaining_s <= -grace and not ctx.abort_event.is_set():
                 self._expire(ctx)
-        self.store.pool_beat(self.stage, self.settings.node)
+        now = time.monotonic()
+        if now >= self._next_clock:
+            self._next_clock = now + CLOCK_EVERY_S
+            self._clock_offset = self.store.server_time() - time.time()
+        if now >= self._next_beat:
+            self._next_beat = now + pool_beat_s(self.settings)
+            self.presence.beat(f"{self.stage}:{self.settings.node}",
+                               time.time() + self._clock_offset)
         if self.reaper is not None:
             self.reaper.sweep()
-        self._ticks += 1
-        if self.janitor is not None and self._ticks % JANITOR_EVERY == 0:
+        if self.janitor is not None and now >= self._next_janitor:
+            self._next_janitor = now + JANITOR_EVERY_S
             lock = keys.janitor_lock(self.settings.node)
-            if self.store.try_lock(lock, self.stage,
-                                   self.settings.heartbeat_interval_s * JANITOR_EVERY):
+            if self.store.try_lock(lock, self.stage, JANITOR_EVERY_S):
                 self.janitor()
 
     def _expire(self, ctx: JobContext) -> None:

@@ -34,6 +34,10 @@ from prorl_farm.worker.runner import StageRunner
 
 log = logging.getLogger(__name__)
 
+# Pools whose Celery consumer runs kombu's event loop, and their queue poll's timeout.
+EVENT_LOOP_POOLS = ("threads", "prefork", "solo")
+IDLE_POLL_S = 5
+
 
 class WorkerFarm:
     """Everything one pool process shares between its task threads."""
@@ -219,18 +223,25 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     settings = load_settings()
     if not settings.redis_url:
         raise SystemExit("PRORL_REDIS_URL must be set for a worker pool")
-    logs.install(os.environ.get("PRORL_LOG_LEVEL", "INFO"))
+    logs.install(settings.log_level)
     pool = settings.pool(stage)
     _stage = stage
     _main_pid = os.getpid()
     _watchdog = Watchdog(settings.watchdog_s, f"{stage}:{settings.node}")
     _app = create_celery_app(settings, include=[f"workers.{stage}.tasks"])
     _app.conf.worker_prefetch_multiplier = pool.prefetch_multiplier
+    if pool.pool in EVENT_LOOP_POOLS:
+        # An idle pool's one standing Redis call: a BRPOP that times out every few seconds
+        # (kombu's default, 1 s, costs an idle node a command a second per pool). Its event
+        # loop takes a message the moment it lands whatever the timeout; gevent and
+        # eventlet pools poll (and sleep between polls), so they keep the default.
+        _app.conf.broker_transport_options = {**_app.conf.broker_transport_options,
+                                              "polling_interval": IDLE_POLL_S}
     argv = [
         "worker", "-Q", queue_for(stage, settings.node), "-P", pool.pool,
         "-c", str(pool.concurrency), "-n", f"{stage}-{os.getpid()}@{settings.node}",
         "--without-gossip", "--without-mingle",
-        "-l", os.environ.get("PRORL_LOG_LEVEL", "INFO"),
+        "-l", settings.log_level,
     ]
     # With task events (for Flower) the worker also sends its heartbeat events, without which
     # monitors know no workers and count no active tasks; without events neither is sent.

@@ -1,10 +1,11 @@
 """The reaper: recovers jobs whose worker died or whose message was lost, and fails jobs
 past their deadline.
 
-Any pool's main process may run a sweep. Sweeps are single-flight (a lock held for the
-whole sweep, with a pace key for the interval) and every recovery is idempotent anyway:
-the REAP script acts only on the attempt (token) the sweep looked at, so a job is never
-reaped twice for one death.
+Any pool's main process may run the sweeps: one at a time holds the reaper's lease and
+sweeps every reap interval while jobs are under way (an idle farm costs Redis one script
+call per interval). Should two sweeps ever overlap (a lease that lapsed under a paused
+leader), every recovery is idempotent anyway: lua/reap.lua acts only on the attempt
+(token) the sweep looked at, so a job is never reaped twice for one death.
 
 What counts as dead or lost, soundly:
 - *active*: a job whose holder stopped heartbeating (every held job, running or merely
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -46,6 +48,11 @@ from prorl_farm.worker.kombu import reserved_messages, settle
 
 log = logging.getLogger(__name__)
 
+# Seconds between a pool process's heartbeats in keys.POOLS (sent by worker/liveness.py on
+# its presence connection, which they also keep connected). A pool none of whose processes
+# is connected is dead once its heartbeat is twice this old (or presence_grace_s). Never
+# more than a quarter of heartbeat_stale_s: see pool_beat_s.
+POOL_BEAT_S = 2.0
 # Candidates looked at per kind and sweep.
 BATCH = 1000
 # After a Redis (re)start, seconds before a missing presence connection counts as a death.
@@ -54,6 +61,19 @@ PRESENCE_SETTLE_S = 10.0
 # deadline may take seconds to interrupt: IPython gives an interrupt 5 s) before its pool
 # ends the job; an agent loop that stops keeps the episode so far in the failed job.
 STOP_GRACE_S = 6.0
+# The reaper's lease lasts this many reap intervals (renewed by every sweep of its holder);
+# other processes ask for it every FOLLOW_SWEEPS intervals, so a dead leader's successor
+# sweeps within (LEASE_SWEEPS + FOLLOW_SWEEPS) intervals.
+LEASE_SWEEPS = 5
+FOLLOW_SWEEPS = 10
+# Seconds between probes of the failed backends (they run on the leader, even when idle).
+PROBE_EVERY_S = 2.0
+
+
+def pool_beat_s(settings) -> float:
+    """Seconds between a pool process's heartbeats in keys.POOLS: POOL_BEAT_S, or a quarter
+    of the stale age where that is shorter (a pool must beat several times per stale age)."""
+    return min(POOL_BEAT_S, settings.heartbeat_stale_s / 4)
 
 
 class Reaper:
@@ -66,23 +86,32 @@ class Reaper:
         self.backends = backends  # a BackendRegistry whose failed backends it probes
         self._prober: threading.Thread | None = None
         self._me = uuid.uuid4().hex
+        self._next = 0.0  # monotonic time of this process's next look
+        self._next_probe = 0.0
 
     def sweep(self, force: bool = False) -> dict[str, int]:
-        """One sweep, unless another process ran one within the interval (or runs one now).
-        Returns the outcomes counted by kind (empty if this process did not sweep)."""
-        if not force and not self.store.try_lock(keys.REAPER_PACE, self._me,
-                                                 self.settings.reap_interval_s):
-            return {}
-        # Held for the whole sweep; expires by itself should this process die mid-sweep (or
-        # Redis restart from a file that still holds it). Kept short: sweeps that overlap
-        # after it expires are safe (REAP acts once per attempt), a long pause is not.
-        if not self.store.try_lock(keys.REAPER_LOCK, self._me,
-                                   max(2.5, 5 * self.settings.reap_interval_s)):
-            return {}
-        try:
-            counts = self._sweep()
-        finally:
-            self.store.unlock(keys.REAPER_LOCK, self._me)
+        """One sweep, if this process leads the reaping (one process of the farm at a time,
+        on a lease it renews with each sweep; the others ask every FOLLOW_SWEEPS intervals
+        whether it lapsed) and any job is under way. Returns the outcomes counted by kind
+        (empty if this process did not sweep)."""
+        now = time.monotonic()
+        if not force:
+            if now < self._next:
+                return {}
+            lease_ms = int(LEASE_SWEEPS * self.settings.reap_interval_s * 1000)
+            role = self.store.lua("reaper_lead", lease=keys.REAPER_LEASE, me=self._me,
+                                  lease_ms=max(1000, lease_ms))
+            sweeps = FOLLOW_SWEEPS if role == "follow" else 1
+            self._next = now + sweeps * self.settings.reap_interval_s
+            if role != "idle" and role != "work":
+                return {}
+            # A backend that failed is probed back even while nothing runs.
+            if now >= self._next_probe:
+                self._next_probe = now + PROBE_EVERY_S
+                self._probe_backends()
+            if role == "idle":
+                return {}
+        counts = self._sweep()
         acted = {k: v for k, v in counts.items()
                  if v and k in ("timeout", Reap.REQUEUE.value, Reap.FAILED.value)}
         if acted:
@@ -122,8 +151,9 @@ class Reaper:
                            "its worker stopped heartbeating")
         live = store.live_pools(self.settings.heartbeat_stale_s)
         if present is not None:  # a pool with no process left is dead now, not in 30 s
+            fresh = max(self.settings.presence_grace_s, 2 * pool_beat_s(self.settings))
             live = {p: age for p, age in live.items()
-                    if age <= self.settings.presence_grace_s or p in present.values()}
+                    if age <= fresh or p in present.values()}
         queues = r.smembers(keys.QUEUES)
         for queue in queues:
             if queue == "init":
@@ -140,7 +170,6 @@ class Reaper:
         self._reap_orphans(counts, [m for m in reserved if m.at < quick], cutoff, quick,
                            gone)
         self._reap_lost(counts, queues, {m.token for m in reserved}, cutoff)
-        self._probe_backends()
         return counts
 
     def _reap_orphans(self, counts: dict, reserved, cutoff: float, quick: float, gone
@@ -169,7 +198,7 @@ class Reaper:
         FIFO test, a job never marked published (its publisher died between writing the job
         and publishing it) is recovered once it waited past the visibility timeout."""
         r = self.store.r
-        claimed = r.hgetall(keys.CLAIMED)
+        claimed = dict(r.zrange(keys.CLAIMED, 0, -1, withscores=True))
         last_resort = cutoff - self.settings.visibility_timeout_s
         for queue in queues:
             ids: list[str] = []

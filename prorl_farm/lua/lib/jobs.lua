@@ -7,10 +7,10 @@ local function now_s()
 end
 local function fmt(x) return string.format('%.6f', x) end
 
--- Move a job to another state, keeping its batch's per-state counters exact.
-local function set_state(jk, old, new, batch)
+-- Count a job's move to another state in its batch's and the farm's per-state counters
+-- (the caller writes the state itself, in its own HSET of the job).
+local function count_state(old, new, batch)
   if old == new then return end
-  redis.call('HSET', jk, 'state', new)
   local ck = K.batch_counts(batch)
   redis.call('HINCRBY', ck, old, -1)
   redis.call('HINCRBY', ck, new, 1)
@@ -18,9 +18,9 @@ local function set_state(jk, old, new, batch)
   redis.call('HINCRBY', K.STATE_COUNTS, new, 1)
 end
 
--- A stage's active time, from its start field, into the stage's histogram.
-local function observe_active(jk, stage, now)
-  local start = redis.call('HGET', jk, 't_' .. stage .. '_start')
+-- A stage's active time, from its start time (a field's value, or false), into the stage's
+-- histogram.
+local function observe_active(stage, start, now)
   if start then observe('active:' .. stage, now - tonumber(start)) end
 end
 
@@ -40,33 +40,45 @@ local function unqueue(id, queue)
   end
 end
 
--- The one way into a terminal state. Returns "<old state>:<old phase>:<old token>".
-local function finish(id, jk, state, kind, msg, ttl, now)
+-- The one way into a terminal state; ``extra``: more field/value pairs to set (a flat
+-- list). Returns "<old state>:<old phase>:<old token>".
+local function finish(id, jk, state, kind, msg, ttl, now, extra)
   local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token',
-                       'instance_id', 'sampling_id')
-  local old, stage, phase, batch, queue, token, inst = j[1], j[2], j[3], j[4], j[5], j[6], j[7]
-  if phase == 'active' then
-    redis.call('HSET', jk, 't_' .. stage .. '_end', fmt(now))
-    observe_active(jk, stage, now)
+                       'instance_id', 'sampling_id', 'deadline_at', 't_init_start',
+                       't_run_start', 't_eval_start')
+  local old, stage, phase, batch, queue, token = j[1], j[2], j[3], j[4], j[5], j[6]
+  local set = extra or {}
+  for _, v in ipairs({'state', state, 'phase', 'end', 'finished_at', fmt(now)}) do
+    set[#set + 1] = v
   end
-  redis.call('HSET', jk, 'phase', 'end', 'finished_at', fmt(now))
+  if phase == 'active' then
+    set[#set + 1] = 't_' .. stage .. '_end'
+    set[#set + 1] = fmt(now)
+    observe_active(stage, j[({init = 10, run = 11, eval = 12})[stage]], now)
+  end
   if kind ~= '' then
-    redis.call('HSET', jk, 'failure_kind', kind, 'failure_message', msg)
+    for _, v in ipairs({'failure_kind', kind, 'failure_message', msg}) do
+      set[#set + 1] = v
+    end
     if state == 'failed' then redis.call('HINCRBY', K.FAILURE_KINDS, kind, 1) end
   end
-  set_state(jk, old, state, batch)
+  redis.call('HSET', jk, unpack(set))
+  count_state(old, state, batch)
   release_backend(id)
   redis.call('XADD', K.batch_stream(batch), '*', 'job', id, 'state', state)
   redis.call('ZREM', K.ACTIVE, id)
-  redis.call('ZREM', K.DEADLINES, id)
-  unqueue(id, queue)
-  redis.call('HINCRBY', K.STATS, state, 1)
+  if j[9] and j[9] ~= '' then redis.call('ZREM', K.DEADLINES, id) end
+  if phase == 'waiting' then unqueue(id, queue) end
   redis.call('EXPIRE', jk, ttl)
-  if inst then redis.call('EXPIRE', K.instance(inst), ttl) end
+  if j[7] then redis.call('EXPIRE', K.instance(j[7]), ttl) end
   if j[8] then redis.call('EXPIRE', K.sampling(j[8]), ttl) end
-  for _, k in ipairs({K.batch(batch), K.batch_counts(batch), K.batch_stream(batch),
-                      K.batch_jobs(batch)}) do
-    redis.call('EXPIRE', k, ttl)
+  -- The batch's keys expire ttl after its last job ended (a later submission to the same
+  -- batch makes them persist again).
+  if redis.call('HINCRBY', K.batch(batch), 'left', -1) <= 0 then
+    for _, k in ipairs({K.batch(batch), K.batch_counts(batch), K.batch_stream(batch),
+                        K.batch_jobs(batch)}) do
+      redis.call('EXPIRE', k, ttl)
+    end
   end
   return old .. ':' .. phase .. ':' .. (token or '')
 end

@@ -1,8 +1,8 @@
 """Clients for LLM inference servers, token IDs in and out."""
 
-from prorl_farm.llm.clients.abstract import Generation, LLMClient
-from prorl_farm.llm.clients.sglang import SGLangClient
-from prorl_farm.llm.clients.vllm import VLLMClient
+from prorl_farm.llm.backends.abstract import Generation, LLMClient
+from prorl_farm.llm.backends.sglang import SGLangClient
+from prorl_farm.llm.backends.vllm import VLLMClient
 
 CLIENTS: dict[str, type[LLMClient]] = {"vllm": VLLMClient, "sglang": SGLangClient}
 

@@ -12,7 +12,7 @@ sandboxes.
 
 Who runs it: own user, pid, ipc, uts, cgroup and network namespaces (only a loopback
 inside); every process inside is uid/gid 1000 ("agent") with no capabilities; when the
-farm runs as root, the whole sandbox runs as an unprivileged host uid (PRORL_SANDBOX_UID,
+farm runs as root, the whole sandbox runs as an unprivileged host uid (PRORL_SANDBOX_USER,
 default nobody), so root-only host files stay unreadable whatever is bound.
 
 The tool server is pid 1 of the sandbox's pid namespace: the kernel delivers no signal to
@@ -39,7 +39,7 @@ from prorl_farm.sandbox.abstract import (
     SandboxError,
     SandboxSpec,
 )
-from prorl_farm.sandbox.process import SandboxPython, sandbox_python, server_argv
+from prorl_farm.sandbox.interpreter import SandboxPython, sandbox_python, server_argv
 
 # The identity of every process inside (mapped to the host uid the sandbox runs as).
 INSIDE_UID = 1000

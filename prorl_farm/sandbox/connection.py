@@ -1,15 +1,15 @@
-"""ToolClient: what RUN and EVAL workers use to call the tools in a sandbox."""
+"""ToolConnection: what RUN and EVAL workers use to call the tools in a sandbox."""
 
 from __future__ import annotations
 
 import socket
 import threading
 
-from prorl_farm.errors import JobAborted, SandboxError, ToolCallError
-from prorl_farm.sandbox.protocol import FrameReader, ProtocolError, send_frame
+from prorl_farm.errors import JobAborted, SandboxError, ToolRejected
+from prorl_farm.toolserver.protocol import FrameReader, ProtocolError, send_frame
 
 
-class ToolClient:
+class ToolConnection:
     """One persistent connection to a sandbox's tool server; calls are serialised."""
 
     def __init__(self, socket_path: str, connect_timeout_s: float = 5.0):
@@ -31,7 +31,7 @@ class ToolClient:
         return sock
 
     def call(self, tool: str, abort_hook=None, **args):
-        """Call ``tool``; returns its result, raises ToolCallError, SandboxError, JobAborted."""
+        """Call ``tool``; returns its result, raises ToolRejected, SandboxError, JobAborted."""
         with self._lock:
             if self._sock is None:
                 self._sock = self._connect()
@@ -61,7 +61,7 @@ class ToolClient:
                     remove()
         if not reply.get("ok"):
             err = reply.get("error") or {}
-            raise ToolCallError(err.get("type", "error"), err.get("message", ""))
+            raise ToolRejected(err.get("message", ""), err.get("type", "error"))
         return reply["result"]
 
     def close_locked(self) -> None:

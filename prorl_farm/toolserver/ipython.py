@@ -8,7 +8,7 @@ import queue
 import re
 import time
 
-from prorl_farm.sandbox.tools import ToolError
+from prorl_farm.errors import ToolRejected
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 MAX_TEXT = 64 * 1024
@@ -44,7 +44,7 @@ class IPythonSession:
             self.kc.wait_for_ready(timeout=60)
         except RuntimeError as e:
             self.close()
-            raise ToolError(f"IPython kernel did not start: {e}") from e
+            raise ToolRejected(f"IPython kernel did not start: {e}") from e
 
     def pids(self) -> set[int]:
         """The kernel's process, while it runs."""
@@ -67,7 +67,7 @@ class IPythonSession:
 
     def run(self, code: str, timeout_s: float = 120.0) -> dict:
         if not isinstance(code, str):
-            raise ToolError("code must be a string")
+            raise ToolRejected("code must be a string")
         if self.km is None or not self.km.is_alive():
             self.close()
             self.start()

@@ -16,7 +16,7 @@ from prorl_farm.sandbox.abstract import (
     SandboxError,
     SandboxSpec,
 )
-from prorl_farm.sandbox.process import sandbox_python, server_argv
+from prorl_farm.sandbox.interpreter import sandbox_python, server_argv
 
 
 def inside_env(spec: SandboxSpec, sandbox_id: str, ip: str) -> dict[str, str]:

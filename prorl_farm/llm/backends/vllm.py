@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prorl_farm.errors import BackendError
-from prorl_farm.llm.clients.abstract import MAX_TOKENS, Generation, LLMClient, explicit_sampling
+from prorl_farm.llm.backends.abstract import MAX_TOKENS, Generation, LLMClient, explicit_sampling
 
 # Sampling fields passed through as vLLM names them.
 PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",

@@ -13,7 +13,7 @@ next step, as are qualified groups the step did not need, as long as they are at
     sampler = DynamicSampler(farm, prompts, handler="math", n=8, batch_groups=32)
     for step in range(steps):
         batch = sampler.next_batch(policy_version=step)   # list[Group]
-        ...   # adapters: prorl_farm.client.adapters
+        ...   # adapters: prorl_farm.trainer.adapters
         print(batch.stats)
     sampler.close()
 
@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from prorl_farm.client.farm import FarmClient, FarmNotFound
+from prorl_farm.trainer.farm import FarmClient, FarmNotFound
 
 # Groups whose results one request fetches (the API's limit).
 POLL_CHUNK = 1000

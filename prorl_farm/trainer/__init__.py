@@ -1,6 +1,6 @@
 """Trainer-side SDK."""
 
-from prorl_farm.client.farm import (
+from prorl_farm.trainer.farm import (
     FarmBadRequest,
     FarmClient,
     FarmConflict,

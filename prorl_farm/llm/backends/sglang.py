@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prorl_farm.errors import BackendError
-from prorl_farm.llm.clients.abstract import MAX_TOKENS, Generation, LLMClient, explicit_sampling
+from prorl_farm.llm.backends.abstract import MAX_TOKENS, Generation, LLMClient, explicit_sampling
 
 PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids",
                 "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos")

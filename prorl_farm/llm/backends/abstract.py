@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from prorl_farm.errors import BackendError, BackendRequestError, JobAborted
+from prorl_farm.errors import BackendError, BackendRequestError, FarmError, JobAborted
 
 log = logging.getLogger(__name__)
 
@@ -247,5 +247,5 @@ _IDLE = _IdleConnections()
 atexit.register(_IDLE.close_all)
 
 
-class _StaleConnection(Exception):
+class _StaleConnection(FarmError):
     """A request that got no answer because its connection was gone before it started."""

@@ -8,7 +8,7 @@ import json
 from collections import Counter, defaultdict
 from math import comb
 
-from prorl_farm.client.farm import FarmClient
+from prorl_farm.trainer.farm import FarmClient
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

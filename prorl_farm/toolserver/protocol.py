@@ -1,6 +1,10 @@
-"""The tool server's wire format: each message is a 4-byte big-endian length, then that many
-bytes of UTF-8 JSON. Requests: ``{"tool", "args"}``; replies: ``{"ok": true, "result"}`` or
-``{"ok": false, "error": {"type", "message"}}``."""
+"""What the host and the tool server inside a sandbox agree on.
+
+The wire format: each message is a 4-byte big-endian length, then that many bytes of UTF-8
+JSON. Requests: ``{"tool", "args"}``; replies: ``{"ok": true, "result"}`` or
+``{"ok": false, "error": {"type", "message"}}``. And the places and names both sides use:
+where the farm's package, the workspace and the socket are inside, and the environment
+the farm gives every program in a sandbox."""
 
 from __future__ import annotations
 
@@ -11,6 +15,16 @@ import struct
 from prorl_farm.errors import ProtocolError
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+# Where the farm's own package is bound inside a sandbox (read-only): only the package, not
+# the checkout or install tree around it.
+INSIDE_FARM = "/opt/prorl"
+# Where isolating runtimes put the workspace and the tool server's socket, inside.
+INSIDE_WORKSPACE = "/workspace"
+INSIDE_RUN = "/run/prorl"
+# Set for every program in a sandbox: its id (how the host finds its processes), and its
+# own loopback IP for services it starts.
+SANDBOX_ENV = "PRORL_SANDBOX_ID"
+IP_ENV = "PRORL_SANDBOX_IP"
 _HEADER = struct.Struct(">I")
 
 

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import INSIDE_RUN, INSIDE_WORKSPACE, SandboxSpec
-from prorl_farm.sandbox.image import ImageRuntime, inside_env, inside_server
-from prorl_farm.sandbox.process import python_binds
+from prorl_farm.sandbox.interpreter import python_binds
+from prorl_farm.sandbox.runtimes.image import ImageRuntime, inside_env, inside_server
 
 
 def apptainer_binary() -> str | None:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import IP_ENV, SANDBOX_ENV, Runtime, Sandbox, SandboxSpec
-from prorl_farm.sandbox.process import server_argv
+from prorl_farm.sandbox.interpreter import server_argv
 
 
 class LocalRuntime(Runtime):

@@ -10,7 +10,6 @@ when the request could not have reached the farm.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import uuid
@@ -18,6 +17,7 @@ from collections.abc import Iterator
 
 import requests
 
+from prorl_farm.config import read
 from prorl_farm.errors import FarmError
 
 
@@ -81,7 +81,7 @@ class FarmClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.http = requests.Session()
-        token = os.environ.get("PRORL_API_TOKEN") if token is None else token
+        token = read("api_token") if token is None else token
         if token:
             self.http.headers["Authorization"] = f"Bearer {token}"
 
@@ -193,7 +193,7 @@ class FarmClient:
     def export(self, batch_id: str, path: str, format: str = "jsonl") -> int:
         """Write every finished job of the batch to ``path``, one row per trajectory with
         every field of docs/trajectory.md (``jsonl`` or ``parquet``); returns the rows."""
-        from prorl_farm.client.export import write_rows
+        from prorl_farm.trainer.export import write_rows
 
         total = self.batch(batch_id)["finished"]
         rows = list(self.iter_results(batch_id, expected=total, wait_s=0.0))

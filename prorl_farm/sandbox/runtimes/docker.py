@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import INSIDE_RUN, INSIDE_WORKSPACE, Sandbox, SandboxSpec
-from prorl_farm.sandbox.image import ImageRuntime, inside_env, inside_server
-from prorl_farm.sandbox.process import python_binds
+from prorl_farm.sandbox.interpreter import python_binds
+from prorl_farm.sandbox.runtimes.image import ImageRuntime, inside_env, inside_server
 
 
 def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path,

@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 
-from prorl_farm.sandbox.tools import ToolError
+from prorl_farm.errors import ToolRejected
 
 MAX_STREAM = 1024 * 1024
 CLEAN_ENV = {
@@ -32,7 +32,7 @@ def _cap(data: bytes) -> tuple[str, bool]:
 def execute(cwd: str, argv: list[str], timeout_s: float = 60.0, stdin: str | None = None,
             env: dict[str, str] | None = None) -> dict:
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise ToolError("argv must be a non-empty list of strings")
+        raise ToolRejected("argv must be a non-empty list of strings")
     extra = {k: v for k, v in (env or {}).items() if isinstance(k, str) and isinstance(v, str)}
     try:
         proc = subprocess.Popen(
@@ -40,7 +40,7 @@ def execute(cwd: str, argv: list[str], timeout_s: float = 60.0, stdin: str | Non
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as e:
-        raise ToolError(f"cannot run {argv[0]!r}: {e.strerror}") from None
+        raise ToolRejected(f"cannot run {argv[0]!r}: {e.strerror}") from None
     timed_out = False
     try:
         out, err = proc.communicate(stdin.encode() if stdin is not None else None,

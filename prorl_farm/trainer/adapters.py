@@ -1,7 +1,7 @@
 """Farm trajectories as the batch layouts trainers read (no dependency on either framework;
 numpy arrays, or torch tensors with ``as_torch=True`` where torch is importable).
 
-Input: groups of finished jobs (a :class:`prorl_farm.client.dapo.Batch`, a list of
+Input: groups of finished jobs (a :class:`prorl_farm.trainer.dapo.Batch`, a list of
 ``Group``, or a list of lists of job documents); failed jobs are left out (never a zero
 reward). Each trajectory is ``prompt_ids`` + ``response_ids`` with ``response_mask`` (1
 where the policy sampled the token) and ``response_logprobs`` (the behaviour policy's, 0.0

@@ -1,4 +1,4 @@
-"""The in-sandbox tool server: ``python -m prorl_farm.sandbox.server --socket PATH
+"""The in-sandbox tool server: ``python -m prorl_farm.toolserver.server --socket PATH
 --workspace DIR``. Listens on a Unix domain socket; see protocol.py for the framing.
 
 Tools: ``ping``; ``bash`` (command, timeout_s, no_output_timeout_s); ``exec`` (argv,
@@ -20,15 +20,20 @@ import socketserver
 import sys
 import threading
 
-from prorl_farm.sandbox.process import INSIDE_FARM
-from prorl_farm.sandbox.protocol import FrameReader, ProtocolError, send_frame
-from prorl_farm.sandbox.tools import ToolError
-from prorl_farm.sandbox.tools.bash import BashSession
-from prorl_farm.sandbox.tools.execute import execute
-from prorl_farm.sandbox.tools.files import FileEditor
-from prorl_farm.sandbox.tools.ipython import IPythonSession
+from prorl_farm.errors import ToolRejected
+from prorl_farm.toolserver.bash import BashSession
+from prorl_farm.toolserver.execute import execute
+from prorl_farm.toolserver.files import FileEditor
+from prorl_farm.toolserver.ipython import IPythonSession
+from prorl_farm.toolserver.protocol import (
+    INSIDE_FARM,
+    IP_ENV,
+    FrameReader,
+    ProtocolError,
+    send_frame,
+)
 
-log = logging.getLogger("prorl_farm.sandbox.server")
+log = logging.getLogger("prorl_farm.toolserver.server")
 
 
 class Tools:
@@ -45,7 +50,7 @@ class Tools:
 
     def call(self, tool: str, args: dict):
         if tool == "ping":
-            return {"pong": True, "pid": os.getpid(), "ip": os.environ.get("PRORL_SANDBOX_IP")}
+            return {"pong": True, "pid": os.getpid(), "ip": os.environ.get(IP_ENV)}
         if tool == "bash":
             with self._locks["bash"]:
                 return self.bash.run(**args)
@@ -80,8 +85,8 @@ def reply_for(tools: Tools, request) -> dict:
         return {"ok": False, "error": {"type": "bad_request", "message": "args: not an object"}}
     try:
         return {"ok": True, "result": tools.call(request["tool"], args)}
-    except ToolError as e:
-        return {"ok": False, "error": {"type": "tool_error", "message": str(e)}}
+    except ToolRejected as e:
+        return {"ok": False, "error": {"type": e.kind, "message": e.message}}
     except (LookupError, TypeError) as e:
         return {"ok": False, "error": {"type": "bad_request", "message": str(e)}}
     except Exception as e:  # a tool bug must not take the server down

@@ -20,7 +20,7 @@ import time
 
 from ptyprocess import PtyProcess
 
-from prorl_farm.sandbox.tools import ToolError
+from prorl_farm.errors import ToolRejected
 
 HEAD_BYTES = 16 * 1024
 TAIL_BYTES = 48 * 1024
@@ -121,7 +121,7 @@ class BashSession:
         os.write(self.proc.fd, b"stty -onlcr noflsh 2>/dev/null\n")
         out = self._run("set +H; set +o notify; true", 10.0, 10.0, restart=False)
         if out["exit_code"] != 0:
-            raise ToolError(f"bash failed to start: {out['output']!r}")
+            raise ToolRejected(f"bash failed to start: {out['output']!r}")
 
     def close(self) -> None:
         if self.proc is not None:
@@ -139,7 +139,7 @@ class BashSession:
             ) -> dict:
         """Run ``command``; returns output, exit_code, timed_out, truncated, output_bytes."""
         if not isinstance(command, str) or not command.strip():
-            raise ToolError("command must be a non-empty string")
+            raise ToolRejected("command must be a non-empty string")
         check = _syntax_check(command)
         if check is not None and check.returncode != 0:
             return {"output": check.stderr.decode(errors="replace").replace("bash: -n: ", ""),
@@ -182,7 +182,7 @@ class BashSession:
             elif stage == 2 and now - stage_at > 3.0:
                 text, truncated = out.text()
                 if not restart:
-                    raise ToolError(f"bash does not answer: {text[-500:]!r}")
+                    raise ToolRejected(f"bash does not answer: {text[-500:]!r}")
                 self.close()
                 self.start()
                 return {"output": text, "exit_code": -1, "timed_out": True,
@@ -196,7 +196,7 @@ class BashSession:
             except OSError:  # the shell died (e.g. `exit`)
                 text, truncated = out.text()
                 if not restart:
-                    raise ToolError(f"bash died at start: {text[-500:]!r}") from None
+                    raise ToolRejected(f"bash died at start: {text[-500:]!r}") from None
                 self.close()
                 self.start()
                 return {"output": text, "exit_code": -1, "timed_out": timed_out,

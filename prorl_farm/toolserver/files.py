@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from prorl_farm.sandbox.tools import ToolError
+from prorl_farm.errors import ToolRejected
 
 MAX_VIEW_BYTES = 256 * 1024
 
@@ -18,10 +18,10 @@ class FileEditor:
         """The real path of ``path`` (relative to the workspace or absolute); it must stay
         inside the workspace, symlinks included."""
         if not isinstance(path, str) or not path:
-            raise ToolError("path must be a non-empty string")
+            raise ToolRejected("path must be a non-empty string")
         full = os.path.realpath(path if os.path.isabs(path) else os.path.join(self.root, path))
         if full != self.root and not full.startswith(self.root + os.sep):
-            raise ToolError(f"{path}: outside the workspace")
+            raise ToolRejected(f"{path}: outside the workspace")
         return full
 
     def _read(self, full: str) -> str:
@@ -29,11 +29,11 @@ class FileEditor:
             with open(full, encoding="utf-8") as f:
                 return f.read()
         except FileNotFoundError:
-            raise ToolError(f"{self._rel(full)}: no such file") from None
+            raise ToolRejected(f"{self._rel(full)}: no such file") from None
         except IsADirectoryError:
-            raise ToolError(f"{self._rel(full)}: is a directory") from None
+            raise ToolRejected(f"{self._rel(full)}: is a directory") from None
         except UnicodeDecodeError:
-            raise ToolError(f"{self._rel(full)}: not a UTF-8 text file") from None
+            raise ToolRejected(f"{self._rel(full)}: not a UTF-8 text file") from None
 
     def _write(self, full: str, text: str | None, record: bool = True) -> None:
         if record:
@@ -66,7 +66,7 @@ class FileEditor:
         start = 1 if start_line is None else int(start_line)
         end = len(lines) if end_line in (None, -1) else int(end_line)
         if start < 1 or (lines and start > len(lines)) or end < start - 1:
-            raise ToolError(f"invalid line range [{start}, {end}] for {len(lines)} lines")
+            raise ToolRejected(f"invalid line range [{start}, {end}] for {len(lines)} lines")
         body = "\n".join(f"{i:6}\t{lines[i - 1]}" for i in range(start, min(end, len(lines)) + 1))
         truncated = len(body) > MAX_VIEW_BYTES
         return {"path": self._rel(full), "type": "file", "lines": len(lines),
@@ -75,9 +75,9 @@ class FileEditor:
     def create(self, path: str, content: str, overwrite: bool = False) -> dict:
         full = self.path(path)
         if os.path.isdir(full):
-            raise ToolError(f"{self._rel(full)}: is a directory")
+            raise ToolRejected(f"{self._rel(full)}: is a directory")
         if os.path.exists(full) and not overwrite:
-            raise ToolError(f"{self._rel(full)}: exists (pass overwrite=true to replace it)")
+            raise ToolRejected(f"{self._rel(full)}: exists (pass overwrite=true to replace it)")
         self._write(full, content)
         return {"path": self._rel(full), "bytes": len(content.encode())}
 
@@ -85,15 +85,15 @@ class FileEditor:
         full = self.path(path)
         text = self._read(full)
         if not old_str:
-            raise ToolError("old_str must not be empty")
+            raise ToolRejected("old_str must not be empty")
         count = text.count(old_str)
         if count == 0:
-            raise ToolError(f"old_str not found in {self._rel(full)}")
+            raise ToolRejected(f"old_str not found in {self._rel(full)}")
         if count > 1:
             lines, at = [], -1
             while (at := text.find(old_str, at + 1)) != -1:
                 lines.append(text.count("\n", 0, at) + 1)
-            raise ToolError(f"old_str occurs {count} times in {self._rel(full)} (lines "
+            raise ToolRejected(f"old_str occurs {count} times in {self._rel(full)} (lines "
                             f"{lines[:20]}); include more context to make it unique")
         new_text = text.replace(old_str, new_str, 1)
         self._write(full, new_text)
@@ -104,7 +104,7 @@ class FileEditor:
         full = self.path(path)
         lines = self._read(full).splitlines(keepends=True)
         if not isinstance(line, int) or line < 0 or line > len(lines):
-            raise ToolError(f"line must be between 0 and {len(lines)}")
+            raise ToolRejected(f"line must be between 0 and {len(lines)}")
         if lines and not lines[-1].endswith("\n"):
             lines[-1] += "\n"
         new = text if text.endswith("\n") else text + "\n"
@@ -115,6 +115,6 @@ class FileEditor:
         full = self.path(path)
         stack = self.history.get(full)
         if not stack:
-            raise ToolError(f"no edit of {self._rel(full)} to undo")
+            raise ToolRejected(f"no edit of {self._rel(full)} to undo")
         self._write(full, stack.pop(), record=False)
         return {"path": self._rel(full), "restored": True}

@@ -1,0 +1,48 @@
+"""The sandbox runtimes, one module each, and the table that makes one by name
+(``PRORL_SANDBOX_RUNTIME``): ``local`` (no isolation), ``bwrap`` (bubblewrap, rootless),
+``apptainer`` (HPC images), ``docker``. Each implements ``sandbox.abstract.Runtime``."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prorl_farm.errors import SandboxError
+from prorl_farm.sandbox.abstract import Runtime
+from prorl_farm.sandbox.runtimes.apptainer import ApptainerRuntime
+from prorl_farm.sandbox.runtimes.bwrap import BwrapRuntime
+from prorl_farm.sandbox.runtimes.docker import DockerRuntime
+from prorl_farm.sandbox.runtimes.local import LocalRuntime
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What a node's sandbox manager gives its runtime: where sandboxes live on the host,
+    the host uid/gid they run as (None: the farm's own), the tool server's interpreter
+    (empty: the farm's) and the read-only paths of every sandbox ({inside: host})."""
+
+    sandbox_root: Path
+    run_as: tuple[int, int] | None = None
+    python: str = ""
+    ro_paths: dict[str, str] = field(default_factory=dict)
+
+
+RUNTIMES: dict[str, Callable[[RuntimeOptions], Runtime]] = {
+    "local": lambda o: LocalRuntime(),
+    "bwrap": lambda o: BwrapRuntime(o.sandbox_root, o.run_as, o.python, o.ro_paths),
+    "apptainer": lambda o: ApptainerRuntime(o.sandbox_root),
+    "docker": lambda o: DockerRuntime(o.sandbox_root),
+}
+
+
+def make_runtime(name: str, options: RuntimeOptions) -> Runtime:
+    """The runtime ``name`` (``auto``: ``bwrap`` where bubblewrap is installed, else
+    ``local``)."""
+    if name == "auto":
+        name = "bwrap" if shutil.which("bwrap") else "local"
+    if name not in RUNTIMES:
+        raise SandboxError(f"unknown sandbox runtime {name!r}; expected one of "
+                           f"{', '.join(RUNTIMES)} or auto")
+    return RUNTIMES[name](options)

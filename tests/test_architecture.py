@@ -1,0 +1,68 @@
+"""The house rules: the layering of docs/architecture.md (what may import what), no import
+cycle, one exception root, one name per runtime, and a map that names every part."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+from prorl_farm.dev.imports import PACKAGES, cycles, import_graph, package_graph, violations
+from prorl_farm.errors import FarmError
+
+ROOT = Path(__file__).resolve().parents[1]
+# Standalone programs shipped into sandboxes (they import nothing of the farm).
+STANDALONE = {"prorl_farm.graders.code_harness", "prorl_farm.graders.swe_harness",
+              "prorl_farm.graders.swe_runner", "prorl_farm.graders.jail"}
+
+
+def test_no_cycle_and_no_forbidden_import():
+    graph = import_graph(ROOT)
+    assert cycles(graph) == [] and cycles(package_graph(graph)) == []
+    assert violations(graph) == []
+
+
+def test_the_layering_catches_what_it_forbids():
+    bad = {"prorl_farm.toolserver.bash": {"prorl_farm.sandbox.manager"},
+           "prorl_farm.keys": {"prorl_farm.config"},
+           "prorl_farm.jobs.store": {"api.errors"},
+           "prorl_farm.trainer.farm": {"prorl_farm.jobs.store"},
+           "prorl_farm.sandbox.manager": {"prorl_farm.toolserver.server"}}
+    assert len(violations(bad)) == 5
+    assert violations({"prorl_farm.sandbox.manager": {"prorl_farm.toolserver.protocol"},
+                       "api.jobs": {"prorl_farm.jobs.store"}}) == []
+
+
+def test_every_exception_is_a_farm_error():
+    outside = []
+    for module in sorted(import_graph(ROOT)):
+        if module in STANDALONE or module.endswith("__main__") or module == "api.wsgi":
+            continue
+        mod = importlib.import_module(module)
+        for name, cls in vars(mod).items():
+            if (inspect.isclass(cls) and issubclass(cls, BaseException)
+                    and cls.__module__ == module and not issubclass(cls, FarmError)):
+                outside.append(f"{module}.{name}")
+    assert outside == []
+
+
+def test_the_runtime_table_and_the_setting_agree():
+    from prorl_farm.config import SANDBOX_RUNTIMES
+    from prorl_farm.sandbox.runtimes import RUNTIMES
+
+    assert SANDBOX_RUNTIMES == ("auto", *RUNTIMES)
+
+
+def test_the_map_names_every_part():
+    """docs/architecture.md names every package and every top-level module."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    parts = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*")):
+            rel = path.relative_to(ROOT)
+            if "__pycache__" in rel.parts or path.name.startswith("__"):
+                continue
+            if path.is_dir() or (path.suffix == ".py" and len(rel.parts) == 2):
+                parts.append(str(rel) + ("/" if path.is_dir() else ""))
+    missing = [p for p in parts if f"`{p}`" not in text]
+    assert missing == [], f"docs/architecture.md does not name {missing}"
