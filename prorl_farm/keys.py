@@ -36,8 +36,10 @@ def batch(batch_id: str) -> str:
 
 
 def batch_counts(batch_id: str) -> str:
-    """Hash: state -> number of the batch's jobs in it."""
-    return f"{PREFIX}batch:{batch_id}:counts"
+    """Counter array (prorl_farm/counters.py): the number of the batch's jobs in each state,
+    at ``states.STATE_SLOT``. (Named apart from the hash an older farm kept: a counter
+    array written over one would fail WRONGTYPE.)"""
+    return f"{PREFIX}batch:{batch_id}:state_counts"
 
 
 def idempotency(key: str) -> str:
@@ -57,14 +59,11 @@ def batch_stream(batch_id: str) -> str:
 
 
 def queued(queue: str) -> str:
-    """Sorted set: job -> time it was put on ``queue`` (removed when claimed or terminal)."""
+    """Sorted set: job -> when its message was pushed onto ``queue`` (a Redis time taken in
+    the script or transaction that pushed it, or after a push of the caller's: an upper
+    bound of the push); removed when claimed or terminal. A job whose message is not
+    pushed yet is not here: a heartbeat in ACTIVE stands for it until it is."""
     return f"{PREFIX}queued:{queue}"
-
-
-def published(queue: str) -> str:
-    """Sorted set: job -> a Redis time taken after its message was pushed onto ``queue``
-    (an upper bound of the push); removed when claimed or terminal."""
-    return f"{PREFIX}published:{queue}"
 
 
 def janitor_lock(node: str) -> str:
@@ -103,8 +102,9 @@ SANDBOX_NODES = f"{PREFIX}metrics:sandbox-nodes"
 
 
 def histogram(name: str) -> str:
-    """Hash: a histogram's buckets (``b<i>``, not cumulative), ``sum`` and ``count``."""
-    return f"{PREFIX}metrics:hist:{name}"
+    """Counter array (prorl_farm/counters.py): a histogram's buckets (not cumulative, slot
+    ``i - 1`` for bucket ``i``) and its sum in microseconds (``metrics.SUM_SLOT``)."""
+    return f"{PREFIX}metrics:histogram:{name}"
 
 
 # String with expiry: the reaper id of the pool process that sweeps (lua/reaper_lead.lua).
@@ -178,7 +178,7 @@ _LUA_CONSTANTS = ("CLAIMED", "QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES"
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
                   "REAPER_ACTIONS")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
-                  "batch_stream", "queued", "published", "backend", "histogram")
+                  "batch_stream", "queued", "backend", "histogram")
 
 
 def _lua() -> str:

@@ -1,9 +1,10 @@
 """Farm-wide metrics, kept in Redis so that every process (API workers, pools on every
 node) adds to the same series and any API process can serve them.
 
-Histograms are Redis hashes of fixed buckets (``b1``..``bN`` not cumulative, then ``b<N+1>``
-for +Inf, and ``sum``), observed inside the job scripts (no extra round trip) or, for the
-API's request latency, flushed from each process about once a second.
+Histograms are counter arrays (counters.py) of fixed buckets (slots 0..N-1 not cumulative,
+slot N for +Inf) and their sum in microseconds (SUM_SLOT), observed inside the job scripts
+(one BITFIELD, no extra round trip) or, for the API's request latency, flushed from each
+process about once a second.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from dataclasses import dataclass
 
 import redis
 
-from prorl_farm import keys
+from prorl_farm import counters, keys
 
 # Seconds: queue waits and stage times span milliseconds (no-op stages) to an hour (a SWE
 # agent's RUN).
 BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
              30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+# A histogram's counter array: the buckets (+Inf last), then the sum in microseconds.
+SUM_SLOT = len(BUCKETS_S) + 1
+HIST_SLOTS = SUM_SLOT + 1
 
 def bucket_index(value: float) -> int:
     """1-based bucket of ``value`` (len(BUCKETS_S) + 1 for +Inf), as lua/lib/metrics.lua
@@ -30,13 +34,19 @@ def bucket_index(value: float) -> int:
     return len(BUCKETS_S) + 1
 
 
-def read_histogram(raw: dict) -> tuple[list[tuple[str, float]], float]:
-    """A histogram hash -> (cumulative buckets as prometheus_client wants them, sum)."""
+def read_histogram(raw: list[int]) -> tuple[list[tuple[str, float]], float]:
+    """A histogram's counters (histogram_read) -> (cumulative buckets as prometheus_client
+    wants them, sum in seconds)."""
     out, total = [], 0
-    for i, bound in enumerate((*BUCKETS_S, float("inf")), 1):
-        total += int(raw.get(f"b{i}", 0))
+    for i, bound in enumerate((*BUCKETS_S, float("inf"))):
+        total += int(raw[i])
         out.append(("+Inf" if bound == float("inf") else repr(bound), total))
-    return out, float(raw.get("sum", 0.0))
+    return out, int(raw[SUM_SLOT]) / 1e6
+
+
+def histogram_read(client, name: str):
+    """Queue the read of histogram ``name``'s counters on ``client`` (or a pipeline)."""
+    return counters.read(client, keys.histogram(name), HIST_SLOTS)
 
 
 class LatencyRecorder:
@@ -52,9 +62,9 @@ class LatencyRecorder:
     def observe(self, name: str, seconds: float) -> None:
         with self._lock:
             h = self._pending.setdefault(name, {})
-            b = f"b{bucket_index(seconds)}"
+            b = bucket_index(seconds) - 1
             h[b] = h.get(b, 0) + 1
-            h["sum"] = h.get("sum", 0.0) + seconds
+            h[SUM_SLOT] = h.get(SUM_SLOT, 0) + round(seconds * 1e6)
             if time.monotonic() - self._last < self.flush_s:
                 return
             pending, self._pending, self._last = self._pending, {}, time.monotonic()
@@ -65,12 +75,7 @@ class LatencyRecorder:
             pipe = self.r.pipeline(transaction=False)
             pipe.sadd(keys.API_ROUTES, *pending)
             for name, h in pending.items():
-                hk = keys.histogram(name)
-                for field, value in h.items():
-                    if field == "sum":
-                        pipe.hincrbyfloat(hk, field, value)
-                    else:
-                        pipe.hincrby(hk, field, int(value))
+                counters.incr(pipe, keys.histogram(name), h)
             pipe.execute()
         except redis.RedisError:
             pass  # metrics never fail a request
@@ -89,8 +94,8 @@ class FarmCounters:
     stats: dict
     failures: dict
     reaper: dict
-    hists: dict[str, dict]  # "wait:<stage>" / "active:<stage>" -> histogram hash
-    api: dict[str, dict]  # "api:<method>:<route>" -> histogram hash
+    hists: dict[str, list]  # "wait:<stage>" / "active:<stage>" -> histogram counters
+    api: dict[str, list]  # "api:<method>:<route>" -> histogram counters
 
 
 def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
@@ -112,7 +117,7 @@ def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
     for node in nodes:
         pipe.hlen(keys.sandbox_slots(node))
     for name in hist_names + api_names:
-        pipe.hgetall(keys.histogram(name))
+        histogram_read(pipe, name)
     out = pipe.execute()
     states, failures, reaper, started = out[:4]
     out = out[4:]

@@ -19,8 +19,8 @@ RATE_WINDOW = 200
 EXAMPLES = 3
 
 
-def _quantile(raw: dict, q: float) -> float | None:
-    """Upper bound of the bucket holding quantile ``q`` of a histogram hash."""
+def _quantile(raw: list, q: float) -> float | None:
+    """Upper bound of the bucket holding quantile ``q`` of a histogram's counters."""
     buckets, _ = read_histogram(raw)
     total = buckets[-1][1]
     if total == 0:
@@ -83,7 +83,7 @@ def farm_overview(store, backends, settings, batches: int = 10) -> dict:
     }
 
 
-def _hist_summary(raw: dict) -> dict:
+def _hist_summary(raw: list) -> dict:
     buckets, total = read_histogram(raw)
     count = buckets[-1][1]
     return {"count": count, "mean_s": round(total / count, 6) if count else None,

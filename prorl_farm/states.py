@@ -17,6 +17,8 @@ class JobState(str, Enum):
 
 TERMINAL_STATES = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
 ALL_STATES = tuple(s.value for s in JobState)
+# Each state's counter in a batch's counts (keys.batch_counts, a counter array: counters.py).
+STATE_SLOT = {s: i for i, s in enumerate(ALL_STATES)}
 
 
 class FailureKind(str, Enum):

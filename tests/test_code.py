@@ -121,6 +121,7 @@ def test_runaway_programs_end_within_their_limits_and_leave_the_node_clean(code_
     *runaways, honest = jobs
     assert honest["reward"] == 1.0, (honest["failure"], [j["failure"] for j in runaways])
     for job in runaways:
-        assert job["state"] == "done" and job["reward"] == 0.0, job["result"]["eval"]
+        assert job["state"] == "done" and job["reward"] == 0.0, (
+            job["failure"] or (job["result"] or {}).get("eval"))
         assert job["timings"]["eval"]["active_s"] < 60
     wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 20, 0.1, "sandboxes stopped")

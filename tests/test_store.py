@@ -7,10 +7,11 @@ import threading
 
 import pytest
 
+from prorl_farm import counters, keys
 from prorl_farm.celery_app import create_celery_app
 from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.store import JobStore
-from prorl_farm.states import JobState
+from prorl_farm.states import ALL_STATES, JobState
 from prorl_farm.worker.kombu import message_args
 
 _STORES: list[JobStore] = []
@@ -36,7 +37,8 @@ def _messages(settings) -> StageMessages:
 
 
 def counts(r):
-    return {k: int(v) for k, v in r.hgetall("prorl:batch:b:counts").items() if int(v)}
+    got = counters.read(r, keys.batch_counts("b"), len(ALL_STATES))
+    return {k: v for k, v in zip(ALL_STATES, got) if v}
 
 
 def test_only_one_of_many_concurrent_claims_wins(settings, r):
@@ -58,7 +60,7 @@ def test_only_one_of_many_concurrent_claims_wins(settings, r):
 
 def test_a_hand_off_pushes_the_next_message_in_the_same_script(settings, r):
     """With messages, ADVANCE moves the job, pushes the next stage's message (its new
-    token as task id) and records it published, in one call: no window in which the job
+    token as task id) and records it on the queue's index, in one call: no window in which the job
     waits for a message that is not there."""
     store, [job] = make(settings, r)
     r.delete("run.n")
@@ -73,7 +75,7 @@ def test_a_hand_off_pushes_the_next_message_in_the_same_script(settings, r):
     assert message["headers"]["task"] == "prorl.run" and message["headers"]["id"] == token
     assert message["properties"]["delivery_info"]["routing_key"] == "run.n"
     assert r.zscore("prorl:active", job.job_id) is None  # no heartbeat left to go stale
-    assert r.zscore("prorl:published:run.n", job.job_id) is not None
+    assert r.zscore("prorl:queued:run.n", job.job_id) is not None
     assert not r.hget(f"prorl:job:{job.job_id}", "holder")  # the next stage's to set
     r.delete("run.n")
 
@@ -86,9 +88,12 @@ def test_transitions_keep_counts_exact_and_terminal_is_final(settings, r):
     assert store.advance(job.job_id, "init", "other", "run", "run.n", "n", "hstate", "{}") is None
     token = store.advance(job.job_id, "init", job.token, "run", "run.n", "n", "hstate", "{}")
     assert token and counts(r) == {"run": 1}
-    assert r.zscore("prorl:queued:run.n", job.job_id) is not None
+    # Until the caller's publish is recorded, the worker's heartbeat stands for the job.
+    assert r.zscore("prorl:queued:run.n", job.job_id) is None
+    assert r.zscore("prorl:active", job.job_id) is not None
     store.handed_off([(job.job_id, token)])
     assert r.zscore("prorl:active", job.job_id) is None
+    assert r.zscore("prorl:queued:run.n", job.job_id) is not None
     assert store.claim(job.job_id, "init", job.token, "w")[0] == "stale"  # redelivered INIT
     assert store.finish(job.job_id, JobState.CANCELLED, "cancelled", "x").changed
     assert counts(r) == {"cancelled": 1}

@@ -17,12 +17,13 @@ from pathlib import Path
 PACKAGES = ("prorl_farm", "api", "workers")
 # What may import what: a module under a prefix on the left imports project modules only
 # under the prefixes on the right (or its own). The most specific prefix applies.
-_BASE = ("prorl_farm.errors", "prorl_farm.keys", "prorl_farm.states")
+_BASE = ("prorl_farm.errors", "prorl_farm.keys", "prorl_farm.states", "prorl_farm.counters")
 LAYERS: dict[str, tuple[str, ...]] = {
     # The library never imports the app (api) or the pools' task modules (workers).
     "prorl_farm": ("prorl_farm",),
     # The foundations import nothing of the farm but each other.
     "prorl_farm.errors": (), "prorl_farm.keys": (), "prorl_farm.states": (),
+    "prorl_farm.counters": (),
     "prorl_farm.config": ("prorl_farm.errors", "prorl_farm.access"),
     "prorl_farm.access": ("prorl_farm.errors",),
     "prorl_farm.lua": (*_BASE, "prorl_farm.metrics"),

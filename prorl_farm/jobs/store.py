@@ -13,7 +13,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from prorl_farm import keys
+from prorl_farm import counters, keys
 from prorl_farm.config import Settings
 from prorl_farm.errors import ConfigError, NotFound
 from prorl_farm.jobs.messages import StageMessages
@@ -22,6 +22,7 @@ from prorl_farm.states import (
     ALL_STATES,
     CLAIM_FIELDS,
     MAX_ATTEMPT_HISTORY,
+    STATE_SLOT,
     Claim,
     JobState,
     Reap,
@@ -37,6 +38,11 @@ SOCKET_SLACK_S = 30.0
 HANDED_OFF_CHUNK = 2000
 # Jobs per create_jobs call of a submission (all calls in one MULTI/EXEC).
 CREATE_CHUNK = 2048
+
+
+def _read_counts(pipe, batch_id: str):
+    """Queue the read of a batch's per-state counts (in ALL_STATES order) on ``pipe``."""
+    return counters.read(pipe, keys.batch_counts(batch_id), len(ALL_STATES))
 
 
 def connect(settings: Settings, max_connections: int = 64) -> redis.Redis:
@@ -110,7 +116,7 @@ class JobStore:
         messages: StageMessages | None = None,
     ) -> list[NewJob]:
         """Write every job of one request atomically (MULTI/EXEC), all waiting for INIT,
-        with their INIT messages (``messages``) pushed and recorded as published in the same
+        with their INIT messages (``messages``) pushed and recorded on the queue in the same
         transaction: all of it lands, or none. Without ``messages`` the caller publishes
         and then calls :meth:`handed_off`.
 
@@ -143,7 +149,7 @@ class JobStore:
         pipe.hsetnx(keys.batch(batch_id), "created_at", f"{now:.6f}")
         pipe.hsetnx(keys.batch(batch_id), "handler", handler)
         pipe.hincrby(keys.batch(batch_id), "total", len(jobs))
-        pipe.hincrby(keys.batch_counts(batch_id), JobState.QUEUED.value, len(jobs))
+        counters.incr(pipe, keys.batch_counts(batch_id), {STATE_SLOT["queued"]: len(jobs)})
         # Jobs not yet ended: the batch's keys expire after the last one ends (lua/lib/jobs.lua).
         pipe.hincrby(keys.batch(batch_id), "left", len(jobs))
         for k in (keys.batch(batch_id), keys.batch_counts(batch_id),
@@ -308,7 +314,7 @@ class JobStore:
     def batch_summary(self, batch_id: str) -> dict:
         pipe = self.r.pipeline(transaction=True)
         pipe.hgetall(keys.batch(batch_id))
-        pipe.hgetall(keys.batch_counts(batch_id))
+        _read_counts(pipe, batch_id)
         meta, counts = pipe.execute()
         if not meta:
             raise NotFound(f"batch {batch_id!r} not found")
@@ -320,7 +326,7 @@ class JobStore:
         pipe = self.r.pipeline(transaction=False)
         for batch_id in ids:
             pipe.hgetall(keys.batch(batch_id))
-            pipe.hgetall(keys.batch_counts(batch_id))
+            _read_counts(pipe, batch_id)
         rows = pipe.execute()
         out, gone = [], []
         for i, batch_id in enumerate(ids):
@@ -334,8 +340,8 @@ class JobStore:
         return out
 
     @staticmethod
-    def _summary(batch_id: str, meta: dict, counts: dict) -> dict:
-        counts = {s: int(counts.get(s, 0)) for s in ALL_STATES}
+    def _summary(batch_id: str, meta: dict, counts: list[int]) -> dict:
+        counts = dict(zip(ALL_STATES, map(int, counts)))
         terminal = counts["done"] + counts["failed"] + counts["cancelled"]
         return {
             "batch_id": batch_id,
@@ -369,7 +375,7 @@ class JobStore:
         pipe = self.r.pipeline(transaction=False)
         for batch_id in ids:
             pipe.hgetall(keys.batch(batch_id))
-            pipe.hgetall(keys.batch_counts(batch_id))
+            _read_counts(pipe, batch_id)
         rows = pipe.execute()
         summaries = {b: self._summary(b, rows[2 * i], rows[2 * i + 1])
                      for i, b in enumerate(ids) if rows[2 * i]}

@@ -122,8 +122,8 @@ def lua_value(v) -> str:
 def tables() -> str:
     """The generated tables every script starts with, from their Python definitions."""
     from prorl_farm import keys
-    from prorl_farm.metrics import BUCKETS_S
-    from prorl_farm.states import ATTEMPT_FIELDS, CLAIM_FIELDS, TERMINAL_STATES
+    from prorl_farm.metrics import BUCKETS_S, SUM_SLOT
+    from prorl_farm.states import ATTEMPT_FIELDS, CLAIM_FIELDS, STATE_SLOT, TERMINAL_STATES
 
     shared = {
         "TERMINAL": {s.value: True for s in sorted(TERMINAL_STATES)},
@@ -131,6 +131,8 @@ def tables() -> str:
         "ATTEMPT_FIELDS": ATTEMPT_FIELDS,
         "BACKEND_FIELDS": keys.BACKEND_FIELDS,
         "BUCKETS": BUCKETS_S,
+        "SUM_SLOT": SUM_SLOT,
+        "STATE_SLOT": STATE_SLOT,
     }
     return keys.LUA + "".join(f"local {k} = {lua_value(v)}\n" for k, v in shared.items())
 

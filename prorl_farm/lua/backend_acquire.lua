@@ -47,5 +47,7 @@ end
 local n = redis.call('HINCRBY', K.BACKEND_INFLIGHT, b, 1)
 redis.call('ZADD', K.BACKEND_HEAP, heap_score(b, n), b)
 redis.call('HSET', K.BACKEND_ASSIGN, job, b)
+-- Mirrored on the job, so that its transitions free a slot without looking one up.
+if state then redis.call('HSET', K.job(job), 'backend', b) end
 redis.call('HINCRBY', K.backend(b), 'jobs_total', 1)
 return pinned(b, 'new')

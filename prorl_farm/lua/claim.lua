@@ -36,7 +36,7 @@ count_state(state, stage, at.batch_id)
 redis.call('ZADD', K.ACTIVE, now, id)
 if queue and queued then
   -- Queues are FIFO. t_<stage>_queued was taken before this job's message was pushed, so
-  -- every message whose push completed before it (published score below it) was popped
+  -- every message whose push completed before it (score in the queue's index below it) was popped
   -- before this one: the reaper uses the newest such time to tell a lost message.
   redis.call('ZADD', K.CLAIMED, 'GT', queued, queue)
 end

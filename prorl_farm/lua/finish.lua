@@ -9,10 +9,10 @@
 
 local id, token, state, kind, msg, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
 local jk = K.job(id)
-local j = redis.call('HMGET', jk, 'state', 'token', 'phase')
+local j = finish_read(jk)
 if not j[1] then return 'missing' end
 if TERMINAL[j[1]] then return 'terminal:' .. j[1] end
-if token ~= '' and (j[2] ~= token or j[3] ~= 'active') then return 'stale' end
+if token ~= '' and (j[6] ~= token or j[3] ~= 'active') then return 'stale' end
 local extra = {}
 for i = 7, #ARGV do extra[#extra + 1] = ARGV[i] end
-return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s(), extra)
+return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s(), extra, j)

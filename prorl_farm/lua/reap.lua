@@ -54,7 +54,6 @@ redis.call('HSET', jk, 'state', 'queued', 'stage', 'init', 'phase', 'waiting', '
   'attempts', cjson.encode(history))
 count_state(j[1], 'queued', j[5])
 release_backend(id)
-redis.call('ZADD', K.queued('init'), now, id)
 if message and message ~= '' then
   push_message('init', id, message, now)
 else

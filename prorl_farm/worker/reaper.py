@@ -26,9 +26,11 @@ left. After a Redis restart, until every process has had time to reconnect, only
 age counts.
 
 - *lost*: a job whose message vanished between a worker's pop and kombu recording it as
-  unacked. Queues are FIFO: a message whose push completed (``published`` score) before
-  the push of a message already claimed began (``claimed`` time) has been popped; if its
-  job still waits, no worker heartbeats it and it is not in the unacked set, it is lost.
+  unacked. Queues are FIFO: a message whose push completed (its score in the queue's
+  index, ``keys.queued``) before the push of a message already claimed began (``claimed``
+  time) has been popped; if its job still waits, no worker heartbeats it and it is not in
+  the unacked set, it is lost. A job whose message its publisher never pushed is in no
+  queue's index: the heartbeat that stands for it until the push goes stale (*active*).
 """
 
 from __future__ import annotations
@@ -194,20 +196,15 @@ class Reaper:
 
     def _reap_lost(self, counts: dict, queues, unacked_tokens: set[str], cutoff: float
                    ) -> None:
-        """Jobs whose message left the queue without being claimed or reserved. Besides the
-        FIFO test, a job never marked published (its publisher died between writing the job
-        and publishing it) is recovered once it waited past the visibility timeout."""
+        """Jobs whose message left the queue without being claimed or reserved (the FIFO
+        test, against the newest claimed push time of each queue)."""
         r = self.store.r
         claimed = dict(r.zrange(keys.CLAIMED, 0, -1, withscores=True))
-        last_resort = cutoff - self.settings.visibility_timeout_s
         for queue in queues:
-            ids: list[str] = []
-            if queue in claimed:
-                limit = min(cutoff, float(claimed[queue]))
-                ids = r.zrangebyscore(keys.published(queue), "-inf", f"({limit}", start=0,
-                                      num=BATCH)
-            ids += [i for i in r.zrangebyscore(keys.queued(queue), "-inf", f"({last_resort}",
-                                               start=0, num=BATCH) if i not in ids]
+            if queue not in claimed:
+                continue
+            limit = min(cutoff, float(claimed[queue]))
+            ids = r.zrangebyscore(keys.queued(queue), "-inf", f"({limit}", start=0, num=BATCH)
             if not ids:
                 continue
             beats = r.zmscore(keys.ACTIVE, ids)

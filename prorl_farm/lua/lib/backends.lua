@@ -18,11 +18,15 @@ local function heap_score(b, n)
   return after + n * (after - before) + 1e-6 * s * (n + 1) / cap
 end
 
--- Free the backend slot a job holds, if any. Returns the backend id or false.
-local function release_backend(job)
+-- Free the backend slot a job holds, if any. ``held``: the job's ``backend`` field as the
+-- caller read it (false: it holds none, nothing to look up), or nil to look it up; the pin
+-- itself (BACKEND_ASSIGN) decides. Returns the backend id or false.
+local function release_backend(job, held)
+  if held == false then return false end
   local b = redis.call('HGET', K.BACKEND_ASSIGN, job)
   if not b then return false end
   redis.call('HDEL', K.BACKEND_ASSIGN, job)
+  redis.call('HDEL', K.job(job), 'backend')
   if redis.call('EXISTS', K.backend(b)) == 0 then
     redis.call('HDEL', K.BACKEND_INFLIGHT, b)  -- unregistered meanwhile
     return b

@@ -7,13 +7,13 @@ local function now_s()
 end
 local function fmt(x) return string.format('%.6f', x) end
 
--- Count a job's move to another state in its batch's and the farm's per-state counters
--- (the caller writes the state itself, in its own HSET of the job).
+-- Count a job's move to another state in its batch's counter array (one BITFIELD) and the
+-- farm's per-state counters (the caller writes the state itself, in its own HSET of the
+-- job).
 local function count_state(old, new, batch)
   if old == new then return end
-  local ck = K.batch_counts(batch)
-  redis.call('HINCRBY', ck, old, -1)
-  redis.call('HINCRBY', ck, new, 1)
+  redis.call('BITFIELD', K.batch_counts(batch), 'INCRBY', 'i64', '#' .. STATE_SLOT[old], -1,
+             'INCRBY', 'i64', '#' .. STATE_SLOT[new], 1)
   redis.call('HINCRBY', K.STATE_COUNTS, old, -1)
   redis.call('HINCRBY', K.STATE_COUNTS, new, 1)
 end
@@ -24,28 +24,31 @@ local function observe_active(stage, start, now)
   if start then observe('active:' .. stage, now - tonumber(start)) end
 end
 
--- A stage message pushed by the script that moved its job: on its queue, recorded as
--- published (for the reaper's lost-message test), and no heartbeat left to go stale.
+-- A stage message pushed by the script that moved its job: on its queue, recorded with the
+-- time of the push (for the reaper's lost-message test), and no heartbeat left to go stale.
 local function push_message(queue, id, message, now)
   redis.call('LPUSH', queue, message)
   redis.call('ZREM', K.ACTIVE, id)
-  redis.call('ZADD', K.published(queue), now, id)
+  redis.call('ZADD', K.queued(queue), now, id)
 end
 
--- Drop a job from the indexes of the queue it waits on.
+-- Drop a job from the index of the queue it waits on.
 local function unqueue(id, queue)
-  if queue and queue ~= '' then
-    redis.call('ZREM', K.queued(queue), id)
-    redis.call('ZREM', K.published(queue), id)
-  end
+  if queue and queue ~= '' then redis.call('ZREM', K.queued(queue), id) end
+end
+
+-- What a terminal transition reads of its job (finish_read), in this order.
+local function finish_read(jk)
+  return redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token',
+                    'instance_id', 'sampling_id', 'deadline_at', 't_init_start',
+                    't_run_start', 't_eval_start', 'backend')
 end
 
 -- The one way into a terminal state; ``extra``: more field/value pairs to set (a flat
--- list). Returns "<old state>:<old phase>:<old token>".
-local function finish(id, jk, state, kind, msg, ttl, now, extra)
-  local j = redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token',
-                       'instance_id', 'sampling_id', 'deadline_at', 't_init_start',
-                       't_run_start', 't_eval_start')
+-- list); ``j``: finish_read's reply where the caller has it. Returns "<old state>:<old
+-- phase>:<old token>".
+local function finish(id, jk, state, kind, msg, ttl, now, extra, j)
+  j = j or finish_read(jk)
   local old, stage, phase, batch, queue, token = j[1], j[2], j[3], j[4], j[5], j[6]
   local set = extra or {}
   for _, v in ipairs({'state', state, 'phase', 'end', 'finished_at', fmt(now)}) do
@@ -64,7 +67,7 @@ local function finish(id, jk, state, kind, msg, ttl, now, extra)
   end
   redis.call('HSET', jk, unpack(set))
   count_state(old, state, batch)
-  release_backend(id)
+  release_backend(id, j[13])
   redis.call('XADD', K.batch_stream(batch), '*', 'job', id, 'state', state)
   redis.call('ZREM', K.ACTIVE, id)
   if j[9] and j[9] ~= '' then redis.call('ZREM', K.DEADLINES, id) end

@@ -6,7 +6,7 @@ local function observe(name, v)
   for b = 1, #BUCKETS do
     if v <= BUCKETS[b] then i = b break end
   end
-  local hk = K.histogram(name)
-  redis.call('HINCRBY', hk, 'b' .. i, 1)
-  redis.call('HINCRBYFLOAT', hk, 'sum', string.format('%.6f', v))
+  -- A counter array: bucket i at slot i - 1, the sum in microseconds at SUM_SLOT.
+  redis.call('BITFIELD', K.histogram(name), 'INCRBY', 'i64', '#' .. (i - 1), 1,
+             'INCRBY', 'i64', '#' .. SUM_SLOT, string.format('%d', math.floor(v * 1e6 + 0.5)))
 end
