@@ -136,7 +136,7 @@ def test_the_tool_server_survives_whatever_the_agent_kills(farm):
     [job] = _run(client, [{
         "files": {"sol.py": "print(6 * 7)\n"},
         "commands": ["kill -9 -1; kill -KILL 1; kill -TERM 1; kill -INT 1; kill -HUP 1; "
-                     "pkill -9 -f sandbox.server; echo killed",
+                     "pkill -9 -f toolserver.server; pkill -9 -f prorl_farm; echo killed",
                      "python3 -c 'import os, signal; os.kill(1, signal.SIGKILL)'; echo again",
                      "kill -9 $$",
                      "echo still-here; python3 sol.py > out.txt"],
