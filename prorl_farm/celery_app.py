@@ -10,7 +10,6 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Queue
 
-from prorl_farm.broker import TRANSPORT
 from prorl_farm.config import STAGES, Settings, load_settings
 
 TASK_NAMES = {"init": "prorl.init", "run": "prorl.run", "eval": "prorl.eval"}
@@ -46,8 +45,6 @@ def create_celery_app(settings: Settings | None = None, include: list[str] | Non
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        # kombu's Redis transport, its unacked bookkeeping without MULTI/EXEC (broker.py).
-        broker_transport=TRANSPORT,
         broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
         broker_connection_retry_on_startup=True,
         task_default_queue="init",

@@ -59,7 +59,9 @@ start_child() {  # start_child NAME LOGFILE CMD...
   say "started $name (pid $!), log $logf"
 }
 stop_children() {
-  trap - TERM INT
+  # Further signals are ignored while the children stop (scancel may signal twice): a
+  # second TERM must not end this script, and run its EXIT cleanup, while they still run.
+  trap '' TERM INT
   say "stopping: ${CHILDREN[*]}"
   kill -TERM "${CHILDREN[@]}" 2>/dev/null || true
   wait "${CHILDREN[@]}" 2>/dev/null || true

@@ -28,6 +28,7 @@ from prorl_farm.llm.registry import BackendRegistry
 from prorl_farm.states import Reap, StageOutcome
 from prorl_farm.watchdog import Watchdog
 from prorl_farm.worker import logs
+from prorl_farm.worker.broker import TRANSPORT
 from prorl_farm.worker.liveness import Liveness, present
 from prorl_farm.worker.reaper import Reaper
 from prorl_farm.worker.runner import StageRunner
@@ -230,6 +231,10 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     _watchdog = Watchdog(settings.watchdog_s, f"{stage}:{settings.node}")
     _app = create_celery_app(settings, include=[f"workers.{stage}.tasks"])
     _app.conf.worker_prefetch_multiplier = pool.prefetch_multiplier
+    # kombu's Redis transport with its unacked bookkeeping without MULTI/EXEC (broker.py):
+    # the pools are what reserve and ack messages. Other processes (the API, Flower) keep
+    # kombu's own, whose URL monitors know (Flower's broker page reads it off the app).
+    _app.conf.broker_transport = TRANSPORT
     if pool.pool in EVENT_LOOP_POOLS:
         # An idle pool's one standing Redis call: a BRPOP that times out every few seconds
         # (kombu's default, 1 s, costs an idle node a command a second per pool). Its event

@@ -12,7 +12,7 @@ already gone; the reaper (worker/kombu.py) reads the index, then the hash, and s
 whose message is not there yet. A restore (restore_by_tag) keeps its own transaction: it
 passes its pipeline in.
 
-Used by every Celery app of the farm through ``broker_transport`` (celery_app.py).
+Used by the pools' Celery apps through ``broker_transport`` (worker/pool.py).
 """
 
 from __future__ import annotations
