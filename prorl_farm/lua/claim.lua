@@ -20,7 +20,7 @@ end
 local v, at = redis.call('HMGET', jk, unpack(fields)), {}
 for i, f in ipairs(fields) do at[f] = v[i] end
 local state, cur, phase, tok, queue = at.state, at.stage, at.phase, at.token, at.queue
-local queued, deadline = v[n + 6], at.deadline_at
+local queued, deadline = at['t_' .. stage .. '_queued'], at.deadline_at
 if not state then return {'missing'} end
 if TERMINAL[state] then return {'terminal'} end
 if cur ~= stage or tok ~= token or phase ~= 'waiting' then return {'stale'} end
@@ -36,8 +36,8 @@ count_state(state, stage, at.batch_id)
 redis.call('ZADD', K.ACTIVE, now, id)
 if queue and queued then
   -- Queues are FIFO. t_<stage>_queued was taken before this job's message was pushed, so
-  -- every message whose push completed before it (score in the queue's index below it) was popped
-  -- before this one: the reaper uses the newest such time to tell a lost message.
+  -- every message whose push completed before it (its score in the queue's index below it)
+  -- was popped before this one: the reaper uses the newest such time to tell a lost message.
   redis.call('ZADD', K.CLAIMED, 'GT', queued, queue)
 end
 unqueue(id, queue)
