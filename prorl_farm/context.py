@@ -36,6 +36,9 @@ class JobContext:
     instance_index: int = 0
     sample_index: int = 0
     requeues: int = 0  # how many times this job started over (a new attempt, new sandbox)
+    # Whether the job had a sandbox started for it before this stage (on any node, in any
+    # attempt): its end then looks for sandboxes of it to stop.
+    sandboxed: bool = False
     # "policy", or "reference": no policy; RUN hands the instance's own reference to EVAL.
     mode: str = "policy"
     state: dict = field(default_factory=dict)

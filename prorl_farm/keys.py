@@ -73,9 +73,6 @@ def janitor_lock(node: str) -> str:
 
 # Sorted set: batch id -> creation time (GET /v1/batches lists the newest).
 BATCHES = f"{PREFIX}batches"
-# Sorted set: queue -> the newest publish-start time of a job claimed from it (lost-message
-# checks).
-CLAIMED = f"{PREFIX}claimed_at"
 # Set: names of every queue a job was ever put on (the reaper walks these).
 QUEUES = f"{PREFIX}queues"
 # Sorted set: job -> last heartbeat of the worker that holds it (reserved or running).
@@ -173,7 +170,7 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 
 # -- the Lua view -----------------------------------------------------------------------
 
-_LUA_CONSTANTS = ("CLAIMED", "QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
+_LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
                   "REAPER_ACTIONS")

@@ -42,7 +42,7 @@ NEXT_STAGE = {"init": "run", "run": "eval", "eval": None}
 # What a stage's claim returns of its job (lua/claim.lua), in this order, then the stage's
 # start time.
 CLAIM_FIELDS = ("id", "batch_id", "handler", "instance_index", "sample_index", "requeues",
-                "mode", "hstate", "result", "deadline_at")
+                "mode", "hstate", "result", "deadline_at", "sandboxes")
 # Fields that belong to one attempt: a re-queued job starts again without them.
 ATTEMPT_FIELDS = ("hstate", "result", "node", "worker", "holder", "reward") + tuple(
     f"t_{stage}_{k}" for stage in NEXT_STAGE for k in ("queued", "start", "end"))

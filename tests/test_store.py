@@ -215,8 +215,8 @@ def test_a_running_job_past_its_deadline_gets_the_grace_a_queued_one_does_not(se
 
 
 def test_reaper_finds_a_message_lost_in_transit(settings, r):
-    """A job whose message vanished (popped by a worker that died before recording it) is
-    re-queued once a newer job from the same queue has been claimed."""
+    """A job whose message vanished (popped by a worker that died before claiming it) is
+    re-queued once the sweeps have seen it popped and unclaimed for the stale age."""
     import dataclasses
 
     from prorl_farm.worker.reaper import Reaper
@@ -237,6 +237,9 @@ def test_reaper_finds_a_message_lost_in_transit(settings, r):
 
     time.sleep(0.6)
     store.pool_beat("run", "n")  # the node's RUN pool is alive: only the message is gone
+    assert "requeue" not in reaper.sweep(force=True)  # first seen popped: not yet
+    time.sleep(0.6)
+    store.pool_beat("run", "n")
     counts = reaper.sweep(force=True)
     raw = store.get_raw(lost.job_id)
     assert counts["requeue"] == 1
@@ -266,3 +269,64 @@ def test_messages_published_out_of_order_are_not_taken_for_lost(settings, r):
     time.sleep(0.5)
     counts = reaper.sweep(force=True)
     assert "requeue" not in counts and store.get_raw(a.job_id)["token"] == a.token
+
+
+def test_popped_tells_exactly_the_jobs_whose_message_left_the_queue(settings, r):
+    """Queues are FIFO and their index is in push order: of N indexed jobs with L messages
+    on the list, the N - L oldest were popped. A claimed job leaves the index; jobs pushed
+    in one submission (one push time) are told only once none of them may still wait."""
+    store = JobStore.from_settings(settings)
+    _STORES.append(store)
+    messages = _messages(settings)
+    jobs = [store.create_jobs("b", "synthetic", [{}], 1, {}, None, messages=messages)[0]
+            for _ in range(4)]
+    [(a, b)] = [store.create_jobs("b", "synthetic", [{}], 2, {}, None, messages=messages)]
+
+    def popped():
+        rows = store.lua("popped", limit=100, queues=["init"])
+        return [rows[i + 1] for i in range(0, len(rows), 3)]
+
+    assert popped() == []
+    r.rpop("init", 2)  # the two oldest messages, their worker gone
+    assert popped() == [jobs[0].job_id, jobs[1].job_id]
+    assert store.claim(jobs[0].job_id, "init", jobs[0].token, "w")[0] == "ok"
+    assert popped() == [jobs[1].job_id]
+    r.rpop("init", 3)  # the rest of the single submissions, and one of the pair
+    assert popped() == [jobs[1].job_id, jobs[2].job_id, jobs[3].job_id]  # not the pair yet
+    r.rpop("init")
+    assert sorted(popped()[3:]) == sorted([a.job_id, b.job_id])
+
+
+def test_a_message_pushed_back_by_a_pool_is_indexed_at_its_new_push(settings, r):
+    """The pools' transport keeps deliveries in memory: a message rejected with requeue (or
+    reserved at a warm shutdown) is pushed back with its job re-indexed at that push, so the
+    index stays in push order and the job is never taken for lost."""
+    from kombu import Connection, Exchange, Queue
+
+    from prorl_farm.worker.broker import TRANSPORT
+
+    store = JobStore.from_settings(settings)
+    _STORES.append(store)
+    messages = _messages(settings)
+    [first] = store.create_jobs("b", "synthetic", [{}], 1, {}, None, messages=messages)
+    [second] = store.create_jobs("b", "synthetic", [{}], 1, {}, None, messages=messages)
+    before = r.zscore(keys.queued("init"), first.job_id)
+    with Connection(settings.redis_url, transport=TRANSPORT) as conn:
+        queue = Queue("init", Exchange("", type="direct"), routing_key="init")
+        got = []
+        with conn.Consumer(queue, callbacks=[lambda body, m: got.append(m)],
+                           accept=["json"]):
+            conn.drain_events(timeout=5)
+            [message] = got
+            assert message.headers["id"] == first.token
+            assert r.llen("init") == 1 and not r.exists("unacked")  # no record in Redis
+            assert store.lua("popped", limit=10, queues=["init"])[1:3] == [first.job_id,
+                                                                           first.token]
+            message.requeue()
+    assert r.llen("init") == 2
+    assert r.zscore(keys.queued("init"), first.job_id) > r.zscore(keys.queued("init"),
+                                                                  second.job_id) > before
+    assert store.lua("popped", limit=10, queues=["init"]) == []
+    # Pushed back as the newest: the second job's message comes off first.
+    assert message_args(json.loads(r.rpop("init"))) == [second.job_id, second.token]
+    assert message_args(json.loads(r.rpop("init"))) == [first.job_id, first.token]

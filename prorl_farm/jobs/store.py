@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +40,13 @@ SOCKET_SLACK_S = 30.0
 HANDED_OFF_CHUNK = 2000
 # Jobs per create_jobs call of a submission (all calls in one MULTI/EXEC).
 CREATE_CHUNK = 2048
+# Instance and sampling records a store keeps after its claims read them (they never
+# change), and how many of the newest it names to each claim as known (not read again): a
+# prompt's n samples share one instance, a request's jobs one sampling record. A record
+# larger than RECORD_KEPT_BYTES is read by every claim (at most 16 MiB kept per store).
+RECORDS_KEPT = 64
+RECORDS_NAMED = 8
+RECORD_KEPT_BYTES = 256 * 1024
 
 
 def _read_counts(pipe, batch_id: str):
@@ -92,6 +101,9 @@ class JobStore:
         self.r = client
         self.settings = settings
         self.lua = Scripts(client)
+        # Instance and sampling records by id, newest last (see RECORDS_KEPT).
+        self._records: OrderedDict[str, str] = OrderedDict()
+        self._records_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings, max_connections: int = 64) -> JobStore:
@@ -194,15 +206,36 @@ class JobStore:
               ) -> tuple[Claim, dict]:
         """Claim ``stage`` of a job for ``worker`` (in the process whose presence name is
         ``holder``): (OK, job fields with its ``instance`` JSON) or (the reason, {})."""
+        with self._records_lock:
+            known = dict(list(self._records.items())[-RECORDS_NAMED:])
         out = self.lua("claim", job=job_id, stage=stage, token=token, worker=worker,
-                       ttl_s=self._ttl, holder=holder)
+                       ttl_s=self._ttl, holder=holder, known=list(known))
         if out[0] != Claim.OK.value:
             return Claim(out[0]), {}
         names = CLAIM_FIELDS + (f"t_{stage}_start",)
         raw = {k: v for k, v in zip(names, out[1]) if v is not None}
-        raw["instance"] = out[2] or None
-        raw["sampling"] = out[3] or None
+        raw["instance"] = self._record(out[4], out[2], known)
+        raw["sampling"] = self._record(out[5], out[3], known)
         return Claim.OK, raw
+
+    def _record(self, record_id: str | None, value: str | None, known: dict[str, str]
+                ) -> str | None:
+        """An instance or sampling record a claim returned (``value``) or left out because
+        the caller named it as known; kept for the claims that follow."""
+        if not record_id:
+            return None
+        if value is None:
+            value = known.get(record_id)
+            if value is None:
+                return None  # no longer stored
+        if len(value) > RECORD_KEPT_BYTES:
+            return value
+        with self._records_lock:
+            self._records[record_id] = value
+            self._records.move_to_end(record_id)
+            while len(self._records) > RECORDS_KEPT:
+                self._records.popitem(last=False)
+        return value
 
     def advance(self, job_id: str, from_stage: str, token: str, to_stage: str, queue: str,
                 node: str, field: str, value: str, messages: StageMessages | None = None

@@ -1,14 +1,19 @@
 -- claim: claim a stage of a job for a worker.
 -- uses: jobs
 -- KEYS: (none)
--- ARGV: job, stage, token, worker, ttl_s, holder
+-- ARGV: job, stage, token, worker, ttl_s, holder, known...
 --   holder: the worker process's presence name, or ''; its heartbeats keep it up to date.
+--   known: ids of instance and sampling records the caller holds already (they never
+--   change): those are not read.
 -- returns: {'ok', CLAIM_FIELDS' values (the last: t_<stage>_start), instance JSON,
---   sampling JSON} | {'missing'} | {'terminal'} | {'stale'} | {'expired'}.
+--   sampling JSON, instance id, sampling id} | {'missing'} | {'terminal'} | {'stale'} |
+--   {'expired'}. The JSON is false where the caller knows that record (or it is gone).
 --   'stale': a redelivery of a stage that already ran or runs, or of an earlier attempt.
 
 local id, stage, token, worker, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local holder = ARGV[6]
+local known = {}
+for i = 7, #ARGV do known[ARGV[i]] = true end
 local jk = K.job(id)
 -- CLAIM_FIELDS (what the stage gets) and what the claim itself needs, in one read.
 local n = #CLAIM_FIELDS
@@ -34,17 +39,14 @@ redis.call('HSET', jk, 'state', stage, 'phase', 'active', 'worker', worker, 'hol
 if queued then observe('wait:' .. stage, now - tonumber(queued)) end
 count_state(state, stage, at.batch_id)
 redis.call('ZADD', K.ACTIVE, now, id)
-if queue and queued then
-  -- Queues are FIFO. t_<stage>_queued was taken before this job's message was pushed, so
-  -- every message whose push completed before it (its score in the queue's index below it)
-  -- was popped before this one: the reaper uses the newest such time to tell a lost message.
-  redis.call('ZADD', K.CLAIMED, 'GT', queued, queue)
-end
 unqueue(id, queue)
-local inst = at.instance_id and redis.call('GET', K.instance(at.instance_id)) or false
-local sampling = at.sampling_id and redis.call('GET', K.sampling(at.sampling_id)) or false
+local function record(key_of, rid)
+  if not rid or known[rid] then return false end
+  return redis.call('GET', key_of(rid))
+end
+local inst, sampling = record(K.instance, at.instance_id), record(K.sampling, at.sampling_id)
 -- What the stage needs of the job, not all of it: CLAIM_FIELDS, then its start time.
 local out = {}
 for i = 1, n do out[i] = v[i] end
 out[n + 1] = fmt(now)
-return {'ok', out, inst, sampling}
+return {'ok', out, inst, sampling, at.instance_id or false, at.sampling_id or false}

@@ -1,7 +1,9 @@
--- sandbox_alloc: take a free sandbox slot (a loopback IP) on a node.
--- KEYS: slots, started, nodes
+-- sandbox_alloc: take a free sandbox slot (a loopback IP) on a node, and mark the job the
+-- sandbox is for as one that has sandboxes (its ``sandboxes`` field, read by every claim:
+-- a stage of a job without it skips the look for sandboxes to stop as the job ends).
+-- KEYS: slots, started, nodes, job
 --   slots: the node's slot hash (slot -> sandbox); started: the per-node counter hash;
---   nodes: the set of nodes that started any.
+--   nodes: the set of nodes that started any; job: the job's hash, or '' (none).
 -- ARGV: cap, sandbox, hint, node
 --   cap: the node's slot count; hint: the slot to try first.
 -- returns: the slot | -1 (all taken)
@@ -13,6 +15,9 @@ for i = 0, cap - 1 do
   if redis.call('HSETNX', slots, s, id) == 1 then
     redis.call('HINCRBY', KEYS[2], ARGV[4], 1)
     redis.call('SADD', KEYS[3], ARGV[4])
+    if KEYS[4] ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then
+      redis.call('HSET', KEYS[4], 'sandboxes', 1)
+    end
     return s
   end
 end

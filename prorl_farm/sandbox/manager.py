@@ -157,14 +157,18 @@ class SandboxManager:
         self.slots_key = keys.sandbox_slots(node)
         self.records_key = keys.sandbox_records(node)
         self.lua = Scripts(r)
+        # Jobs this process started a sandbox for (what stop_for_job may have to stop, with
+        # the jobs whose claim said they have sandboxes: see JobContext.sandboxed).
+        self._started_for: set[str] = set()
 
     # -- start / stop ---------------------------------------------------------------------
 
-    def _slot(self, sandbox_id: str, ctx=None) -> int:
+    def _slot(self, sandbox_id: str, job_id: str = "", ctx=None) -> int:
         """A free slot; waits (does not fail) while the node is at its cap."""
         while True:
             slot = self.lua("sandbox_alloc", slots=self.slots_key,
                             started=keys.SANDBOXES_STARTED, nodes=keys.SANDBOX_NODES,
+                            job=keys.job(job_id) if job_id else "",
                             cap=self.max_sandboxes, sandbox=sandbox_id,
                             hint=uuid.uuid4().int % self.max_sandboxes, node=self.node)
             if slot >= 0:
@@ -179,7 +183,9 @@ class SandboxManager:
             raise SandboxError("this node does not give sandboxes the outside network "
                                "(PRORL_SANDBOX_NETWORK)")
         sandbox_id = uuid.uuid4().hex[:12]
-        slot = self._slot(sandbox_id, ctx)
+        slot = self._slot(sandbox_id, job_id, ctx)
+        if job_id:
+            self._started_for.add(job_id)
         base = self.root / sandbox_id
         cgroup = None
         workspace, run_dir = base / "workspace", base / "run"
@@ -275,7 +281,8 @@ class SandboxManager:
 
     def stop_for_job(self, job_id: str) -> int:
         """Stop every sandbox of this node that belongs to ``job_id``: one read of the job's
-        index when it has none (every job, as it ends), whatever else runs on the node."""
+        index when it has none, whatever else runs on the node."""
+        self._started_for.discard(job_id)
         ids = self.r.smembers(keys.job_sandboxes(self.node, job_id))
         n = 0
         for record in (self.r.hmget(self.records_key, sorted(ids)) if ids else []):
@@ -285,6 +292,15 @@ class SandboxManager:
         if ids:
             self.r.delete(keys.job_sandboxes(self.node, job_id))
         return n
+
+    def take_started(self, job_id: str) -> bool:
+        """Whether this process started a sandbox for ``job_id`` since it last asked (or
+        since stop_for_job looked for them); forgets the job."""
+        try:
+            self._started_for.remove(job_id)
+            return True
+        except KeyError:
+            return False
 
     # -- inventory ------------------------------------------------------------------------
 

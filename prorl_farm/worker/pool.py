@@ -231,7 +231,7 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     _watchdog = Watchdog(settings.watchdog_s, f"{stage}:{settings.node}")
     _app = create_celery_app(settings, include=[f"workers.{stage}.tasks"])
     _app.conf.worker_prefetch_multiplier = pool.prefetch_multiplier
-    # kombu's Redis transport with its unacked bookkeeping without MULTI/EXEC (broker.py):
+    # kombu's Redis transport with deliveries tracked in memory, not in Redis (broker.py):
     # the pools are what reserve and ack messages. Other processes (the API, Flower) keep
     # kombu's own, whose URL monitors know (Flower's broker page reads it off the app).
     _app.conf.broker_transport = TRANSPORT

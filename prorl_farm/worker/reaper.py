@@ -25,12 +25,14 @@ one) are recovered at once, as are the jobs waiting on the queue of a pool with 
 left. After a Redis restart, until every process has had time to reconnect, only heartbeat
 age counts.
 
-- *lost*: a job whose message vanished between a worker's pop and kombu recording it as
-  unacked. Queues are FIFO: a message whose push completed (its score in the queue's
-  index, ``keys.queued``) before the push of a message already claimed began (``claimed``
-  time) has been popped; if its job still waits, no worker heartbeats it and it is not in
-  the unacked set, it is lost. A job whose message its publisher never pushed is in no
-  queue's index: the heartbeat that stands for it until the push goes stale (*active*).
+- *lost*: a job whose message left its queue but no worker claimed or heartbeats it (its
+  worker died between the pop and either; the pools' transport keeps no record of a
+  delivery in Redis, worker/broker.py). Queues are FIFO and each queue's index
+  (``keys.queued``) holds its waiting jobs by push time, so lua/popped.lua tells the jobs
+  whose message has been popped; one the sweeps see popped, unclaimed and without a fresh
+  heartbeat for ``heartbeat_stale_s`` is lost. A job whose message its publisher never
+  pushed is in no queue's index: the heartbeat that stands for it until the push goes stale
+  (*active*).
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ class Reaper:
         self._me = uuid.uuid4().hex
         self._next = 0.0  # monotonic time of this process's next look
         self._next_probe = 0.0
+        # (job, token) -> when a sweep of this process first saw its message popped and the
+        # job unclaimed (lua/popped.lua); kept only while the next sweep sees it so again.
+        self._popped: dict[tuple[str, str], float] = {}
 
     def sweep(self, force: bool = False) -> dict[str, int]:
         """One sweep, if this process leads the reaping (one process of the farm at a time,
@@ -196,22 +201,21 @@ class Reaper:
 
     def _reap_lost(self, counts: dict, queues, unacked_tokens: set[str], cutoff: float
                    ) -> None:
-        """Jobs whose message left the queue without being claimed or reserved (the FIFO
-        test, against the newest claimed push time of each queue)."""
+        """Jobs whose message left the queue without being claimed, heartbeated or reserved
+        under kombu's own records: lost once the sweeps have seen them so for the stale age
+        (a live worker claims a popped message at once, or heartbeats it within a tick)."""
         r = self.store.r
-        claimed = dict(r.zrange(keys.CLAIMED, 0, -1, withscores=True))
-        for queue in queues:
-            if queue not in claimed:
+        rows = self.store.lua("popped", limit=BATCH, queues=sorted(queues)) if queues else []
+        now = time.monotonic()
+        seen, self._popped = self._popped, {}
+        triples = [tuple(rows[i:i + 3]) for i in range(0, len(rows), 3)]
+        beats = r.zmscore(keys.ACTIVE, [job_id for _, job_id, _ in triples]) if triples else []
+        for (queue, job_id, token), beat in zip(triples, beats):
+            if token in unacked_tokens or (beat is not None and beat >= cutoff):
                 continue
-            limit = min(cutoff, float(claimed[queue]))
-            ids = r.zrangebyscore(keys.queued(queue), "-inf", f"({limit}", start=0, num=BATCH)
-            if not ids:
-                continue
-            beats = r.zmscore(keys.ACTIVE, ids)
-            for job_id, token, beat in zip(ids, self.store.tokens(ids), beats):
-                if token in unacked_tokens or (beat is not None and beat >= cutoff):
-                    continue
-                self._reap(counts, job_id, "lost", cutoff, token or "", queue,
+            first = self._popped[(job_id, token)] = seen.get((job_id, token), now)
+            if now - first >= self.settings.heartbeat_stale_s:
+                self._reap(counts, job_id, "lost", cutoff, token, queue,
                            "its message was lost")
 
     def _reap(self, counts: dict, job_id: str, mode: str, cutoff: float, token: str | None,

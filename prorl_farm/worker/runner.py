@@ -60,6 +60,7 @@ def build_context(raw: dict, stage: str, token: str, node: str, stage_timeout_s:
         instance_index=int(raw.get("instance_index", 0)),
         sample_index=int(raw.get("sample_index", 0)),
         requeues=int(raw.get("requeues", 0)),
+        sandboxed=bool(raw.get("sandboxes")),
         mode=raw.get("mode") or "policy",
         state=json.loads(raw["hstate"]) if raw.get("hstate") else {},
         result=json.loads(raw["result"]) if raw.get("result") else None,
@@ -143,6 +144,8 @@ class StageRunner:
             result = self._fail(ctx, handler, FailureKind(f"{stage}_error"), tb)
         finally:
             self.liveness.untrack(ctx)
+            if self.sandboxes is not None and self.sandboxes.take_started(ctx.job_id):
+                ctx.sandboxed = True
             # Unless the job went on to its next stage, this attempt is over (done, failed,
             # cancelled, or superseded by a requeue): release what it holds.
             if handler is not None and result.outcome is not StageOutcome.HANDED_OFF:
@@ -191,7 +194,9 @@ class StageRunner:
             handler.cleanup(ctx)
         except Exception:
             log.exception("cleanup of %s failed", handler.name)
-        if self.sandboxes is not None:
+        # A job no sandbox was started for, before this stage or in it, has none to stop: no
+        # look in Redis (every job of a handler without sandboxes).
+        if self.sandboxes is not None and ctx.sandboxed:
             try:
                 self.sandboxes.stop_for_job(ctx.job_id)
             except Exception:
