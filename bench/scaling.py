@@ -12,6 +12,7 @@ nodes one Redis core serves.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,8 @@ from prorl_farm.config import load_settings  # noqa: E402
 POOLS = {"init": 2, "run": 4, "eval": 2}
 STAGE = {"init_s": 0.1, "run_s": 0.4, "eval_s": 0.1}
 IDLE_SETTLE_S, IDLE_S = 3.0, 10.0
+WARM_JOBS_PER_NODE = 16
+READS = "(reads)"
 
 
 def start_nodes(procs: Processes, url: str, k: int, tmp: Path) -> None:
@@ -50,9 +53,11 @@ def start_nodes(procs: Processes, url: str, k: int, tmp: Path) -> None:
 
 
 def redis_cost(r) -> tuple[dict[str, int], float]:
-    """Redis's calls so far by command (those run inside scripts included), and its CPU s."""
+    """Redis's calls so far by command (those run inside scripts included; under the name
+    ``(reads)``, the client reads it served: its round trips), and its CPU s."""
     calls = {k.removeprefix("cmdstat_"): int(v["calls"])
              for k, v in r.info("commandstats").items()}
+    calls[READS] = int(r.info("stats")["total_reads_processed"])
     cpu = r.info("cpu")
     return calls, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
@@ -61,27 +66,52 @@ def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a.get(k, 0) for k in b if b[k] - a.get(k, 0)}
 
 
+def _pin(url: str) -> set[int]:
+    """Redis on a CPU of its own, this process and the pools it starts on the others (as a
+    head node's Redis has a core to itself): Redis's CPU time is then its own work, not
+    also the cache it lost to two dozen pool processes. Returns this process's CPUs before
+    (empty where there is only one CPU)."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        return set()
+    redis_cpu = max(cpus)
+    pid = int(redis.Redis.from_url(url).info("server")["process_id"])
+    os.sched_setaffinity(pid, {redis_cpu})
+    os.sched_setaffinity(0, cpus - {redis_cpu})
+    return cpus
+
+
+def _batch(client, jobs: int) -> None:
+    """Submit ``jobs`` synthetic jobs and wait until all are done."""
+    resp = client.post("/v1/jobs", json={"handler": "synthetic", "instances": [STAGE],
+                                          "n": jobs})
+    assert resp.status_code == 202, resp.get_json()
+    batch = resp.get_json()["batch_id"]
+    while not client.get(f"/v1/batches/{batch}").get_json()["complete"]:
+        time.sleep(0.05)
+    summary = client.get(f"/v1/batches/{batch}").get_json()
+    assert summary["counts"]["done"] == jobs, summary
+
+
 def run(url: str, k: int, jobs: int, tmp: Path) -> dict:
     from api import create_app
 
     procs = Processes()
+    pinned = _pin(url)
     try:
         start_nodes(procs, url, k, tmp)
         r = redis.Redis.from_url(url, decode_responses=True)
         client = create_app(load_settings(farm_env(url, POOLS, events=False))).test_client()
         time.sleep(3.0)  # past the pools' start-up
+        # A first batch opens every connection the pools' threads use: what is measured is
+        # the steady state, not a process's first job.
+        _batch(client, k * WARM_JOBS_PER_NODE)
+        time.sleep(IDLE_SETTLE_S)
         calls0, cpu0 = redis_cost(r)
         t0 = time.monotonic()
-        resp = client.post("/v1/jobs", json={"handler": "synthetic", "instances": [STAGE],
-                                              "n": jobs})
-        assert resp.status_code == 202, resp.get_json()
-        batch = resp.get_json()["batch_id"]
-        while not client.get(f"/v1/batches/{batch}").get_json()["complete"]:
-            time.sleep(0.05)
+        _batch(client, jobs)
         wall = time.monotonic() - t0
         calls1, cpu1 = redis_cost(r)
-        summary = client.get(f"/v1/batches/{batch}").get_json()
-        assert summary["counts"]["done"] == jobs, summary
         # The idle baseline: what pools alone cost Redis per second (heartbeats, reaper),
         # once the jobs' traces (their last heartbeats, the reaper's last looks) are gone.
         time.sleep(IDLE_SETTLE_S)
@@ -89,17 +119,23 @@ def run(url: str, k: int, jobs: int, tmp: Path) -> dict:
         time.sleep(IDLE_S)
         calls3, cpu3 = redis_cost(r)
         idle = _delta(calls2, calls3)
-        idle_calls_s = sum(idle.values()) / IDLE_S
         busy = _delta(calls0, calls1)
+        idle_reads_s, busy_reads = idle.pop(READS, 0) / IDLE_S, busy.pop(READS, 0)
+        idle_calls_s = sum(idle.values()) / IDLE_S
         r.close()
         return {"k": k, "jobs": jobs, "wall": wall, "rate": jobs / wall,
                 "calls_per_job": (sum(busy.values()) - idle_calls_s * wall) / jobs,
+                "reads_per_job": (busy_reads - idle_reads_s * wall) / jobs,
                 "by_command": {c: n / jobs for c, n in busy.items()},
                 "idle_by_command": {c: n / IDLE_S / k for c, n in idle.items()},
-                "cpu_ms_per_job": 1000 * (cpu1 - cpu0) / jobs,
+                # Like the commands, less what the idle pools cost over the same time.
+                "cpu_ms_per_job": 1000 * (cpu1 - cpu0 - (cpu3 - cpu2) / IDLE_S * wall) / jobs,
+                "cpu_ms_per_job_gross": 1000 * (cpu1 - cpu0) / jobs,
                 "idle_calls_s": idle_calls_s, "idle_cpu": (cpu3 - cpu2) / IDLE_S}
     finally:
         procs.stop()
+        if pinned:
+            os.sched_setaffinity(0, pinned)
         for i in range(k):
             shutil.rmtree(f"/tmp/prs-scale-{i}", ignore_errors=True)
 
