@@ -12,7 +12,6 @@ nodes one Redis core serves.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -66,21 +65,6 @@ def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a.get(k, 0) for k in b if b[k] - a.get(k, 0)}
 
 
-def _pin(url: str) -> set[int]:
-    """Redis on a CPU of its own, this process and the pools it starts on the others (as a
-    head node's Redis has a core to itself): Redis's CPU time is then its own work, not
-    also the cache it lost to two dozen pool processes. Returns this process's CPUs before
-    (empty where there is only one CPU)."""
-    cpus = os.sched_getaffinity(0)
-    if len(cpus) < 2:
-        return set()
-    redis_cpu = max(cpus)
-    pid = int(redis.Redis.from_url(url).info("server")["process_id"])
-    os.sched_setaffinity(pid, {redis_cpu})
-    os.sched_setaffinity(0, cpus - {redis_cpu})
-    return cpus
-
-
 def _batch(client, jobs: int) -> None:
     """Submit ``jobs`` synthetic jobs and wait until all are done."""
     resp = client.post("/v1/jobs", json={"handler": "synthetic", "instances": [STAGE],
@@ -97,7 +81,6 @@ def run(url: str, k: int, jobs: int, tmp: Path) -> dict:
     from api import create_app
 
     procs = Processes()
-    pinned = _pin(url)
     try:
         start_nodes(procs, url, k, tmp)
         r = redis.Redis.from_url(url, decode_responses=True)
@@ -134,8 +117,6 @@ def run(url: str, k: int, jobs: int, tmp: Path) -> dict:
                 "idle_calls_s": idle_calls_s, "idle_cpu": (cpu3 - cpu2) / IDLE_S}
     finally:
         procs.stop()
-        if pinned:
-            os.sched_setaffinity(0, pinned)
         for i in range(k):
             shutil.rmtree(f"/tmp/prs-scale-{i}", ignore_errors=True)
 

@@ -252,5 +252,7 @@ def test_a_sync_mid_batch_loses_nothing_and_never_mixes_weights(
         full = t["prompt_ids"] + t["response_ids"]
         forced = teacher_forced_logprobs(weights, full)[len(t["prompt_ids"]):]
         sampled = [i for i, m in enumerate(t["response_mask"]) if m]
-        assert max(abs(forced[i] - t["response_logprobs"][i]) for i in sampled) < 1e-4
+        # float32 sampled in a batch against one sequence scored alone: seen up to 1.6e-4
+        # apart on a loaded machine; the other version's weights are off by far more.
+        assert max(abs(forced[i] - t["response_logprobs"][i]) for i in sampled) < 1e-3
     assert versions == {20, 21}

@@ -19,7 +19,7 @@ definitions when a script is loaded, never copied: ``K`` (every key, :mod:`prorl
 fields, :mod:`prorl_farm.states`), ``BACKEND_FIELDS`` (what a pin returns of a backend,
 :mod:`prorl_farm.keys`) and ``BUCKETS`` (histogram bounds, :mod:`prorl_farm.metrics`).
 
-Keys: the farm targets one Redis (or one Redis Cluster slot, see ``keys.PREFIX``). Job
+Keys: the farm targets one Redis, not a Cluster (docs/architecture.md says why). Job
 scripts derive the keys of a job's batch and queue from the job's own hash, so those are
 not in ``KEYS``; scripts on keys the caller knows (locks, sandbox slots) take them in
 ``KEYS``.

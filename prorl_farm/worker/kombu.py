@@ -1,8 +1,11 @@
 """Reading kombu's Redis transport: the messages reserved by workers and not yet acked.
 
-kombu keeps every message a worker reserved (acks late) in the ``unacked`` hash, indexed
-by reservation time in ``unacked_index``, until the worker acks it; a worker that dies
-leaves its reserved messages there until the visibility timeout has them redelivered.
+kombu's own transport keeps every message a worker reserved (acks late) in the ``unacked``
+hash, indexed by reservation time in ``unacked_index``, until the worker acks it; a worker
+that dies leaves its reserved messages there until the visibility timeout has them
+redelivered. The farm's pools keep no such records (worker/broker.py); a plain ``celery
+worker`` on kombu's own transport does, and the reaper reads them (*orphan*). Also the
+decoding of a farm message's task arguments.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ What counts as dead or lost, soundly:
 - *queued*: a job waiting on the node-local queue of a node none of whose pools of that
   stage heartbeats any more;
 - *orphan*: a job whose message sits in kombu's unacked set, reserved by a worker that
-  stopped heartbeating it (the worker died);
+  stopped heartbeating it (the worker died). The farm's pools keep no such records
+  (worker/broker.py); a plain ``celery worker`` on kombu's own transport does;
 
 A worker process is known dead in two ways. Its heartbeats stop: after ``heartbeat_stale_s``
 (30 s by default, long enough that no pause of a live process reaches it). Or, within a
