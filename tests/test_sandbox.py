@@ -337,6 +337,24 @@ def test_a_job_ending_stops_its_sandboxes_only(manager_for, r):
     assert not r.exists(keys.job_sandboxes("sbx-node", "job-b")) and not manager.records()
 
 
+def test_a_job_with_a_sandbox_is_marked_for_its_later_stages(manager_for, r):
+    """Starting a sandbox for a job marks the job (its claims then say so, and its end looks
+    for sandboxes to stop) and tells the starting process once; a job without one is not
+    marked, and a job hash that is gone is not made again."""
+    from prorl_farm import keys
+
+    manager = manager_for("local")
+    r.hset(keys.job("job-m"), "state", "init")
+    sb = manager.start(SandboxSpec(), job_id="job-m")
+    other = manager.start(SandboxSpec(), job_id="job-gone")
+    assert r.hget(keys.job("job-m"), "sandboxes") == "1"
+    assert not r.exists(keys.job("job-gone"))
+    assert manager.take_started("job-m") and not manager.take_started("job-m")
+    assert not manager.take_started("job-none")
+    manager.stop(sb)
+    manager.stop(other)
+
+
 def test_node_cap_makes_start_wait_and_janitor_cleans(manager_for, r):
     from prorl_farm.config import load_settings
     from prorl_farm.jobs.store import JobStore

@@ -280,7 +280,7 @@ def test_popped_tells_exactly_the_jobs_whose_message_left_the_queue(settings, r)
     messages = _messages(settings)
     jobs = [store.create_jobs("b", "synthetic", [{}], 1, {}, None, messages=messages)[0]
             for _ in range(4)]
-    [(a, b)] = [store.create_jobs("b", "synthetic", [{}], 2, {}, None, messages=messages)]
+    a, b = store.create_jobs("b", "synthetic", [{}], 2, {}, None, messages=messages)
 
     def popped():
         rows = store.lua("popped", limit=100, queues=["init"])
@@ -330,3 +330,24 @@ def test_a_message_pushed_back_by_a_pool_is_indexed_at_its_new_push(settings, r)
     # Pushed back as the newest: the second job's message comes off first.
     assert message_args(json.loads(r.rpop("init"))) == [second.job_id, second.token]
     assert message_args(json.loads(r.rpop("init"))) == [first.job_id, first.token]
+
+
+def test_a_claim_reads_only_the_records_its_store_does_not_hold(settings, r):
+    """A prompt's samples share one instance record, a request's jobs one sampling record
+    (neither ever changes): a store's first claim reads them, its later claims name them as
+    known and Redis sends them no more; a store that never read them gets them from Redis."""
+    store, (first, second, third) = make(settings, r, n=3)
+    instance_key = keys.instance(r.hget(keys.job(first.job_id), "instance_id"))
+    _, raw = store.claim(first.job_id, "init", first.token, "w")
+    assert raw["instance"] == "{}" and raw["sampling"] == "{}"
+    r.delete(instance_key)  # were a claim to read it now, it would find none
+    _, raw = store.claim(second.job_id, "init", second.token, "w")
+    assert raw["instance"] == "{}" and raw["sampling"] == "{}"
+    fresh = JobStore.from_settings(settings)
+    _STORES.append(fresh)
+    _, raw = fresh.claim(third.job_id, "init", third.token, "w")
+    assert raw["instance"] is None and raw["sampling"] == "{}"
+    # A record the store does not hold is read, whatever else it holds.
+    other, [job] = make(settings, r)
+    r.set(keys.instance(r.hget(keys.job(job.job_id), "instance_id")), '{"x": 1}')
+    assert store.claim(job.job_id, "init", job.token, "w")[1]["instance"] == '{"x": 1}'

@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -207,7 +208,7 @@ class JobStore:
         """Claim ``stage`` of a job for ``worker`` (in the process whose presence name is
         ``holder``): (OK, job fields with its ``instance`` JSON) or (the reason, {})."""
         with self._records_lock:
-            known = dict(list(self._records.items())[-RECORDS_NAMED:])
+            known = dict(islice(reversed(self._records.items()), RECORDS_NAMED))
         out = self.lua("claim", job=job_id, stage=stage, token=token, worker=worker,
                        ttl_s=self._ttl, holder=holder, known=list(known))
         if out[0] != Claim.OK.value:

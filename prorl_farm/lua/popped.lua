@@ -18,10 +18,11 @@ for i = 2, #ARGV do
   local index = K.queued(queue)
   local popped = redis.call('ZCARD', index) - redis.call('LLEN', queue)
   if popped > 0 then
-    local rows = redis.call('ZRANGE', index, 0, math.min(popped, limit), 'WITHSCORES')
-    local bound = math.huge
-    if #rows / 2 > math.min(popped, limit) then bound = tonumber(rows[#rows]) end
-    for r = 1, math.min(popped, limit) * 2, 2 do
+    -- The oldest `take` jobs, and the one after them (if any) for the bound on push time.
+    local take = math.min(popped, limit)
+    local rows = redis.call('ZRANGE', index, 0, take, 'WITHSCORES')
+    local bound = #rows / 2 > take and tonumber(rows[#rows]) or math.huge
+    for r = 1, take * 2, 2 do
       if tonumber(rows[r + 1]) >= bound then break end
       local id = rows[r]
       local j = redis.call('HMGET', K.job(id), 'token', 'phase', 'queue')

@@ -44,7 +44,9 @@ class Channel(kombu_redis.Channel):
 
     def _restore(self, message, leftmost=False):
         """Push a delivered, unacked message back onto its queue (kombu's virtual QoS calls
-        this for a reject with requeue and at shutdown), its job re-indexed at the push."""
+        this for a reject with requeue and at shutdown), its job re-indexed at the push.
+        Always at the back (``leftmost`` is not followed): the queue's index says the job
+        was pushed now, and the list must agree for the lost-message test."""
         queue = message.delivery_info.get("routing_key") or ""
         payload = message.serializable()
         payload["redelivered"] = True
