@@ -116,8 +116,10 @@ class BackendRegistry:
         pipe.hset(keys.backend(backend_id), mapping=fields)
         pipe.sadd(keys.BACKENDS, backend_id)
         pipe.hset(keys.BACKEND_INFLIGHT, backend_id, 0)
+        # In (or out of) the heap in the same transaction: no reader ever sees it listed,
+        # healthy, and not yet in the heap.
+        self.lua("backend_update", client=pipe, backend=backend_id, fields=[])
         pipe.execute()
-        self._update(backend_id)
         log.info("registered %s backend %s at %s (capacity %d)", spec.kind, backend_id,
                  spec.url, spec.capacity)
         return backend_id
