@@ -61,8 +61,10 @@ PLANS = {
     "fake-verdict": [_edit("insert", "calc/__init__.py", insert_line=0, new_str=FAKE), SUBMIT],
     "shadow-pytest": [_edit("create", "pytest.py",
                             file_text="def main(*args, **kwargs):\n    return 0\n"), SUBMIT],
+    # /opt/prorl is the farm's own tree (its virtual environment: gigabytes with vLLM), no task data
     "look": [_call("bash", command="git log --all --format=%s; cat {repo}/calc/__init__.py; "
-                   "grep -rlF 'mul(2, 3) == 6' . /tmp /opt /srv 2>/dev/null; echo looked"), SUBMIT],
+                   "grep -rlF 'mul(2, 3) == 6' . /tmp /srv $(ls -d /opt/* | grep -vx /opt/prorl) "
+                   "2>/dev/null; echo looked"), SUBMIT],
 }
 
 
