@@ -14,6 +14,7 @@ from prorl_farm.config import Settings, load_settings
 from prorl_farm.errors import ConfigError
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.messages import StageMessages
+from prorl_farm.jobs.payloads import TrajectoryStore, open_store
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
 from prorl_farm.metrics import LatencyRecorder
@@ -31,6 +32,7 @@ class FarmServices:
     allow_list: AllowList
     latency: LatencyRecorder
     messages: StageMessages
+    payloads: TrajectoryStore
 
 
 # Never behind the token: liveness and readiness probes, and the dashboard's page itself
@@ -90,6 +92,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         allow_list=parse_allow_list(settings.backend_allow),
         latency=LatencyRecorder(store.r),
         messages=StageMessages(celery),
+        payloads=open_store(settings),
     )
     _time_requests(app, app.extensions["prorl"].latency)
     if settings.api_token:

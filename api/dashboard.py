@@ -30,7 +30,8 @@ def page():
 def overview():
     svc = services()
     q = OverviewQuerySchema().load(request.args.to_dict())
-    return farm_overview(svc.store, svc.backends.list(), svc.settings, q["batches"])
+    return farm_overview(svc.store, svc.backends.list(), svc.settings, q["batches"],
+                         svc.payloads)
 
 
 @bp.get("/v1/batches/<batch_id>/stats")

@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from api.services import services
 from prorl_farm.config import STAGES
 from prorl_farm.metrics import collect
+from prorl_farm.overview import trajectory_store_view
 
 bp = Blueprint("health", __name__)
 
@@ -36,7 +37,8 @@ def metrics():
     svc = services()
     registry = CollectorRegistry(auto_describe=False)
     families = collect(svc.store.r, svc.backends.list(),
-                       svc.store.live_pools(svc.settings.heartbeat_stale_s))
+                       svc.store.live_pools(svc.settings.heartbeat_stale_s),
+                       trajectory_store_view(svc.store, svc.payloads))
     registry.register(_Fixed(families))
     return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
 

@@ -104,7 +104,8 @@ def submit():
 
 @bp.get("/v1/jobs/<job_id>")
 def get_job(job_id: str):
-    return render_job(services().store.get_raw(job_id))
+    svc = services()
+    return render_job(svc.store.get_raw(job_id), payloads=svc.payloads)
 
 
 @bp.post("/v1/jobs/<job_id>/cancel")
@@ -113,6 +114,6 @@ def cancel_job(job_id: str):
     if svc.store.state_of(job_id) is None:
         raise NotFound(f"job {job_id!r} not found")
     n = cancel_jobs(svc.store, svc.celery, [job_id], "cancelled by request")
-    doc = render_job(svc.store.get_raw(job_id))
+    doc = render_job(svc.store.get_raw(job_id), payloads=svc.payloads)
     return {"cancelled": n, "job": doc}
 

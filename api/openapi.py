@@ -71,6 +71,9 @@ _spec.path("/v1/overview", operations={"get": _op(
     params=[{"in": "query", "schema": s.OverviewQuerySchema}])})
 _spec.path("/v1/batches/{batch_id}/cancel", operations={
     "post": _op("Cancel a batch", params=[_path_param("batch_id")])})
+_spec.path("/v1/batches/{batch_id}/ack", operations={"post": _op(
+    "Acknowledge a complete batch: its trajectories' payloads are deleted from the store "
+    "(409 batch_incomplete while jobs are left)", params=[_path_param("batch_id")])})
 _spec.path("/v1/handlers", operations={"get": _op("List handlers")})
 _spec.path("/v1/backends", operations={
     "post": _op("Register an LLM backend (probed first)", 201, "BackendRegister", "Backend",
@@ -97,6 +100,17 @@ for _p, _summary in (("/healthz", "Process up"), ("/readyz", "Redis and pools re
     _spec.path(_p, operations={"get": _op(_summary)})
 _DOC = _spec.to_dict()
 _DOC["paths"]["/readyz"]["get"]["responses"]["503"] = {"description": "not ready"}
+# The results pages also come as one Arrow table (Accept: application/vnd.apache.arrow.stream;
+# prorl_farm/columns.py): a row per job, its document in ``job`` (the result without the
+# payload), the arrays as typed list columns, the rest of the payload as JSON in ``rest``,
+# the page's cursor and counts in the schema's metadata under ``prorl.page``.
+for _p, _method in (("/v1/batches/{batch_id}/results", "get"), ("/v1/batches/results", "post")):
+    _DOC["paths"][_p][_method]["responses"]["200"]["content"][
+        "application/vnd.apache.arrow.stream"] = {"schema": {
+            "type": "string", "format": "binary",
+            "description": "Arrow IPC stream: columns job, prompt_ids, response_ids, "
+                           "response_mask, response_logprobs, rest; page meta in the schema "
+                           "metadata (prorl.page)"}}
 _DOC["paths"]["/v1/jobs"]["post"]["responses"]["200"] = {
     "description": "replayed: an earlier submit with this idempotency_key made these jobs",
     "content": {"application/json": {"schema": _ref("SubmitResponse")}}}

@@ -106,6 +106,9 @@ class ResultsQuerySchema(Schema):
                         metadata={"description": "seconds to wait for a result while there "
                                   "is none; the server waits at most PRORL_MAX_WAIT_S "
                                   "(default 60) of it, then answers with no results"})
+    payload = fields.Boolean(load_default=True, metadata={
+        "description": "with the trajectories' arrays from the store (false: each result "
+                       "is the summary Redis keeps)"})
 
 
 class BatchListQuerySchema(Schema):

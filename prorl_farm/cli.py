@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a batch's finished trajectories, one row each "
                        "(every field of docs/trajectory.md)")
     e.add_argument("batch")
-    e.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    e.add_argument("--format", choices=["jsonl", "parquet", "arrow"], default="jsonl")
     e.add_argument("--output", metavar="PATH", help="default: BATCH.FORMAT")
     e.add_argument("--url", default=url)
     e.set_defaults(func=_cmd_export)

@@ -104,6 +104,12 @@ class Settings:
     result_ttl_s: float = setting(
         7 * DAY_S, "finished jobs, batch counters and result streams expire this long after "
         "their last change", lo=60, hi=365 * DAY_S)
+    store_dir: str = setting(
+        "", "the trajectory store: one binary file per finished trajectory (a shared "
+        "filesystem on a cluster)", shown="`$PRORL_HOME/trajectories`")
+    store_min_free_mb: int = setting(
+        1024, "free space the trajectory store keeps: below it new trajectories fail "
+        "`storage_error` and nothing stored is touched", lo=0, hi=1 << 40)
     heartbeat_interval_s: float = setting(
         0.5, "how often each worker process heartbeats its jobs and checks for aborts",
         lo=0.01, hi=60)
@@ -184,6 +190,11 @@ class Settings:
         "that go away with their sandboxes)", shown="0 (1 in `slurm/`)")
     flower_basic_auth: str = setting(
         "", "Flower's basic auth, `user:password`; required off loopback", shown="unset")
+
+    @property
+    def trajectory_dir(self) -> str:
+        """The trajectory store's directory, absolute."""
+        return os.path.abspath(self.store_dir or os.path.join(self.home, "trajectories"))
 
     def pool(self, stage: str) -> PoolSettings:
         if stage not in STAGES:

@@ -104,6 +104,13 @@ def histogram(name: str) -> str:
     return f"{PREFIX}metrics:histogram:{name}"
 
 
+# Hash: ``bytes``, ``files``: what the trajectory store holds (jobs/payloads.py), kept up
+# to date as payloads are written and batches acknowledged or expired.
+PAYLOAD_STATS = f"{PREFIX}payloads:stats"
+# Sorted set: batch id -> when its first payload was written; a batch leaves it when it is
+# acknowledged or its payloads expire (the oldest unacknowledged batch is its head).
+PAYLOAD_BATCHES = f"{PREFIX}payloads:batches"
+
 # String with expiry: the reaper id of the pool process that sweeps (lua/reaper_lead.lua).
 REAPER_LEASE = f"{PREFIX}reaper:lease"
 # Hash: kombu delivery tag -> time it was settled (a dead worker's message already handled).

@@ -133,8 +133,9 @@ def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
                                                                hists[len(hist_names):])))
 
 
-def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> list:
-    """Every farm metric family."""
+def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float],
+            trajectories: dict | None = None) -> list:
+    """Every farm metric family (``trajectories``: overview.trajectory_store_view)."""
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -229,6 +230,19 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float]) -> li
     for node in snap.live:
         c.add_metric([node], int(started.get(node, 0)))
     fams.append(c)
+    store_gauges = {
+        "bytes": "Bytes of trajectory payloads in the store.",
+        "files": "Trajectory payloads in the store.",
+        "unacked_batches": "Batches with payloads not acknowledged by the trainer.",
+        "oldest_unacked_age_s": "Age of the oldest unacknowledged batch's first payload.",
+        "free_bytes": "Free bytes on the trajectory store's medium.",
+    }
+    for name, doc in store_gauges.items():
+        value = (trajectories or {}).get(name)
+        if value is not None:
+            metric = name.replace("_age_s", "_age_seconds")
+            fams.append(GaugeMetricFamily(f"prorl_trajectory_store_{metric}", doc,
+                                          value=value))
     c = CounterMetricFamily("prorl_reaper_actions", "Reaper actions: re-queues and failures "
                             "by how the job was found (active: stale heartbeat, queued: dead "
                             "node's queue, orphan, lost message; deadline).",

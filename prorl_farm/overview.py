@@ -53,7 +53,17 @@ def batch_progress(r, summaries: list[dict], now: float) -> list[dict]:
     return summaries
 
 
-def farm_overview(store, backends, settings, batches: int = 10) -> dict:
+def trajectory_store_view(store, payloads) -> dict:
+    """What the trajectory store holds (bytes, files, unacknowledged batches and the oldest
+    one's age) and the room left on its medium."""
+    stats = store.payload_stats()
+    oldest = stats["oldest_unacked"]
+    stats["oldest_unacked_age_s"] = (round(store.server_time() - oldest["since"], 3)
+                                     if oldest else None)
+    return {**stats, **(payloads.usage() if payloads is not None else {})}
+
+
+def farm_overview(store, backends, settings, batches: int = 10, payloads=None) -> dict:
     """Queues, stages, pools, backends, sandboxes, jobs by state, and the newest batches."""
     r = store.r
     now = store.server_time()
@@ -80,6 +90,7 @@ def farm_overview(store, backends, settings, batches: int = 10) -> dict:
                       for n, lv in snap.live.items()],
         "backends": backends,
         "batches": batch_progress(r, store.recent_batches(batches), now),
+        "trajectories": trajectory_store_view(store, payloads),
     }
 
 

@@ -30,6 +30,8 @@ class FailureKind(str, Enum):
     BACKEND_UNAVAILABLE = "backend_unavailable"
     WORKER_LOST = "worker_lost"
     CANCELLED = "cancelled"
+    # The trajectory store could not take the payload (disk full, not writable).
+    STORAGE_ERROR = "storage_error"
 
 
 NEXT_STAGE = {"init": "run", "run": "eval", "eval": None}

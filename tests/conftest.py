@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from prorl_farm.config import load_settings
-from tests.farm import SANDBOX_DIR, Pools, RedisServer, farm_env
+from tests.farm import SANDBOX_DIR, STORE_ROOT, Pools, RedisServer, farm_env
 
 CI = bool(os.environ.get("CI"))
 
@@ -34,9 +34,11 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _remove_pool_sandbox_dir():
-    """The worker pools' sandbox directory goes with the session (its sandboxes are gone)."""
+    """The worker pools' sandbox directory and the farms' trajectory stores go with the
+    session (its sandboxes are gone)."""
     yield
     shutil.rmtree(SANDBOX_DIR, ignore_errors=True)
+    shutil.rmtree(STORE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture

@@ -20,6 +20,18 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("init", "run", "eval")
 # Sandboxes of the test session's worker pools (short: Unix socket paths are limited).
 SANDBOX_DIR = f"/tmp/prs-{os.getpid()}-pools"
+# Trajectory stores of the test session's farms: one per Redis (a store belongs to one farm:
+# its sweeps delete what that farm's Redis does not know).
+STORE_ROOT = f"/tmp/prs-{os.getpid()}-store"
+
+
+def store_dir(redis_url: str) -> str:
+    """The trajectory store of the farm on ``redis_url`` (writable by pools run as nobody)."""
+    path = os.path.join(STORE_ROOT, redis_url.rsplit(":", 1)[-1].replace("/", "-"))
+    os.makedirs(path, exist_ok=True)
+    os.chmod(STORE_ROOT, 0o755)
+    os.chmod(path, 0o777)
+    return path
 
 
 def free_port() -> int:
@@ -230,6 +242,7 @@ def farm_env(redis_url: str, **overrides) -> dict:
         "PRORL_EVAL_CONCURRENCY": "16",
         "PRORL_LOG_LEVEL": "WARNING",
         "PRORL_SANDBOX_DIR": SANDBOX_DIR,
+        "PRORL_STORE_DIR": store_dir(redis_url),
         "PYTHONPATH": str(ROOT),
     })
     env.update({f"PRORL_{k.upper()}": str(v) for k, v in overrides.items()})

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import time
 
+import numpy as np
 from marshmallow import RAISE, Schema, fields, validate
 
 from prorl_farm.config import STAGES
@@ -46,8 +48,46 @@ class SyntheticInstance(Schema):
                                 validate=validate.OneOf(STAGES))
     wedge_s = fields.Integer(load_default=0, strict=True, validate=validate.Range(min=0,
                                                                                  max=3600))
+    # RUN fabricates a trajectory of this many response tokens (ids, mask, logprobs, in
+    # ``trajectory_turns`` sampled turns with observations between them) after a prompt of
+    # ``prompt_tokens``: production sizes without a model (synthetic_trajectory).
+    trajectory_tokens = fields.Integer(load_default=0, strict=True,
+                                       validate=validate.Range(min=0, max=1 << 22))
+    prompt_tokens = fields.Integer(load_default=256, strict=True,
+                                   validate=validate.Range(min=1, max=1 << 20))
+    trajectory_turns = fields.Integer(load_default=1, strict=True,
+                                      validate=validate.Range(min=1, max=4096))
     # Carried and ignored: gives an instance the size of a real one (benchmarks, tests).
     payload = fields.String(validate=validate.Length(max=64 * 1024 * 1024))
+
+
+def synthetic_trajectory(seed: str, prompt_tokens: int, response_tokens: int,
+                         turns: int = 1, vocab: int = 151_936) -> dict:
+    """A trajectory as the agent loop makes one, fabricated from ``seed`` (the same seed:
+    the same arrays): ``turns`` sampled segments (mask 1, float32 logprobs as an engine
+    returns them) with observations (mask 0, logprob 0) between them."""
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8],
+                                               "little"))
+    prompt = rng.integers(0, vocab, prompt_tokens, dtype=np.int32)
+    ids = rng.integers(0, vocab, response_tokens, dtype=np.int32)
+    logprobs = np.log(rng.uniform(1e-6, 1.0, response_tokens).astype(np.float32))
+    mask = np.ones(response_tokens, dtype=np.uint8)
+    bounds = np.linspace(0, response_tokens, 2 * turns, endpoint=False).astype(int)[1:]
+    turn_records, edges = [], [0, *bounds, response_tokens]
+    for i in range(len(edges) - 1):
+        lo, hi = edges[i], edges[i + 1]
+        if i % 2:  # an observation
+            mask[lo:hi] = 0
+            logprobs[lo:hi] = 0.0
+        else:
+            turn_records.append({"offset": int(lo), "prompt_len": int(prompt_tokens + lo),
+                                 "generated": int(hi - lo), "finish_reason": "stop",
+                                 "backend": "synthetic", "policy_version": 0,
+                                 "logprobs_mode": "raw_logprobs"})
+    return {"prompt_ids": prompt.tolist(), "response_ids": ids.tolist(),
+            "response_mask": mask.tolist(), "response_logprobs": logprobs.tolist(),
+            "turns": turn_records, "messages": [{"role": "user", "content": seed}],
+            "policy_version": 0}
 
 
 class SyntheticFailure(FarmError, RuntimeError):
@@ -87,7 +127,12 @@ class SyntheticHandler(AgentHandler):
         turns = ctx.instance.get("llm_turns", 0)
         if not turns:
             self._work(ctx, ctx.instance.get("run_s", 0.0))
-            return {"sandbox": ctx.state.get("sandbox"), "turns": 1}
+            out = {"sandbox": ctx.state.get("sandbox"), "turns": 1}
+            if ctx.instance.get("trajectory_tokens"):
+                out.update(synthetic_trajectory(
+                    ctx.job_id, ctx.instance["prompt_tokens"],
+                    ctx.instance["trajectory_tokens"], ctx.instance["trajectory_turns"]))
+            return out
         s = ctx.settings
         session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
                                  request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)

@@ -30,8 +30,20 @@ def stage_timings(raw: dict) -> dict:
     return out
 
 
-def render_job(raw: dict, include_instance: bool = True) -> dict:
-    """Turn a job hash into its JSON document."""
+def with_payload(result: dict | None, payloads) -> dict | None:
+    """A result summary with its payload read back from the trajectory store (as lists);
+    one whose payload is deleted (acknowledged, expired) says so in ``payload.deleted``."""
+    if not result or payloads is None or not isinstance(result.get("payload"), dict):
+        return result
+    data = payloads.get(result["payload"], as_lists=True)
+    if data is None:
+        return {**result, "payload": {**result["payload"], "deleted": True}}
+    return {**result, **data}
+
+
+def render_job(raw: dict, include_instance: bool = True, payloads=None) -> dict:
+    """Turn a job hash into its JSON document; with ``payloads`` (the trajectory store),
+    its result carries the trajectory's arrays, else only the summary Redis keeps."""
     state = raw["state"]
     terminal = JobState(state) in TERMINAL_STATES
     failure = None
@@ -59,7 +71,8 @@ def render_job(raw: dict, include_instance: bool = True) -> dict:
         # A failure is never a zero reward: reward stays null and the job is to be filtered.
         "reward": _f(raw, "reward") if state == JobState.DONE.value else None,
         "filtered": state != JobState.DONE.value,
-        "result": json.loads(raw["result"]) if raw.get("result") and terminal else None,
+        "result": with_payload(json.loads(raw["result"]), payloads)
+        if raw.get("result") and terminal else None,
     }
     # The oldest policy version among the job's turns (None: no LLM turn).
     doc["policy_version"] = (doc["result"] or {}).get("policy_version")

@@ -432,6 +432,40 @@ class JobStore:
                              "cursor": items[-1][0] if items else cursors[batch_id]}
         return out
 
+    # -- the trajectory store's accounting -----------------------------------------------
+
+    def note_payload(self, batch_id: str, nbytes: int) -> None:
+        """A payload of ``nbytes`` was written for the batch."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hincrby(keys.PAYLOAD_STATS, "bytes", nbytes)
+        pipe.hincrby(keys.PAYLOAD_STATS, "files", 1)
+        pipe.zadd(keys.PAYLOAD_BATCHES, {batch_id: self.server_time()}, nx=True)
+        pipe.execute()
+
+    def payloads_gone(self, batch_id: str, files: int, nbytes: int, acked: bool) -> None:
+        """The batch's payloads were deleted (``acked``: the trainer acknowledged it)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hincrby(keys.PAYLOAD_STATS, "bytes", -nbytes)
+        pipe.hincrby(keys.PAYLOAD_STATS, "files", -files)
+        pipe.zrem(keys.PAYLOAD_BATCHES, batch_id)
+        if acked:
+            pipe.hset(keys.batch(batch_id), "acked_at", repr(self.server_time()))
+        pipe.execute()
+
+    def payload_stats(self) -> dict:
+        """What the trajectory store holds: bytes, files, batches not acknowledged, and
+        the oldest of them (its id and when its first payload was written)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.PAYLOAD_STATS)
+        pipe.zcard(keys.PAYLOAD_BATCHES)
+        pipe.zrange(keys.PAYLOAD_BATCHES, 0, 0, withscores=True)
+        stats, count, oldest = pipe.execute()
+        return {"bytes": max(0, int(stats.get("bytes", 0))),
+                "files": max(0, int(stats.get("files", 0))),
+                "unacked_batches": count,
+                "oldest_unacked": ({"batch_id": oldest[0][0], "since": oldest[0][1]}
+                                   if oldest else None)}
+
     # -- pools ----------------------------------------------------------------------------
 
     def server_time(self) -> float:

@@ -74,7 +74,7 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
         response_attn[i, :len(response)] = 1
         response_mask[i, :len(response)] = res["response_mask"]
         logprobs[i, :len(response)] = res["response_logprobs"]
-        if response:
+        if len(response):
             scores[i, len(response) - 1] = job["reward"]
         uids.append(_uid(groups[g], g))
         versions.append(job.get("policy_version"))
@@ -91,14 +91,14 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
             "meta_info": {}}
 
 
-def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
+def _runs(mask) -> list[tuple[int, int, int]]:
     """(start, end, value) of the runs of equal values in ``mask``."""
-    runs, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            runs.append((start, i, mask[start]))
-            start = i
-    return runs
+    mask = np.asarray(mask)
+    if not len(mask):
+        return []
+    starts = np.flatnonzero(np.diff(mask)) + 1
+    edges = [0, *starts.tolist(), len(mask)]
+    return [(a, b, int(mask[a])) for a, b in zip(edges, edges[1:])]
 
 
 def to_nemo_rl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import requests
 
+from prorl_farm.columns import ARROW_STREAM, read_page
 from prorl_farm.config import read
 from prorl_farm.errors import FarmError
 
@@ -86,9 +87,12 @@ class FarmClient:
             self.http.headers["Authorization"] = f"Bearer {token}"
 
     def _call(self, method: str, path: str, timeout_s: float | None = None,
-              retry: str = "all", **kw) -> dict:
+              retry: str = "all", binary: bool = False, **kw):
         """One API call. ``retry``: ``all`` (connection errors and 503), ``connect`` (only
-        where the request cannot have been received), ``none``."""
+        where the request cannot have been received), ``none``. ``binary``: ask for the
+        Arrow stream and return the page it holds (jobs, page meta)."""
+        if binary:
+            kw["headers"] = {**kw.get("headers", {}), "Accept": ARROW_STREAM}
         for attempt in range(self.retries + 1):
             last = attempt == self.retries or retry == "none"
             try:
@@ -107,6 +111,8 @@ class FarmClient:
                     pass  # retried below
                 elif resp.status_code >= 400:
                     raise _error(resp.status_code, resp)
+                elif binary:
+                    return read_page(resp.content)
                 else:
                     return resp.json()
             time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
@@ -144,19 +150,42 @@ class FarmClient:
         return self._call("POST", f"/v1/batches/{batch_id}/cancel")
 
     def results(self, batch_id: str, cursor: str = "0-0", limit: int = 100,
-                wait_s: float = 0.0) -> dict:
-        return self._call("GET", f"/v1/batches/{batch_id}/results",
-                          params={"cursor": cursor, "limit": limit, "wait": wait_s},
-                          timeout_s=self.timeout_s + wait_s)
+                wait_s: float = 0.0, binary: bool = True) -> dict:
+        """A page of the batch's finished jobs: {results, cursor, complete, finished,
+        total}. ``binary`` (the default): fetched as an Arrow stream, each trajectory's
+        arrays as numpy arrays (int32 ids, uint8 mask, float32/float64 logprobs); else as
+        JSON, with lists."""
+        params = {"cursor": cursor, "limit": limit, "wait": wait_s}
+        timeout_s = self.timeout_s + wait_s
+        if not binary:
+            return self._call("GET", f"/v1/batches/{batch_id}/results", params=params,
+                              timeout_s=timeout_s)
+        jobs, meta = self._call("GET", f"/v1/batches/{batch_id}/results", params=params,
+                                timeout_s=timeout_s, binary=True)
+        return {"results": jobs, **meta}
 
-    def results_many(self, cursors: dict[str, str], limit: int = 100, wait_s: float = 0.0
-                     ) -> dict[str, dict]:
+    def ack(self, batch_id: str) -> dict:
+        """The batch is consumed: the farm deletes its trajectories' payloads (summaries
+        stay until the result TTL). The batch must be complete (cancel what is left)."""
+        return self._call("POST", f"/v1/batches/{batch_id}/ack")
+
+    def results_many(self, cursors: dict[str, str], limit: int = 100, wait_s: float = 0.0,
+                     binary: bool = True) -> dict[str, dict]:
         """New results of several batches in one request ({batch id: cursor}, at most
         1,000): {batch id: {results, cursor, complete, finished, total, found}}; long-polls
-        up to ``wait_s`` while none of the incomplete ones has a result."""
-        return self._call("POST", "/v1/batches/results",
-                          json={"cursors": cursors, "limit": limit, "wait": wait_s},
-                          timeout_s=self.timeout_s + wait_s)["batches"]
+        up to ``wait_s`` while none of the incomplete ones has a result. ``binary``: as in
+        :meth:`results`."""
+        body = {"cursors": cursors, "limit": limit, "wait": wait_s}
+        if not binary:
+            return self._call("POST", "/v1/batches/results", json=body,
+                              timeout_s=self.timeout_s + wait_s)["batches"]
+        jobs, meta = self._call("POST", "/v1/batches/results", json=body,
+                                timeout_s=self.timeout_s + wait_s, binary=True)
+        out = {b: ({**m, "results": []} if m.get("found") else m)
+               for b, m in meta["batches"].items()}
+        for job in jobs:
+            out[job["batch_id"]]["results"].append(job)
+        return out
 
     def iter_results(self, batch_id: str, expected: int | None = None, wait_s: float = 10.0,
                      timeout_s: float | None = None, cursor: str = "0-0",
@@ -192,7 +221,8 @@ class FarmClient:
 
     def export(self, batch_id: str, path: str, format: str = "jsonl") -> int:
         """Write every finished job of the batch to ``path``, one row per trajectory with
-        every field of docs/trajectory.md (``jsonl`` or ``parquet``); returns the rows."""
+        every field of docs/trajectory.md (``jsonl``, ``parquet``, or ``arrow``: an Arrow IPC file
+        with the trajectory store's types); returns the rows."""
         from prorl_farm.trainer.export import write_rows
 
         total = self.batch(batch_id)["finished"]

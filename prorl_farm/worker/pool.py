@@ -23,6 +23,7 @@ from prorl_farm.config import STAGES, Settings, load_settings
 from prorl_farm.errors import StageFailed
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.messages import StageMessages
+from prorl_farm.jobs.payloads import open_store
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
 from prorl_farm.states import Reap, StageOutcome
@@ -50,8 +51,10 @@ class WorkerFarm:
         # One connection per pool thread at most, plus the liveness and probe threads.
         self.store = JobStore.from_settings(settings, settings.pool(stage).concurrency + 8)
         self.messages = StageMessages(app)
+        payloads = open_store(settings)
         reaper = (Reaper(self.store, settings, self.messages, BackendRegistry(self.store.r),
-                         present if settings.presence else None) if main_process else None)
+                         present if settings.presence else None, payloads)
+                  if main_process else None)
         self.liveness = Liveness(self.store, settings, stage,
                                  reserved=_reserved_requests if main_process else None,
                                  reaper=reaper)
@@ -65,7 +68,7 @@ class WorkerFarm:
         self.runner = StageRunner(settings, self.store, HandlerRegistry(settings.handlers),
                                   self.liveness, self.messages, worker_name,
                                   self.backends,
-                                  self.sandboxes)
+                                  self.sandboxes, payloads)
 
     def leave(self) -> int:
         """This node is going away (PRORL_REQUEUE_ON_STOP and SIGTERM): re-queue at INIT,

@@ -73,6 +73,10 @@ LEASE_SWEEPS = 5
 FOLLOW_SWEEPS = 10
 # Seconds between probes of the failed backends (they run on the leader, even when idle).
 PROBE_EVERY_S = 2.0
+# Seconds between sweeps of the trajectory store (on the leader): the payloads of batches
+# whose records expired (unacknowledged at the result TTL) go, and what writers that died
+# mid-write left.
+PAYLOAD_SWEEP_S = 60.0
 
 
 def pool_beat_s(settings) -> float:
@@ -83,8 +87,9 @@ def pool_beat_s(settings) -> float:
 
 class Reaper:
     def __init__(self, store: JobStore, settings: Settings, messages: StageMessages,
-                 backends=None, present: Callable | None = None):
+                 backends=None, present: Callable | None = None, payloads=None):
         self.store = store
+        self.payloads = payloads  # the trajectory store (jobs/payloads.py) it sweeps
         self.settings = settings
         self.messages = messages  # a re-queued job's INIT message goes with the re-queue
         self.present = present  # worker processes connected now (liveness.present)
@@ -93,6 +98,7 @@ class Reaper:
         self._me = uuid.uuid4().hex
         self._next = 0.0  # monotonic time of this process's next look
         self._next_probe = 0.0
+        self._next_payload_sweep = 0.0
         # (job, token) -> when a sweep of this process first saw its message popped and the
         # job unclaimed (lua/popped.lua); kept only while the next sweep sees it so again.
         self._popped: dict[tuple[str, str], float] = {}
@@ -117,6 +123,9 @@ class Reaper:
             if now >= self._next_probe:
                 self._next_probe = now + PROBE_EVERY_S
                 self._probe_backends()
+            if now >= self._next_payload_sweep:
+                self._next_payload_sweep = now + PAYLOAD_SWEEP_S
+                self.sweep_payloads()
             if role == "idle":
                 return {}
         counts = self._sweep()
@@ -127,6 +136,29 @@ class Reaper:
         elif any(counts.values()):
             log.debug("reaper: %s", counts)
         return counts
+
+    def sweep_payloads(self) -> int:
+        """Delete the payloads of batches whose records are gone (expired at the result TTL
+        without an ack) and stale temporary files; returns the batches deleted."""
+        if self.payloads is None:
+            return 0
+        try:
+            ids = sorted(set(self.payloads.batches())
+                         | set(self.store.r.zrange(keys.PAYLOAD_BATCHES, 0, -1)))
+            pipe = self.store.r.pipeline(transaction=False)
+            for batch_id in ids:
+                pipe.exists(keys.batch(batch_id))
+            gone = [b for b, alive in zip(ids, pipe.execute()) if not alive]
+            for batch_id in gone:
+                files, nbytes = self.payloads.delete_batch(batch_id)
+                self.store.payloads_gone(batch_id, files, nbytes, acked=False)
+            self.payloads.sweep_temporary()
+        except OSError as e:
+            log.warning("trajectory store sweep: %s", e)
+            return 0
+        if gone:
+            log.info("trajectory store: the payloads of %d expired batches deleted", len(gone))
+        return len(gone)
 
     def _sweep(self) -> dict[str, int]:
         store, r = self.store, self.store.r

@@ -27,6 +27,14 @@ from prorl_farm.errors import (
 from prorl_farm.handlers.base import AgentHandler
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.messages import StageMessages
+from prorl_farm.jobs.payloads import (
+    PAYLOAD_KEYS,
+    StorageError,
+    TrajectoryStore,
+    has_payload,
+    open_store,
+    split_payload,
+)
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.states import NEXT_STAGE, Claim, FailureKind, JobState, StageOutcome
 from prorl_farm.worker.liveness import Liveness
@@ -85,8 +93,9 @@ class StageRunner:
 
     def __init__(self, settings: Settings, store: JobStore, registry: HandlerRegistry,
                  liveness: Liveness, messages: StageMessages, worker_name: str,
-                 backends=None, sandboxes=None):
+                 backends=None, sandboxes=None, payloads: TrajectoryStore | None = None):
         self.settings = settings
+        self.payloads = payloads if payloads is not None else open_store(settings)
         self.backends = backends
         self.sandboxes = sandboxes
         self.store = store
@@ -117,6 +126,8 @@ class StageRunner:
         result = StageResult(StageOutcome.FAILED, "error")
         self.liveness.track(ctx)
         try:
+            if stage == "eval":
+                ctx.result = self._with_payload(ctx.result)
             if ctx.instance is None:
                 raise InvalidInstance("the job's instance is no longer stored (expired)")
             handler = self.registry.get(raw["handler"])
@@ -138,6 +149,9 @@ class StageRunner:
             result = self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))
         except (BackendUnavailable, BackendError) as e:
             result = self._fail(ctx, handler, FailureKind.BACKEND_UNAVAILABLE, str(e))
+        except StorageError as e:
+            log.warning("%s: %s", stage, e)
+            result = self._fail(ctx, handler, FailureKind.STORAGE_ERROR, str(e))
         except Exception as e:
             log.warning("%s failed: %s", stage, e, exc_info=True)
             tb = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -157,6 +171,8 @@ class StageRunner:
         if nxt is None:
             reward, extra = _reward_of(output)
             result = dict(ctx.result or {})
+            if "payload" in result:  # the arrays stay in the store: Redis keeps the summary
+                result = {k: v for k, v in result.items() if k not in PAYLOAD_KEYS}
             if extra:
                 result["eval"] = extra
             done = self.store.finish(
@@ -165,6 +181,8 @@ class StageRunner:
             )
             return StageResult(StageOutcome.DONE if done.changed else StageOutcome.STALE)
         field = "hstate" if ctx.stage == "init" else "result"
+        if field == "result" and has_payload(output):
+            output = self._store_payload(ctx, output)
         queue = queue_for(nxt, self.settings.node)
         # One script: the job moves on and the next stage's message is pushed with it.
         new_token = self.store.advance(ctx.job_id, ctx.stage, ctx.token, nxt, queue,
@@ -177,6 +195,12 @@ class StageRunner:
     def _fail(self, ctx: JobContext, handler: AgentHandler | None, kind: FailureKind,
               message: str, partial: dict | None = None) -> StageResult:
         """Fail the job; ``partial`` (RUN's work so far) is kept as its result."""
+        if partial is not None and has_payload(partial):
+            try:
+                partial = self._store_payload(ctx, partial)
+            except StorageError as e:
+                log.warning("the partial trajectory is not kept: %s", e)
+                partial = split_payload(partial)[0]
         res = self.store.finish(ctx.job_id, JobState.FAILED, kind.value, message,
                                 token=ctx.token,
                                 fields={"result": json.dumps(partial)} if partial else None)
@@ -188,6 +212,25 @@ class StageRunner:
             except Exception:
                 log.exception("on_failure hook of %s failed", handler.name)
         return StageResult(StageOutcome.FAILED, kind.value, (kind.value, message))
+
+    def _store_payload(self, ctx: JobContext, output: dict) -> dict:
+        """Write a trajectory's payload to the store (durably, before the job moves on);
+        returns the summary that Redis keeps, with the payload's ref."""
+        summary, payload = split_payload(output)
+        ref = self.payloads.put(ctx.batch_id, ctx.job_id, ctx.token, payload)
+        self.store.note_payload(ctx.batch_id, ref["bytes"])
+        summary["payload"] = ref
+        return summary
+
+    def _with_payload(self, result: dict | None) -> dict | None:
+        """RUN's result with its payload read back from the store (for EVAL)."""
+        if not result or "payload" not in result:
+            return result
+        payload = self.payloads.get(result["payload"], as_lists=True)
+        if payload is None:
+            raise StorageError(f"the trajectory {result['payload']['path']} is not in the "
+                               "store (deleted, or another node's store)")
+        return {**result, **payload}
 
     def _cleanup(self, handler: AgentHandler, ctx: JobContext) -> None:
         try:
