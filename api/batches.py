@@ -15,7 +15,7 @@ from flask import Blueprint, Response, request
 from api.errors import ApiError
 from api.schemas import BatchListQuerySchema, ManyResultsQuerySchema, ResultsQuerySchema
 from api.services import json_body, services
-from prorl_farm.columns import ARROW_STREAM, page_bytes, page_table
+from prorl_farm.columns import ARROW_STREAM, page_bytes
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 
@@ -71,7 +71,7 @@ def _arrow(raws: list[dict], meta: dict) -> Response:
         if table is None and isinstance(ref, dict):
             doc["result"]["payload"] = {**ref, "deleted": True}
         tables.append(table)
-    return Response(page_bytes(page_table(docs, tables, meta)), mimetype=ARROW_STREAM)
+    return Response(page_bytes(docs, tables, meta), mimetype=ARROW_STREAM)
 
 
 @bp.post("/v1/batches/results")

@@ -32,7 +32,9 @@ def private_redis():
     with tempfile.TemporaryDirectory() as d:
         port = free_port()
         server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                   "--save", "", "--appendonly", "no", "--dir", d],
+                                   "--save", "", "--appendonly", "no", "--dir", d,
+                                   # as the farm's own Redis servers run (prorl_farm/keys.py)
+                                   "--hash-max-listpack-value", "1024"],
                                   stdout=subprocess.DEVNULL)
         url = f"redis://127.0.0.1:{port}/0"
         try:

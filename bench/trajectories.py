@@ -38,18 +38,14 @@ PAGE = 128
 
 def _fetch(client: FarmClient, batch: str, limit: int | None, binary: bool
            ) -> tuple[float, int, int]:
-    """Fetch and decode the batch's results (the first ``limit``): (seconds, jobs, tokens)."""
+    """Fetch and decode the batch's results (the first ``limit``) the way a trainer does,
+    through ``FarmClient.iter_results``: (seconds, jobs, tokens)."""
     t0 = time.perf_counter()
-    cursor, jobs, tokens = "0-0", 0, 0
-    while limit is None or jobs < limit:
-        page = client.results(batch, cursor, limit=PAGE if limit is None
-                              else min(PAGE, limit - jobs), binary=binary)
-        if not page["results"]:
-            break
-        cursor = page["cursor"]
-        for job in page["results"]:
-            jobs += 1
-            tokens += len(job["result"]["response_ids"]) + len(job["result"]["prompt_ids"])
+    jobs = tokens = 0
+    for job in client.iter_results(batch, expected=limit, wait_s=0, page_size=PAGE,
+                                   binary=binary):
+        jobs += 1
+        tokens += len(job["result"]["response_ids"]) + len(job["result"]["prompt_ids"])
     return time.perf_counter() - t0, jobs, tokens
 
 
@@ -71,8 +67,10 @@ def run(url: str, n: int, tokens: int, json_jobs: int, tmp: Path) -> dict:
                 _fetch(client, warm["batch_id"], None, binary)
         mem0 = int(r.info("memory")["used_memory"])
         t0 = time.monotonic()
-        sub = client.submit("synthetic", [{"trajectory_tokens": tokens, "prompt_tokens": PROMPT,
-                                           "trajectory_turns": TURNS}], n=n)
+        group = min(n, 16)  # prompts x samples, as a step is made of
+        instance = {"trajectory_tokens": tokens, "prompt_tokens": PROMPT,
+                    "trajectory_turns": TURNS}
+        sub = client.submit("synthetic", [instance] * (n // group), n=group)
         batch = sub["batch_id"]
         wait_for(lambda: client.batch(batch)["complete"], 6 * 3600, "the step")
         make_s = time.monotonic() - t0
@@ -109,7 +107,7 @@ def run(url: str, n: int, tokens: int, json_jobs: int, tmp: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--jobs", type=int, default=8192)
+    ap.add_argument("--jobs", type=int, default=8192, help="a multiple of 16")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--json-jobs", type=int, default=512)
     ap.add_argument("--record", action="store_true")
@@ -129,7 +127,8 @@ def main() -> None:
         f"{x['jobs']} `synthetic` rollouts of {x['tokens']} response tokens ({TURNS} turns, a "
         f"{PROMPT}-token prompt) through a real farm (pools {POOLS}, the API under gunicorn, "
         f"a private Redis), made in {x['make_s']:.0f} s; fetched page by page ({PAGE} jobs) "
-        "through `FarmClient`.", "",
+        "through `FarmClient.iter_results` (the next page fetched while the caller works "
+        "through one).", "",
         "| measure | value |", "|---|---|",
         f"| Redis memory per finished job | **{x['redis_bytes_per_job']:.0f} B** (used_memory "
         f"over the step; of it the job's hash: {x['job_hash']} B) |",

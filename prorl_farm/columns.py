@@ -6,12 +6,13 @@ where a backend's values are not all float32-exact, so what comes back is bit-id
 what the backend returned) and ``rest``, the other keys (turns, messages) as one JSON
 string. The trajectory store keeps a file of one row per attempt (jobs/payloads.py); a
 page of results on the wire (``application/vnd.apache.arrow.stream``) is one table with a
-row per job and its document in ``job`` (:func:`page_table`, :func:`read_page`). The
+row per job and its document in ``job`` (:func:`page_bytes`, :func:`read_page`). The
 trainer's SDK reads pages with this module alone.
 """
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -26,6 +27,16 @@ ARRAYS = {"prompt_ids": pa.int32(), "response_ids": pa.int32(), "response_mask":
 REST = ("turns", "messages")
 PAYLOAD_KEYS = tuple(ARRAYS) + REST
 PAGE_META = "prorl.page"
+
+
+def json_default(value):
+    """``json.dumps(job, default=json_default)``: a job read from the Arrow stream (numpy
+    arrays in its result) written as JSON, the arrays as lists."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
 def logprob_type(values: np.ndarray) -> pa.DataType:
@@ -72,10 +83,11 @@ def table_payload(table: pa.Table, row: int = 0, as_lists: bool = False) -> dict
 # -- pages on the wire ---------------------------------------------------------------------
 
 
-def page_table(docs: list[dict], tables: list[pa.Table | None], meta: dict) -> pa.Table:
-    """A page of results as one table: ``job`` (the job's JSON, without payload), and the
-    payload's columns (null for a job without one); ``meta`` (the page's cursor and counts,
-    as the JSON answer has them) rides in the schema's metadata under ``prorl.page``."""
+def page_bytes(docs: list[dict], tables: list[pa.Table | None], meta: dict) -> bytes:
+    """A page of results as an Arrow stream: a row per job, ``job`` (the job's JSON, its
+    result without payload) and the payload's columns (null for a job without one); ``meta``
+    (the page's cursor and counts, as the JSON answer has them) in the schema's metadata
+    under ``prorl.page``. Each stored row is written as it is (no copy into one table)."""
     wide = any(t is not None and t.schema.field("response_logprobs").type.value_type ==
                pa.float64() for t in tables)
     kinds = dict(ARRAYS, response_logprobs=pa.float64() if wide else pa.float32())
@@ -83,47 +95,45 @@ def page_table(docs: list[dict], tables: list[pa.Table | None], meta: dict) -> p
                     [pa.field("rest", pa.large_string())])
     schema = pa.schema([pa.field("job", pa.large_string()), *row],
                        metadata={PAGE_META: json.dumps(meta)})
-    parts = []
-    for doc, table in zip(docs, tables):
-        if table is None:
-            table = pa.Table.from_arrays([pa.nulls(1, f.type) for f in row], schema=row)
-        else:
-            table = table.cast(row)
-        parts.append(table.add_column(0, "job", pa.array([json.dumps(doc)],
-                                                         type=pa.large_string())))
-    if not parts:
-        return schema.empty_table()
-    return pa.concat_tables(parts).replace_schema_metadata(schema.metadata)
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        for doc, table in zip(docs, tables):
+            if table is None:
+                columns = [pa.nulls(1, f.type) for f in row]
+            else:
+                if not table.schema.equals(row):
+                    table = table.cast(row)
+                columns = [table.column(i).chunk(0) if table.column(i).num_chunks == 1
+                           else table.column(i).combine_chunks() for i in range(len(row))]
+            job = pa.array([json.dumps(doc)], type=pa.large_string())
+            writer.write_batch(pa.RecordBatch.from_arrays([job, *columns], schema=schema))
+    return sink.getvalue()
 
 
-def page_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def read_page(data: bytes) -> tuple[list[dict], dict]:
-    """The jobs of a page (:func:`page_table`), each result's arrays as numpy arrays, and
-    the page's cursor and counts."""
-    table = pa.ipc.open_stream(data).read_all().combine_chunks()
-    meta = json.loads((table.schema.metadata or {}).get(PAGE_META.encode(), b"{}"))
-    if table.num_rows == 0:
-        return [], meta
-    docs = [json.loads(s) for s in table.column("job").to_pylist()]
-    rest = table.column("rest").to_pylist()
-    arrays = {}
-    for name in ARRAYS:
-        col = table.column(name).chunk(0)
-        values = col.values.to_numpy(zero_copy_only=False)
-        offsets = col.offsets.to_numpy()
-        valid = col.is_valid().to_numpy(zero_copy_only=False)
-        arrays[name] = [values[offsets[i]:offsets[i + 1]] if valid[i] else None
-                        for i in range(len(col))]
-    for i, doc in enumerate(docs):
-        if rest[i] is None or doc.get("result") is None:
-            continue
-        doc["result"].update(json.loads(rest[i]))
+def read_page(data) -> tuple[list[dict], dict]:
+    """The jobs of a page (:func:`page_bytes`), each result's arrays as numpy arrays (views
+    of ``data``, no copy), and the page's cursor and counts."""
+    reader = pa.ipc.open_stream(pa.py_buffer(data))
+    meta = json.loads((reader.schema.metadata or {}).get(PAGE_META.encode(), b"{}"))
+    docs = []
+    for batch in reader:
+        names = batch.schema.names
+        jobs = batch.column(names.index("job")).to_pylist()
+        rest = batch.column(names.index("rest")).to_pylist()
+        arrays = {}
         for name in ARRAYS:
-            doc["result"][name] = arrays[name][i]
+            col = batch.column(names.index(name))
+            values = col.values.to_numpy(zero_copy_only=False)
+            offsets = col.offsets.to_numpy()
+            valid = col.is_valid().to_numpy(zero_copy_only=False)
+            arrays[name] = [values[offsets[i]:offsets[i + 1]] if valid[i] else None
+                            for i in range(len(col))]
+        for i, raw in enumerate(jobs):
+            doc = json.loads(raw)
+            docs.append(doc)
+            if rest[i] is None or doc.get("result") is None:
+                continue
+            doc["result"].update(json.loads(rest[i]))
+            for name in ARRAYS:
+                doc["result"][name] = arrays[name][i]
     return docs, meta

@@ -19,6 +19,12 @@ def job(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}"
 
 
+# The farm's own Redis servers (`up`, compose, Slurm's head) keep hash values up to this
+# many bytes in the compact listpack encoding (Redis's default: 64): a finished job's hash,
+# its result summary a few hundred bytes, then takes about 1.3 KB instead of 2.2-2.8 KB.
+HASH_MAX_LISTPACK_VALUE = 1024
+
+
 def instance(instance_id: str) -> str:
     """String: one submitted instance's JSON, shared by its n samples."""
     return f"{PREFIX}instance:{instance_id}"

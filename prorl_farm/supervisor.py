@@ -26,6 +26,7 @@ from pathlib import Path
 
 import redis
 
+from prorl_farm import keys
 from prorl_farm.access import is_loopback
 from prorl_farm.config import STAGES, Settings
 from prorl_farm.errors import FarmError
@@ -209,7 +210,7 @@ class Supervisor:
         self.redis = Child("redis", [
             "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-            "--daemonize", "no",
+            "--hash-max-listpack-value", str(keys.HASH_MAX_LISTPACK_VALUE), "--daemonize", "no",
         ], self.logs / "redis.log", restart=False)
         self.redis.start(dict(os.environ))
         url = f"redis://127.0.0.1:{port}/0"

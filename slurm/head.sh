@@ -37,6 +37,7 @@ dir $redis_dir
 appendonly yes
 appendfsync everysec
 save ""
+hash-max-listpack-value 1024
 daemonize no
 CONF
 url="redis://:$password@$host:$redis_port/0"

@@ -11,6 +11,7 @@ import sys
 import pytest
 import yaml
 
+from prorl_farm import keys
 from prorl_farm.cli import build_parser
 from prorl_farm.config import env_names
 from tests.farm import ROOT
@@ -64,6 +65,12 @@ def test_compose_has_every_part_with_health_checks(compose):
         _check_command(test[1:])
     redis = services["redis"]["command"]
     assert redis[redis.index("--appendonly") + 1] == "yes"
+    assert redis[redis.index("--hash-max-listpack-value") + 1] == \
+        str(keys.HASH_MAX_LISTPACK_VALUE)
+    assert f"hash-max-listpack-value {keys.HASH_MAX_LISTPACK_VALUE}\n" in \
+        (ROOT / "slurm" / "head.sh").read_text()
+    for name in ("api", "init", "run", "eval"):  # one trajectory store for the API and pools
+        assert "trajectories:/var/lib/prorl/trajectories" in services[name]["volumes"]
     assert services["dev-model"]["profiles"] == ["dev"]
     for stage in ("init", "run", "eval"):
         assert services[stage]["command"] == ["prorl-farm", "worker", stage]

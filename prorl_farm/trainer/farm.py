@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
@@ -97,7 +98,8 @@ class FarmClient:
             last = attempt == self.retries or retry == "none"
             try:
                 resp = self.http.request(method, self.base_url + path,
-                                         timeout=timeout_s or self.timeout_s, **kw)
+                                         timeout=timeout_s or self.timeout_s,
+                                         stream=binary, **kw)
             except requests.ConnectionError as e:
                 received = not isinstance(e, requests.ConnectTimeout) and \
                     "NewConnectionError" not in repr(e)
@@ -108,11 +110,14 @@ class FarmClient:
                     raise FarmConnectionError(f"{method} {self.base_url}{path}: {e}") from e
             else:
                 if resp.status_code == 503 and not last:
-                    pass  # retried below
+                    resp.close()  # retried below
                 elif resp.status_code >= 400:
-                    raise _error(resp.status_code, resp)
+                    with resp:
+                        raise _error(resp.status_code, resp)
                 elif binary:
-                    return read_page(resp.content)
+                    # One read of the whole body (requests' .content reads 10 KB at a time).
+                    with resp:
+                        return read_page(resp.raw.read(decode_content=True))
                 else:
                     return resp.json()
             time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
@@ -189,11 +194,13 @@ class FarmClient:
 
     def iter_results(self, batch_id: str, expected: int | None = None, wait_s: float = 10.0,
                      timeout_s: float | None = None, cursor: str = "0-0",
-                     progress: bool | None = False) -> Iterator[dict]:
+                     progress: bool | None = False, page_size: int = 256,
+                     binary: bool = True) -> Iterator[dict]:
         """Yield finished jobs in the order they finished, until ``expected`` are seen (by
         default, the batch's total), long-polling the batch's stream: one request per page
-        or per ``wait_s`` of quiet, never a busy loop. ``progress``: a tqdm bar on stderr
-        (None: when stderr is a terminal)."""
+        or per ``wait_s`` of quiet, never a busy loop; the next page is fetched and decoded
+        while the caller works through this one. ``progress``: a tqdm bar on stderr (None:
+        when stderr is a terminal). ``binary``: as in :meth:`results`."""
         expected = self.batch(batch_id)["total"] if expected is None else expected
         seen = 0
         end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -202,27 +209,35 @@ class FarmClient:
             from tqdm import tqdm
 
             bar = tqdm(total=expected, unit="job", desc=batch_id[:12], file=sys.stderr)
+        ahead = ThreadPoolExecutor(1, thread_name_prefix="prorl-results")
+        nxt = None
         try:
             while seen < expected:
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"{seen}/{expected} results after {timeout_s} s")
                 wait = wait_s if end is None else max(0.0, min(wait_s,
                                                                end - time.monotonic()))
-                page = self.results(batch_id, cursor, limit=1000, wait_s=wait)
+                page = nxt.result() if nxt is not None else \
+                    self.results(batch_id, cursor, page_size, wait, binary)
+                nxt = None
                 cursor = page["cursor"]
+                if page["results"] and seen + len(page["results"]) < expected:
+                    nxt = ahead.submit(self.results, batch_id, cursor, page_size, wait, binary)
                 for job in page["results"]:
                     seen += 1
                     if bar is not None:
                         bar.update(1)
                     yield job
         finally:
+            # A page fetched ahead and not wanted (the caller stopped early) is dropped.
+            ahead.shutdown(wait=False, cancel_futures=True)
             if bar is not None:
                 bar.close()
 
     def export(self, batch_id: str, path: str, format: str = "jsonl") -> int:
         """Write every finished job of the batch to ``path``, one row per trajectory with
-        every field of docs/trajectory.md (``jsonl``, ``parquet``, or ``arrow``: an Arrow IPC file
-        with the trajectory store's types); returns the rows."""
+        every field of docs/trajectory.md (``jsonl``, ``parquet``, or ``arrow``: an Arrow IPC
+        file with the trajectory store's types); returns the rows."""
         from prorl_farm.trainer.export import write_rows
 
         total = self.batch(batch_id)["finished"]

@@ -8,6 +8,7 @@ import json
 from collections import Counter, defaultdict
 from math import comb
 
+from prorl_farm.columns import json_default
 from prorl_farm.trainer.farm import FarmClient
 
 
@@ -52,7 +53,7 @@ def follow(farm: FarmClient, batch_id: str, output: str | None = None,
                                      progress=None if progress else False):
             jobs.append(job)
             if out is not None:
-                out.write(json.dumps(job) + "\n")
+                out.write(json.dumps(job, default=json_default) + "\n")
     finally:
         if out is not None:
             out.close()
