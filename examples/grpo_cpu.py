@@ -176,13 +176,18 @@ def response_logprobs(model, batch: dict) -> torch.Tensor:
 
 
 def advantages(batch: dict, uids) -> torch.Tensor:
-    """GRPO: each rollout's reward against its group's mean, in units of its std."""
+    """GRPO as VeRL computes it (``compute_grpo_outcome_advantage``): each rollout's reward
+    against its group's mean, in units of its group's unbiased std (+1e-6); a group of one
+    keeps its reward (mean 0, std 1)."""
     rewards = batch["token_level_scores"].sum(-1)
     adv = torch.zeros_like(rewards)
     for uid in set(uids):
         idx = torch.tensor([i for i, u in enumerate(uids) if u == uid])
         r = rewards[idx]
-        adv[idx] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+        if len(idx) == 1:
+            adv[idx] = r
+        else:
+            adv[idx] = (r - r.mean()) / (r.std() + 1e-6)
     return adv
 
 

@@ -79,3 +79,41 @@ def test_torch_tensors_where_torch_is_importable():
 def test_nothing_finished_is_an_error_not_an_empty_batch():
     with pytest.raises(ValueError, match="no finished"):
         to_verl([[GROUPS[1][1]]])
+
+
+def _sampled(job, temperature, mode, **sampling):
+    out = dict(job, sampling={"temperature": temperature, **sampling})
+    out["result"] = dict(job["result"], turns=[{"offset": 0, "logprobs_mode": mode}])
+    return out
+
+
+def test_verl_gets_the_reward_where_its_trainer_reads_it_and_the_keys_it_reads():
+    empty = _job([4, 5], [], [], 0.25)
+    out = to_verl([[GROUPS[0][0], empty]], pad_token_id=0)
+    t, nt = out["batch"], out["non_tensor_batch"]
+    assert np.array_equal(t["rm_scores"], t["token_level_scores"])
+    assert t["rm_scores"][0, 4] == 1.0 and t["rm_scores"][0].sum() == 1.0
+    # An empty response: its reward at index -1, as VeRL's agent loop places it.
+    assert t["rm_scores"][1, -1] == 0.25 and t["rm_scores"][1].sum() == 0.25
+    assert nt["__num_turns__"].tolist() == [4, 1]  # prompt, assistant, tool, assistant
+    assert nt["__num_turns__"].dtype == np.int32
+    assert nt["multi_modal_inputs"].tolist() == [{}, {}]
+    assert out["meta_info"] == {"temperature": 1.0}
+
+
+def test_verl_refuses_logprobs_its_actor_does_not_compute():
+    raw = [[_sampled(j, 0.7, "raw_logprobs") for j in GROUPS[0]]]
+    with pytest.raises(ValueError, match="raw_logprobs at temperature 0.7.*processed_logprobs"):
+        to_verl(raw)
+    # What the backend computed, said by the trainer that computes the same: accepted.
+    assert to_verl(raw, logprobs_mode="raw_logprobs")["meta_info"] == {"temperature": 0.7}
+    processed = [[_sampled(j, 0.7, "processed_logprobs") for j in GROUPS[0]]]
+    assert to_verl(processed)["meta_info"] == {"temperature": 0.7}
+    # Neutral sampling: raw and processed are the same numbers.
+    assert to_verl([[_sampled(j, 1.0, "raw_logprobs") for j in GROUPS[0]]])
+    with pytest.raises(ValueError, match="raw_logprobs"):
+        to_verl([[_sampled(j, 1.0, "raw_logprobs", top_p=0.9) for j in GROUPS[0]]])
+    mixed = [[_sampled(GROUPS[0][0], 0.7, "processed_logprobs"),
+              _sampled(GROUPS[0][1], 1.0, "processed_logprobs")]]
+    with pytest.raises(ValueError, match="mixes sampling temperatures"):
+        to_verl(mixed)

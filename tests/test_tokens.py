@@ -232,7 +232,9 @@ def test_farm_trajectories_are_token_exact(chat_farm, dev_server, tiny_model, r)
     from prorl_farm.trainer.adapters import to_nemo_rl, to_verl
 
     groups = [[j for j in jobs if j["instance_index"] == i] for i in range(2)]
-    verl = to_verl(groups, pad_token_id=0)["batch"]
+    # (These backends return raw logprobs and the sampling has top_p 0.95: a trainer computing
+    # raw logprobs, as this check does, says so; VeRL's default would be refused.)
+    verl = to_verl(groups, pad_token_id=0, logprobs_mode="raw_logprobs")["batch"]
     nemo = to_nemo_rl(groups, pad_token_id=0)["flat"]
     width = verl["prompts"].shape[1]
     for row, job in enumerate(groups[0] + groups[1]):

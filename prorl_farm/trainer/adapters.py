@@ -46,14 +46,57 @@ def _torch(arrays: dict, as_torch: bool) -> dict:
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
-def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
+# Sampling under which an engine's raw and processed logprobs are the same numbers.
+_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _temperature(samples: list[tuple[int, dict]]) -> float:
+    """The one sampling temperature of the batch (the trainer divides its logits by it)."""
+    temps = {float((job.get("sampling") or {}).get("temperature", 1.0)) for _, job in samples}
+    if len(temps) > 1:
+        raise ValueError(f"the batch mixes sampling temperatures {sorted(temps)}: a trainer "
+                         "recomputes logprobs at one temperature; train them apart")
+    return temps.pop()
+
+
+def check_logprobs_mode(samples: list[tuple[int, dict]], wanted: str | None) -> None:
+    """Refuse trajectories whose logprobs are not what the trainer computes: each turn
+    records its backend's mode (``raw_logprobs``: before temperature and truncation;
+    ``processed_logprobs``: after them, what VeRL's actor computes). They differ unless
+    the sampling is neutral (temperature 1, no top-p/top-k/min-p, no penalties)."""
+    if wanted is None:
+        return
+    for _, job in samples:
+        sampling = job.get("sampling") or {}
+        neutral = all(float(sampling.get(k, v)) == v for k, v in _NEUTRAL.items())
+        for turn in (job.get("result") or {}).get("turns") or ():
+            mode = turn.get("logprobs_mode")
+            if mode and mode != wanted and not neutral:
+                raise ValueError(
+                    f"job {job.get('id')}: its turns' logprobs are {mode} at temperature "
+                    f"{sampling.get('temperature', 1.0)}, the trainer computes {wanted}: the "
+                    "importance ratios would be off. Register the backends with logprobs_mode="
+                    f"{wanted!r} (vLLM: --logprobs-mode {wanted}), or pass logprobs_mode="
+                    f"{mode!r} if the trainer computes those")
+
+
+def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
+            logprobs_mode: str | None = "processed_logprobs") -> dict:
     """VeRL: ``prompts`` left-padded, ``responses`` right-padded, ``input_ids`` (their
     concatenation), ``attention_mask``, ``position_ids``, ``response_mask`` (the loss mask:
-    sampled tokens only), ``rollout_log_probs``, ``token_level_scores`` (the reward on the
-    last response token) and ``token_level_rewards`` (the same, before any KL penalty);
-    ``uid`` per group and ``policy_version`` per sample in ``non_tensor_batch``."""
+    sampled tokens only), ``rollout_log_probs``, ``rm_scores`` (the reward on the last
+    response token, where VeRL's agent loop puts it; its trainer reads the reward there),
+    ``token_level_scores`` and ``token_level_rewards`` (the same, before any KL penalty);
+    in ``non_tensor_batch`` ``uid`` per group, ``policy_version``, ``__num_turns__`` and
+    ``multi_modal_inputs`` (empty for text) per sample; ``meta_info["temperature"]`` (the
+    actor divides its logits by it). ``logprobs_mode``: what the trainer computes (VeRL's
+    rollout default, ``processed_logprobs``): trajectories sampled with other logprobs under
+    non-neutral sampling are refused (:func:`check_logprobs_mode`); None checks nothing."""
     groups = list(groups)
     samples = _samples(groups)
+    check_logprobs_mode(samples, logprobs_mode)
+    temperature = _temperature(samples)
     b = len(samples)
     p = max(len(job["result"]["prompt_ids"]) for _, job in samples)
     r = max(max(len(job["result"]["response_ids"]) for _, job in samples), 1)
@@ -64,7 +107,7 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
     response_mask = np.zeros((b, r), dtype=np.int64)
     logprobs = np.zeros((b, r), dtype=np.float32)
     scores = np.zeros((b, r), dtype=np.float32)
-    uids, versions = [], []
+    uids, versions, turns = [], [], []
     for i, (g, job) in enumerate(samples):
         res = job["result"]
         prompt, response = res["prompt_ids"], res["response_ids"]
@@ -74,21 +117,28 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
         response_attn[i, :len(response)] = 1
         response_mask[i, :len(response)] = res["response_mask"]
         logprobs[i, :len(response)] = res["response_logprobs"]
-        if len(response):
-            scores[i, len(response) - 1] = job["reward"]
+        # An empty response's reward goes where VeRL's agent loop puts it: at index -1.
+        scores[i, len(response) - 1 if len(response) else -1] = job["reward"]
         uids.append(_uid(groups[g], g))
         versions.append(job.get("policy_version"))
+        # VeRL counts chat turns: the prompt, then each assistant or tool/user message.
+        turns.append(1 + len(_runs(res["response_mask"])))
     attention_mask = np.concatenate([prompt_mask, response_attn], axis=1)
     position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None) * attention_mask
     batch = {"prompts": prompts, "responses": responses,
              "input_ids": np.concatenate([prompts, responses], axis=1),
              "attention_mask": attention_mask, "position_ids": position_ids,
              "response_mask": response_mask, "rollout_log_probs": logprobs,
-             "token_level_scores": scores, "token_level_rewards": scores.copy()}
+             "rm_scores": scores, "token_level_scores": scores.copy(),
+             "token_level_rewards": scores.copy()}
+    multi_modal = np.empty(b, dtype=object)
+    multi_modal[:] = [{} for _ in range(b)]
     return {"batch": _torch(batch, as_torch),
             "non_tensor_batch": {"uid": np.array(uids, dtype=object),
-                                 "policy_version": np.array(versions, dtype=object)},
-            "meta_info": {}}
+                                 "policy_version": np.array(versions, dtype=object),
+                                 "__num_turns__": np.array(turns, dtype=np.int32),
+                                 "multi_modal_inputs": multi_modal},
+            "meta_info": {"temperature": temperature}}
 
 
 def _runs(mask) -> list[tuple[int, int, int]]:
