@@ -12,17 +12,23 @@ UP_ARGS ?=
 VLLM_VENV    := .venv-vllm
 VLLM_STAMP   := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
+# VeRL, in an environment of its own (its torch, transformers and ray): tests/test_verl.py
+# runs the farm's batches through its trainer-side code there.
+VERL_VENV    := .venv-verl
+VERL_STAMP   := $(VERL_VENV)/.installed
+VERL_VERSION ?= 0.9.1
 
-.PHONY: up test bootstrap system lint bench grpo vllm clean
+.PHONY: up test bootstrap system lint bench grpo vllm verl clean
 
 up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
 
 # The suite runs the engine tests against real vLLM wherever it installed (REQUIRE_VLLM: they
 # fail rather than skip); where it cannot run (no AVX2), they skip and say why.
-test: bootstrap vllm
+test: bootstrap vllm verl
 	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
-	REQUIRE_VLLM=$$(test -f $(VLLM_STAMP) && echo 1 || echo 0) $(PY) -m pytest $(PYTEST_ARGS)
+	REQUIRE_VLLM=$$(test -f $(VLLM_STAMP) && echo 1 || echo 0) \
+	REQUIRE_VERL=$$(test -f $(VERL_STAMP) && echo 1 || echo 0) $(PY) -m pytest $(PYTEST_ARGS)
 
 bootstrap: system $(STAMP)
 
@@ -63,6 +69,17 @@ $(VLLM_STAMP):
 		touch $@; \
 	fi
 
+# VeRL from PyPI on the CPU torch (about 90 s and 1.9 GB); cachetools, uvicorn and fastapi
+# are imported by its trainer modules but not declared by the 0.9.1 package.
+verl: $(VERL_STAMP)
+
+$(VERL_STAMP):
+	(test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)) && \
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip && \
+	$(VERL_VENV)/bin/python -m pip install -q verl==$(VERL_VERSION) torch==2.13.0 \
+		cachetools uvicorn fastapi && \
+	touch $@
+
 lint: bootstrap
 	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
 
@@ -85,4 +102,4 @@ grpo: bootstrap
 	$(PY) examples/grpo_cpu.py $(GRPO_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .prorl .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .prorl .pytest_cache

@@ -30,11 +30,13 @@ def _cmd_serve_model(args) -> int:
     if engine == "vllm":
         name = args.name or os.path.basename(os.path.normpath(args.model))
         argv, env = vllm_command(python, args.model, args.host, args.port, name,
-                                 dtype=args.dtype, max_model_len=args.max_model_len)
+                                 dtype=args.dtype, max_model_len=args.max_model_len,
+                                 extra=["--logprobs-mode", args.logprobs_mode])
         os.execve(python, argv, env)
     from prorl_farm.dev.devserver import serve
 
-    serve(args.model, args.host, args.port, args.name, max_model_len=args.max_model_len)
+    serve(args.model, args.host, args.port, args.name, max_model_len=args.max_model_len,
+          logprobs_mode=args.logprobs_mode)
     return 0
 
 
@@ -216,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--max-model-len", type=int, default=None,
                     help="context length served (default: the model's)")
     sm.add_argument("--dtype", default="float32", help="vLLM's --dtype (default float32)")
+    sm.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
+                    default="raw_logprobs", help="what the logprobs are (vLLM's flag): before "
+                    "temperature and truncation, or of the distribution sampled from (what "
+                    "VeRL's actor computes); register the backend with the same")
     sm.set_defaults(func=_cmd_serve_model)
     url = read("url")
     s = sub.add_parser("submit", help="submit a JSONL dataset, show progress until the batch "

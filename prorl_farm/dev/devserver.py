@@ -3,8 +3,11 @@
 It speaks the routes the farm uses of vLLM (``POST /v1/completions`` with token-ID prompts,
 ``GET /v1/models``, ``GET /health``) and of SGLang (``POST /generate``,
 ``GET /get_model_info``), token IDs in and out, so the whole farm can be developed and
-tested without a GPU. Logprobs are raw: ``log_softmax`` of the model's logits before
-temperature, top-k and top-p (vLLM's default ``raw_logprobs``); sampling applies them.
+tested without a GPU. Logprobs are raw by default: ``log_softmax`` of the model's logits
+before temperature, top-k and top-p (vLLM's default ``raw_logprobs``); sampling applies
+them. With ``logprobs_mode="processed_logprobs"`` (``serve-model --logprobs-mode``, as
+vLLM's flag) they are those of the distribution sampled from: after temperature, min-p,
+top-k and top-p (what a trainer that divides its logits by the temperature computes).
 Requests that arrive together are generated together (one padded forward pass per token,
 each with its own sampling parameters and seed); a client that disconnects aborts its
 generation.
@@ -40,6 +43,9 @@ from pathlib import Path
 from prorl_farm.errors import FarmError
 
 log = logging.getLogger(__name__)
+
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 class BadRequest(FarmError, ValueError):
@@ -82,10 +88,13 @@ class _Request:
 
 
 class DevModel:
-    """A local causal LM with KV-cache sampling that records raw logprobs."""
+    """A local causal LM with KV-cache sampling that records raw (or processed) logprobs."""
 
     def __init__(self, model_dir: str | Path, name: str | None = None, threads: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode {logprobs_mode!r}: expected one of {LOGPROBS_MODES}")
+        self.logprobs_mode = logprobs_mode
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -129,10 +138,12 @@ class DevModel:
         return out.logits[:, -1].float(), new_cache
 
     def _pick(self, logits, temperature: float, top_p: float, top_k: int, min_p: float,
-              gen) -> int:
+              gen) -> tuple[int, float | None]:
+        """The sampled token and its logprob under the distribution sampled from (None
+        for greedy: no distribution; the raw logprob stands)."""
         torch = self.torch
         if temperature <= 0:
-            return int(torch.argmax(logits))
+            return int(torch.argmax(logits)), None
         scaled = logits / temperature
         if min_p > 0:  # drop tokens less likely than min_p times the likeliest
             probs = torch.softmax(scaled, -1)
@@ -146,7 +157,8 @@ class DevModel:
             drop = cum - torch.softmax(sorted_logits, -1) > top_p  # keep the first over top_p
             scaled = scaled.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(scaled, -1)
-        return int(torch.multinomial(probs, 1, generator=gen))
+        token = int(torch.multinomial(probs, 1, generator=gen))
+        return token, float(torch.log_softmax(scaled, -1)[token])
 
     def sample(self, prompt: list[int], max_tokens: int, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
@@ -208,10 +220,12 @@ class DevModel:
                 nxt = torch.zeros(len(batch), dtype=torch.long)
                 for i in list(live):
                     r = batch[i]
-                    token = self._pick(logits[i], r.temperature, r.top_p, r.top_k, r.min_p,
-                                       r.gen)
+                    token, processed = self._pick(logits[i], r.temperature, r.top_p,
+                                                  r.top_k, r.min_p, r.gen)
                     r.out.append(token)
-                    r.logprobs.append(float(raw[i, token]))
+                    r.logprobs.append(processed if processed is not None and
+                                      self.logprobs_mode == "processed_logprobs"
+                                      else float(raw[i, token]))
                     nxt[i] = token
                     if token in r.stops:
                         r.finish("stop", token)
@@ -528,8 +542,8 @@ def make_server(model: DevModel, host: str = "127.0.0.1", port: int = 0) -> Thre
 
 
 def serve(model_dir: str, host: str, port: int, name: str | None = None,
-          max_model_len: int | None = None) -> None:
-    model = DevModel(model_dir, name, max_model_len=max_model_len)
+          max_model_len: int | None = None, logprobs_mode: str = "raw_logprobs") -> None:
+    model = DevModel(model_dir, name, max_model_len=max_model_len, logprobs_mode=logprobs_mode)
     server = make_server(model, host, port)
     log.info("serving %s on http://%s:%d (vLLM and SGLang routes)", model.name, host,
              server.server_address[1])

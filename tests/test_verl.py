@@ -1,0 +1,97 @@
+"""The farm's trajectories through VeRL itself (0.9.1, in its own environment, .venv-verl,
+as `make verl` installs it): multi-turn chat episodes at temperature 0.7 from a backend that
+returns processed logprobs, fetched with FarmClient's Arrow path and laid out by ``to_verl``,
+then run through VeRL's reward extraction, GRPO advantages, policy loss and loss
+aggregation, with the logprobs recomputed through VeRL's padded layout equal to the
+rollout's (tests/verl_checks.py). Skipped where VeRL is not installed; failed instead where
+REQUIRE_VERL=1 (as `make test` sets once it installed VeRL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.request
+
+import pytest
+
+from tests.farm import ROOT, free_port, http_farm, wait_until
+
+pytestmark = pytest.mark.slow
+VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
+STOPS = list(range(300, 500))
+
+
+def require_verl() -> str:
+    if not VERL_PYTHON.exists():
+        why = f"VeRL's environment is not installed ({VERL_PYTHON}; `make verl` makes it)"
+        if os.environ.get("REQUIRE_VERL") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return str(VERL_PYTHON)
+
+
+@pytest.fixture
+def processed_server(tiny_model, tmp_path):
+    """The dev model server returning processed logprobs (vLLM's --logprobs-mode flag)."""
+    import sys
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "serve-model", "--model",
+                             str(tiny_model), "--port", str(port), "--logprobs-mode",
+                             "processed_logprobs"], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, 60, 0.1, "dev model server")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_farm_batches_run_through_verls_trainer_side_at_temperature_0_7(
+        redis_server, r, tmp_path, tiny_model, processed_server):
+    from prorl_farm.trainer import FarmClient
+
+    python = require_verl()
+    with http_farm(redis_server.url, tmp_path, "verl") as (url, _):
+        farm = FarmClient(url)
+        try:
+            farm.register_backend(processed_server, "vllm", "tiny", str(tiny_model),
+                                  capacity=8, logprobs_mode="processed_logprobs")
+            batches = []
+            for i in range(2):  # two prompt groups of four samples each
+                instance = {"messages": [{"role": "user", "content": f"def f{i}(x):"}],
+                            "observations": ["Traceback: NameError", "ok, again"],
+                            "observation_role": "tool", "continue_on_length": True}
+                sub = farm.submit("chat", [instance], n=4, sampling={
+                    "temperature": 0.7, "max_tokens": 12, "seed": 5 + i,
+                    "stop_token_ids": STOPS})
+                batches.append(sub["batch_id"])
+            for b in batches:
+                wait_until(lambda b=b: farm.batch(b)["complete"], 180, 0.2, "chat batch")
+                assert farm.batch(b)["counts"]["done"] == 4, farm.batch(b)
+        finally:
+            farm.http.close()
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = {k: v for k, v in env.items() if not k.startswith("PRORL_")}
+        run = subprocess.run([python, str(ROOT / "tests" / "verl_checks.py"), url,
+                              str(tiny_model), *batches], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    print("verl checks:", figures)
+    assert figures["rows"] == 8 and figures["temperature"] == 0.7
+    assert figures["max_logprob_error"] < 1e-4
+    assert max(figures["num_turns"]) > 2  # multi-turn episodes: tool observations between
