@@ -60,38 +60,62 @@ def processed_server(tiny_model, tmp_path):
         log.close()
 
 
-def test_farm_batches_run_through_verls_trainer_side_at_temperature_0_7(
-        redis_server, r, tmp_path, tiny_model, processed_server):
+@pytest.fixture
+def verl_farm(redis_server, r, tmp_path, tiny_model, processed_server):
+    """Pools, the API under gunicorn and the processed-logprobs backend; yields its URL."""
     from prorl_farm.trainer import FarmClient
 
-    python = require_verl()
     with http_farm(redis_server.url, tmp_path, "verl") as (url, _):
         farm = FarmClient(url)
         try:
             farm.register_backend(processed_server, "vllm", "tiny", str(tiny_model),
                                   capacity=8, logprobs_mode="processed_logprobs")
-            batches = []
-            for i in range(2):  # two prompt groups of four samples each
-                instance = {"messages": [{"role": "user", "content": f"def f{i}(x):"}],
-                            "observations": ["Traceback: NameError", "ok, again"],
-                            "observation_role": "tool", "continue_on_length": True}
-                sub = farm.submit("chat", [instance], n=4, sampling={
-                    "temperature": 0.7, "max_tokens": 12, "seed": 5 + i,
-                    "stop_token_ids": STOPS})
-                batches.append(sub["batch_id"])
-            for b in batches:
-                wait_until(lambda b=b: farm.batch(b)["complete"], 180, 0.2, "chat batch")
-                assert farm.batch(b)["counts"]["done"] == 4, farm.batch(b)
         finally:
             farm.http.close()
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        env = {k: v for k, v in env.items() if not k.startswith("PRORL_")}
-        run = subprocess.run([python, str(ROOT / "tests" / "verl_checks.py"), url,
-                              str(tiny_model), *batches], env=env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
+        yield url
+
+
+def _verl(python: str, script: str, *args: str) -> dict:
+    """Run a check script with VeRL's interpreter; its last line of output, parsed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run([python, str(ROOT / "tests" / script), *args], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     figures = json.loads(run.stdout.strip().splitlines()[-1])
-    print("verl checks:", figures)
+    print(script, figures)
+    return figures
+
+
+def test_farm_batches_run_through_verls_trainer_side_at_temperature_0_7(verl_farm,
+                                                                       tiny_model):
+    from prorl_farm.trainer import FarmClient
+
+    python = require_verl()
+    farm = FarmClient(verl_farm)
+    try:
+        batches = []
+        for i in range(2):  # two prompt groups of four samples each
+            instance = {"messages": [{"role": "user", "content": f"def f{i}(x):"}],
+                        "observations": ["Traceback: NameError", "ok, again"],
+                        "observation_role": "tool", "continue_on_length": True}
+            sub = farm.submit("chat", [instance], n=4, sampling={
+                "temperature": 0.7, "max_tokens": 12, "seed": 5 + i, "stop_token_ids": STOPS})
+            batches.append(sub["batch_id"])
+        for b in batches:
+            wait_until(lambda b=b: farm.batch(b)["complete"], 180, 0.2, "chat batch")
+            assert farm.batch(b)["counts"]["done"] == 4, farm.batch(b)
+    finally:
+        farm.http.close()
+    figures = _verl(python, "verl_checks.py", verl_farm, str(tiny_model), *batches)
     assert figures["rows"] == 8 and figures["temperature"] == 0.7
     assert figures["max_logprob_error"] < 1e-4
     assert max(figures["num_turns"]) > 2  # multi-turn episodes: tool observations between
+
+
+def test_the_farm_agent_loop_under_verls_agent_loop_worker(verl_farm, tiny_model, tmp_path):
+    python = require_verl()
+    figures = _verl(python, "verl_agent_loop_check.py", verl_farm, str(tiny_model),
+                    str(tmp_path))
+    assert figures["rows"] == 4 and max(figures["num_turns"]) > 2
+    assert figures["failed_kind"] == "run_error" and figures["cancelled"] >= 1

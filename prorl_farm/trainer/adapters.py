@@ -122,7 +122,7 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
         uids.append(_uid(groups[g], g))
         versions.append(job.get("policy_version"))
         # VeRL counts chat turns: the prompt, then each assistant or tool/user message.
-        turns.append(1 + len(_runs(res["response_mask"])))
+        turns.append(1 + len(mask_runs(res["response_mask"])))
     attention_mask = np.concatenate([prompt_mask, response_attn], axis=1)
     position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None) * attention_mask
     batch = {"prompts": prompts, "responses": responses,
@@ -141,7 +141,7 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
             "meta_info": {"temperature": temperature}}
 
 
-def _runs(mask) -> list[tuple[int, int, int]]:
+def mask_runs(mask) -> list[tuple[int, int, int]]:
     """(start, end, value) of the runs of equal values in ``mask``."""
     mask = np.asarray(mask)
     if not len(mask):
@@ -167,7 +167,7 @@ def to_nemo_rl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
         log = [{"role": "user", "token_ids": np.array(res["prompt_ids"], dtype=np.int64),
                 "token_loss_mask": np.zeros(len(res["prompt_ids"]), dtype=np.int64),
                 "generation_logprobs": np.zeros(len(res["prompt_ids"]), dtype=np.float32)}]
-        for start, end, value in _runs(mask):
+        for start, end, value in mask_runs(mask):
             log.append({"role": "assistant" if value else "environment",
                         "token_ids": np.array(response[start:end], dtype=np.int64),
                         "token_loss_mask": np.full(end - start, value, dtype=np.int64),
