@@ -16,7 +16,7 @@ def _cmd_up(args) -> int:
 
     try:
         return Supervisor(load_settings(), dev_model=args.model, auth=args.auth,
-                          engine=args.engine).run()
+                          engine=args.engine, logprobs_mode=args.logprobs_mode).run()
     except StartupError as e:
         print(e, file=sys.stderr)
         return 1
@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", choices=["dev", "vllm"], default="dev",
                     help="what serves --model: the farm's dev server, or vLLM's CPU build "
                     "where it is installed (make vllm; the dev server otherwise, said so)")
+    up.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
+                    default="raw_logprobs", help="what --model's logprobs are (and the backend "
+                    "is registered with): processed for VeRL's actor (docs/trainers.md)")
     up.add_argument("--auth", action="store_true",
                     help="require an API token for mutating calls: PRORL_API_TOKEN, or one "
                     "made up and printed (always so when PRORL_API_HOST is not loopback)")

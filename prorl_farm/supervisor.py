@@ -146,7 +146,7 @@ def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
 
 class Supervisor:
     def __init__(self, settings: Settings, dev_model: str | None = None, auth: bool = False,
-                 engine: str = "dev"):
+                 engine: str = "dev", logprobs_mode: str = "raw_logprobs"):
         # Off loopback, the API needs a token and Flower a password: made up if not given.
         exposed = not is_loopback(settings.api_host)
         self.generated: list[str] = []
@@ -161,6 +161,7 @@ class Supervisor:
         self.dev_model = str(Path(dev_model).resolve()) if dev_model else None
         self.dev_model_port = free_port() if dev_model else None
         self.engine, self.engine_line = "dev", ""
+        self.logprobs_mode = logprobs_mode  # what the model server returns, and says so
         if dev_model:
             from prorl_farm.dev.engines import choose
 
@@ -195,7 +196,8 @@ class Supervisor:
             self.children.append(Child(
                 "dev-model", cli + ["serve-model", "--model", self.dev_model,
                                     "--port", str(self.dev_model_port),
-                                    "--engine", self.engine],
+                                    "--engine", self.engine,
+                                    "--logprobs-mode", self.logprobs_mode],
                 self.logs / "dev-model.log"))
 
     def _start_redis(self) -> str:
@@ -341,7 +343,7 @@ class Supervisor:
         name = Path(self.dev_model).name
         self.dev_backend_id = registry.register(BackendSpec(
             url=base, kind="vllm", model=name, tokenizer=self.dev_model,
-            capacity=4, logprobs_mode="raw_logprobs",
+            capacity=4, logprobs_mode=self.logprobs_mode,
             max_model_len=context_length(base, name) or 0))
         self._registry = registry
 
