@@ -14,6 +14,8 @@ VeRL's reward workers are not asked), ``num_turns`` (VeRL's count), and in
   the sample's group failed (the v1 trainer pads or refills it, ``sync_refill_failed_
   groups``), never a zero reward.
 - Cancelling the sample's task (VeRL cancelling a rollout) cancels the farm job.
+- Logprobs of another mode than ``rollout.logprobs_mode`` (under sampling where the modes
+  differ) are refused with the fix in the message (``adapters.check_logprobs_mode``).
 - The response is cut at ``rollout.response_length`` and the prompt at
   ``rollout.prompt_length`` (from the left), as VeRL's own loops cut theirs.
 
@@ -49,7 +51,7 @@ from verl.experimental.agent_loop.agent_loop import (
 
 from prorl_farm.config import read
 from prorl_farm.errors import FarmError
-from prorl_farm.trainer.adapters import mask_runs
+from prorl_farm.trainer.adapters import check_logprobs_mode, mask_runs
 from prorl_farm.trainer.farm import FarmClient
 
 log = logging.getLogger(__name__)
@@ -190,6 +192,9 @@ class FarmAgentLoop(AgentLoopBase):
             farm.http.close()
         if job["state"] != "done":
             raise FarmRolloutFailed(job)
+        # The logprobs must be what VeRL's actor computes (rollout.logprobs_mode): a
+        # mismatch is refused loudly, never trained on.
+        check_logprobs_mode([(0, job)], getattr(self.rollout_config, "logprobs_mode", None))
         return self._output(job)
 
     def _output(self, job: dict) -> AgentLoopOutput:
