@@ -1,0 +1,162 @@
+"""Token-exact capture of a harness's model calls (the per-job model gateway's core).
+
+A harness (an agent of its own, talking to an OpenAI- or Anthropic-style endpoint) sends
+each call as a whole conversation. The gateway turns each into prompt ids and keeps what
+the policy sampled exactly:
+
+- A call whose conversation is the previous one, plus the assistant reply the gateway
+  produced for it (as the client sends it back), plus new messages, *extends* the current
+  segment: its prompt is the segment's context (the reply's sampled ids, never a
+  re-rendering of its text) followed by the template's glue and the new messages, as the
+  built-in loop builds its context (agent/trajectory.py). Sampled tokens get mask 1 and
+  their logprobs; everything else mask 0.
+- Any other call (the harness truncated, summarised or rewrote its history, changed its
+  tools, or edited a reply) starts a new segment rendered afresh from its messages; the
+  capture stats say where it diverged from the context so far (the first differing token).
+
+``result()`` gives the segments in the trajectory format of docs/trajectory.md (a trainer
+takes one sample per segment) and the stats: calls, merged, segments, splits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from prorl_farm.agent.parsers import ToolParser
+from prorl_farm.agent.trajectory import ChatTokens, Trajectory
+from prorl_farm.errors import FarmError
+
+
+class ContextFull(FarmError, ValueError):
+    """The conversation leaves no room to generate within the context length."""
+
+
+def _text(content) -> str:
+    """A message's content as text: a string, or the text of OpenAI/Anthropic parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict) and part.get("type") in ("text", "input_text",
+                                                               "output_text"):
+            parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def _arguments(raw) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw or "{}")
+    except (TypeError, ValueError):
+        return {"_raw": raw}
+    return value if isinstance(value, dict) else {"_raw": value}
+
+
+def normalise(message: dict) -> dict:
+    """A chat message in the form the chat template takes (OpenAI's tool calls with their
+    arguments as objects; content as text); ids and other API details are dropped, so a
+    reply the client sends back compares equal to the one the gateway produced."""
+    role = message.get("role")
+    out: dict = {"role": role, "content": _text(message.get("content"))}
+    calls = message.get("tool_calls") or []
+    if role == "assistant" and calls:
+        out["tool_calls"] = [{"type": "function", "function": {
+            "name": c.get("function", {}).get("name", ""),
+            "arguments": _arguments(c.get("function", {}).get("arguments"))}} for c in calls]
+    return out
+
+
+_HERMES_CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)
+
+
+@dataclass
+class Reply:
+    """What one call's sampled ids say: the text without tool-call markup, the calls."""
+
+    content: str
+    tool_calls: list[dict]
+    finish_reason: str
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class Capture:
+    """One job's gateway capture: segments of token-exact trajectories, and stats."""
+
+    chat: ChatTokens
+    parser: ToolParser
+    context_length: int | None = None
+    segments: list[Trajectory] = field(default_factory=list)
+    calls: int = 0
+    merged: int = 0
+    splits: list[dict] = field(default_factory=list)
+    _seen: list[dict] = field(default_factory=list)  # the conversation so far, normalised
+    _tools: list | None = None
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt ids of a call: the current segment extended, or a new segment."""
+        conversation = [normalise(m) for m in messages]
+        tools = tools or None
+        current = self.segments[-1] if self.segments else None
+        self.calls += 1
+        if (current is not None and tools == self._tools
+                and len(conversation) > len(self._seen)
+                and conversation[:len(self._seen)] == self._seen
+                and current.turns):
+            new = conversation[len(self._seen):]
+            if not current.add_messages(new, limit=self.context_length):
+                raise ContextFull("the conversation leaves no room to generate within the "
+                                  f"context length ({self.context_length} tokens)")
+            self.merged += 1
+            self._seen = conversation
+            return current.context()
+        fresh = Trajectory.start(self.chat, conversation, tools)
+        if self.context_length and len(fresh.prompt_ids) >= self.context_length:
+            raise ContextFull(f"the prompt is {len(fresh.prompt_ids)} tokens; the context "
+                              f"length is {self.context_length}")
+        if current is not None:
+            before = current.context()
+            diverged = next((i for i, (a, b) in enumerate(zip(before, fresh.prompt_ids))
+                             if a != b), min(len(before), len(fresh.prompt_ids)))
+            self.splits.append({"call": self.calls, "segment": len(self.segments),
+                                "diverged_at": diverged})
+        if current is not None and not current.turns:
+            self.segments.pop()  # a segment that never sampled holds nothing to train on
+        self.segments.append(fresh)
+        self._seen, self._tools = conversation, tools
+        return fresh.context()
+
+    def record(self, sent: list[int], token_ids: list[int], logprobs: list[float],
+               finish_reason: str, backend: str, policy_version: int,
+               logprobs_mode: str) -> Reply:
+        """Keep what the backend sampled for ``sent`` (the ids :meth:`prompt` gave) and
+        return the reply as the API answers it."""
+        current = self.segments[-1]
+        current.add_generation(sent, token_ids, logprobs, finish_reason, backend,
+                               policy_version, logprobs_mode)
+        text = self.chat.decode(token_ids)
+        parsed = self.parser.parse(text)
+        calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in parsed.calls]
+        content = _HERMES_CALL.sub("", text).strip() if calls else text
+        reply = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = calls
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        self._seen = self._seen + [reply]
+        return Reply(content, calls, finish_reason, list(token_ids), list(logprobs))
+
+    def result(self) -> dict:
+        """The segments (docs/trajectory.md's fields each) and the capture stats."""
+        segments = [s.to_dict() for s in self.segments if s.turns]
+        return {"segments": segments,
+                "capture": {"calls": self.calls, "merged": self.merged,
+                            "segments": len(segments), "splits": self.splits}}
