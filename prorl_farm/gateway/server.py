@@ -1,0 +1,191 @@
+"""The gateway's HTTP side: one server per pool process, one key per job.
+
+``GatewayServer`` serves ``GET /v1/models`` and ``POST /v1/chat/completions`` to whoever
+holds a job's key (``Authorization: Bearer <key>``, or ``x-api-key``); a key is the job's
+own, and dead once :meth:`GatewayServer.close_job` ran (401, in OpenAI's error shape).
+Each call of a job is turned into prompt ids by its :class:`~prorl_farm.gateway.capture.
+Capture`, sampled token-in/token-out by the job's ``sampler`` (in the farm: its sticky
+backend session, under the job's deadline and cancellation), and answered from the sampled
+ids. Calls of one job run one at a time (a harness's calls are one conversation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prorl_farm.gateway.capture import Capture, ContextFull
+from prorl_farm.gateway.openai_api import (
+    GatewayError,
+    chat_response,
+    chat_stream,
+    merge_sampling,
+    parse_chat,
+)
+from prorl_farm.llm.backends.abstract import Generation
+
+log = logging.getLogger(__name__)
+MAX_BODY = 16 << 20
+
+
+@dataclass
+class Sampled:
+    """One call's generation and the backend that made it."""
+
+    generation: Generation
+    backend: str
+    policy_version: int
+    logprobs_mode: str
+
+
+@dataclass
+class JobGateway:
+    """What the gateway knows of one job."""
+
+    job_id: str
+    capture: Capture
+    sampler: Callable[[list[int], dict], Sampled]
+    sampling: dict  # the job's (the trainer's): it wins over a harness's own values
+    model: str
+    max_tokens: int  # per call, at most
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    overrides: list[dict] = field(default_factory=list)
+
+    def chat(self, body) -> tuple[dict | None, object]:
+        """(JSON answer, or None and an event stream)."""
+        req = parse_chat(body)
+        sampling, overridden = merge_sampling(self.sampling, req.sampling, self.max_tokens)
+        with self.lock:
+            self.overrides += overridden
+            try:
+                prompt = self.capture.prompt(req.messages, req.tools)
+            except ContextFull as e:
+                raise GatewayError(400, str(e), "messages", code="context_length_exceeded"
+                                   ) from e
+            out = self.sampler(prompt, sampling)
+            gen = out.generation
+            reply = self.capture.record(prompt, gen.token_ids, gen.logprobs,
+                                        gen.finish_reason, out.backend, out.policy_version,
+                                        out.logprobs_mode)
+        if req.stream:
+            return None, chat_stream(req, reply, len(prompt), self.model)
+        return chat_response(req, reply, len(prompt), self.model), None
+
+    def result(self) -> dict:
+        out = self.capture.result()
+        out["capture"]["sampling_overrides"] = self.overrides
+        return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: GatewayServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # noqa: D401 - quiet: the farm logs what matters
+        log.debug("gateway: " + fmt, *args)
+
+    def _job(self) -> JobGateway:
+        auth = self.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else \
+            self.headers.get("x-api-key", "")
+        job = self.server.jobs.get(key) if key else None
+        if job is None:
+            raise GatewayError(401, "invalid API key (this gateway serves the key of a job "
+                               "that is running)", kind="invalid_request_error",
+                               code="invalid_api_key")
+        return job
+
+    def _send(self, status: int, doc: dict) -> None:
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _stream(self, events) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for event in events:
+            self.wfile.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _body(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise GatewayError(413, f"the request body is over {MAX_BODY} bytes")
+        raw = self.rfile.read(length)
+        try:
+            return json.loads(raw or b"null")
+        except ValueError as e:
+            raise GatewayError(400, f"the request body is not JSON: {e}") from e
+
+    def _serve(self, method: str) -> None:
+        try:
+            job = self._job()
+            path = self.path.split("?", 1)[0].rstrip("/")
+            if method == "GET" and path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{
+                    "id": job.model, "object": "model", "created": 0, "owned_by": "prorl-farm"}]})
+                return
+            if method == "POST" and path == "/v1/chat/completions":
+                doc, events = job.chat(self._body())
+                if events is not None:
+                    self._stream(events)
+                else:
+                    self._send(200, doc)
+                return
+            raise GatewayError(404, f"no route {method} {path}", kind="not_found_error")
+        except GatewayError as e:
+            self._send(e.status, e.body())
+        except Exception as e:  # noqa: BLE001 - the harness hears of it; the job goes on
+            log.warning("gateway call failed: %s", e, exc_info=True)
+            self._send(500, GatewayError(500, f"{type(e).__name__}: {e}",
+                                         kind="server_error").body())
+
+    def do_GET(self):  # noqa: N802 - http.server's names
+        self._serve("GET")
+
+    def do_POST(self):  # noqa: N802
+        self._serve("POST")
+
+
+class GatewayServer(ThreadingHTTPServer):
+    """The model endpoint of every job of this process that has one."""
+
+    daemon_threads = True
+
+    def __init__(self, address=("127.0.0.1", 0)):
+        super().__init__(address, _Handler)
+        self.jobs: dict[str, JobGateway] = {}
+        self._thread = threading.Thread(target=self.serve_forever, name="prorl-gateway",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def open_job(self, job: JobGateway) -> str:
+        """Serve ``job``; returns its key."""
+        key = f"prorl-{secrets.token_urlsafe(24)}"
+        self.jobs[key] = job
+        return key
+
+    def close_job(self, key: str) -> JobGateway | None:
+        """The job's key is dead from now on; returns what it captured."""
+        return self.jobs.pop(key, None)
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        self._thread.join(timeout=5)
