@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
+import socketserver
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -158,26 +160,25 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve("POST")
 
 
-class GatewayServer(ThreadingHTTPServer):
-    """The model endpoint of every job of this process that has one."""
+def new_key() -> str:
+    """A job's gateway key: random, unguessable."""
+    return f"prorl-{secrets.token_urlsafe(24)}"
 
-    daemon_threads = True
 
-    def __init__(self, address=("127.0.0.1", 0)):
-        super().__init__(address, _Handler)
-        self.jobs: dict[str, JobGateway] = {}
+class _Serving:
+    """The jobs a gateway server serves, by key, and its serving thread."""
+
+    jobs: dict[str, JobGateway]
+
+    def _start(self) -> None:
+        self.jobs = {}
         self._thread = threading.Thread(target=self.serve_forever, name="prorl-gateway",
                                         daemon=True)
         self._thread.start()
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def open_job(self, job: JobGateway) -> str:
-        """Serve ``job``; returns its key."""
-        key = f"prorl-{secrets.token_urlsafe(24)}"
+    def open_job(self, job: JobGateway, key: str | None = None) -> str:
+        """Serve ``job`` under ``key`` (default: a new random one); returns the key."""
+        key = key or new_key()
         self.jobs[key] = job
         return key
 
@@ -189,3 +190,44 @@ class GatewayServer(ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
         self._thread.join(timeout=5)
+
+
+class GatewayServer(_Serving, ThreadingHTTPServer):
+    """The model endpoint of this process's jobs on a TCP address (loopback by default)."""
+
+    daemon_threads = True
+
+    def __init__(self, address=("127.0.0.1", 0)):
+        ThreadingHTTPServer.__init__(self, address, _Handler)
+        self._start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+class _UnixHandler(_Handler):
+    def address_string(self) -> str:
+        return "sandbox"
+
+
+class UnixGatewayServer(_Serving, socketserver.ThreadingUnixStreamServer):
+    """The model endpoint on a Unix socket: what a sandbox's relay reaches (the socket in
+    the sandbox's gateway directory, sandbox.abstract.gateway_dir). The socket is open to
+    any local user (the sandbox runs as another); the job's key is what admits a call."""
+
+    daemon_threads = True
+
+    def __init__(self, path: str):
+        socketserver.ThreadingUnixStreamServer.__init__(self, path, _UnixHandler)
+        os.chmod(path, 0o666)
+        self.path = path
+        self._start()
+
+    def stop(self) -> None:
+        super().stop()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

@@ -22,11 +22,26 @@ from prorl_farm.sandbox.process import (
     spawn,
     wait_ready,
 )
-from prorl_farm.toolserver.protocol import INSIDE_RUN, INSIDE_WORKSPACE, IP_ENV, SANDBOX_ENV
+from prorl_farm.toolserver.protocol import (
+    GATEWAY_PORT,
+    GATEWAY_SOCKET,
+    INSIDE_GATEWAY_DIR,
+    INSIDE_RUN,
+    INSIDE_WORKSPACE,
+    IP_ENV,
+    SANDBOX_ENV,
+)
 
-__all__ = ["INSIDE_RUN", "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime",
-           "Sandbox", "SandboxError", "SandboxSpec", "kill_group", "pid_alive", "processes_of",
-           "reap"]
+__all__ = ["GATEWAY_PORT", "GATEWAY_SOCKET", "INSIDE_GATEWAY_DIR", "INSIDE_RUN",
+           "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime", "Sandbox",
+           "SandboxError", "SandboxSpec", "gateway_dir", "kill_group", "pid_alive",
+           "processes_of", "reap"]
+
+
+def gateway_dir(workspace: str | Path) -> Path:
+    """Where, on the host, a sandbox's model gateway puts its socket (bound in at
+    INSIDE_GATEWAY_DIR): beside its workspace, gone with it."""
+    return Path(workspace).parent / "gw"
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,9 @@ class SandboxSpec:
     # Extra read-only paths, inside -> host. Checked by the SandboxManager against the
     # operator's PRORL_SANDBOX_MOUNT_ROOTS (instances are untrusted input).
     ro_paths: dict[str, str] = field(default_factory=dict)
+    # A door to the job's model gateway: its Unix socket's directory bound in, a loopback
+    # port relayed to it, and OPENAI_BASE_URL / ANTHROPIC_BASE_URL pointing there (bwrap).
+    gateway: bool = False
 
 
 @dataclass

@@ -23,7 +23,8 @@ _BOOT = ("import runpy, sys; sys.path[:0] = [p for p in sys.argv.pop(1).split(':
 
 def server_argv(socket: str | int, workspace: str, runtime_dir: str,
                 python: str = sys.executable, ready_fd: int | None = None,
-                pythonpath: str | None = None, nproc: int | None = None) -> list[str]:
+                pythonpath: str | None = None, nproc: int | None = None,
+                gateway: str | None = None) -> list[str]:
     """The tool server's command line: ``socket`` is a path to bind, or the fd of a
     listening socket made by the host (:func:`listen_socket`); ``pythonpath``: where its
     packages are (default: the farm's own import path); ``nproc``: the process cap the
@@ -36,6 +37,7 @@ def server_argv(socket: str | int, workspace: str, runtime_dir: str,
              else ["--socket", socket])
     ready = ["--ready-fd", str(ready_fd)] if ready_fd is not None else []
     ready += ["--nproc", str(nproc)] if nproc is not None else []
+    ready += ["--gateway", gateway] if gateway else []
     return [python, "-I", "-c", _BOOT, pythonpath, *where, *ready,
             "--workspace", workspace, "--runtime-dir", runtime_dir]
 

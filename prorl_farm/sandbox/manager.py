@@ -24,6 +24,7 @@ from prorl_farm.sandbox.abstract import (
     Sandbox,
     SandboxError,
     SandboxSpec,
+    gateway_dir,
     processes_of,
 )
 from prorl_farm.sandbox.interpreter import sandbox_python, usable_by
@@ -192,6 +193,12 @@ class SandboxManager:
         try:
             workspace.mkdir(parents=True)
             run_dir.mkdir()
+            if spec.gateway:
+                if self.runtime.name != "bwrap":
+                    raise SandboxError("the model gateway is served to bwrap sandboxes only")
+                gw = gateway_dir(workspace)
+                gw.mkdir()
+                os.chmod(gw, 0o777)  # the RUN pool puts its socket here
             if spec.ro_paths:
                 spec = dataclasses.replace(spec, ro_paths=check_ro_paths(spec.ro_paths,
                                                                           self.mount_roots))

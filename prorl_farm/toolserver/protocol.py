@@ -21,6 +21,11 @@ INSIDE_FARM = "/opt/prorl"
 # Where isolating runtimes put the workspace and the tool server's socket, inside.
 INSIDE_WORKSPACE = "/workspace"
 INSIDE_RUN = "/run/prorl"
+# The model gateway, inside a sandbox that has one: its Unix socket (in a directory bound in
+# from the host) and the loopback port the tool server relays to it (toolserver/relay.py).
+INSIDE_GATEWAY_DIR = f"{INSIDE_RUN}/gw"
+GATEWAY_SOCKET = "gateway.sock"
+GATEWAY_PORT = 8009
 # Set for every program in a sandbox: its id (how the host finds its processes), and its
 # own loopback IP for services it starts.
 SANDBOX_ENV = "PRORL_SANDBOX_ID"

@@ -176,6 +176,9 @@ def main(argv=None) -> int:
     where.add_argument("--socket-fd", type=int, help="serve this listening socket (from the "
                        "host)")
     ap.add_argument("--ready-fd", type=int, help="write 'ready' here once serving")
+    ap.add_argument("--gateway", metavar="PORT:SOCKET",
+                    help="relay this loopback port (on the sandbox's address) to the model "
+                    "gateway's Unix socket")
     ap.add_argument("--workspace", required=True)
     ap.add_argument("--runtime-dir", default=None)
     ap.add_argument("--nproc", type=int, default=None,
@@ -192,6 +195,11 @@ def main(argv=None) -> int:
         cap = args.nproc if hard == resource.RLIM_INFINITY else min(args.nproc, hard)
         resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
     os.chdir(args.workspace)
+    if args.gateway:
+        from prorl_farm.toolserver.relay import serve_relay
+
+        port, _, path = args.gateway.partition(":")
+        serve_relay(os.environ.get(IP_ENV) or "127.0.0.1", int(port), path)
     tools = Tools(args.workspace, args.runtime_dir or os.path.join(args.workspace, ".prorl"))
     if args.socket_fd is not None:
         server = make_server(None, tools, socket_fd=args.socket_fd)

@@ -30,6 +30,9 @@ import sys
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
+    GATEWAY_PORT,
+    GATEWAY_SOCKET,
+    INSIDE_GATEWAY_DIR,
     INSIDE_RUN,
     INSIDE_WORKSPACE,
     IP_ENV,
@@ -38,6 +41,7 @@ from prorl_farm.sandbox.abstract import (
     Sandbox,
     SandboxError,
     SandboxSpec,
+    gateway_dir,
 )
 from prorl_farm.sandbox.interpreter import SandboxPython, sandbox_python, server_argv
 
@@ -92,8 +96,11 @@ def bwrap_argv(spec: SandboxSpec, sandbox_id: str, workspace: Path, ip: str,
                bwrap: str = "bwrap") -> list[str]:
     """The bwrap command line, up to (not including) ``--`` and the command."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": INSIDE_WORKSPACE,
-           "USER": "agent", "LOGNAME": "agent", SANDBOX_ENV: sandbox_id, IP_ENV: ip,
-           **spec.env}
+           "USER": "agent", "LOGNAME": "agent", SANDBOX_ENV: sandbox_id, IP_ENV: ip}
+    if spec.gateway:  # the harness's SDKs find the job's model gateway here
+        env.update(OPENAI_BASE_URL=f"http://{ip}:{GATEWAY_PORT}/v1",
+                   ANTHROPIC_BASE_URL=f"http://{ip}:{GATEWAY_PORT}")
+    env.update(spec.env)
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_GID),
             "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--as-pid-1",
@@ -112,6 +119,8 @@ def bwrap_argv(spec: SandboxSpec, sandbox_id: str, workspace: Path, ip: str,
              "--ro-bind", str(identity / "group"), "/etc/group", "--remount-ro", "/etc"]
     argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
              "--tmpfs", "/run", "--dir", INSIDE_RUN]
+    if spec.gateway:  # the directory where the job's gateway puts its socket
+        argv += ["--bind", str(gateway_dir(workspace)), INSIDE_GATEWAY_DIR]
     for host, inside in python.binds:
         argv += ["--ro-bind", host, inside]
     for inside, host in sorted((ro_paths or {}).items()):
@@ -145,11 +154,14 @@ class BwrapRuntime(Runtime):
                           ro_paths, self.bwrap)
 
         def argv(sock, ready_fd):
+            gateway = (f"{GATEWAY_PORT}:{INSIDE_GATEWAY_DIR}/{GATEWAY_SOCKET}"
+                       if spec.gateway else None)
             return base + ["--"] + server_argv(sock, INSIDE_WORKSPACE, f"{INSIDE_RUN}/jupyter",
                                                python=self.python.executable,
                                                ready_fd=ready_fd,
                                                pythonpath=self.python.pythonpath,
-                                               nproc=None if cgroup else spec.limits.processes)
+                                               nproc=None if cgroup else spec.limits.processes,
+                                               gateway=gateway)
 
         # Without a pids cgroup, the cap is set inside the sandbox's own user namespace (a
         # cap per sandbox), not on the host uid that every sandbox shares.
