@@ -1,6 +1,7 @@
 """The gateway's HTTP side: one server per pool process, one key per job.
 
-``GatewayServer`` serves ``GET /v1/models`` and ``POST /v1/chat/completions`` to whoever
+``GatewayServer`` serves ``GET /v1/models``, ``POST /v1/chat/completions`` (OpenAI) and
+``POST /v1/messages`` (Anthropic) to whoever
 holds a job's key (``Authorization: Bearer <key>``, or ``x-api-key``); a key is the job's
 own, and dead once :meth:`GatewayServer.close_job` ran (401, in OpenAI's error shape).
 Each call of a job is turned into prompt ids by its :class:`~prorl_farm.gateway.capture.
@@ -21,6 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prorl_farm.gateway.anthropic_api import (
+    error_body,
+    messages_response,
+    messages_stream,
+    parse_messages,
+)
 from prorl_farm.gateway.capture import Capture, ContextFull
 from prorl_farm.gateway.openai_api import (
     GatewayError,
@@ -59,8 +66,23 @@ class JobGateway:
     overrides: list[dict] = field(default_factory=list)
 
     def chat(self, body) -> tuple[dict | None, object]:
-        """(JSON answer, or None and an event stream)."""
+        """OpenAI Chat Completions: (JSON answer, or None and an event stream)."""
         req = parse_chat(body)
+        reply, prompt_len = self._call(req)
+        if req.stream:
+            return None, chat_stream(req, reply, prompt_len, self.model)
+        return chat_response(req, reply, prompt_len, self.model), None
+
+    def messages(self, body) -> tuple[dict | None, object]:
+        """Anthropic Messages: (JSON answer, or None and an event stream)."""
+        req = parse_messages(body)
+        reply, prompt_len = self._call(req)
+        if req.stream:
+            return None, messages_stream(reply, prompt_len, self.model)
+        return messages_response(reply, prompt_len, self.model), None
+
+    def _call(self, req) -> tuple:
+        """One call: its prompt ids (the capture), the sample, the reply."""
         sampling, overridden = merge_sampling(self.sampling, req.sampling, self.max_tokens)
         with self.lock:
             self.overrides += overridden
@@ -74,9 +96,7 @@ class JobGateway:
             reply = self.capture.record(prompt, gen.token_ids, gen.logprobs,
                                         gen.finish_reason, out.backend, out.policy_version,
                                         out.logprobs_mode)
-        if req.stream:
-            return None, chat_stream(req, reply, len(prompt), self.model)
-        return chat_response(req, reply, len(prompt), self.model), None
+        return reply, len(prompt)
 
     def result(self) -> dict:
         out = self.capture.result()
@@ -131,27 +151,27 @@ class _Handler(BaseHTTPRequestHandler):
             raise GatewayError(400, f"the request body is not JSON: {e}") from e
 
     def _serve(self, method: str) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
         try:
             job = self._job()
-            path = self.path.split("?", 1)[0].rstrip("/")
             if method == "GET" and path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{
                     "id": job.model, "object": "model", "created": 0, "owned_by": "prorl-farm"}]})
                 return
-            if method == "POST" and path == "/v1/chat/completions":
-                doc, events = job.chat(self._body())
+            if method == "POST" and path in ("/v1/chat/completions", "/v1/messages"):
+                call = job.chat if path.endswith("completions") else job.messages
+                doc, events = call(self._body())
                 if events is not None:
                     self._stream(events)
                 else:
                     self._send(200, doc)
                 return
             raise GatewayError(404, f"no route {method} {path}", kind="not_found_error")
-        except GatewayError as e:
-            self._send(e.status, e.body())
         except Exception as e:  # noqa: BLE001 - the harness hears of it; the job goes on
-            log.warning("gateway call failed: %s", e, exc_info=True)
-            self._send(500, GatewayError(500, f"{type(e).__name__}: {e}",
-                                         kind="server_error").body())
+            if not isinstance(e, GatewayError):
+                log.warning("gateway call failed: %s", e, exc_info=True)
+                e = GatewayError(500, f"{type(e).__name__}: {e}", kind="server_error")
+            self._send(e.status, error_body(e) if path == "/v1/messages" else e.body())
 
     def do_GET(self):  # noqa: N802 - http.server's names
         self._serve("GET")

@@ -1,0 +1,141 @@
+"""Anthropic Messages as the gateway speaks it: the request read and checked, its content
+blocks turned into the chat messages the capture renders (``tool_use`` blocks as tool
+calls, ``tool_result`` blocks as tool messages), and the answer built from what the policy
+sampled: ``text`` and ``tool_use`` blocks, whole or as Messages stream events."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+from prorl_farm.gateway.capture import Reply, _text
+from prorl_farm.gateway.openai_api import ChatRequest, GatewayError, _number
+
+STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens",
+                "abort": "end_turn"}
+
+
+def error_body(error: GatewayError) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+            429: "rate_limit_error", 529: "overloaded_error"}.get(error.status,
+                                                                  "invalid_request_error")
+    if error.status >= 500 and error.status != 529:
+        kind = "api_error"
+    return {"type": "error", "error": {"type": kind, "message": str(error)}}
+
+
+def _blocks(content) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise GatewayError(400, "'content' must be a string or an array of blocks", "content")
+    return content
+
+
+def _messages(body: dict) -> list[dict]:
+    """The conversation as chat messages (system first)."""
+    out: list[dict] = []
+    system = body.get("system")
+    if system:
+        out.append({"role": "system", "content": _text(system)})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError(400, "messages: must be a non-empty array", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise GatewayError(400, f"messages.{i}.role: must be user or assistant",
+                               f"messages.{i}.role")
+        blocks = _blocks(m.get("content", ""))
+        if m["role"] == "assistant":
+            text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text")
+            calls = [{"type": "function", "function": {"name": b.get("name", ""),
+                                                       "arguments": b.get("input") or {}}}
+                     for b in blocks if b.get("type") == "tool_use"]
+            msg: dict = {"role": "assistant", "content": text}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        for b in blocks:
+            if b.get("type") == "tool_result":
+                out.append({"role": "tool", "content": _text(b.get("content", ""))})
+        texts = [b for b in blocks if b.get("type") == "text"]
+        if texts:
+            out.append({"role": "user", "content": "".join(b.get("text", "") for b in texts)})
+    return out
+
+
+def parse_messages(body) -> ChatRequest:
+    """A Messages request, checked; GatewayError (400) names what is wrong."""
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the request body must be a JSON object")
+    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool) \
+            or body["max_tokens"] < 1:
+        raise GatewayError(400, "max_tokens: a positive integer is required", "max_tokens")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or any(
+            not isinstance(t, dict) or not t.get("name") for t in tools)):
+        raise GatewayError(400, "tools: must be an array of {name, input_schema}", "tools")
+    sampling = {"max_tokens": body["max_tokens"]}
+    for name, hi in (("temperature", 1), ("top_p", 1)):
+        value = _number(body, name, 0, hi)
+        if value is not None:
+            sampling[name] = value
+    if isinstance(body.get("top_k"), int) and not isinstance(body.get("top_k"), bool):
+        sampling["top_k"] = body["top_k"]
+    functions = [{"type": "function", "function": {
+        "name": t["name"], "description": t.get("description", ""),
+        "parameters": t.get("input_schema") or {"type": "object"}}} for t in tools or []]
+    return ChatRequest(model=str(body.get("model") or ""), messages=_messages(body),
+                       tools=functions or None, tool_choice=body.get("tool_choice"),
+                       stream=bool(body.get("stream")), include_usage=True,
+                       sampling=sampling, stop=list(body.get("stop_sequences") or []))
+
+
+def _content(reply: Reply) -> list[dict]:
+    blocks = [{"type": "text", "text": reply.content}] if reply.content else []
+    blocks += [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
+                "name": c["function"]["name"], "input": c["function"]["arguments"]}
+               for c in reply.tool_calls]
+    return blocks
+
+
+def messages_response(reply: Reply, prompt_tokens: int, model: str) -> dict:
+    return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+            "model": model, "content": _content(reply),
+            "stop_reason": STOP_REASONS.get(reply.finish_reason, "end_turn"),
+            "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": len(reply.token_ids)}}
+
+
+def messages_stream(reply: Reply, prompt_tokens: int, model: str) -> Iterator[bytes]:
+    """The answer as Messages stream events."""
+
+    def event(kind: str, data: dict) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+    whole = messages_response(reply, prompt_tokens, model)
+    yield event("message_start", {"message": {**whole, "content": [], "stop_reason": None,
+                                              "usage": {"input_tokens": prompt_tokens,
+                                                        "output_tokens": 0}}})
+    for index, block in enumerate(whole["content"]):
+        if block["type"] == "text":
+            yield event("content_block_start", {"index": index, "content_block": {
+                "type": "text", "text": ""}})
+            text = block["text"]
+            for i in range(0, len(text), 16):
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "text_delta", "text": text[i:i + 16]}})
+        else:
+            yield event("content_block_start", {"index": index, "content_block": {
+                **block, "input": {}}})
+            args = json.dumps(block["input"])
+            for i in range(0, len(args), 16):
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": args[i:i + 16]}})
+        yield event("content_block_stop", {"index": index})
+    yield event("message_delta", {"delta": {"stop_reason": whole["stop_reason"],
+                                            "stop_sequence": None},
+                                  "usage": {"output_tokens": len(reply.token_ids)}})
+    yield event("message_stop", {})
