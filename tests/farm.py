@@ -16,6 +16,8 @@ from pathlib import Path
 
 import redis
 
+from prorl_farm.keys import HASH_MAX_LISTPACK_VALUE
+
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("init", "run", "eval")
 # Sandboxes of the test session's worker pools (short: Unix socket paths are limited).
@@ -95,7 +97,9 @@ class RedisServer:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
              str(self.tmp), "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-             "--appendfsync", self.fsync],
+             "--appendfsync", self.fsync,
+             # as the farm's own Redis servers run (prorl_farm/keys.py)
+             "--hash-max-listpack-value", str(HASH_MAX_LISTPACK_VALUE)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         wait_until(lambda: self._ping(client), 10, what="redis-server")
