@@ -175,31 +175,10 @@ def vllm_server(vllm_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def dev_server(tiny_model, tmp_path_factory):
     """`prorl-farm serve-model` on the tiny model, as a real process."""
-    import subprocess
-    import sys
-    import urllib.request
+    from tests.farm import serve_model
 
-    from tests.farm import ROOT, free_port, wait_until
-
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("dev-server") / "server.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "serve-model", "--model",
-                             str(tiny_model), "--port", str(port)], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-
-    wait_until(up, 60, 0.1, "dev model server")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
-    log.close()
+    with serve_model(tiny_model, tmp_path_factory.mktemp("dev-server") / "server.log") as url:
+        yield url
 
 
 @pytest.fixture

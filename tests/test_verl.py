@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import urllib.request
 
 import pytest
 
-from tests.farm import ROOT, free_port, http_farm, wait_until
+from tests.farm import ROOT, http_farm, serve_model, wait_until
 
 pytestmark = pytest.mark.slow
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
@@ -34,30 +33,9 @@ def require_verl() -> str:
 @pytest.fixture
 def processed_server(tiny_model, tmp_path):
     """The dev model server returning processed logprobs (vLLM's --logprobs-mode flag)."""
-    import sys
-
-    port = free_port()
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "serve-model", "--model",
-                             str(tiny_model), "--port", str(port), "--logprobs-mode",
-                             "processed_logprobs"], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-
-    try:
-        wait_until(up, 60, 0.1, "dev model server")
+    with serve_model(tiny_model, tmp_path / "server.log", "--logprobs-mode",
+                     "processed_logprobs") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture
