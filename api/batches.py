@@ -17,7 +17,7 @@ from api.schemas import BatchListQuerySchema, ManyResultsQuerySchema, ResultsQue
 from api.services import json_body, services
 from prorl_farm.columns import ARROW_STREAM, page_bytes
 from prorl_farm.jobs.cancel import cancel_jobs
-from prorl_farm.jobs.model import render_job
+from prorl_farm.jobs.model import render_job, stored_table
 
 bp = Blueprint("batches", __name__)
 
@@ -64,13 +64,7 @@ def _arrow(raws: list[dict], meta: dict) -> Response:
     payload's columns as the store holds them."""
     payloads = services().payloads
     docs = [render_job(r, include_instance=False) for r in raws]
-    tables = []
-    for doc in docs:
-        ref = (doc.get("result") or {}).get("payload")
-        table = payloads.read_table(ref) if isinstance(ref, dict) else None
-        if table is None and isinstance(ref, dict):
-            doc["result"]["payload"] = {**ref, "deleted": True}
-        tables.append(table)
+    tables = [stored_table(doc["result"], payloads) for doc in docs]
     return Response(page_bytes(docs, tables, meta), mimetype=ARROW_STREAM)
 
 

@@ -108,10 +108,9 @@ def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
     import os
     import signal
     import subprocess
-    import urllib.request
 
     from prorl_farm.dev.engines import vllm_command
-    from tests.farm import free_port, wait_until
+    from tests.farm import free_port, model_server_up, wait_until
 
     python = require_vllm()
     port = free_port()
@@ -142,11 +141,7 @@ def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
     def up() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"vLLM exited {proc.returncode}; see {log_dir}/vllm.log")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+        return model_server_up(url)
 
     try:
         wait_until(up, 600, 0.5, "vLLM to start")

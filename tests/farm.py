@@ -399,28 +399,34 @@ def chromium_screenshot(url: str, profile, path, size: str = "1400,1100") -> Pat
     return Path(path)
 
 
+def sampled_ids(trajectory: dict) -> list[int]:
+    """The response ids the policy sampled (mask 1) of a trajectory or segment."""
+    return [t for t, m in zip(trajectory["response_ids"], trajectory["response_mask"]) if m]
+
+
+def model_server_up(url: str) -> bool:
+    """Whether a model server (the dev server, vLLM) answers GET /health with 200."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def serve_model(model_dir, log_path, *args: str):
     """`prorl-farm serve-model` on ``model_dir`` (more ``args`` for it), as a real process;
     yields its URL once /health answers."""
-    import urllib.request
-
     port = free_port()
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "serve-model", "--model",
                              str(model_dir), "--port", str(port), *args], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-
     try:
-        wait_until(up, 60, 0.1, "dev model server")
+        wait_until(lambda: model_server_up(url), 60, 0.1, "dev model server")
         yield url
     finally:
         proc.terminate()

@@ -12,6 +12,7 @@ import pytest
 from prorl_farm.agent.parsers import get_parser
 from prorl_farm.agent.trajectory import load_chat_tokens
 from prorl_farm.gateway.capture import Capture, ContextFull
+from tests.farm import sampled_ids
 
 TOOLS = [{"type": "function", "function": {
     "name": "bash", "description": "run a command",
@@ -72,8 +73,7 @@ def test_calls_that_extend_the_conversation_merge_into_one_exact_segment(chat):
     assert seg["prompt_ids"] == p1
     full = seg["prompt_ids"] + seg["response_ids"]
     assert full == p3 + s3
-    sampled = [t for t, m in zip(seg["response_ids"], seg["response_mask"]) if m]
-    assert sampled == s1 + s2 + s3
+    assert sampled_ids(seg) == s1 + s2 + s3
     lps = [lp for lp, m in zip(seg["response_logprobs"], seg["response_mask"]) if m]
     assert lps == _sample(chat, call)[1] + _sample(chat, "Two files: a.py and b.py.")[1] + \
         _sample(chat, "You're welcome.")[1]

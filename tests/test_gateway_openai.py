@@ -15,6 +15,7 @@ from prorl_farm.gateway.capture import Capture
 from prorl_farm.gateway.server import GatewayServer, JobGateway, Sampled
 from prorl_farm.llm.backends.abstract import _IDLE
 from prorl_farm.llm.backends.vllm import VLLMClient
+from tests.farm import sampled_ids
 from tests.policy_server import PolicyServer, text_planner
 from tests.test_tokens import teacher_forced_logprobs
 
@@ -115,8 +116,7 @@ def test_tool_calls_round_trip_through_the_sdk_and_merge_into_one_segment(gatewa
     out = gateway.close_job(key).result()
     assert out["capture"]["calls"] == 3 and out["capture"]["merged"] == 2
     (seg,) = out["segments"]
-    sampled = [t for t, m in zip(seg["response_ids"], seg["response_mask"]) if m]
-    assert sampled == [t for g in returned for t in g.token_ids]
+    assert sampled_ids(seg) == [t for g in returned for t in g.token_ids]
 
 
 def test_a_free_conversation_with_the_tiny_model_is_captured_token_exact(gateway, tiny_model,
@@ -148,8 +148,7 @@ def test_a_free_conversation_with_the_tiny_model_is_captured_token_exact(gateway
         == {("temperature", 0.3, 1.0), ("max_tokens", 400, 12)}
     (seg,) = out["segments"]
     mask = seg["response_mask"]
-    sampled = [t for t, m in zip(seg["response_ids"], mask) if m]
-    assert sampled == [t for g in returned for t in g.token_ids]
+    assert sampled_ids(seg) == [t for g in returned for t in g.token_ids]
     full = seg["prompt_ids"] + seg["response_ids"]
     forced = teacher_forced_logprobs(tiny_model, full)[len(seg["prompt_ids"]):]
     errors = [abs(forced[i] - seg["response_logprobs"][i]) for i, m in enumerate(mask) if m]

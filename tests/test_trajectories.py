@@ -72,9 +72,9 @@ def test_a_write_is_atomic_and_a_dead_writers_leftovers_are_swept(tmp_path):
     leftover.write_bytes(b"half a payload")
     assert store.sweep_temporary(max_age_s=3600) == 0
     assert store.sweep_temporary(max_age_s=0) == 1 and not leftover.exists()
-    assert store.delete_batch("b1") == (1, ref["bytes"]) and store.get(ref) is None
+    assert store.delete_batch("b1") == (1, ref["bytes"]) and store.read_table(ref) is None
     with pytest.raises(StorageError, match="not a payload path"):
-        store.get({"path": "../../etc/passwd"})
+        store.read_table({"path": "../../etc/passwd"})
     assert DirectoryStore(tmp_path, min_free_bytes=1 << 62).usage()["free_bytes"] > 0
     with pytest.raises(StorageError, match="PRORL_STORE_MIN_FREE_MB"):
         DirectoryStore(tmp_path, min_free_bytes=1 << 62).put("b", "j", "t", {

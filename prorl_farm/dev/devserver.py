@@ -139,8 +139,9 @@ class DevModel:
 
     def _pick(self, logits, temperature: float, top_p: float, top_k: int, min_p: float,
               gen) -> tuple[int, float | None]:
-        """The sampled token and its logprob under the distribution sampled from (None
-        for greedy: no distribution; the raw logprob stands)."""
+        """The sampled token, and its logprob under the distribution sampled from where the
+        server returns processed logprobs (else None, as for greedy: no distribution; the
+        raw logprob stands)."""
         torch = self.torch
         if temperature <= 0:
             return int(torch.argmax(logits)), None
@@ -158,6 +159,8 @@ class DevModel:
             scaled = scaled.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(scaled, -1)
         token = int(torch.multinomial(probs, 1, generator=gen))
+        if self.logprobs_mode != "processed_logprobs":
+            return token, None
         return token, float(torch.log_softmax(scaled, -1)[token])
 
     def sample(self, prompt: list[int], max_tokens: int, temperature: float = 1.0,
@@ -223,8 +226,7 @@ class DevModel:
                     token, processed = self._pick(logits[i], r.temperature, r.top_p,
                                                   r.top_k, r.min_p, r.gen)
                     r.out.append(token)
-                    r.logprobs.append(processed if processed is not None and
-                                      self.logprobs_mode == "processed_logprobs"
+                    r.logprobs.append(processed if processed is not None
                                       else float(raw[i, token]))
                     nxt[i] = token
                     if token in r.stops:

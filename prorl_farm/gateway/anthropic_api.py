@@ -9,8 +9,8 @@ import json
 import uuid
 from collections.abc import Iterator
 
-from prorl_farm.gateway.capture import Reply, _text
-from prorl_farm.gateway.openai_api import ChatRequest, GatewayError, _number
+from prorl_farm.gateway.capture import Reply, content_text
+from prorl_farm.gateway.openai_api import ChatRequest, GatewayError, checked_number
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens",
                 "abort": "end_turn"}
@@ -38,7 +38,7 @@ def _messages(body: dict) -> list[dict]:
     out: list[dict] = []
     system = body.get("system")
     if system:
-        out.append({"role": "system", "content": _text(system)})
+        out.append({"role": "system", "content": content_text(system)})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise GatewayError(400, "messages: must be a non-empty array", "messages")
@@ -59,7 +59,7 @@ def _messages(body: dict) -> list[dict]:
             continue
         for b in blocks:
             if b.get("type") == "tool_result":
-                out.append({"role": "tool", "content": _text(b.get("content", ""))})
+                out.append({"role": "tool", "content": content_text(b.get("content", ""))})
         texts = [b for b in blocks if b.get("type") == "text"]
         if texts:
             out.append({"role": "user", "content": "".join(b.get("text", "") for b in texts)})
@@ -79,7 +79,7 @@ def parse_messages(body) -> ChatRequest:
         raise GatewayError(400, "tools: must be an array of {name, input_schema}", "tools")
     sampling = {"max_tokens": body["max_tokens"]}
     for name, hi in (("temperature", 1), ("top_p", 1)):
-        value = _number(body, name, 0, hi)
+        value = checked_number(body, name, 0, hi)
         if value is not None:
             sampling[name] = value
     if isinstance(body.get("top_k"), int) and not isinstance(body.get("top_k"), bool):

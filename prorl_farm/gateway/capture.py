@@ -33,7 +33,7 @@ class ContextFull(FarmError, ValueError):
     """The conversation leaves no room to generate within the context length."""
 
 
-def _text(content) -> str:
+def content_text(content) -> str:
     """A message's content as text: a string, or the text of OpenAI/Anthropic parts."""
     if content is None:
         return ""
@@ -64,7 +64,7 @@ def normalise(message: dict) -> dict:
     arguments as objects; content as text); ids and other API details are dropped, so a
     reply the client sends back compares equal to the one the gateway produced."""
     role = message.get("role")
-    out: dict = {"role": role, "content": _text(message.get("content"))}
+    out: dict = {"role": role, "content": content_text(message.get("content"))}
     calls = message.get("tool_calls") or []
     if role == "assistant" and calls:
         out["tool_calls"] = [{"type": "function", "function": {

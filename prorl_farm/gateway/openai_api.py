@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from prorl_farm.errors import FarmError
 from prorl_farm.gateway.capture import Reply
 
-# Sampling fields a harness may ask for, by their name in the request -> the farm's name.
-REQUEST_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed",
-                    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
-                    "presence_penalty": "presence_penalty",
-                    "frequency_penalty": "frequency_penalty"}
+# Sampling fields a harness may ask for, by their name in the request -> (the farm's name,
+# the range a value must be in).
+REQUEST_SAMPLING = {"temperature": ("temperature", 0, 2), "top_p": ("top_p", 0, 1),
+                    "seed": ("seed", 0, 2**63 - 1), "max_tokens": ("max_tokens", 1, 1 << 20),
+                    "max_completion_tokens": ("max_tokens", 1, 1 << 20),
+                    "presence_penalty": ("presence_penalty", -2, 2),
+                    "frequency_penalty": ("frequency_penalty", -2, 2)}
 
 
 class GatewayError(FarmError, ValueError):
@@ -45,7 +47,7 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
 
 
-def _number(body: dict, name: str, lo: float, hi: float):
+def checked_number(body: dict, name: str, lo: float, hi: float):
     value = body.get(name)
     if value is None:
         return None
@@ -76,11 +78,8 @@ def parse_chat(body) -> ChatRequest:
     if body.get("n", 1) != 1:
         raise GatewayError(400, "only n=1 is served", "n")
     sampling = {}
-    for name, farm_name in REQUEST_SAMPLING.items():
-        hi = {"temperature": 2, "top_p": 1, "seed": 2**63 - 1, "max_tokens": 1 << 20,
-              "max_completion_tokens": 1 << 20}.get(name, 2)
-        lo = -2 if name.endswith("_penalty") else (1 if name.startswith("max_") else 0)
-        value = _number(body, name, lo, hi)
+    for name, (farm_name, lo, hi) in REQUEST_SAMPLING.items():
+        value = checked_number(body, name, lo, hi)
         if value is not None:
             sampling[farm_name] = value
     stop = body.get("stop") or []

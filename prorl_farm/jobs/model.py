@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from prorl_farm.columns import table_payload
 from prorl_farm.config import STAGES
 from prorl_farm.states import TERMINAL_STATES, JobState
 
@@ -30,15 +31,24 @@ def stage_timings(raw: dict) -> dict:
     return out
 
 
+def stored_table(result: dict | None, payloads):
+    """A result summary's payload as the trajectory store holds it (its one-row table), or
+    None: no payload, no store given, or the payload deleted (acknowledged, expired), which
+    the summary then says in ``payload.deleted``."""
+    ref = (result or {}).get("payload")
+    if payloads is None or not isinstance(ref, dict):
+        return None
+    table = payloads.read_table(ref)
+    if table is None:
+        result["payload"] = {**ref, "deleted": True}
+    return table
+
+
 def with_payload(result: dict | None, payloads) -> dict | None:
     """A result summary with its payload read back from the trajectory store (as lists);
-    one whose payload is deleted (acknowledged, expired) says so in ``payload.deleted``."""
-    if not result or payloads is None or not isinstance(result.get("payload"), dict):
-        return result
-    data = payloads.get(result["payload"], as_lists=True)
-    if data is None:
-        return {**result, "payload": {**result["payload"], "deleted": True}}
-    return {**result, **data}
+    one whose payload is deleted says so in ``payload.deleted`` (:func:`stored_table`)."""
+    table = stored_table(result, payloads)
+    return result if table is None else {**result, **table_payload(table, 0, as_lists=True)}
 
 
 def render_job(raw: dict, include_instance: bool = True, payloads=None) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from prorl_farm.columns import PAYLOAD_KEYS, payload_table, table_payload
+from prorl_farm.columns import PAYLOAD_KEYS, payload_table
 from prorl_farm.errors import FarmError
 
 SUFFIX = ".arrow"
@@ -65,10 +65,6 @@ class TrajectoryStore:
     def read_table(self, ref: dict) -> pa.Table | None:
         """The payload's one-row table, or None when it is gone (acknowledged, expired)."""
         raise NotImplementedError
-
-    def get(self, ref: dict, as_lists: bool = False) -> dict | None:
-        table = self.read_table(ref)
-        return None if table is None else table_payload(table, 0, as_lists)
 
     def delete_batch(self, batch_id: str) -> tuple[int, int]:
         """Delete a batch's payloads; returns (files, bytes) deleted."""
@@ -161,11 +157,7 @@ class DirectoryStore(TrajectoryStore):
     def delete_batch(self, batch_id: str) -> tuple[int, int]:
         path = self.root / _dir_name(batch_id)
         files = size = 0
-        try:
-            entries = list(os.scandir(path))
-        except FileNotFoundError:
-            return 0, 0
-        for entry in entries:
+        for entry in _scan(path):
             if entry.name.endswith(SUFFIX):
                 files += 1
                 size += entry.stat().st_size

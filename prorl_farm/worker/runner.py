@@ -27,6 +27,7 @@ from prorl_farm.errors import (
 from prorl_farm.handlers.base import AgentHandler
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.messages import StageMessages
+from prorl_farm.jobs.model import with_payload
 from prorl_farm.jobs.payloads import (
     PAYLOAD_KEYS,
     StorageError,
@@ -224,13 +225,11 @@ class StageRunner:
 
     def _with_payload(self, result: dict | None) -> dict | None:
         """RUN's result with its payload read back from the store (for EVAL)."""
-        if not result or "payload" not in result:
-            return result
-        payload = self.payloads.get(result["payload"], as_lists=True)
-        if payload is None:
+        result = with_payload(result, self.payloads)
+        if (result or {}).get("payload", {}).get("deleted"):
             raise StorageError(f"the trajectory {result['payload']['path']} is not in the "
                                "store (deleted, or another node's store)")
-        return {**result, **payload}
+        return result
 
     def _cleanup(self, handler: AgentHandler, ctx: JobContext) -> None:
         try:
