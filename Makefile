@@ -18,14 +18,14 @@ VERL_VENV    := .venv-verl
 VERL_STAMP   := $(VERL_VENV)/.installed
 VERL_VERSION ?= 0.9.1
 
-.PHONY: up test bootstrap system lint bench grpo vllm verl clean
+.PHONY: up test bootstrap system lint bench grpo vllm verl harnesses clean
 
 up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
 
 # The suite runs the engine tests against real vLLM wherever it installed (REQUIRE_VLLM: they
 # fail rather than skip); where it cannot run (no AVX2), they skip and say why.
-test: bootstrap vllm verl
+test: bootstrap vllm verl harnesses
 	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
 	REQUIRE_VLLM=$$(test -f $(VLLM_STAMP) && echo 1 || echo 0) \
 	REQUIRE_VERL=$$(test -f $(VERL_STAMP) && echo 1 || echo 0) $(PY) -m pytest $(PYTEST_ARGS)
@@ -34,15 +34,16 @@ bootstrap: system $(STAMP)
 
 # redis-server for the private Redis and the tests; bubblewrap for sandboxes; tmux for
 # the tool benchmark's baseline; chromium for the tests that look at Flower's pages; git
-# and the system Python's pytest for `swe` repositories and their tests inside sandboxes.
+# and the system Python's pytest for `swe` repositories and their tests inside sandboxes;
+# its venv module for the agent harnesses' environments.
 system:
 	@if ! command -v redis-server >/dev/null || ! command -v bwrap >/dev/null \
 			|| ! command -v tmux >/dev/null || ! command -v chromium >/dev/null \
-			|| ! command -v git >/dev/null || ! /usr/bin/python3 -c 'import pytest' 2>/dev/null; then \
-		echo "installing redis-server, bubblewrap, tmux, chromium, git and python3-pytest"; \
+			|| ! command -v git >/dev/null || ! /usr/bin/python3 -c 'import pytest, ensurepip' 2>/dev/null; then \
+		echo "installing redis-server, bubblewrap, tmux, chromium, git, python3-pytest and python3-venv"; \
 		$(SUDO) apt-get update -q && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-			redis-server bubblewrap tmux chromium git python3-pytest; \
+			redis-server bubblewrap tmux chromium git python3-pytest python3-venv; \
 	fi
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
@@ -79,6 +80,11 @@ $(VERL_STAMP):
 	$(VERL_VENV)/bin/python -m pip install -q verl==$(VERL_VERSION) torch==2.13.0 \
 		cachetools uvicorn fastapi && \
 	touch $@
+
+# The agent harness presets' environments (mini-SWE-agent, the openai-SDK example) under
+# .prorl/harnesses (PRORL_HARNESS_DIR), read-only in the sandboxes that run a harness.
+harnesses: bootstrap
+	$(VENV)/bin/prorl-farm harness install
 
 lint: bootstrap
 	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples

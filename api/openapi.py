@@ -148,6 +148,8 @@ def handler_schema(handler, settings=None) -> dict:
     schema = (json_schema(handler.instance_schema) if handler.instance_schema
               else {"type": "object"})
     schema = {**schema, **handler.instance_constraints}
+    for name, published in handler.property_schemas.items():
+        schema["properties"][name] = published
     if settings is not None:
         for name, rule in handler.allowed_by(settings).items():
             schema["properties"][name] = {**schema["properties"][name], **rule}

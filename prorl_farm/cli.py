@@ -180,6 +180,22 @@ def _cmd_settings(args) -> int:
     return 0
 
 
+def _cmd_harness(args) -> int:
+    from prorl_farm.config import load_settings
+    from prorl_farm.gateway.harness import PRESETS, install
+
+    if args.action == "list":
+        for name, preset in PRESETS.items():
+            print(f"{name}\t{preset.about}")
+        return 0
+    into = args.dir or load_settings().harness_path
+    for name in args.names or list(PRESETS):
+        if name not in PRESETS:
+            raise ConfigError(f"no harness preset {name!r}; presets: {', '.join(PRESETS)}")
+        print(f"{name}: {install(name, into)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prorl-farm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -261,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--deploy", action="store_true",
                     help="the variables of the compose and Slurm scripts instead")
     st.set_defaults(func=_cmd_settings)
+    h = sub.add_parser("harness", help="agent harness presets: list them, or install their "
+                       "environments (read-only in sandboxes that run a harness)")
+    h.add_argument("action", choices=["list", "install"])
+    h.add_argument("names", nargs="*", metavar="PRESET", help="default: every preset")
+    h.add_argument("--dir", default="", help="default: PRORL_HARNESS_DIR")
+    h.set_defaults(func=_cmd_harness)
     tm = sub.add_parser("tiny-model", help="build a tiny random model and tokenizer offline")
     tm.add_argument("out", metavar="DIR")
     tm.add_argument("--seed", type=int, default=0)

@@ -176,6 +176,9 @@ class Settings:
     sandbox_ro_paths: str = setting("", "read-only paths in every sandbox, `host[:inside],...`")
     sandbox_mount_roots: str = setting(
         "", "host roots under which handlers and instances may ask for more read-only paths")
+    harness_dir: str = setting(
+        "", "agent harness environments (`prorl-farm harness install`), read-only at "
+        "/opt/harnesses in a sandbox that runs a harness", shown="`$PRORL_HOME/harnesses`")
     sandbox_network: bool = setting(
         False, "whether an instance may ask for a sandbox with the outside network")
     handlers: str = setting("", "extra handlers without packaging, `name=module:Class,...`")
@@ -195,6 +198,11 @@ class Settings:
     def trajectory_dir(self) -> str:
         """The trajectory store's directory, absolute."""
         return os.path.abspath(self.store_dir or os.path.join(self.home, "trajectories"))
+
+    @property
+    def harness_path(self) -> str:
+        """The harness environments' directory, absolute."""
+        return os.path.abspath(self.harness_dir or os.path.join(self.home, "harnesses"))
 
     def pool(self, stage: str) -> PoolSettings:
         if stage not in STAGES:

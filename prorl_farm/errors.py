@@ -50,6 +50,15 @@ class StageTimeout(FarmError, TimeoutError):
         self.partial = partial
 
 
+class HarnessFailed(FarmError, RuntimeError):
+    """An agent harness did not finish its episode: it exited non-zero, was killed, or never
+    called the model (failure kind harness_error). ``partial``: what it captured."""
+
+    def __init__(self, message: str = "", partial: dict | None = None):
+        super().__init__(message)
+        self.partial = partial
+
+
 class BackendUnavailable(FarmError, ConnectionError):
     """No LLM backend could serve the job (maps to failure kind backend_unavailable)."""
 

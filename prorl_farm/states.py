@@ -32,6 +32,8 @@ class FailureKind(str, Enum):
     CANCELLED = "cancelled"
     # The trajectory store could not take the payload (disk full, not writable).
     STORAGE_ERROR = "storage_error"
+    # An agent harness exited non-zero or never called the model (its output is kept).
+    HARNESS_ERROR = "harness_error"
 
 
 NEXT_STAGE = {"init": "run", "run": "eval", "eval": None}

@@ -52,9 +52,17 @@ class Sampled:
     logprobs_mode: str
 
 
+# Calls of one job waiting for their turn at once, past which a call gets 429 (a harness
+# flooding its gateway does not pile up threads).
+MAX_PENDING_CALLS = 8
+
+
 @dataclass
 class JobGateway:
-    """What the gateway knows of one job."""
+    """What the gateway knows of one job: its capture, its sampler, and its episode's
+    limits. A limit reached (calls, generated tokens, the context) *ends the episode*: that
+    call and every later one are refused (400 ``episode_over``) and ``on_end`` hears the
+    reason once (in the farm: RUN stops the harness and goes on to EVAL)."""
 
     job_id: str
     capture: Capture
@@ -62,8 +70,16 @@ class JobGateway:
     sampling: dict  # the job's (the trainer's): it wins over a harness's own values
     model: str
     max_tokens: int  # per call, at most
+    max_calls: int = 0  # calls sampled, at most (0: no limit)
+    max_total_tokens: int = 0  # generated over the episode, at most (0: no limit)
+    on_end: Callable[[str], None] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     overrides: list[dict] = field(default_factory=list)
+    sampled: int = 0
+    generated: int = 0
+    ended: str = ""
+    _pending: threading.BoundedSemaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(MAX_PENDING_CALLS))
 
     def chat(self, body) -> tuple[dict | None, object]:
         """OpenAI Chat Completions: (JSON answer, or None and an event stream)."""
@@ -81,25 +97,63 @@ class JobGateway:
             return None, messages_stream(reply, prompt_len, self.model)
         return messages_response(reply, prompt_len, self.model), None
 
+    def end(self, reason: str) -> None:
+        """End the episode (once): no call is served after this."""
+        if self.ended:
+            return
+        self.ended = reason
+        if self.on_end is not None:
+            self.on_end(reason)
+
+    def _over(self, reason: str) -> GatewayError:
+        self.end(reason)
+        return GatewayError(400, f"the episode is over ({self.ended}): this job's model "
+                            "calls are done", code="episode_over")
+
     def _call(self, req) -> tuple:
         """One call: its prompt ids (the capture), the sample, the reply."""
-        sampling, overridden = merge_sampling(self.sampling, req.sampling, self.max_tokens)
-        with self.lock:
-            self.overrides += overridden
-            try:
-                prompt = self.capture.prompt(req.messages, req.tools)
-            except ContextFull as e:
-                raise GatewayError(400, str(e), "messages", code="context_length_exceeded"
-                                   ) from e
-            out = self.sampler(prompt, sampling)
-            gen = out.generation
-            reply = self.capture.record(prompt, gen.token_ids, gen.logprobs,
-                                        gen.finish_reason, out.backend, out.policy_version,
-                                        out.logprobs_mode)
+        if not self._pending.acquire(blocking=False):
+            raise GatewayError(429, f"more than {MAX_PENDING_CALLS} calls of this job at once"
+                               "; a job's calls are one conversation, served one at a time",
+                               kind="rate_limit_error", code="rate_limit_exceeded")
+        try:
+            with self.lock:
+                return self._sample(req)
+        finally:
+            self._pending.release()
+
+    def _sample(self, req) -> tuple:
+        if self.ended:
+            raise self._over(self.ended)
+        if self.max_calls and self.sampled >= self.max_calls:
+            raise self._over("max_turns")
+        budget = self.max_tokens
+        if self.max_total_tokens:
+            budget = min(budget, self.max_total_tokens - self.generated)
+            if budget <= 0:
+                raise self._over("max_tokens")
+        try:
+            prompt = self.capture.prompt(req.messages, req.tools)
+        except ContextFull as e:
+            if self.sampled:  # the conversation outgrew the context: as the loop's "context"
+                self.end("context")
+            raise GatewayError(400, str(e), "messages", code="context_length_exceeded"
+                               ) from e
+        if self.capture.context_length:
+            budget = min(budget, self.capture.context_length - len(prompt))
+        sampling, overridden = merge_sampling(self.sampling, req.sampling, budget)
+        self.overrides += overridden
+        out = self.sampler(prompt, sampling)
+        gen = out.generation
+        reply = self.capture.record(prompt, gen.token_ids, gen.logprobs, gen.finish_reason,
+                                    out.backend, out.policy_version, out.logprobs_mode)
+        self.sampled += 1
+        self.generated += len(gen.token_ids)
         return reply, len(prompt)
 
     def result(self) -> dict:
-        out = self.capture.result()
+        with self.lock:  # a call in flight finishes first
+            out = self.capture.result()
         out["capture"]["sampling_overrides"] = self.overrides
         return out
 
@@ -174,7 +228,10 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(e, GatewayError):
                 log.warning("gateway call failed: %s", e, exc_info=True)
                 e = GatewayError(500, f"{type(e).__name__}: {e}", kind="server_error")
-            self._send(e.status, error_body(e) if path == "/v1/messages" else e.body())
+            if path == "/v1/messages":
+                self._send(e.status, error_body(e))
+            else:  # Anthropic's "overloaded" is OpenAI's 503
+                self._send(503 if e.status == 529 else e.status, e.body())
 
     def do_GET(self):  # noqa: N802 - http.server's names
         self._serve("GET")

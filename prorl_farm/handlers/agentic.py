@@ -1,5 +1,6 @@
-"""What the tool-using handlers (math, stem, code) share: the agent options of their
-instances, a sandbox for their tools, and one episode of the agent loop."""
+"""What the tool-using handlers (math, stem, code, swe) share: the agent options of their
+instances, a sandbox for their tools, and one episode of the agent loop, or of the agent
+harness an instance names in ``agent`` (prorl_farm/gateway/harness.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from prorl_farm.agent.loop import AgentLimits, Episode, run_episode
 from prorl_farm.agent.parsers import PARSERS, get_parser
 from prorl_farm.agent.tools import ToolRunner
 from prorl_farm.agent.trajectory import Trajectory
+from prorl_farm.gateway.harness import HarnessOptions, run_harness
 from prorl_farm.handlers.base import AgentHandler, JobContext
 from prorl_farm.sandbox.abstract import SandboxSpec
 from prorl_farm.sandbox.connection import ToolConnection
 
 # Fields every agent instance may set, all visible to the policy.
 AGENT_OPTIONS = ("tools", "system", "parser", "max_turns", "call_timeout_s",
-                 "observation_chars")
+                 "observation_chars", "agent")
 
 
 class AgentOptions(Schema):
@@ -33,6 +35,9 @@ class AgentOptions(Schema):
     # A tool result longer than this keeps its head and tail (the loop says what was cut).
     observation_chars = fields.Integer(load_default=None, allow_none=True, strict=True,
                                        validate=validate.Range(min=256, max=1_000_000))
+    # An agent harness instead of the built-in loop: it runs in the job's sandbox and calls
+    # the model through the job's gateway.
+    agent = fields.Nested(HarnessOptions, load_default=None, allow_none=True)
 
 
 class ToolAgentHandler(AgentHandler):
@@ -41,12 +46,22 @@ class ToolAgentHandler(AgentHandler):
 
     # Tools offered beside the instance's own (e.g. ``submit``).
     extra_tools: tuple[str, ...] = ()
+    property_schemas = {"agent": HarnessOptions.json_schema()}
 
     def init(self, ctx: JobContext) -> dict:
-        if not ctx.instance.get("tools") or ctx.mode == "reference":
+        if ctx.mode == "reference" or not (ctx.instance.get("tools") or
+                                           ctx.instance.get("agent")):
             return {}
-        sandbox = ctx.sandboxes.start(SandboxSpec(), ctx.job_id, ctx.requeues, ctx)
+        sandbox = ctx.sandboxes.start(self.sandbox_spec(ctx), ctx.job_id, ctx.requeues, ctx)
         return {"sandbox": sandbox.to_dict()}
+
+    @staticmethod
+    def sandbox_spec(ctx: JobContext, **spec) -> SandboxSpec:
+        """The job's sandbox: with the gateway (and the harness environments) when an
+        agent harness runs in it."""
+        if ctx.instance.get("agent"):
+            spec.update(gateway=True, harnesses=ctx.settings.harness_path)
+        return SandboxSpec(**spec)
 
     def reference(self, ctx: JobContext) -> dict:
         """Reference mode for answer tasks: the reference, boxed, as the final answer."""
@@ -54,9 +69,14 @@ class ToolAgentHandler(AgentHandler):
                               "content": f"\\boxed{{{ctx.instance['answer']}}}"}],
                 "stats": {"end_reason": "answered"}}
 
-    def episode(self, ctx: JobContext, user_text: str) -> dict:
+    def episode(self, ctx: JobContext, user_text: str, harness_text: str | None = None
+                ) -> dict:
         """One episode from ``user_text``: the trajectory, the episode's ``stats`` and what
-        the policy ``submitted`` (the RUN result)."""
+        the policy ``submitted`` (the RUN result). An instance's harness gets
+        ``harness_text`` (default ``user_text``): the task, without the built-in loop's tool
+        instructions."""
+        if ctx.instance.get("agent"):
+            return run_harness(ctx, ctx.instance["agent"], harness_text or user_text)
         traj, ep = self._episode(ctx, user_text)
         return {**traj.to_dict(), "stats": ep.stats(), "submitted": ep.submitted}
 

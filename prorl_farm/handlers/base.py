@@ -35,6 +35,9 @@ class AgentHandler(ABC):
     # JSON Schema keywords for what the instance schema checks across fields (e.g. "one
     # of these two fields"), so the published schema states every constraint enforced.
     instance_constraints: ClassVar[dict] = {}
+    # Published JSON Schemas of instance fields that replace the ones generated from the
+    # instance schema (for constraints marshmallow's fields do not state).
+    property_schemas: ClassVar[dict] = {}
 
     def visible_instance(self, instance: dict) -> dict:
         """What RUN may see of ``instance``."""

@@ -33,6 +33,8 @@ from prorl_farm.sandbox.grading import required_verdict, run_isolated
 DEFAULT_PROMPT = ("Write a Python program for the task below. You may try code with the python "
                   "tool. When done, call submit with your complete program as \"code\" (or give "
                   "it in a final ```python block).\n\n{statement}")
+HARNESS_PROMPT = ("Write a Python program for the task below. Give your complete program in "
+                  "a final ```python block.\n\n{statement}")
 
 
 class StdioTest(Schema):
@@ -129,7 +131,8 @@ class CodeHandler(ToolAgentHandler):
 
     def run(self, ctx: JobContext) -> dict:
         inst = ctx.instance
-        return self.episode(ctx, inst["prompt_template"].format(statement=inst["statement"]))
+        return self.episode(ctx, inst["prompt_template"].format(statement=inst["statement"]),
+                            HARNESS_PROMPT.format(statement=inst["statement"]))
 
     def eval(self, ctx: JobContext) -> dict:
         if ctx.state.get("sandbox"):

@@ -32,7 +32,7 @@ from prorl_farm.errors import InvalidInstance, SandboxError
 from prorl_farm.graders import source
 from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler
 from prorl_farm.handlers.base import JobContext, run_setup
-from prorl_farm.sandbox.abstract import Limits, SandboxSpec
+from prorl_farm.sandbox.abstract import Limits
 from prorl_farm.sandbox.connection import ToolConnection
 from prorl_farm.sandbox.grading import required_verdict, run_isolated
 from prorl_farm.sandbox.manager import under_mount_roots
@@ -41,6 +41,10 @@ DEFAULT_PROMPT = (
     "The current directory is a checkout of the repository {repo}. Resolve the issue below "
     "by editing its source files with the tools you have (you need not add tests; changes "
     "to test files are discarded). When you are done, call submit.\n\n{problem_statement}")
+# What an agent harness gets (it has its own tools and its own way to finish).
+HARNESS_PROMPT = ("The current directory is a checkout of the repository {repo}. Resolve the "
+                  "issue below by editing its source files (changes to test files are "
+                  "discarded).\n\n{problem_statement}")
 # Files the agent's changes never reach the graded tree through (restored from the base).
 PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini",
                              "setup.cfg", "pyproject.toml", "sitecustomize.py",
@@ -235,7 +239,8 @@ class SweHandler(ToolAgentHandler):
             return {}
         inst = ctx.instance
         files = base_tree(inst, ctx.sandboxes.mount_roots)
-        sandbox = ctx.sandboxes.start(SandboxSpec(workspace_files=files, image=inst["image"]),
+        sandbox = ctx.sandboxes.start(self.sandbox_spec(ctx, workspace_files=files,
+                                                        image=inst["image"]),
                                       ctx.job_id, ctx.requeues, ctx)
         ctx.state = {"sandbox": sandbox.to_dict()}
         client = ToolConnection(sandbox.socket)
@@ -256,7 +261,9 @@ class SweHandler(ToolAgentHandler):
     def run(self, ctx: JobContext) -> dict:
         inst = ctx.instance
         return self.episode(ctx, inst["prompt_template"].format(
-            repo=inst["repo"], problem_statement=inst["problem_statement"]))
+            repo=inst["repo"], problem_statement=inst["problem_statement"]),
+            HARNESS_PROMPT.format(repo=inst["repo"],
+                                  problem_statement=inst["problem_statement"]))
 
     def eval(self, ctx: JobContext) -> dict:
         inst = ctx.instance

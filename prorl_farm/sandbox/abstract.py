@@ -26,13 +26,15 @@ from prorl_farm.toolserver.protocol import (
     GATEWAY_PORT,
     GATEWAY_SOCKET,
     INSIDE_GATEWAY_DIR,
+    INSIDE_HARNESSES,
     INSIDE_RUN,
     INSIDE_WORKSPACE,
     IP_ENV,
     SANDBOX_ENV,
 )
 
-__all__ = ["GATEWAY_PORT", "GATEWAY_SOCKET", "INSIDE_GATEWAY_DIR", "INSIDE_RUN",
+__all__ = ["GATEWAY_PORT", "GATEWAY_SOCKET", "INSIDE_GATEWAY_DIR", "INSIDE_HARNESSES",
+           "INSIDE_RUN",
            "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime", "Sandbox",
            "SandboxError", "SandboxSpec", "gateway_dir", "kill_group", "pid_alive",
            "processes_of", "reap"]
@@ -61,6 +63,9 @@ class SandboxSpec:
     # A door to the job's model gateway: its Unix socket's directory bound in, a loopback
     # port relayed to it, and OPENAI_BASE_URL / ANTHROPIC_BASE_URL pointing there (bwrap).
     gateway: bool = False
+    # With the gateway: the operator's harness environments (PRORL_HARNESS_DIR), bound
+    # read-only at INSIDE_HARNESSES where the directory exists.
+    harnesses: str = ""
 
 
 @dataclass

@@ -31,7 +31,7 @@ from prorl_farm.sandbox.interpreter import sandbox_python, usable_by
 from prorl_farm.sandbox.runtimes import RuntimeOptions, make_runtime
 from prorl_farm.sandbox.runtimes.bwrap import SYSTEM
 from prorl_farm.states import TERMINAL_STATES, JobState
-from prorl_farm.toolserver.protocol import INSIDE_FARM
+from prorl_farm.toolserver.protocol import INSIDE_FARM, INSIDE_HARNESSES
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def slot_ip(slot: int) -> str:
 
 # Inside paths an extra read-only bind may not take (the sandbox's own system and files).
 RESERVED_INSIDE = (*SYSTEM, "/proc", "/dev", "/etc", "/run", "/tmp", "/var/tmp", INSIDE_FARM,
-                   INSIDE_WORKSPACE)
+                   INSIDE_WORKSPACE, INSIDE_HARNESSES)
 
 
 def resolve_user(value: str) -> tuple[int, int] | None:

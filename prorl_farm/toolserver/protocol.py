@@ -26,6 +26,8 @@ INSIDE_RUN = "/run/prorl"
 INSIDE_GATEWAY_DIR = f"{INSIDE_RUN}/gw"
 GATEWAY_SOCKET = "gateway.sock"
 GATEWAY_PORT = 8009
+# Where a sandbox with the gateway finds the operator's agent harness environments.
+INSIDE_HARNESSES = "/opt/harnesses"
 # Set for every program in a sandbox: its id (how the host finds its processes), and its
 # own loopback IP for services it starts.
 SANDBOX_ENV = "PRORL_SANDBOX_ID"

@@ -2,7 +2,8 @@
 --workspace DIR``. Listens on a Unix domain socket; see protocol.py for the framing.
 
 Tools: ``ping``; ``bash`` (command, timeout_s, no_output_timeout_s); ``exec`` (argv,
-timeout_s, stdin, env: a program in a clean environment, for graders); ``ipython`` (code,
+timeout_s, stdin, env, name: a program in a clean environment, for graders and harnesses);
+``kill`` (name: ends a named ``exec`` early); ``ipython`` (code,
 timeout_s); ``view`` (path, start_line, end_line), ``create`` (path, content, overwrite),
 ``str_replace`` (path, old_str, new_str), ``insert`` (path, line, text), ``undo`` (path).
 A tool's own error comes back as an error reply; the server keeps serving.
@@ -22,7 +23,7 @@ import threading
 
 from prorl_farm.errors import ToolRejected
 from prorl_farm.toolserver.bash import BashSession
-from prorl_farm.toolserver.execute import execute
+from prorl_farm.toolserver.execute import execute, kill_named
 from prorl_farm.toolserver.files import FileEditor
 from prorl_farm.toolserver.ipython import IPythonSession
 from prorl_farm.toolserver.protocol import (
@@ -59,6 +60,8 @@ class Tools:
                 return self.ipython.run(**args)
         if tool == "exec":
             return execute(self.workspace, **args)
+        if tool == "kill":
+            return kill_named(**args)
         if tool in ("view", "create", "str_replace", "insert", "undo"):
             with self._locks["files"]:
                 return getattr(self.files, tool)(**args)

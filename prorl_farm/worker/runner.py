@@ -19,6 +19,7 @@ from prorl_farm.context import JobContext
 from prorl_farm.errors import (
     BackendError,
     BackendUnavailable,
+    HarnessFailed,
     InvalidInstance,
     JobAborted,
     NotFound,
@@ -145,6 +146,9 @@ class StageRunner:
             result = StageResult(StageOutcome.ABORTED, ctx.abort_reason)
         except StageTimeout as e:
             result = self._fail(ctx, handler, FailureKind.TIMEOUT, str(e),
+                                partial=e.partial if stage == "run" else None)
+        except HarnessFailed as e:
+            result = self._fail(ctx, handler, FailureKind.HARNESS_ERROR, str(e),
                                 partial=e.partial if stage == "run" else None)
         except (InvalidInstance, NotFound) as e:
             result = self._fail(ctx, handler, FailureKind.INVALID_INSTANCE, str(e))

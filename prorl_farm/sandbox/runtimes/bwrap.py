@@ -33,6 +33,7 @@ from prorl_farm.sandbox.abstract import (
     GATEWAY_PORT,
     GATEWAY_SOCKET,
     INSIDE_GATEWAY_DIR,
+    INSIDE_HARNESSES,
     INSIDE_RUN,
     INSIDE_WORKSPACE,
     IP_ENV,
@@ -121,6 +122,8 @@ def bwrap_argv(spec: SandboxSpec, sandbox_id: str, workspace: Path, ip: str,
              "--tmpfs", "/run", "--dir", INSIDE_RUN]
     if spec.gateway:  # the directory where the job's gateway puts its socket
         argv += ["--bind", str(gateway_dir(workspace)), INSIDE_GATEWAY_DIR]
+        if spec.harnesses and os.path.isdir(spec.harnesses):
+            argv += ["--ro-bind", spec.harnesses, INSIDE_HARNESSES]
     for host, inside in python.binds:
         argv += ["--ro-bind", host, inside]
     for inside, host in sorted((ro_paths or {}).items()):

@@ -1,0 +1,281 @@
+"""Agent harnesses as the agent of a job, through real pools and bwrap sandboxes: the
+``openai-agent`` preset (examples/harnesses/openai_agent.py on the real ``openai`` SDK) and
+mini-SWE-agent (the PyPI package, unchanged) play a scripted policy's turns through the
+job's gateway; EVAL grades what they leave as for the built-in loop (math 1 or 0, the
+sample ``swe`` instance resolved 1 or left 0). A harness that rewrites its history starts a
+new segment; a job's key is refused by another job and after its job ended; a harness that
+hangs fails ``timeout`` with nothing left running; one that exits non-zero or never calls
+the model fails ``harness_error``; a limit ends the episode and EVAL still grades it; the
+tiny model behind the farm: sampled ids as returned, teacher-forced logprobs within 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from prorl_farm.config import load_settings
+from prorl_farm.gateway.harness import PRESETS, install
+from prorl_farm.sandbox.abstract import INSIDE_HARNESSES
+from tests.farm import (
+    ROOT,
+    farm_env,
+    run_batch,
+    sampled_ids,
+    scripted_farm,
+    use_only_backend,
+    wait_until,
+)
+from tests.policy_server import tool_call
+from tests.test_swe import build_repos
+from tests.test_tokens import teacher_forced_logprobs
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not shutil.which("bwrap") or not shutil.which("git"), reason="needs bubblewrap and git")]
+PYTHON = f"{INSIDE_HARNESSES}/openai-agent/bin/python"
+FIX = "sed -i 's/result += b/result += a/' calc/__init__.py"
+WRONG = "sed -i 's/result += b/result += a + 1/' calc/__init__.py"
+DONE = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+PLANS = {
+    "add": [tool_call("bash", command="echo $((2 + 2))"), "It is \\boxed{4}."],
+    "wrong": ["It is \\boxed{5}."],
+    "fix": [tool_call("bash", command=FIX), tool_call("bash", command=DONE)],
+    "wrong-fix": [tool_call("bash", command=WRONG), tool_call("bash", command=DONE)],
+    "talk": ["Let me think.", "Still thinking.", "\\boxed{4}"],
+    "loop": [tool_call("bash", command="true")],
+}
+# A harness of its own: two calls, then a third with its first message rewritten (a
+# summarised history), then it answers what the model said.
+REWRITER = f"""{PYTHON} - <<'EOF'
+import openai, os
+sdk = openai.OpenAI(max_retries=0)
+msgs = [{{"role": "user", "content": open(os.environ["PRORL_PROMPT_FILE"]).read()}}]
+for turn in range(2):
+    reply = sdk.chat.completions.create(model=os.environ["PRORL_MODEL"], messages=msgs)
+    msgs += [{{"role": "assistant", "content": reply.choices[0].message.content}},
+             {{"role": "user", "content": "Go on."}}]
+msgs[0]["content"] = "[case:talk] (summary) the problem asks for 2 + 2."
+print(sdk.chat.completions.create(model="m", messages=msgs).choices[0].message.content)
+EOF"""
+# Prints its key, calls once, answers; or (with OTHER set) tries OTHER's key first.
+KEYS = f"""{PYTHON} - <<'EOF'
+import openai, os
+print("KEY=" + os.environ["OPENAI_API_KEY"])
+if os.environ.get("OTHER"):
+    try:
+        openai.OpenAI(api_key=os.environ["OTHER"], max_retries=0).models.list()
+        print("OTHER=served")
+    except openai.AuthenticationError:
+        print("OTHER=refused")
+msgs = [{{"role": "user", "content": "[case:add] 2 + 2?"}}]
+sdk = openai.OpenAI(max_retries=0)
+sdk.chat.completions.create(model="m", messages=msgs)
+print(sdk.chat.completions.create(model="m", messages=msgs).choices[0].message.content)
+EOF"""
+LOOPER = f"""{PYTHON} - <<'EOF'
+import openai
+sdk = openai.OpenAI(max_retries=0)
+msgs = [{{"role": "user", "content": "[case:loop] go"}}]
+while True:
+    msgs += [sdk.chat.completions.create(model="m", messages=msgs).choices[0].message
+             .model_dump(exclude_none=True), {{"role": "user", "content": "again"}}]
+EOF"""
+
+
+@pytest.fixture(scope="module")
+def harnesses():
+    """The presets' environments, where `make harnesses` builds them (idempotent)."""
+    path = load_settings(farm_env("redis://unused")).harness_path
+    for name in PRESETS:
+        install(name, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def harness_farm(redis_server, tmp_path_factory, tiny_model, harnesses):
+    repos = Path(tempfile.mkdtemp(prefix="prs-harness-repos-"))
+    repos.chmod(0o755)
+    instances = build_repos(repos)
+    try:
+        with scripted_farm(redis_server.url, tmp_path_factory.mktemp("harness"),
+                           str(tiny_model), PLANS, "harness", sandbox_mount_roots=str(repos),
+                           harness_dir=harnesses) as (client, server):
+            client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
+                              "tokenizer": str(tiny_model), "capacity": 64}
+            yield client, instances
+    finally:
+        shutil.rmtree(repos, ignore_errors=True)
+
+
+def _math(client, cases: list[tuple[str, dict]], sampling: dict | None = None,
+          deadline_s: float = 120) -> list[dict]:
+    use_only_backend(client, **client.backend)
+    instances = [{"problem": f"[case:{case}] What is 2 + 2?", "answer": "4", "agent": agent}
+                 for case, agent in cases]
+    return run_batch(client, {"handler": "math", "instances": instances,
+                              "sampling": {"max_tokens": 256, **(sampling or {})},
+                              "deadline_s": deadline_s}, deadline_s + 60)
+
+
+def _ids(tiny_model, *turns: str) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(str(tiny_model), local_files_only=True)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    return [t for text in turns for t in tok.encode(text, add_special_tokens=False) + [end]]
+
+
+def _nothing_left(tag: str = "harness") -> None:
+    """No sandbox of the farm's left (their directories go with them) and no harness
+    process."""
+    root = Path(f"/tmp/prs-{tag}-{os.getpid()}")
+    wait_until(lambda: not [p for p in root.glob("*") if not p.name.startswith(".")], 30,
+               0.2, "sandboxes stopped")
+    ps = subprocess.run(["pgrep", "-f", "openai-agent/bin/python|sleep 600"],
+                        capture_output=True)
+    assert ps.stdout == b"", ps.stdout
+
+
+def test_the_openai_agent_preset_solves_and_fails_math(harness_farm, tiny_model):
+    client, _ = harness_farm
+    agent = {"preset": "openai-agent"}
+    good, wrong = _math(client, [("add", agent), ("wrong", agent)])
+    assert good["state"] == "done", good["failure"]
+    assert good["reward"] == 1.0 and wrong["reward"] == 0.0, (good["result"]["eval"],
+                                                              wrong["result"]["eval"])
+    result = good["result"]
+    assert result["stats"]["end_reason"] == "answered" and result["stats"]["turns"] == 2
+    assert result["capture"]["calls"] == 2 and result["capture"]["merged"] == 1
+    assert result["harness"]["exit_code"] == 0 and "\\boxed{4}" in \
+        result["harness"]["stdout_tail"]
+    # Exactly what the policy sampled, mask 1; the tool's output (run by the harness in the
+    # sandbox) in between, mask 0.
+    assert sampled_ids(result) == _ids(tiny_model, *PLANS["add"])
+    observed = [t for t, m in zip(result["response_ids"], result["response_mask"]) if not m]
+    tok = AutoTokenizer.from_pretrained(str(tiny_model), local_files_only=True)
+    assert "<tool_response>\n4\n\n[exit status 0]\n</tool_response>" in tok.decode(observed)
+    assert "segments" not in result  # one segment: it is the trajectory
+    _nothing_left()
+
+
+def test_mini_swe_agent_resolves_the_sample_swe_instance_and_a_wrong_fix_does_not(
+        harness_farm):
+    client, instances = harness_farm
+    use_only_backend(client, **client.backend)
+    agent = {"preset": "mini-swe-agent"}
+    cases = [{**instances[0], "agent": agent, "test_timeout_s": 60,
+              "problem_statement": f"[case:{case}] {instances[0]['problem_statement']}"}
+             for case in ("fix", "wrong-fix")]
+    fixed, wrong = run_batch(client, {"handler": "swe", "instances": cases,
+                                      "sampling": {"max_tokens": 512}, "deadline_s": 300}, 360)
+    assert fixed["state"] == "done" and wrong["state"] == "done", (
+        fixed["failure"], wrong["failure"], fixed.get("result", {}).get("harness"))
+    assert fixed["reward"] == 1.0, fixed["result"]["eval"]
+    assert fixed["result"]["eval"]["resolved"] and \
+        "+        result += a\n" in fixed["result"]["eval"]["diff"]
+    assert wrong["reward"] == 0.0 and wrong["result"]["eval"]["tests"]["FAIL_TO_PASS"] == {
+        "tests/test_calc.py::test_mul": "failed"}
+    harness = fixed["result"]["harness"]
+    assert harness["exit_code"] == 0, harness
+    assert fixed["result"]["capture"] == {**fixed["result"]["capture"], "calls": 2,
+                                          "merged": 1, "segments": 1}
+    # mini-SWE-agent's own prompt (its system and instance templates) reached the model.
+    assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in fixed["result"]["messages"][1]["content"]
+
+
+def test_a_rewritten_history_starts_a_new_segment_and_says_where(harness_farm, tiny_model):
+    client, _ = harness_farm
+    (job,) = _math(client, [("talk", {"command": REWRITER, "prompt": "file"})])
+    assert job["state"] == "done", job["failure"]
+    result = job["result"]
+    capture = result["capture"]
+    assert capture["calls"] == 3 and capture["merged"] == 1 and capture["segments"] == 2
+    (split,) = capture["splits"]
+    assert split["call"] == 3 and split["segment"] == 1
+    # Where it diverged: the first token of the rewritten first user message.
+    (first,) = result["segments"]
+    diverged = split["diverged_at"]
+    assert first["prompt_ids"][:diverged] == result["prompt_ids"][:diverged]
+    assert first["prompt_ids"][diverged] != result["prompt_ids"][diverged]
+    assert sampled_ids(first) == _ids(tiny_model, *PLANS["talk"][:2])
+    assert sampled_ids(result) == _ids(tiny_model, PLANS["talk"][2])
+    assert job["reward"] == 1.0  # the final answer is the last segment's
+
+
+def test_a_key_is_refused_for_another_job_and_after_its_job_ended(harness_farm):
+    client, _ = harness_farm
+    (first,) = _math(client, [("add", {"command": KEYS})])
+    assert first["state"] == "done", first["failure"]
+    out = first["result"]["harness"]["stdout_tail"]
+    key = next(line[4:] for line in out.splitlines() if line.startswith("KEY="))
+    other = {"command": KEYS, "env": [{"name": "OTHER", "value": key}]}
+    (second,) = _math(client, [("add", other)])
+    out2 = second["result"]["harness"]["stdout_tail"]
+    assert "OTHER=refused" in out2 and f"KEY={key}" not in out2
+
+
+def test_harness_faults_fail_clearly_and_leave_nothing(harness_farm):
+    client, _ = harness_farm
+    hang_after_call = (f"{PYTHON} -c 'import openai; openai.OpenAI().chat.completions.create("
+                       "model=\"m\", messages=[{\"role\": \"user\", \"content\": \"[case:add] "
+                       "x\"}])'; sleep 600")
+    jobs = _math(client, [("add", {"command": "sleep 600", "time_limit_s": 3}),
+                          ("add", {"command": hang_after_call, "time_limit_s": 5}),
+                          ("add", {"command": "echo broken >&2; exit 3"}),
+                          ("add", {"command": "true"})])
+    hang, hang_after, broken, silent = jobs
+    assert hang["state"] == "failed" and hang["failure"]["kind"] == "timeout"
+    assert hang["reward"] is None
+    assert hang_after["failure"]["kind"] == "timeout"
+    # What it captured before it hung is kept.
+    assert hang_after["result"]["capture"]["calls"] == 1
+    assert broken["failure"]["kind"] == "harness_error"
+    assert "status 3" in broken["failure"]["message"] and "broken" in \
+        broken["failure"]["message"]
+    assert silent["failure"]["kind"] == "harness_error"
+    assert "without a model call" in silent["failure"]["message"]
+    _nothing_left()
+
+
+def test_a_limit_ends_the_episode_and_eval_still_grades(harness_farm):
+    client, _ = harness_farm
+    (job,) = _math(client, [("loop", {"command": LOOPER})], sampling={"max_turns": 3})
+    assert job["state"] == "done", job["failure"]
+    result = job["result"]
+    assert result["stats"]["end_reason"] == "max_turns" and result["stats"]["turns"] == 3
+    assert job["reward"] == 0.0  # graded: no final answer
+    _nothing_left()
+
+
+def test_the_tiny_model_behind_a_harness_is_captured_token_exact(
+        redis_server, tmp_path_factory, tiny_model, dev_server, harnesses):
+    with scripted_farm(redis_server.url, tmp_path_factory.mktemp("harness-tiny"),
+                       str(tiny_model), {}, "harness-tiny", harness_dir=harnesses) as (
+            client, _):
+        client.backend = {"url": dev_server, "kind": "vllm", "model": "tiny",
+                          "tokenizer": str(tiny_model), "capacity": 8}
+        (job,) = _math(client, [("none", {"command": REWRITER.replace(
+            "[case:talk]", ""), "prompt": "file"})],
+            sampling={"max_tokens": 16, "temperature": 1.0, "seed": 3})
+    assert job["state"] == "done", job["failure"]
+    result = job["result"]
+    assert result["capture"]["segments"] == 2
+    for seg in (*result["segments"], result):
+        mask = seg["response_mask"]
+        full = seg["prompt_ids"] + seg["response_ids"]
+        forced = teacher_forced_logprobs(tiny_model, full)[len(seg["prompt_ids"]):]
+        errors = [abs(forced[i] - seg["response_logprobs"][i])
+                  for i, m in enumerate(mask) if m]
+        assert errors and max(errors) < 1e-3
+    assert json.dumps(result["capture"]["sampling_overrides"]) is not None
+
+
+def test_the_presets_and_their_environments_are_listed():
+    out = subprocess.run([str(ROOT / ".venv/bin/prorl-farm"), "harness", "list"],
+                         capture_output=True, text=True, check=True).stdout
+    assert {line.split("\t")[0] for line in out.splitlines()} == set(PRESETS)
