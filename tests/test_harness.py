@@ -50,7 +50,65 @@ PLANS = {
     "wrong-fix": [tool_call("bash", command=WRONG), tool_call("bash", command=DONE)],
     "talk": ["Let me think.", "Still thinking.", "\\boxed{4}"],
     "loop": [tool_call("bash", command="true")],
+    "sdk": [tool_call("bash", command="ls"), tool_call("bash", command="pwd"), "All done."],
 }
+# The SDKs as a harness uses them: a tool-call conversation of three turns, OpenAI streamed
+# (tool-call argument deltas put back together), Anthropic whole, streamed, whole.
+OPENAI_SDK = f"""{PYTHON} - <<'EOF'
+import json, openai, os
+tools = [{{"type": "function", "function": {{"name": "bash", "parameters": {{
+    "type": "object", "properties": {{"command": {{"type": "string"}}}}}}}}}}]
+sdk = openai.OpenAI(max_retries=0)
+msgs = [{{"role": "user", "content": "[case:sdk] look around"}}]
+seen = []
+for turn in range(3):
+    text, calls = "", {{}}
+    for chunk in sdk.chat.completions.create(model=os.environ["PRORL_MODEL"], messages=msgs,
+                                             tools=tools, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for d in delta.tool_calls or []:
+            c = calls.setdefault(d.index, {{"id": d.id, "type": "function",
+                                           "function": {{"name": "", "arguments": ""}}}})
+            c["function"]["name"] += d.function.name or ""
+            c["function"]["arguments"] += d.function.arguments or ""
+    message = {{"role": "assistant", "content": text or None}}
+    if calls:
+        message["tool_calls"] = list(calls.values())
+    msgs.append(message)
+    seen.append([c["function"]["name"] + c["function"]["arguments"] for c in calls.values()]
+                or text)
+    for c in calls.values():
+        command = json.loads(c["function"]["arguments"])["command"]
+        msgs.append({{"role": "tool", "tool_call_id": c["id"], "content": "ran " + command}})
+print(json.dumps(seen))
+EOF"""
+ANTHROPIC_SDK = f"""{PYTHON} - <<'EOF'
+import anthropic, json
+tools = [{{"name": "bash", "input_schema": {{"type": "object", "properties": {{
+    "command": {{"type": "string"}}}}}}}}]
+sdk = anthropic.Anthropic(max_retries=0)
+msgs = [{{"role": "user", "content": "[case:sdk] look around"}}]
+seen = []
+for turn in range(3):
+    kw = dict(model="m", max_tokens=200, system="You run commands.", messages=msgs,
+              tools=tools)
+    if turn == 1:
+        with sdk.messages.stream(**kw) as stream:
+            reply = stream.get_final_message()
+    else:
+        reply = sdk.messages.create(**kw)
+    msgs.append({{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                   for b in reply.content]}})
+    uses = [b for b in reply.content if b.type == "tool_use"]
+    seen.append([b.name + json.dumps(b.input) for b in uses] or reply.content[0].text)
+    if uses:
+        msgs.append({{"role": "user", "content": [{{"type": "tool_result", "tool_use_id": b.id,
+            "content": "ran " + b.input["command"]}} for b in uses]}})
+print(json.dumps(seen))
+EOF"""
 # A harness of its own: two calls, then a third with its first message rewritten (a
 # summarised history), then it answers what the model said.
 REWRITER = f"""{PYTHON} - <<'EOF'
@@ -188,6 +246,36 @@ def test_mini_swe_agent_resolves_the_sample_swe_instance_and_a_wrong_fix_does_no
     assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in fixed["result"]["messages"][1]["content"]
 
 
+def test_the_openai_and_anthropic_sdks_in_a_farm_sandbox_round_trip_tool_calls(
+        harness_farm, tiny_model):
+    client, _ = harness_farm
+    jobs = _math(client, [("sdk", {"command": OPENAI_SDK}), ("sdk", {"command": ANTHROPIC_SDK})])
+    for job in jobs:
+        assert job["state"] == "done", (job["failure"], job.get("result", {}).get("harness"))
+        result = job["result"]
+        seen = json.loads(result["harness"]["stdout_tail"].strip().splitlines()[-1])
+        assert seen == [['bash{"command": "ls"}'], ['bash{"command": "pwd"}'], "All done."]
+        assert result["capture"]["calls"] == 3 and result["capture"]["merged"] == 2
+        assert result["capture"]["segments"] == 1
+        assert sampled_ids(result) == _ids(tiny_model, *PLANS["sdk"])
+        assert job["reward"] == 0.0  # graded as any math answer: "All done." is not 4
+
+
+def test_cancel_ends_a_running_harness_at_once(harness_farm):
+    client, _ = harness_farm
+    use_only_backend(client, **client.backend)
+    sub = client.post("/v1/jobs", json={"handler": "math", "deadline_s": 600, "instances": [{
+        "problem": "x", "answer": "4", "agent": {"command": "sleep 600"}}]}).get_json()
+    job_url = f"/v1/jobs/{sub['job_ids'][0]}"
+    wait_until(lambda: subprocess.run(["pgrep", "-f", "sleep 600"],
+                                      capture_output=True).stdout != b"", 60, 0.2,
+               "the harness running")
+    assert client.post(f"/v1/batches/{sub['batch_id']}/cancel").status_code == 200
+    wait_until(lambda: client.get(job_url).get_json()["state"] == "cancelled", 30, 0.1,
+               "cancelled")
+    _nothing_left()
+
+
 def test_a_rewritten_history_starts_a_new_segment_and_says_where(harness_farm, tiny_model):
     client, _ = harness_farm
     (job,) = _math(client, [("talk", {"command": REWRITER, "prompt": "file"})])
@@ -252,27 +340,39 @@ def test_a_limit_ends_the_episode_and_eval_still_grades(harness_farm):
     _nothing_left()
 
 
-def test_the_tiny_model_behind_a_harness_is_captured_token_exact(
-        redis_server, tmp_path_factory, tiny_model, dev_server, harnesses):
-    with scripted_farm(redis_server.url, tmp_path_factory.mktemp("harness-tiny"),
-                       str(tiny_model), {}, "harness-tiny", harness_dir=harnesses) as (
+@pytest.fixture(scope="session", params=["dev", "vllm"])
+def engine(request):
+    """(name, model directory, URL): the tiny model on the dev server, then on real vLLM
+    (started before the test, as the session's servers are)."""
+    name = request.param
+    model = request.getfixturevalue("tiny_model" if name == "dev" else "vllm_model")
+    return name, model, request.getfixturevalue("dev_server" if name == "dev" else
+                                                "vllm_server")
+
+
+def test_a_real_model_behind_a_harness_is_captured_token_exact(
+        engine, redis_server, tmp_path_factory, harnesses):
+    """The harness's free conversation (its history rewritten once) captured as two
+    segments whose sampled tokens' logprobs match teacher forcing."""
+    engine, model, url = engine
+    with scripted_farm(redis_server.url, tmp_path_factory.mktemp(f"harness-{engine}"),
+                       str(model), {}, f"harness-{engine}", harness_dir=harnesses) as (
             client, _):
-        client.backend = {"url": dev_server, "kind": "vllm", "model": "tiny",
-                          "tokenizer": str(tiny_model), "capacity": 8}
+        client.backend = {"url": url, "kind": "vllm", "model": "tiny",
+                          "tokenizer": str(model), "capacity": 8}
         (job,) = _math(client, [("none", {"command": REWRITER.replace(
             "[case:talk]", ""), "prompt": "file"})],
             sampling={"max_tokens": 16, "temperature": 1.0, "seed": 3})
     assert job["state"] == "done", job["failure"]
     result = job["result"]
-    assert result["capture"]["segments"] == 2
+    assert result["capture"]["segments"] == 2 and result["capture"]["merged"] == 1
     for seg in (*result["segments"], result):
         mask = seg["response_mask"]
         full = seg["prompt_ids"] + seg["response_ids"]
-        forced = teacher_forced_logprobs(tiny_model, full)[len(seg["prompt_ids"]):]
+        forced = teacher_forced_logprobs(model, full)[len(seg["prompt_ids"]):]
         errors = [abs(forced[i] - seg["response_logprobs"][i])
                   for i, m in enumerate(mask) if m]
         assert errors and max(errors) < 1e-3
-    assert json.dumps(result["capture"]["sampling_overrides"]) is not None
 
 
 def test_the_presets_and_their_environments_are_listed():

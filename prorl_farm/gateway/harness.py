@@ -86,10 +86,11 @@ PRESETS: dict[str, Preset] = {
               "bash tool calls through litellm's OpenAI client"),
     "openai-agent": Preset(
         "openai-agent", ("{env}/bin/python", "{env}/share/openai_agent.py", "{prompt_file}"),
-        "file", ("openai>=1.40",), files={"share/openai_agent.py":
+        "file", ("openai>=1.40", "anthropic>=0.40"), files={"share/openai_agent.py":
                                          "examples/harnesses/openai_agent.py"},
         about="examples/harnesses/openai_agent.py: a tool-calling loop on the openai SDK "
-              "(bash and python tools, a final answer without a call)"),
+              "(bash and python tools, a final answer without a call); its environment has "
+              "the anthropic SDK too, for commands of your own"),
 }
 
 _ENV_NAME = validate.Regexp(r"^[A-Za-z_][A-Za-z0-9_]*$")

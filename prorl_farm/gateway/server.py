@@ -1,7 +1,7 @@
 """The gateway's HTTP side: one server per pool process, one key per job.
 
-``GatewayServer`` serves ``GET /v1/models``, ``POST /v1/chat/completions`` (OpenAI) and
-``POST /v1/messages`` (Anthropic) to whoever
+``GatewayServer`` serves ``GET /v1/models``, ``POST /v1/chat/completions`` and
+``POST /v1/responses`` (OpenAI) and ``POST /v1/messages`` (Anthropic) to whoever
 holds a job's key (``Authorization: Bearer <key>``, or ``x-api-key``); a key is the job's
 own, and dead once :meth:`GatewayServer.close_job` ran (401, in OpenAI's error shape).
 Each call of a job is turned into prompt ids by its :class:`~prorl_farm.gateway.capture.
@@ -18,6 +18,7 @@ import os
 import secrets
 import socketserver
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,6 +36,12 @@ from prorl_farm.gateway.openai_api import (
     chat_stream,
     merge_sampling,
     parse_chat,
+)
+from prorl_farm.gateway.responses_api import (
+    parse_responses,
+    reply_messages,
+    response_object,
+    responses_stream,
 )
 from prorl_farm.llm.backends.abstract import Generation
 
@@ -55,6 +62,8 @@ class Sampled:
 # Calls of one job waiting for their turn at once, past which a call gets 429 (a harness
 # flooding its gateway does not pile up threads).
 MAX_PENDING_CALLS = 8
+# Responses a job keeps for ``previous_response_id`` (the newest).
+KEPT_RESPONSES = 64
 
 
 @dataclass
@@ -80,6 +89,7 @@ class JobGateway:
     ended: str = ""
     _pending: threading.BoundedSemaphore = field(
         default_factory=lambda: threading.BoundedSemaphore(MAX_PENDING_CALLS))
+    _responses: dict[str, list[dict]] = field(default_factory=dict)
 
     def chat(self, body) -> tuple[dict | None, object]:
         """OpenAI Chat Completions: (JSON answer, or None and an event stream)."""
@@ -96,6 +106,18 @@ class JobGateway:
         if req.stream:
             return None, messages_stream(reply, prompt_len, self.model)
         return messages_response(reply, prompt_len, self.model), None
+
+    def responses(self, body) -> tuple[dict | None, object]:
+        """OpenAI Responses: (JSON answer, or None and an event stream)."""
+        req = parse_responses(body, self._responses)
+        reply, prompt_len = self._call(req)
+        doc = response_object(req, reply, prompt_len, self.model, f"resp_{uuid.uuid4().hex}")
+        self._responses[doc["id"]] = req.messages + reply_messages(doc)
+        while len(self._responses) > KEPT_RESPONSES:
+            self._responses.pop(next(iter(self._responses)))
+        if req.stream:
+            return None, responses_stream(doc)
+        return doc, None
 
     def end(self, reason: str) -> None:
         """End the episode (once): no call is served after this."""
@@ -215,8 +237,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, {"object": "list", "data": [{
                     "id": job.model, "object": "model", "created": 0, "owned_by": "prorl-farm"}]})
                 return
-            if method == "POST" and path in ("/v1/chat/completions", "/v1/messages"):
-                call = job.chat if path.endswith("completions") else job.messages
+            calls = {"/v1/chat/completions": job.chat, "/v1/messages": job.messages,
+                     "/v1/responses": job.responses}
+            if method == "POST" and path in calls:
+                call = calls[path]
                 doc, events = call(self._body())
                 if events is not None:
                     self._stream(events)
