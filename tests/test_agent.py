@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from prorl_farm.agent.parsers import HermesParser, Llama3JsonParser
+from prorl_farm.agent.parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    Qwen3CoderParser,
+    split_reasoning,
+)
 from tests.farm import run_batch, scripted_farm, use_only_backend, wait_until
 from tests.policy_server import PolicyServer, text_planner
 from tests.policy_server import tool_call as call
@@ -144,6 +149,21 @@ def test_parsers():
     assert [c.name for c in llama.calls] == ["python", "bash"] and not llama.errors
     assert not Llama3JsonParser().parse("The answer is 4.").any
     assert Llama3JsonParser().parse('{"name": "python", "parameters": {').errors
+    assert Llama3JsonParser().without_calls('Let me run it.<|python_tag|>{"name": "python", '
+                                    '"parameters": {}}') == "Let me run it."
+    coder = ("I will look.\n<tool_call>\n<function=bash>\n<parameter=command>\nls -la\n"
+             "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=edit>\n"
+             "<parameter=line>\n12\n</parameter>\n<parameter=text>\n  a\n  b\n</parameter>"
+             "\n</function>\n</tool_call>")
+    parsed = Qwen3CoderParser().parse(coder)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [
+        ("bash", {"command": "ls -la"}), ("edit", {"line": 12, "text": "  a\n  b"})]
+    assert Qwen3CoderParser().without_calls(coder) == "I will look."
+    assert Qwen3CoderParser().parse("<tool_call>oops</tool_call>").errors
+    assert split_reasoning("<think>\nhmm, 2+2\n</think>\n\nIt is 4.") == ("hmm, 2+2",
+                                                                           "It is 4.")
+    assert split_reasoning("hmm</think>It is 4.") == ("hmm", "It is 4.")
+    assert split_reasoning("It is 4.") == ("", "It is 4.")
 
 
 STEM_PLANS = {

@@ -108,3 +108,22 @@ def test_a_conversation_past_the_context_length_is_refused(chat):
     capture = Capture(chat, get_parser("hermes"), context_length=40)
     with pytest.raises(ContextFull, match="context length"):
         capture.prompt([{"role": "user", "content": "word " * 60}])
+
+
+def test_reasoning_and_qwen3_coder_calls_come_apart_and_the_sampled_ids_stay(chat):
+    """A Qwen3-style turn (a <think> block, then Qwen3-Coder's XML call): the API answer
+    carries the reasoning apart and the content without markup; sent back without the
+    reasoning, as clients do, the call still extends the segment with the very ids that
+    were sampled, the reasoning in them."""
+    capture = Capture(chat, get_parser("qwen3_coder"))
+    messages = [{"role": "user", "content": "List the files."}]
+    turn = ("<think>\nI should list them.\n</think>\n\nLooking.\n<tool_call>\n<function=bash>\n"
+            "<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>")
+    p1, s1, r1 = _call(capture, chat, messages, turn)
+    assert r1.reasoning == "I should list them." and r1.content == "Looking."
+    assert r1.tool_calls == [{"type": "function", "function": {
+        "name": "bash", "arguments": {"command": "ls"}}}]
+    messages += [_echo(r1), {"role": "tool", "tool_call_id": "call_1", "content": "a.py"}]
+    p2, _, _ = _call(capture, chat, messages, "One file.")
+    assert p2[:len(p1) + len(s1)] == p1 + s1
+    assert capture.result()["capture"]["merged"] == 1

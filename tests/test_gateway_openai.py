@@ -181,3 +181,32 @@ def test_keys_belong_to_one_running_job_and_errors_come_in_openais_shape(gateway
             assert [m.id for m in sdk.models.list()] == ["tiny"]
     finally:
         policy.kill()
+
+
+def test_a_flood_of_calls_gets_429_and_the_episode_goes_on(gateway, tiny_model):
+    """More calls of one job in flight at once than the gateway queues: the rest get 429
+    (the SDK's RateLimitError), and every call it took is served in turn."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prorl_farm.gateway.server import MAX_PENDING_CALLS
+
+    policy = PolicyServer(delay_s=0.3, planner=text_planner(str(tiny_model), {}))
+    key = gateway.open_job(_job(tiny_model, policy.url, [], {}))
+
+    def call(_):
+        with _sdk(gateway, key) as sdk:
+            try:
+                sdk.chat.completions.create(model="tiny", messages=[
+                    {"role": "user", "content": "hi"}])
+                return "served"
+            except openai.RateLimitError as e:
+                assert e.body["code"] == "rate_limit_exceeded"
+                return "429"
+
+    try:
+        with ThreadPoolExecutor(MAX_PENDING_CALLS + 6) as pool:
+            outcomes = list(pool.map(call, range(MAX_PENDING_CALLS + 6)))
+    finally:
+        policy.kill()
+    assert outcomes.count("429") >= 1 and outcomes.count("served") >= MAX_PENDING_CALLS
+    assert gateway.close_job(key).result()["capture"]["calls"] == outcomes.count("served")

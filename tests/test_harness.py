@@ -27,6 +27,8 @@ from prorl_farm.sandbox.abstract import INSIDE_HARNESSES
 from tests.farm import (
     ROOT,
     farm_env,
+    pool_user,
+    readable_copy,
     run_batch,
     sampled_ids,
     scripted_farm,
@@ -375,7 +377,47 @@ def test_a_real_model_behind_a_harness_is_captured_token_exact(
         assert errors and max(errors) < 1e-3
 
 
+def test_pools_and_sandboxes_of_an_unprivileged_user_serve_a_harness(
+        redis_server, tmp_path_factory, tiny_model, harnesses):
+    """Pools run as nobody: the RUN pool's gateway socket, in the sandbox's own directory,
+    is reached from the sandbox (another uid) and the harness environment is readable."""
+    user = pool_user("nobody")
+    under = Path(tempfile.mkdtemp(prefix="prs-harness-tok-"))
+    under.chmod(0o755)
+    try:
+        tokenizer = readable_copy(tiny_model, under)
+        with scripted_farm(redis_server.url, tmp_path_factory.mktemp("harness-nobody"),
+                           tokenizer, PLANS, "harness-nobody", user=user,
+                           harness_dir=harnesses) as (client, server):
+            client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
+                              "tokenizer": tokenizer, "capacity": 8}
+            (job,) = _math(client, [("add", {"preset": "openai-agent"})])
+        assert job["state"] == "done", (job["failure"], job.get("result", {}).get("harness"))
+        assert job["reward"] == 1.0 and job["result"]["capture"]["merged"] == 1
+    finally:
+        shutil.rmtree(under, ignore_errors=True)
+
+
 def test_the_presets_and_their_environments_are_listed():
     out = subprocess.run([str(ROOT / ".venv/bin/prorl-farm"), "harness", "list"],
                          capture_output=True, text=True, check=True).stdout
     assert {line.split("\t")[0] for line in out.splitlines()} == set(PRESETS)
+
+
+def test_a_farm_without_bwrap_refuses_harness_instances_and_checks_the_field():
+    from prorl_farm.errors import InvalidInstance
+    from prorl_farm.handlers.math import MathHandler
+
+    handler = MathHandler()
+    inst = handler.validate_instance({"problem": "x", "answer": "1",
+                                      "agent": {"preset": "openai-agent"}})
+    assert handler.refusals(inst, load_settings({"PRORL_SANDBOX_RUNTIME": "bwrap"})) == {}
+    refused = handler.refusals(inst, load_settings({"PRORL_SANDBOX_RUNTIME": "local"}))
+    assert "bwrap" in refused["agent"][0]
+    for bad, field in (({"preset": "x"}, "preset"), ({}, "preset"),
+                       ({"preset": "openai-agent", "command": "x"}, "preset"),
+                       ({"command": "x", "env": [{"name": "1A", "value": ""}]}, "env"),
+                       ({"command": "x", "time_limit_s": 0}, "time_limit_s")):
+        with pytest.raises(InvalidInstance) as e:
+            handler.validate_instance({"problem": "x", "answer": "1", "agent": bad})
+        assert field in e.value.details["agent"], e.value.details

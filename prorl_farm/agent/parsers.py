@@ -1,10 +1,15 @@
 """Tool-call parsers: find the calls in a turn's sampled text.
 
 ``hermes`` (the default): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as the
-Qwen2.5/Qwen3 and Hermes chat templates ask for; several per turn. ``llama3_json``: Llama 3.1's
-JSON calls, ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``), one or
-several separated by ``;``. A call that cannot be read is reported, not dropped: the agent loop
-answers it with an error observation and counts it.
+Qwen2.5/Qwen3 and Hermes chat templates ask for; several per turn. ``qwen3_coder``: Qwen3-Coder's
+XML calls, ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
+</tool_call>`` (a value that reads as a JSON object, array, number, boolean or null is that;
+anything else is a string). ``llama3_json``: Llama 3.1's JSON calls, ``{"name": ...,
+"parameters": {...}}`` (optionally after ``<|python_tag|>``), one or several separated by ``;``.
+A call that cannot be read is reported, not dropped: the agent loop answers it with an error
+observation and counts it. ``without_calls`` gives a turn's text without its calls (what an API
+answers as the message's content), and :func:`split_reasoning` a leading ``<think>`` block
+(Qwen3, DeepSeek-R1) apart from the rest.
 """
 
 from __future__ import annotations
@@ -56,6 +61,25 @@ class ToolParser(ABC):
     def parse(self, text: str) -> Parsed:
         """The calls in ``text`` and the malformed ones."""
 
+    def without_calls(self, text: str) -> str:
+        """``text`` without its tool calls."""
+        return _TOOL_CALL_BLOCK.sub("", text).strip()
+
+
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
+_THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*", re.DOTALL)
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, the rest) of a turn that opens with a ``<think>`` block (or, as Qwen3's
+    template starts it in the prompt, has only its close); ("", text) otherwise."""
+    if "</think>" not in text:
+        return "", text
+    match = _THINK.match(text)
+    if match is None:
+        return "", text
+    return match.group(1).strip(), text[match.end():]
+
 
 class HermesParser(ToolParser):
     name = "hermes"
@@ -75,8 +99,45 @@ class HermesParser(ToolParser):
         return out
 
 
+class Qwen3CoderParser(ToolParser):
+    name = "qwen3_coder"
+    _function = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)",
+                            re.DOTALL)
+
+    def parse(self, text: str) -> Parsed:
+        out = Parsed()
+        for block in HermesParser._block.finditer(text):
+            body = block.group(1)
+            functions = list(self._function.finditer(body))
+            if not functions:
+                out.errors.append("a tool call needs <function=NAME>")
+                continue
+            for fn in functions:
+                args = {}
+                for p in self._parameter.finditer(fn.group(2)):
+                    args[p.group(1).strip()] = _value(p.group(2))
+                out.calls.append(ToolCall(fn.group(1).strip(), args))
+        return out
+
+
+def _value(raw: str):
+    text = raw.strip()
+    if text[:1] in "{[" or text in ("true", "false", "null") or re.fullmatch(
+            r"-?\d+(\.\d+)?([eE][-+]?\d+)?", text):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    return raw
+
+
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+
+    def without_calls(self, text: str) -> str:
+        head = text.split("<|python_tag|>", 1)[0] if "<|python_tag|>" in text else ""
+        return head.strip() if self.parse(text).any else text
 
     def parse(self, text: str) -> Parsed:
         out = Parsed()
@@ -101,6 +162,7 @@ class Llama3JsonParser(ToolParser):
 
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser,
+                                        "qwen3_coder": Qwen3CoderParser,
                                         "llama3_json": Llama3JsonParser}
 
 

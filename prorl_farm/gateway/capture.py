@@ -21,10 +21,9 @@ takes one sample per segment) and the stats: calls, merged, segments, splits.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
-from prorl_farm.agent.parsers import ToolParser
+from prorl_farm.agent.parsers import ToolParser, split_reasoning
 from prorl_farm.agent.trajectory import ChatTokens, Trajectory
 from prorl_farm.errors import FarmError
 
@@ -73,9 +72,6 @@ def normalise(message: dict) -> dict:
     return out
 
 
-_HERMES_CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)
-
-
 @dataclass
 class Reply:
     """What one call's sampled ids say: the text without tool-call markup, the calls."""
@@ -85,6 +81,7 @@ class Reply:
     finish_reason: str
     token_ids: list[int]
     logprobs: list[float]
+    reasoning: str = ""  # a leading <think> block's text (not part of ``content``)
 
 
 @dataclass
@@ -142,17 +139,18 @@ class Capture:
         current = self.segments[-1]
         current.add_generation(sent, token_ids, logprobs, finish_reason, backend,
                                policy_version, logprobs_mode)
-        text = self.chat.decode(token_ids)
+        reasoning, text = split_reasoning(self.chat.decode(token_ids))
         parsed = self.parser.parse(text)
         calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in parsed.calls]
-        content = _HERMES_CALL.sub("", text).strip() if calls else text
+        content = self.parser.without_calls(text) if calls else text
         reply = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = calls
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         self._seen = self._seen + [reply]
-        return Reply(content, calls, finish_reason, list(token_ids), list(logprobs))
+        return Reply(content, calls, finish_reason, list(token_ids), list(logprobs),
+                     reasoning)
 
     def result(self) -> dict:
         """The segments (docs/trajectory.md's fields each) and the capture stats."""

@@ -123,6 +123,8 @@ def _tool_calls(reply: Reply, call_ids: list[str]) -> list[dict]:
 def chat_response(req: ChatRequest, reply: Reply, prompt_tokens: int, model: str) -> dict:
     call_ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in reply.tool_calls]
     message: dict = {"role": "assistant", "content": reply.content or None}
+    if reply.reasoning:  # as vLLM's reasoning parsers answer it
+        message["reasoning_content"] = reply.reasoning
     if reply.tool_calls:
         message["tool_calls"] = _tool_calls(reply, call_ids)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",

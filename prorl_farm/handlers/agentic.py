@@ -55,6 +55,16 @@ class ToolAgentHandler(AgentHandler):
         sandbox = ctx.sandboxes.start(self.sandbox_spec(ctx), ctx.job_id, ctx.requeues, ctx)
         return {"sandbox": sandbox.to_dict()}
 
+    def allowed_by(self, settings) -> dict:
+        return {} if _harnesses_run(settings) else {"agent": {"enum": [None]}}
+
+    def refusals(self, instance: dict, settings) -> dict:
+        if instance.get("agent") and not _harnesses_run(settings):
+            return {"agent": [f"agent harnesses run in bwrap sandboxes (the only runtime with "
+                              f"the model gateway's door); this farm's runtime is "
+                              f"{settings.sandbox_runtime}"]}
+        return {}
+
     @staticmethod
     def sandbox_spec(ctx: JobContext, **spec) -> SandboxSpec:
         """The job's sandbox: with the gateway (and the harness environments) when an
@@ -96,6 +106,10 @@ class ToolAgentHandler(AgentHandler):
         finally:
             if client is not None:
                 client.close()
+
+
+def _harnesses_run(settings) -> bool:
+    return settings.sandbox_runtime in ("auto", "bwrap")
 
 
 def final_answer(result: dict) -> str:
