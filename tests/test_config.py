@@ -16,10 +16,11 @@ import yaml
 from prorl_farm import config
 from prorl_farm.config import DEPLOY_ENV, env_names, load_settings, read
 from prorl_farm.errors import ConfigError
+from prorl_farm.gateway.harness import MODEL_ENV, PROMPT_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 # Set by the farm for the programs inside a sandbox: not settings of the farm.
-INSIDE_ENV = {"PRORL_SANDBOX_ID", "PRORL_SANDBOX_IP"}
+INSIDE_ENV = {"PRORL_SANDBOX_ID", "PRORL_SANDBOX_IP", MODEL_ENV, PROMPT_FILE_ENV}
 
 
 def test_the_readme_table_is_the_declaration():

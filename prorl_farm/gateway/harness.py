@@ -54,6 +54,8 @@ from prorl_farm.sandbox.abstract import (
 from prorl_farm.sandbox.connection import ToolConnection
 
 PROMPT_FILE = "/tmp/prorl-prompt.txt"
+# What a harness is told besides the SDKs' own variables: the model's name, the prompt file.
+MODEL_ENV, PROMPT_FILE_ENV = "PRORL_MODEL", "PRORL_PROMPT_FILE"
 TAIL_CHARS = 4000  # of the harness's stdout and stderr, kept in the result
 EXEC_NAME = "harness"
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,7 +210,7 @@ def harness_env(options: dict, sandbox: dict, key: str, model: str) -> dict[str,
            **{v["name"]: v["value"] for v in options.get("env", [])}}
     env.update(OPENAI_BASE_URL=f"{base}/v1", OPENAI_API_BASE=f"{base}/v1",
                OPENAI_API_KEY=key, ANTHROPIC_BASE_URL=base, ANTHROPIC_API_KEY=key,
-               PRORL_MODEL=model, PRORL_PROMPT_FILE=PROMPT_FILE)
+               **{MODEL_ENV: model, PROMPT_FILE_ENV: PROMPT_FILE})
     return env
 
 
