@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from flask import Blueprint, request
 
@@ -19,6 +20,7 @@ from prorl_farm.llm import weights
 from prorl_farm.llm.registry import BackendSpec, context_length, probe
 
 bp = Blueprint("backends", __name__)
+log = logging.getLogger(__name__)
 
 
 @bp.post("/v1/backends")
@@ -38,8 +40,20 @@ def register():
         raise ApiError(422, "backend_unhealthy", f"url: {error}", {"url": [error]})
     if not spec.max_model_len and not error:
         spec = dataclasses.replace(spec, max_model_len=context_length(spec.url, spec.model) or 0)
+    if not error:
+        _label(spec.kind, spec.url, spec.policy_version)
     backend_id = services().backends.register(spec, probe_error=error)
     return services().backends.get(backend_id), 201
+
+
+def _label(kind: str, url: str, version: int) -> None:
+    """Label the engine's weights with the version they are registered at, where the
+    engine labels the tokens it samples (a label left by an earlier farm or run would
+    otherwise name them)."""
+    try:
+        weights.label_version(kind, url, version)
+    except weights.WeightSyncError as e:
+        log.warning("backend %s: its weights' version label was not set: %s", url, e)
 
 
 @bp.get("/v1/backends")
@@ -66,7 +80,9 @@ def drain(backend_id: str):
 @bp.post("/v1/backends/<backend_id>/resume")
 def resume(backend_id: str):
     body = BackendResumeSchema().load(json_body())
-    return services().backends.resume(backend_id, body["policy_version"])
+    out = services().backends.resume(backend_id, body["policy_version"])
+    _label(out["kind"], out["url"], body["policy_version"])
+    return out
 
 
 def _probe(body: dict) -> weights.Probe | None:
@@ -87,7 +103,8 @@ def _sync(backend_id: str, body: dict, probe: weights.Probe | None) -> dict:
         return weights.sync(svc.backends, backend_id, body["path"], body["policy_version"],
                             probe=probe,
                             tolerance=body.get("tolerance") or svc.settings.weights_tolerance,
-                            drain_timeout_s=body["drain_timeout_s"], verify=body["verify"])
+                            drain_timeout_s=body["drain_timeout_s"], verify=body["verify"],
+                            mode=body["mode"])
     except weights.WeightSyncError as e:
         raise ApiError(422, "weight_sync_failed", str(e)) from e
 

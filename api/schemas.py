@@ -286,6 +286,12 @@ class BackendWeightsSchema(Schema):
                        "taken on trust)"})
     drain_timeout_s = fields.Float(load_default=600.0, allow_nan=False,
                                    validate=validate.Range(min=0, max=24 * 3600))
+    mode = fields.String(load_default="drain", validate=validate.OneOf(["drain", "in_place"]),
+                         metadata={"description": "drain: wait for every job pinned to the "
+                                   "backend, then load (strictly on-policy); in_place: pause "
+                                   "the engine, abort what it generates (the turns go on "
+                                   "under the new weights from the tokens they have, each "
+                                   "token labelled with its version), load, resume"})
     model = fields.String(validate=validate.Length(min=1, max=512), metadata={
         "description": "/v1/weights only: the backends serving this model (default: all)"})
 

@@ -1,8 +1,9 @@
 """A scripted policy server: the test double for a GPU LLM server.
 
-It speaks the same routes as vLLM (/v1/completions) and SGLang (/generate), token IDs in
-and out, and answers with a deterministic function of the prompt. It records which job
-(X-Prorl-Job) each request came from, can be slowed down, made to fail, or killed.
+It speaks the same routes as vLLM (/inference/v1/generate, /v1/completions) and SGLang
+(/generate), token IDs in and out, and answers with a deterministic function of the
+prompt. It records which job (X-Prorl-Job) each request came from, can be slowed down,
+made to fail, or killed.
 
 With a ``planner`` it plays a planned episode instead: ``planner(prompt_ids)`` returns the
 token IDs of the next turn and its finish reason (see :func:`text_planner`, which picks the
@@ -161,7 +162,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         owner = self.owner
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        prompt = body.get("prompt") or body.get("input_ids")
+        if self.path not in ("/inference/v1/generate", "/v1/completions", "/generate"):
+            self._send(404, {"error": f"no route {self.path}"})
+            return
+        prompt = body.get("prompt") or body.get("input_ids") or body.get("token_ids")
         owner.record(self.headers.get("X-Prorl-Job", ""), len(prompt), prompt)
         try:
             if owner.fail:
@@ -170,7 +174,18 @@ class _Handler(BaseHTTPRequestHandler):
             end = time.monotonic() + owner.delay_s
             while time.monotonic() < end:
                 time.sleep(min(0.05, max(0.0, end - time.monotonic())))
-            if self.path == "/v1/completions":
+            if self.path == "/inference/v1/generate":  # vLLM's token route
+                wanted = body["sampling_params"].get("max_tokens", 16)
+                finish = "length"
+                if owner.planner is not None:
+                    ids, finish = owner.planner(prompt, wanted)
+                else:
+                    ids = scripted_tokens(prompt, wanted)
+                self._send(200, {"choices": [{
+                    "index": 0, "token_ids": ids, "finish_reason": finish,
+                    "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]},
+                    "weight_versions": [{"version": None, "start": 0, "end": len(ids)}]}]})
+            elif self.path == "/v1/completions":
                 finish = "length"
                 if owner.planner is not None:
                     ids, finish = owner.planner(prompt, body.get("max_tokens", 16))

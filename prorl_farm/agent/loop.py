@@ -124,8 +124,7 @@ def _loop(ctx, session, traj, ep, offered, parser, limits, runner) -> None:
         got = session.generate(context, sampling)
         ep.llm_s += time.monotonic() - t0
         g = got.generation
-        traj.add_generation(context, g.token_ids, g.logprobs, g.finish_reason, got.backend.id,
-                            got.backend.policy_version, got.backend.logprobs_mode)
+        traj.add_turn(context, got)
         generated += len(g.token_ids)
         ep.turns += 1
         parsed = parser.parse(traj.messages[-1]["content"])

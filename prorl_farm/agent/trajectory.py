@@ -137,22 +137,35 @@ class Trajectory:
 
     def add_generation(self, sent: list[int], token_ids: list[int], logprobs: list[float],
                        finish_reason: str, backend: str, policy_version: int,
-                       logprobs_mode: str) -> None:
-        """Append what the backend sampled for prompt ``sent``, exactly as returned."""
+                       logprobs_mode: str, versions: list[tuple[int, int]] | None = None
+                       ) -> None:
+        """Append what the backend sampled for prompt ``sent``, exactly as returned.
+        ``versions``: (first token, policy version) at each change within the turn (a turn
+        that went on across a weight update); default: all of it ``policy_version``."""
         offset = len(self.response_ids)
         if sent != self.prompt_ids + self.response_ids[:offset]:
             raise TokenMismatch(f"turn {len(self.turns)}: the prompt sent is not "
                                 f"prompt_ids + response_ids[:{offset}]")
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} logprobs")
+        versions = [(int(i), int(v)) for i, v in (versions or [(0, policy_version)])]
         self.response_ids += token_ids
         self.response_mask += [1] * len(token_ids)
         self.response_logprobs += [float(x) for x in logprobs]
-        self.turns.append({"offset": offset, "prompt_len": len(sent),
-                           "generated": len(token_ids), "finish_reason": finish_reason,
-                           "backend": backend, "policy_version": policy_version,
-                           "logprobs_mode": logprobs_mode, "prefix_checked": True})
+        turn = {"offset": offset, "prompt_len": len(sent), "generated": len(token_ids),
+                "finish_reason": finish_reason, "backend": backend,
+                "policy_version": min(v for _, v in versions),
+                "logprobs_mode": logprobs_mode, "prefix_checked": True}
+        if len(versions) > 1:  # the turn went on under newer weights from these tokens on
+            turn["versions"] = [[i, v] for i, v in versions]
+        self.turns.append(turn)
         self.messages.append({"role": "assistant", "content": self.chat.decode(token_ids)})
+
+    def add_turn(self, sent: list[int], turn) -> None:
+        """Append a backend session's turn (llm.session.Turn) sampled for ``sent``."""
+        g, b = turn.generation, turn.backend
+        self.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason, b.id,
+                            b.policy_version, b.logprobs_mode, turn.versions)
 
     def add_messages(self, new_messages: list[dict], limit: int | None = None) -> bool:
         """Append observations (tool results, user turns) and the next generation prompt.
@@ -178,11 +191,25 @@ class Trajectory:
                 return m["content"]
         return ""
 
+    def version_boundaries(self) -> list[list[int]]:
+        """[response index, policy version] where the version of the sampled tokens changes
+        (the first sampled token's included): every sampled token's version, compactly."""
+        out: list[list[int]] = []
+        for t in self.turns:
+            for i, v in t.get("versions") or [[0, t["policy_version"]]]:
+                if not out or out[-1][1] != v:
+                    out.append([t["offset"] + i, v])
+        return out
+
     def to_dict(self) -> dict:
+        bounds = self.version_boundaries()
+        versions = [v for _, v in bounds]
         return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
                 "response_mask": self.response_mask,
                 "response_logprobs": self.response_logprobs, "turns": self.turns,
                 "messages": self.messages,
                 # The oldest policy any of its tokens came from (what staleness is about).
-                "policy_version": min((t["policy_version"] for t in self.turns),
-                                      default=None)}
+                "policy_version": min(versions, default=None),
+                "min_version": min(versions, default=None),
+                "max_version": max(versions, default=None),
+                "version_boundaries": bounds}

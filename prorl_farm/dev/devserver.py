@@ -39,6 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 from prorl_farm.errors import FarmError
 
@@ -59,6 +60,9 @@ class Sampled:
     finish_reason: str  # "stop" | "length" | "abort"
     stop_token: int | None
     prompt_len: int
+    # The weights' version label (/update_weight_version) that sampled them: a batch runs
+    # under one set of weights (loads happen between batches), so one span per request.
+    weight_version: str | None = None
 
 
 # Requests generated together in one padded batch, at most.
@@ -81,9 +85,11 @@ class _Request:
     result: Sampled | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    version: str | None = None
 
     def finish(self, reason: str, stop_token: int | None = None) -> None:
-        self.result = Sampled(self.out, self.logprobs, reason, stop_token, len(self.prompt))
+        self.result = Sampled(self.out, self.logprobs, reason, stop_token, len(self.prompt),
+                              self.version)
         self.done.set()
 
 
@@ -118,12 +124,22 @@ class DevModel:
         # transformers 5 takes the KV cache as `cache`; 4.x as `past_key_values`.
         self._cache_kw = ("cache" if "cache" in inspect.signature(self.model.forward).parameters
                           else "past_key_values")
+        # ``lock``: one forward pass at a time (a step of a batch, a prompt's logprobs);
+        # ``batch_lock``: a whole batch, which a weight load waits for (no generation sees
+        # two sets of weights) while prompt logprobs go between its steps.
         self.lock = threading.Lock()
+        self.batch_lock = threading.Lock()
         self.weights_path = str(self.dir)
         self.weight_loads = 0
         self.cache_resets = 0  # /reset_prefix_cache and /flush_cache calls
         self._pending: list[_Request] = []
         self._pending_cv = threading.Condition()
+        # vLLM's RL routes: /pause (abort | wait), /resume, /update_weight_version.
+        self.weight_version: str | None = None
+        self.paused = False
+        self._abort_running = False  # set by a pause in "abort" mode until the batch ends
+        self._running = False  # a batch is being generated
+        self.running = 0  # requests in that batch
         threading.Thread(target=self._scheduler, name="dev-model-batches", daemon=True).start()
 
     def _forward(self, ids, cache, mask, pos):
@@ -131,7 +147,8 @@ class DevModel:
                   "use_cache": True}
         if cache is not None:
             kwargs[self._cache_kw] = cache
-        out = self.model(**kwargs)
+        with self.lock:
+            out = self.model(**kwargs)
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = out.past_key_values
@@ -180,6 +197,8 @@ class DevModel:
                        gen=torch.Generator().manual_seed(
                            seed if seed is not None else secrets.randbits(63)),
                        aborted=aborted)
+        if max_tokens == 1:  # one forward pass: served between the steps of a batch
+            return self._sample_one(req)
         with self._pending_cv:
             self._pending.append(req)
             self._pending_cv.notify()
@@ -188,15 +207,38 @@ class DevModel:
             raise req.error
         return req.result
 
+    def _sample_one(self, req: _Request) -> Sampled:
+        """A one-token request (a weight check's probe, a prompt's logprobs) at once, not
+        behind the batch being generated, as a continuously batching engine serves it; a
+        paused engine holds it like any other."""
+        torch = self.torch
+        self._wait_unpaused()
+        with self.lock, torch.no_grad():
+            req.version = self.weight_version
+            logits = self.model(input_ids=torch.tensor([req.prompt])).logits[0, -1].float()
+            token, processed = self._pick(logits, req.temperature, req.top_p, req.top_k,
+                                          req.min_p, req.gen)
+        req.out.append(token)
+        req.logprobs.append(processed if processed is not None
+                            else float(torch.log_softmax(logits, -1)[token]))
+        if token in req.stops:
+            req.finish("stop", token)
+        else:
+            req.finish("length")
+        return req.result
+
     def _scheduler(self) -> None:
         while True:
             with self._pending_cv:
-                while not self._pending:
+                while not self._pending or self.paused:
                     self._pending_cv.wait()
                 batch = self._pending[:MAX_BATCH]
                 del self._pending[:MAX_BATCH]
-            with self.lock:  # weight loads happen between batches
+                self._running, self.running = True, len(batch)
+            with self.batch_lock:  # weight loads happen between batches
                 try:
+                    for r in batch:
+                        r.version = self.weight_version
                     self._generate_batch(batch)
                 except Exception as e:  # noqa: BLE001 - every waiter must hear of it
                     log.exception("generation failed")
@@ -204,6 +246,39 @@ class DevModel:
                         if not r.done.is_set():
                             r.error = e
                             r.done.set()
+            with self._pending_cv:
+                self._running, self.running = False, 0
+                self._pending_cv.notify_all()
+
+    def pause(self, mode: str = "abort") -> None:
+        """vLLM's ``/pause``: no new batch starts until :meth:`resume`. ``abort``: the batch
+        being generated ends now (each request ``abort``, with the tokens it has) and the
+        requests waiting end ``abort`` with none; ``wait``: the batch runs to its end, the
+        waiting ones stay queued. Returns once no batch runs. (``keep``, which freezes
+        requests mid-generation on their old KV cache, is not offered.)"""
+        if mode not in ("abort", "wait"):
+            raise BadRequest(f"mode: abort or wait (this server does not offer {mode!r})")
+        with self._pending_cv:
+            self.paused = True
+            if mode == "abort":
+                self._abort_running = True
+                waiting, self._pending = self._pending, []
+                for r in waiting:
+                    r.version = self.weight_version
+                    r.finish("abort")
+            while self._running:
+                self._pending_cv.wait()
+            self._abort_running = False
+
+    def resume(self) -> None:
+        with self._pending_cv:
+            self.paused = False
+            self._pending_cv.notify_all()
+
+    def _wait_unpaused(self) -> None:
+        with self._pending_cv:
+            while self.paused:
+                self._pending_cv.wait()
 
     def _generate_batch(self, batch: list[_Request]) -> None:
         torch = self.torch
@@ -233,7 +308,7 @@ class DevModel:
                         r.finish("stop", token)
                     elif len(r.out) >= r.max_tokens:
                         r.finish("length")
-                    elif step % 8 == 7 and r.aborted():
+                    elif self._abort_running or (step % 8 == 7 and r.aborted()):
                         r.finish("abort")
                     if r.done.is_set():
                         live.remove(i)
@@ -248,9 +323,10 @@ class DevModel:
 
     def prompt_logprobs(self, prompt: list[int]) -> list[float | None]:
         """Each prompt token's raw logprob given the tokens before it (None for the first):
-        one forward pass, under the sampling lock."""
+        one forward pass (between the steps of a batch being generated)."""
         torch = self.torch
         self._check_prompt(prompt, 0)
+        self._wait_unpaused()  # as vLLM's: a paused engine schedules nothing
         with self.lock, torch.no_grad():
             logits = self.model(input_ids=torch.tensor([prompt])).logits[0].float()
         lp = torch.log_softmax(logits, -1)
@@ -268,7 +344,7 @@ class DevModel:
     def load_weights(self, path: str) -> dict:
         """Load new weights into the served model: safetensors, a file or a directory of
         ``*.safetensors`` (what ``save_pretrained`` writes). Everything is read and checked
-        (names, shapes) first, then copied in under the sampling lock: a request that comes
+        (names, shapes) first, then copied in between batches: a request that comes
         meanwhile waits, and no request ever sees a half-loaded model."""
         from safetensors.torch import load_file
 
@@ -293,7 +369,7 @@ class DevModel:
             raise BadRequest(f"model_path: weights do not fit this model (missing "
                              f"{sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}, shape "
                              f"mismatch {sorted(shapes)[:5]})")
-        with self.lock, self.torch.no_grad():
+        with self.batch_lock, self.lock, self.torch.no_grad():
             for k, v in state.items():
                 own[k].copy_(v.to(own[k].dtype))
             self.weights_path = str(p)
@@ -399,9 +475,14 @@ class DevHandler(BaseHTTPRequestHandler):
             self._send(200, {"model_path": str(m.dir), "tokenizer_path": str(m.dir),
                              "is_generation": True, "weights_path": m.weights_path,
                              "weight_loads": m.weight_loads, "cache_resets": m.cache_resets,
-                             "max_model_len": m.max_len})
+                             "max_model_len": m.max_len, "running": m.running,
+                             "waiting": len(m._pending)})
         elif self.path == "/flush_cache":
             self._flush()
+        elif self.path == "/is_paused":
+            self._send(200, {"is_paused": m.paused})
+        elif self.path == "/weight_info":
+            self._send(200, {"weight_version": m.weight_version})
         else:
             self._error(404, f"no route {self.path}")
 
@@ -425,6 +506,21 @@ class DevHandler(BaseHTTPRequestHandler):
                 self._send(200, {"success": True})
             elif self.path == "/flush_cache":
                 self._flush()
+            elif self.path == "/inference/v1/generate":
+                self._send(200, self._generate_tokens(body))
+            elif self.path.split("?")[0] == "/pause":
+                query = parse_qs(urlsplit(self.path).query)
+                self.model.pause(query.get("mode", ["abort"])[0])
+                self._send(200, {"status": "paused"})
+            elif self.path == "/resume":
+                self.model.resume()
+                self._send(200, {"status": "resumed"})
+            elif self.path == "/update_weight_version":
+                version = body.get("new_version")
+                if not isinstance(version, str) or not version:
+                    raise BadRequest("new_version: a non-empty string is required")
+                self.model.weight_version = version
+                self._send(200, {"success": True, "new_version": version})
             else:
                 self._error(404, f"no route {self.path}")
         except BadRequest as e:
@@ -497,6 +593,31 @@ class DevHandler(BaseHTTPRequestHandler):
                 "created": int(time.time()), "model": m.name, "choices": choices,
                 "usage": {"prompt_tokens": usage_p, "completion_tokens": usage_c,
                           "total_tokens": usage_p + usage_c}}
+
+    def _generate_tokens(self, body: dict) -> dict:
+        """vLLM's token-in/token-out ``/inference/v1/generate`` (tokens output mode): token
+        ids, their logprobs and the weight version spans that sampled them."""
+        m = self.model
+        prompt = _int_list(body.get("token_ids"), "token_ids")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params must be an object")
+        if body.get("stream"):
+            raise BadRequest("stream: this development server answers whole responses only")
+        s = m.sample(prompt, **_sampling(sp, "max_tokens", 16), seed=sp.get("seed"),
+                     aborted=self._client_gone)
+        choice = {"index": 0, "finish_reason": s.finish_reason, "stop_reason": s.stop_token,
+                  "token_ids": s.token_ids, "logprobs": None,
+                  "weight_versions": [{"version": s.weight_version, "start": 0,
+                                       "end": len(s.token_ids)}] if s.token_ids else []}
+        if sp.get("logprobs") is not None:
+            choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp, "rank": None,
+                                               "top_logprobs": []}
+                                              for t, lp in zip(s.token_ids, s.logprobs)]}
+        return {"request_id": body.get("request_id") or uuid.uuid4().hex, "model": m.name,
+                "created": int(time.time()), "output_mode": "tokens", "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(s.token_ids),
+                          "total_tokens": len(prompt) + len(s.token_ids)}}
 
     # -- SGLang ---------------------------------------------------------------------------
 

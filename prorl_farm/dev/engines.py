@@ -70,9 +70,11 @@ def vllm_command(python: str, model: str, host: str, port: int, name: str,
                  dtype: str = "float32", max_model_len: int | None = None,
                  extra: list[str] | None = None) -> tuple[list[str], dict]:
     """argv and environment that start vLLM's OpenAI-compatible server on ``model``."""
+    # --enable-scale-out: the token route (/inference/v1/generate) with the weight version
+    # of every sampled token, which weight updates in place rely on.
     argv = [python, "-m", VLLM_MODULE, "--model", model, "--served-model-name", name,
             "--host", host, "--port", str(port), "--dtype", dtype,
-            "--generation-config", "vllm"]
+            "--generation-config", "vllm", "--enable-scale-out"]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
     argv += extra or []

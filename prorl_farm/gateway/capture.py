@@ -133,12 +133,12 @@ class Capture:
 
     def record(self, sent: list[int], token_ids: list[int], logprobs: list[float],
                finish_reason: str, backend: str, policy_version: int,
-               logprobs_mode: str) -> Reply:
+               logprobs_mode: str, versions: list[tuple[int, int]] | None = None) -> Reply:
         """Keep what the backend sampled for ``sent`` (the ids :meth:`prompt` gave) and
         return the reply as the API answers it."""
         current = self.segments[-1]
         current.add_generation(sent, token_ids, logprobs, finish_reason, backend,
-                               policy_version, logprobs_mode)
+                               policy_version, logprobs_mode, versions)
         reasoning, text = split_reasoning(self.chat.decode(token_ids))
         parsed = self.parser.parse(text)
         calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}

@@ -253,7 +253,7 @@ def run_harness(ctx: JobContext, options: dict, prompt: str) -> dict:
             stopper("error", e)
             raise
         b = got.backend
-        return Sampled(got.generation, b.id, b.policy_version, b.logprobs_mode)
+        return Sampled(got.generation, b.id, b.policy_version, b.logprobs_mode, got.versions)
 
     with session:
         first = session.backend()

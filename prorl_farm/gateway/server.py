@@ -57,6 +57,7 @@ class Sampled:
     backend: str
     policy_version: int
     logprobs_mode: str
+    versions: list[tuple[int, int]] | None = None  # as llm.session.Turn.versions
 
 
 # Calls of one job waiting for their turn at once, past which a call gets 429 (a harness
@@ -168,7 +169,8 @@ class JobGateway:
         out = self.sampler(prompt, sampling)
         gen = out.generation
         reply = self.capture.record(prompt, gen.token_ids, gen.logprobs, gen.finish_reason,
-                                    out.backend, out.policy_version, out.logprobs_mode)
+                                    out.backend, out.policy_version, out.logprobs_mode,
+                                    out.versions)
         self.sampled += 1
         self.generated += len(gen.token_ids)
         return reply, len(prompt)

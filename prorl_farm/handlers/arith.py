@@ -48,9 +48,7 @@ class ArithHandler(AgentHandler):
                                     prompt_messages(ctx.instance["a"], ctx.instance["b"]))
             sent = traj.context()
             t = session.generate(sent, dict(ctx.sampling, seed=turn_seed(ctx, 0)))
-            g = t.generation
-            traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason, t.backend.id,
-                                t.backend.policy_version, t.backend.logprobs_mode)
+            traj.add_turn(sent, t)
         out = traj.to_dict()
         out["failovers"] = session.failovers
         return out

@@ -76,9 +76,7 @@ class ChatHandler(AgentHandler):
                                 max_tokens=min(wanted, room))
                 t = session.generate(sent, sampling)
                 g = t.generation
-                traj.add_generation(sent, g.token_ids, g.logprobs, g.finish_reason,
-                                    t.backend.id, t.backend.policy_version,
-                                    t.backend.logprobs_mode)
+                traj.add_turn(sent, t)
                 stopped = g.finish_reason == "stop" or (
                     g.finish_reason == "length" and inst.get("continue_on_length"))
                 if not stopped:

@@ -21,6 +21,27 @@ from prorl_farm.llm.registry import Backend, BackendRegistry
 log = logging.getLogger(__name__)
 
 PIN_TTL_S = 0.25
+# Interruptions of one turn (weight updates in place) after which it fails.
+MAX_INTERRUPTIONS = 16
+
+
+def _joined(parts: list[Turn]) -> Turn:
+    """One turn from the parts of an interrupted one: their tokens and logprobs end to end,
+    each part's versions at its offset, the last part's finish and backend."""
+    ids, lps, versions, latency = [], [], [], 0.0
+    for p in parts:
+        if not p.generation.token_ids:
+            continue  # interrupted before its first token
+        for i, v in p.versions:
+            if not versions or versions[-1][1] != v:
+                versions.append((len(ids) + i, v))
+        ids += p.generation.token_ids
+        lps += p.generation.logprobs
+        latency += p.generation.latency_ms
+    last = parts[-1].generation
+    meta = dict(last.raw_meta, interruptions=len(parts) - 1)
+    return Turn(Generation(ids, lps, last.finish_reason, latency, meta, versions),
+                parts[-1].backend)
 
 
 def turn_seed(ctx: JobContext, turn: int) -> int | None:
@@ -39,6 +60,12 @@ class Turn:
 
     generation: Generation
     backend: Backend
+
+    @property
+    def versions(self) -> list[tuple[int, int]]:
+        """(first token, policy version) at each change: the engine's own labels where it
+        gives them, else the version the backend was registered at when pinned."""
+        return self.generation.versions or [(0, self.backend.policy_version)]
 
 
 class BackendSession:
@@ -136,6 +163,34 @@ class BackendSession:
         return self._client
 
     def generate(self, prompt_ids: list[int], sampling: dict) -> Turn:
+        """One turn. A generation the engine interrupted (``abort``: a weight update in
+        place paused it) goes on from where it stopped: the prompt and the tokens sampled
+        so far are sent again, for what is left of the turn's budget, and the parts join
+        into one generation whose ``versions`` say which weights sampled which tokens. No
+        token is lost or sampled twice."""
+        parts: list[Turn] = []
+        budget = int(sampling.get("max_tokens") or 0)
+        while True:
+            done = sum(len(p.generation.token_ids) for p in parts)
+            ask = dict(sampling, max_tokens=budget - done) if budget else sampling
+            turn = self._generate(prompt_ids + [t for p in parts
+                                                for t in p.generation.token_ids], ask)
+            parts.append(turn)
+            g = turn.generation
+            if g.finish_reason != "abort":
+                break
+            self.ctx.check()  # our own cancellation or deadline: not an update
+            if budget and done + len(g.token_ids) >= budget:
+                g.finish_reason = "length"
+                break
+            if len(parts) > MAX_INTERRUPTIONS:
+                raise BackendError(f"a turn was interrupted {len(parts)} times by the "
+                                   "engine (weight updates in place); giving up")
+            log.info("job %s: turn interrupted after %d tokens (a weight update in place); "
+                     "going on", self.ctx.job_id, done + len(g.token_ids))
+        return parts[0] if len(parts) == 1 else _joined(parts)
+
+    def _generate(self, prompt_ids: list[int], sampling: dict) -> Turn:
         while True:
             self.ctx.check()
             backend = self.backend()

@@ -1,11 +1,17 @@
 """Weight sync through each engine's own routes, verified before the backend serves again.
 
-One call (:func:`sync`): drain the backend, wait until no job is pinned to it, load the
-weights the engine's way, reset what holds state computed with the old weights, check that
-the engine now computes what the checkpoint computes, and only then resume it at the new
-policy version. A backend whose check fails stays out of the heap with the reason
-(``weights_error``: ``weights_mismatch`` and the largest logprob error) until a later sync
-passes: it never serves a version it does not hold.
+One call (:func:`sync`), in one of two modes. ``drain`` (strictly on-policy): drain the
+backend, wait until no job is pinned to it, load the weights the engine's way, reset what
+holds state computed with the old weights, check that the engine now computes what the
+checkpoint computes, and only then resume it at the new policy version. ``in_place``
+(nothing waits on the longest turn in flight): pause the engine, aborting what it is
+generating (each request ends ``abort`` with the tokens it has, which the farm's sessions
+keep and continue from), load, label the weights with the new version, resume, check; the
+engine labels every token it samples with the version of the weights that sampled it
+(vLLM's token route with ``--enable-scale-out``; the dev server), so a turn that straddles
+the update records where its version changed. A backend whose check fails stays out of
+the heap with the reason (``weights_error``: ``weights_mismatch`` and the largest logprob
+error) until a later sync passes: it never serves a version it does not hold.
 
 The engines' routes (from their own servers' code):
 
@@ -198,9 +204,29 @@ def compare(expected: Probe, served: list[float]) -> tuple[float, int]:
     return errors[worst], worst + 1
 
 
+# kind -> (pause route with abort, resume route, the weights' version label route)
+PAUSE_ROUTES = {"vllm": ("/pause?mode=abort&clear_cache=true", "/resume",
+                         "/update_weight_version")}
+MODES = ("drain", "in_place")
+
+
+def label_version(kind: str, url: str, version: int) -> bool:
+    """Label the engine's weights with ``version`` (what it reports for the tokens they
+    sample); False where the engine has no such label (then the farm labels tokens with
+    the version the backend was pinned at)."""
+    if kind not in PAUSE_ROUTES:
+        return False
+    status, text = _http("POST", url.rstrip("/") + PAUSE_ROUTES[kind][2],
+                         {"new_version": str(version)}, 60)
+    if status == 404:
+        return False
+    _ok("update_weight_version", status, text)
+    return True
+
+
 def sync(registry, backend_id: str, path: str, policy_version: int,
          probe: Probe | None = None, tolerance: float = 1e-2, drain_timeout_s: float = 600.0,
-         verify: bool = True) -> dict:
+         verify: bool = True, mode: str = "drain") -> dict:
     """Drain, wait for in-flight 0, load, reset, verify, resume at ``policy_version``: one
     sync per backend at a time (another one meanwhile is a Conflict, ``sync_in_progress``).
     Returns the backend's record with ``weights`` (path, max error, tolerance). A mismatch
@@ -212,14 +238,21 @@ def sync(registry, backend_id: str, path: str, policy_version: int,
         raise Conflict("sync_in_progress", f"backend {backend_id}: another weight sync is "
                        "under way")
     try:
+        if mode == "in_place":
+            return _sync_in_place(registry, b, path, policy_version, probe, tolerance,
+                                  verify)
         return _sync(registry, b, path, policy_version, probe, tolerance, drain_timeout_s,
                      verify)
     finally:
         registry.lua("release_lock", lock=lock, value=token)
 
 
-def _sync(registry, b: dict, path: str, policy_version: int, probe: Probe | None,
-          tolerance: float, drain_timeout_s: float, verify: bool) -> dict:
+def _prepare(b: dict, path: str, policy_version: int, probe: Probe | None,
+             verify: bool, try_probe: bool = True) -> Probe | None:
+    """What both modes check before anything changes; the probe to verify with.
+    ``try_probe``: send the probe to the engine first (drain mode: an engine that refuses
+    it refuses it before anything changed; in place it would queue behind the turns in
+    flight on an engine that batches by rounds)."""
     backend_id = b["id"]
     if policy_version < b["policy_version"]:
         raise Conflict("policy_version_regressed", f"backend {backend_id}: policy_version "
@@ -234,10 +267,48 @@ def _sync(registry, b: dict, path: str, policy_version: int, probe: Probe | None
                                   "compute the check's probe from it: pass a probe (or "
                                   "verify: false)")
         probe = checkpoint_probe(path, b["tokenizer"])  # before draining: may take a while
-    if probe is not None:
+    if probe is not None and try_probe:
         # The probe on the weights served now: a probe the engine refuses (token ids out
         # of its vocabulary, longer than its context) fails here, before anything changed.
         served_logprobs(b["kind"], b["url"], b["model"], probe.token_ids)
+    return probe
+
+
+def _sync_in_place(registry, b: dict, path: str, policy_version: int, probe: Probe | None,
+                   tolerance: float, verify: bool) -> dict:
+    backend_id, kind, url = b["id"], b["kind"], b["url"].rstrip("/")
+    if kind not in PAUSE_ROUTES:
+        raise WeightSyncError(f"backend {backend_id} ({kind}) cannot update in place (no "
+                              "pause with abort the farm knows of): use mode drain")
+    probe = _prepare(b, path, policy_version, probe, verify, try_probe=False)
+    pause, resume, _ = PAUSE_ROUTES[kind]
+    started = time.monotonic()
+    status, text = _http("POST", url + pause, timeout_s=600)
+    _ok("pause", status, text)
+    paused_s = time.monotonic() - started
+    try:
+        load(kind, url, path)
+        if not label_version(kind, url, policy_version):
+            raise WeightSyncError(f"backend {backend_id}: the engine cannot label its "
+                                  "weights' version (/update_weight_version), so tokens "
+                                  "sampled across the update could not say which weights "
+                                  "sampled them: use mode drain")
+    except WeightSyncError as e:
+        registry.set_fields(backend_id, weights_error=f"load_failed: {e}"[:500],
+                            weights_path=path)
+        _http("POST", url + resume, timeout_s=60)  # it serves nobody: out of the heap
+        raise
+    status, text = _http("POST", url + resume, timeout_s=60)
+    _ok("resume", status, text)
+    loaded_s = time.monotonic() - started
+    return _verified(registry, b, path, policy_version, probe, tolerance, verify, loaded_s,
+                     {"weights_mode": "in_place", "weights_paused_s": f"{paused_s:.3f}"})
+
+
+def _sync(registry, b: dict, path: str, policy_version: int, probe: Probe | None,
+          tolerance: float, drain_timeout_s: float, verify: bool) -> dict:
+    backend_id = b["id"]
+    probe = _prepare(b, path, policy_version, probe, verify)
     was_drained = b["drained"]
     registry.drain(backend_id)
     end = time.monotonic() + drain_timeout_s
@@ -251,11 +322,20 @@ def _sync(registry, b: dict, path: str, policy_version: int, probe: Probe | None
     started = time.monotonic()
     try:
         load(b["kind"], b["url"], path)
+        label_version(b["kind"], b["url"], policy_version)
     except WeightSyncError as e:
         registry.set_fields(backend_id, weights_error=f"load_failed: {e}"[:500],
                             weights_path=path)
         raise
-    loaded_s = time.monotonic() - started
+    return _verified(registry, b, path, policy_version, probe, tolerance, verify,
+                     time.monotonic() - started, {"weights_mode": "drain"})
+
+
+def _verified(registry, b: dict, path: str, policy_version: int, probe: Probe | None,
+              tolerance: float, verify: bool, loaded_s: float, extra: dict) -> dict:
+    """Check the loaded weights with the probe; resume at ``policy_version`` if they pass,
+    keep the backend out (``weights_error``) if not."""
+    backend_id = b["id"]
     max_error, at = None, None
     if verify:
         try:
@@ -267,7 +347,7 @@ def _sync(registry, b: dict, path: str, policy_version: int, probe: Probe | None
             raise
     fields = {"weights_path": path, "weights_load_s": f"{loaded_s:.3f}",
               "weights_max_error": "" if max_error is None else f"{max_error:.3g}",
-              "weights_checked_at": f"{time.time():.3f}"}
+              "weights_checked_at": f"{time.time():.3f}", **extra}
     if max_error is not None and max_error > tolerance:
         why = (f"weights_mismatch: logprob error {max_error:.3g} at probe token {at} "
                f"exceeds {tolerance:g}: the backend does not compute what {path} computes")

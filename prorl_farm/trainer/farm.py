@@ -289,16 +289,19 @@ class FarmClient:
     def sync_weights(self, path: str, policy_version: int, backend_id: str | None = None,
                      probe: dict | None = None, tolerance: float | None = None,
                      verify: bool = True, drain_timeout_s: float = 600.0,
-                     model: str | None = None) -> dict:
+                     model: str | None = None, mode: str = "drain") -> dict:
         """Load the checkpoint at ``path`` into one backend (or every backend, or those of
         ``model``) the engine's way and resume it at ``policy_version`` once the farm has
         checked that it computes what the checkpoint computes. ``probe``: ``{"token_ids":
         [...], "logprobs": [...]}`` from the trainer's own model (one logprob per token
         after the first); without it the farm computes one from ``path``. A backend that
         fails the check stays out of service: :class:`FarmConflict` ``weights_mismatch``.
+        ``mode``: ``drain`` (every job pinned to a backend finishes first: strictly
+        on-policy) or ``in_place`` (generation pauses, the turns in flight go on under the
+        new weights from the tokens they have, each token labelled with its version).
         Returns the backend's record (one backend) or ``{"backends": [...]}``."""
         body = {"path": str(path), "policy_version": policy_version, "verify": verify,
-                "drain_timeout_s": drain_timeout_s}
+                "drain_timeout_s": drain_timeout_s, "mode": mode}
         body.update({k: v for k, v in (("probe", probe), ("tolerance", tolerance),
                                        ("model", model)) if v is not None})
         timeout_s = drain_timeout_s + 900.0  # the drain, the load and the check

@@ -48,6 +48,9 @@ class Generation:
     finish_reason: str  # "stop" | "length" | "abort" | ...
     latency_ms: float = 0.0
     raw_meta: dict = field(default_factory=dict)
+    # The policy versions that sampled the tokens, as the engine reports them: (index of
+    # the first token, version) at each change; empty where the engine does not say.
+    versions: list[tuple[int, int]] = field(default_factory=list)
 
 
 class LLMClient(ABC):
@@ -173,6 +176,8 @@ class LLMClient(ABC):
             raise JobAborted("request aborted")
         if resp.status >= 500:
             raise BackendError(f"HTTP {resp.status}: {payload[:300]!r}")
+        if resp.status == 404:  # a route this server does not have: asking again won't help
+            raise BackendRequestError(f"HTTP 404: {payload[:300]!r}")
         try:
             doc = json.loads(payload)
         except ValueError as e:

@@ -1,0 +1,177 @@
+"""Weight updates in place, the engine's side: the dev model server offers vLLM's RL routes
+(``/pause`` in ``abort`` or ``wait`` mode, ``/resume``, ``/update_weight_version``,
+``/weight_info``) and its token-in/token-out ``/inference/v1/generate`` with the weight
+version spans that sampled each output token. A pause in ``abort`` mode ends a generation
+in flight with the tokens it has (``abort``, labelled with the old version); a request that
+arrives while paused waits and is sampled by the new weights, labelled so."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+from tests.farm import serve_model, wait_until
+
+
+def _post(url: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _generate(url: str, n: int, out: list) -> None:
+    out.append(_post(url + "/inference/v1/generate", {
+        "token_ids": [5, 6, 7], "sampling_params": {
+            "max_tokens": n, "ignore_eos": True, "temperature": 1.0, "seed": 1,
+            "logprobs": 0}})["choices"][0])
+
+
+def test_the_dev_server_pauses_aborts_and_labels_versions(tiny_model, tmp_path):
+    with serve_model(tiny_model, tmp_path / "dev.log") as url:
+        assert _post(url + "/update_weight_version", {"new_version": "3"})["success"]
+        assert _get(url + "/weight_info") == {"weight_version": "3"}
+        whole: list = []
+        _generate(url, 5, whole)
+        assert whole[0]["weight_versions"] == [{"version": "3", "start": 0, "end": 5}]
+        assert [c["token_id"] for c in whole[0]["logprobs"]["content"]] == \
+            whole[0]["token_ids"]
+        # A long generation, aborted mid-way by a pause: the tokens it has, version 3.
+        cut: list = []
+        t = threading.Thread(target=_generate, args=(url, 3000, cut))
+        t.start()
+        wait_until(lambda: _get(url + "/is_paused") == {"is_paused": False}, 5)
+        time.sleep(0.5)
+        assert _post(url + "/pause?mode=abort") == {"status": "paused"}
+        t.join(30)
+        (aborted,) = cut
+        assert aborted["finish_reason"] == "abort"
+        assert 0 < len(aborted["token_ids"]) < 3000
+        assert aborted["weight_versions"] == [{"version": "3", "start": 0,
+                                               "end": len(aborted["token_ids"])}]
+        # While paused a request waits; the new version label samples it after /resume.
+        later: list = []
+        t = threading.Thread(target=_generate, args=(url, 4, later))
+        t.start()
+        time.sleep(0.3)
+        assert not later and _get(url + "/is_paused") == {"is_paused": True}
+        _post(url + "/update_weight_version", {"new_version": "4"})
+        assert _post(url + "/resume") == {"status": "resumed"}
+        t.join(30)
+        assert later[0]["finish_reason"] == "length"
+        assert later[0]["weight_versions"] == [{"version": "4", "start": 0, "end": 4}]
+
+
+N = 1500  # tokens a turn: long enough that turns are mid-way when the update comes
+
+
+def _forced(model, ids: list[int]) -> list[float]:
+    """Teacher-forced logprobs of ``ids`` under a loaded model."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [0.0] + [float(logp[p - 1, ids[p]]) for p in range(1, len(ids))]
+
+
+def test_an_update_in_place_goes_on_with_the_turns_in_flight(
+        tiny_model, tmp_path, tmp_path_factory, redis_server):
+    """50 jobs mid-turn on the dev server; an update in place returns while they are still
+    generating (it does not wait for them); every trajectory holds all its tokens, those
+    before its version boundary exact under the old weights and those after under the new
+    ones (teacher forcing, within 1e-3), and says where the boundary is."""
+    with serve_model(tiny_model, tmp_path / "dev.log") as url:
+        _update_in_place_mid_turn(url, tiny_model, tmp_path, tmp_path_factory, redis_server,
+                                  lambda: _get(url + "/get_model_info")["running"] >= 20)
+
+
+def test_an_update_in_place_on_real_vllm(tmp_path, tmp_path_factory, redis_server):
+    """The same on vLLM's CPU build, through its own routes (/pause with abort, /resume,
+    /update_weight_version; its token route labels every token with its weights' version)."""
+    from prorl_farm.dev.tiny import build_tiny_model
+    from tests.conftest import start_vllm
+
+    model = build_tiny_model(tmp_path / "model")
+    url, stop = start_vllm(model, tmp_path_factory.mktemp("vllm-inplace"), 4096)
+    try:
+        _update_in_place_mid_turn(url, model, tmp_path, tmp_path_factory, redis_server,
+                                  lambda: _running_on_vllm(url) >= 20)
+    finally:
+        stop()
+
+
+def _running_on_vllm(url: str) -> float:
+    """vLLM's gauge of requests running, from its /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+def _update_in_place_mid_turn(url, model_dir, tmp_path, tmp_path_factory, redis_server,
+                              generating) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from api import create_app
+    from prorl_farm.config import load_settings
+    from tests.conftest import make_pools
+    from tests.farm import farm_env, use_only_backend
+    from tests.test_tokens import teacher_forced_logprobs
+    from tests.test_weight_sync import _perturbed
+
+    new = _perturbed(model_dir, tmp_path / "new", 0.3, seed=5)
+    ids = list(range(3, 30))
+    probe = {"token_ids": ids, "logprobs": teacher_forced_logprobs(new, ids)[1:]}
+    pools = make_pools(redis_server, tmp_path_factory.mktemp("inplace"), run_concurrency=64)
+    pools.start()
+    try:
+        client = create_app(load_settings(farm_env(redis_server.url))).test_client()
+        backend = use_only_backend(client, url=url, kind="vllm", model="tiny",
+                                   tokenizer=str(model_dir), capacity=64, policy_version=7)
+        sub = client.post("/v1/jobs", json={"handler": "chat", "n": 50, "instances": [
+            {"messages": [{"role": "user", "content": "Count."}]}],
+            "sampling": {"max_tokens": N, "ignore_eos": True, "seed": 3}}).get_json()
+        wait_until(generating, 90, 0.02, "20 turns generating")
+        t0 = time.monotonic()
+        resp = client.post(f"/v1/backends/{backend}/weights", json={
+            "path": str(new), "policy_version": 8, "probe": probe, "mode": "in_place"})
+        took = time.monotonic() - t0
+        assert resp.status_code == 200, resp.get_json()
+        batch = client.get(f"/v1/batches/{sub['batch_id']}").get_json()
+        assert not batch["complete"], f"the update waited for the batch ({took:.1f} s)"
+        assert resp.get_json()["policy_version"] == 8
+        wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()[
+            "complete"], 300, 0.2, "the batch")
+        jobs = [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+    finally:
+        pools.stop()
+    assert [j["state"] for j in jobs] == ["done"] * 50, [j["failure"] for j in jobs[:3]]
+    old_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    new_model = AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.float32)
+    straddled = 0
+    for job in jobs:
+        t = job["result"]
+        assert len(t["response_ids"]) == N and sum(t["response_mask"]) == N  # none lost
+        bounds = t["version_boundaries"]
+        assert bounds[0] == [0, 7] or bounds == [[0, 8]], bounds
+        assert (t["min_version"], t["max_version"]) == (bounds[0][1], bounds[-1][1])
+        cut = bounds[1][0] if len(bounds) == 2 else (N if bounds == [[0, 7]] else 0)
+        straddled += len(bounds) == 2
+        full = t["prompt_ids"] + t["response_ids"]
+        n = len(t["prompt_ids"])
+        for model, lo, hi in ((old_model, 0, cut), (new_model, cut, N)):
+            if hi > lo:
+                forced = _forced(model, full)[n + lo:n + hi]
+                worst = max(abs(a - b) for a, b in zip(forced, t["response_logprobs"][lo:hi]))
+                assert worst < 1e-3, (job["id"], lo, hi, worst)
+    kinds = sorted(str(j["result"]["version_boundaries"]) for j in jobs)
+    assert straddled >= 20, f"only {straddled} of 50 turns were in flight: {kinds}"
