@@ -53,6 +53,15 @@ def _job(tiny_model, backend_url: str, returned: list, sampling: dict) -> JobGat
                       sampler, sampling, "tiny", max_tokens=64)
 
 
+def scripted_job(gateway, tiny_model, plans: dict):
+    """A job on ``gateway`` played by a scripted policy: (policy, returned generations,
+    key, SDK client on that key)."""
+    policy = PolicyServer(planner=text_planner(str(tiny_model), plans))
+    returned: list = []
+    key = gateway.open_job(_job(tiny_model, policy.url, returned, {"temperature": 1.0}))
+    return policy, returned, key, _sdk(gateway, key)
+
+
 def _sdk(gateway, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
 
@@ -78,12 +87,8 @@ def _streamed(stream) -> tuple[str, dict, str, dict]:
 
 def test_tool_calls_round_trip_through_the_sdk_and_merge_into_one_segment(gateway,
                                                                           tiny_model):
-    policy = PolicyServer(planner=text_planner(str(tiny_model), {
-        "ls": [CALL, CALL, "There are two files."]}))
-    returned: list = []
-    job = _job(tiny_model, policy.url, returned, {"temperature": 1.0})
-    key = gateway.open_job(job)
-    sdk = _sdk(gateway, key)
+    policy, returned, key, sdk = scripted_job(gateway, tiny_model, {
+        "ls": [CALL, CALL, "There are two files."]})
     try:
         assert [m.id for m in sdk.models.list()] == ["tiny"]
         messages = [{"role": "system", "content": "You run commands."},

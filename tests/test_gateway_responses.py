@@ -11,8 +11,7 @@ import openai
 import pytest
 
 from tests.farm import sampled_ids
-from tests.policy_server import PolicyServer, text_planner
-from tests.test_gateway_openai import CALL, _job, _sdk, gateway  # noqa: F401 - a fixture
+from tests.test_gateway_openai import CALL, gateway, scripted_job  # noqa: F401 - a fixture
 
 TOOLS = [{"type": "function", "name": "bash", "description": "run a command",
           "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
@@ -20,12 +19,8 @@ TOOLS = [{"type": "function", "name": "bash", "description": "run a command",
 
 
 def test_function_calls_round_trip_through_the_responses_api(gateway, tiny_model):  # noqa: F811
-    policy = PolicyServer(planner=text_planner(str(tiny_model), {
-        "ls": [CALL, CALL, "There are two files."]}))
-    returned: list = []
-    job = _job(tiny_model, policy.url, returned, {"temperature": 1.0})
-    key = gateway.open_job(job)
-    sdk = _sdk(gateway, key)
+    policy, returned, key, sdk = scripted_job(gateway, tiny_model, {
+        "ls": [CALL, CALL, "There are two files."]})
     try:
         items: list = [{"role": "user", "content": "[case:ls] What is here?"}]
         first = sdk.responses.create(model="tiny", instructions="You run commands.",

@@ -72,16 +72,6 @@ def test_the_dev_server_pauses_aborts_and_labels_versions(tiny_model, tmp_path):
 N = 1500  # tokens a turn: long enough that turns are mid-way when the update comes
 
 
-def _forced(model, ids: list[int]) -> list[float]:
-    """Teacher-forced logprobs of ``ids`` under a loaded model."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    logp = torch.log_softmax(logits, -1)
-    return [0.0] + [float(logp[p - 1, ids[p]]) for p in range(1, len(ids))]
-
-
 def test_an_update_in_place_goes_on_with_the_turns_in_flight(
         tiny_model, tmp_path, tmp_path_factory, redis_server):
     """50 jobs mid-turn on the dev server; an update in place returns while they are still
@@ -170,7 +160,7 @@ def _update_in_place_mid_turn(url, model_dir, tmp_path, tmp_path_factory, redis_
         n = len(t["prompt_ids"])
         for model, lo, hi in ((old_model, 0, cut), (new_model, cut, N)):
             if hi > lo:
-                forced = _forced(model, full)[n + lo:n + hi]
+                forced = teacher_forced_logprobs(model, full)[n + lo:n + hi]
                 worst = max(abs(a - b) for a, b in zip(forced, t["response_logprobs"][lo:hi]))
                 assert worst < 1e-3, (job["id"], lo, hi, worst)
     kinds = sorted(str(j["result"]["version_boundaries"]) for j in jobs)

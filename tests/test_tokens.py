@@ -136,10 +136,13 @@ def chat_farm(redis_server, tmp_path_factory, dev_server, tiny_model):
 
 
 def teacher_forced_logprobs(model_dir, ids: list[int]) -> list[float]:
+    """Each token's logprob given those before it (0.0 for the first), under the model at
+    ``model_dir`` or an already loaded one."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = model_dir if isinstance(model_dir, torch.nn.Module) else \
+        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
     logp = torch.log_softmax(logits, -1)

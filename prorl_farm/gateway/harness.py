@@ -41,7 +41,7 @@ from prorl_farm.agent.loop import AgentLimits
 from prorl_farm.agent.parsers import get_parser
 from prorl_farm.agent.trajectory import load_chat_tokens
 from prorl_farm.context import JobContext
-from prorl_farm.errors import HarnessFailed, JobAborted, StageTimeout
+from prorl_farm.errors import HarnessFailed, StageTimeout
 from prorl_farm.gateway.capture import Capture
 from prorl_farm.gateway.server import JobGateway, Sampled, UnixGatewayServer
 from prorl_farm.llm.session import BackendSession, turn_seed
@@ -321,11 +321,9 @@ def _result(ctx: JobContext, options: dict, job: JobGateway, stopper: _Stopper, 
     if len(segments) > 1:
         result["segments"] = segments[:-1]
     partial = result if segments else None
+    if isinstance(stopper.fault, StageTimeout):  # keep what was captured
+        raise StageTimeout(str(stopper.fault), partial=partial) from stopper.fault
     if stopper.fault is not None:
-        if isinstance(stopper.fault, StageTimeout):
-            raise StageTimeout(str(stopper.fault), partial=partial) from stopper.fault
-        if isinstance(stopper.fault, JobAborted):
-            raise stopper.fault
         raise stopper.fault
     ctx.check()
     if out["timed_out"]:
