@@ -117,3 +117,48 @@ def test_verl_refuses_logprobs_its_actor_does_not_compute():
               _sampled(GROUPS[0][1], 1.0, "processed_logprobs")]]
     with pytest.raises(ValueError, match="mixes sampling temperatures"):
         to_verl(mixed)
+
+
+def test_versions_per_token_reach_both_layouts():
+    """A rollout that went on across a weight update: its tokens' versions, per token, in
+    VeRL's batch and NeMo RL's messages and flat dict; -1 where the policy sampled nothing."""
+    crossed = _job([5, 6], [10, 11, 90, 12, 13, 14], [1, 1, 0, 1, 1, 1], 1.0, version=3)
+    crossed["result"]["version_boundaries"] = [[0, 3], [4, 4]]  # update after token 12
+    plain = GROUPS[0][1]  # recorded before boundaries: its policy_version throughout
+    out = to_verl([[crossed, plain]], pad_token_id=0)
+    vers = out["batch"]["rollout_versions"]
+    assert vers.dtype == np.int64 and vers.shape == (2, 6)
+    assert vers[0].tolist() == [3, 3, -1, 3, 4, 4]
+    assert vers[1].tolist() == [3, -1, -1, -1, -1, -1]  # padding: -1
+    nt = out["non_tensor_batch"]
+    assert nt["min_version"].tolist() == [3, 3] and nt["max_version"].tolist() == [4, 3]
+    nemo = to_nemo_rl([[crossed, plain]])
+    log = nemo["message_log"][0]
+    assert [m["generation_versions"].tolist() for m in log] == [
+        [-1, -1], [3, 3], [-1], [3, 4, 4]]
+    assert nemo["flat"]["generation_versions"][0].tolist() == [-1, -1, 3, 3, -1, 3, 4, 4]
+    assert nemo["min_version"] == [3, 3] and nemo["max_version"] == [4, 3]
+
+
+def test_a_step_reports_staleness_by_token_and_queue_time_apart_from_running():
+    """DynamicSampler's per-step report over the rollouts it returns: versions behind the
+    step's policy of each rollout's oldest token (mean, max) and of every sampled token,
+    and the seconds its rollouts waited in queues against the seconds they ran."""
+    from prorl_farm.trainer.dapo import Group, StepStats, _age
+
+    crossed = _job([5, 6], [10, 11, 90, 12, 13, 14], [1, 1, 0, 1, 1, 1], 1.0, version=3)
+    crossed["result"]["version_boundaries"] = [[0, 3], [4, 4]]
+    crossed["timings"] = {"init": {"queue_wait_s": 0.5, "active_s": 1.0},
+                          "run": {"queue_wait_s": 1.5, "active_s": 4.0}, "total_s": 7.0}
+    fresh = _job([5, 6], [20, 21], [1, 1], 0.0, version=5)
+    fresh["result"]["version_boundaries"] = [[0, 5]]
+    fresh["timings"] = {"run": {"queue_wait_s": 0.0, "active_s": 2.0}}
+    group = Group({}, "b", [crossed["id"], fresh["id"]], 3, 0.0,
+                  jobs={crossed["id"]: crossed, fresh["id"]: fresh})
+    assert group.policy_version == 3  # the oldest token's, not the newest
+    stats = StepStats(step=0)
+    _age(stats, [group], policy_version=5)
+    assert (stats.staleness_mean, stats.staleness_max) == (1.0, 2)
+    # Tokens: 3 at version 3 (2 behind), 2 at version 4 (1), 2 at version 5 (0).
+    assert stats.token_staleness_mean == pytest.approx(8 / 7, abs=1e-4)
+    assert (stats.queue_wait_mean_s, stats.active_mean_s) == (1.0, 3.5)

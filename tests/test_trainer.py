@@ -4,6 +4,7 @@ policy versions through drain/resume, and trajectory export."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -244,11 +245,22 @@ def test_dynamic_sampling_fills_each_step_with_groups_that_carry_signal(farm):
         assert sum(s.filtered_zero_variance for s in total) > 0
         assert sum(s.filtered_failed for s in total) > 0
         assert sum(s.carried_in for s in total[1:]) > 0  # the surplus went to the next step
-        # A jump of more than `staleness` versions: everything carried is stale.
-        before = len(sampler.ready) + len(sampler.in_flight)
+        # A jump of more than `staleness` versions: what finished is stale and dropped; what
+        # is in flight is kept (its rollouts may not have started: they are judged by their
+        # oldest token, here the version they were submitted at, having no LLM turn), and
+        # dropped as each finishes.
+        ready, flying = len(sampler.ready), len(sampler.in_flight)
         batch = sampler.next_batch(policy_version=10, timeout_s=120)
+        assert batch.stats.dropped_stale >= ready and batch.stats.carried_in == flying
+        assert all(g.submitted_version == 10 and g.policy_version == 10 for g in batch)
+        # stale_in_flight="cancel": cancelled at once, by the version they were sent at.
+        sampler.stale_in_flight = "cancel"
+        before = len(sampler.ready) + len(sampler.in_flight)
+        batch = sampler.next_batch(policy_version=20, timeout_s=120)
         assert batch.stats.dropped_stale == before and batch.stats.carried_in == 0
-        assert all(g.submitted_version == 10 for g in batch)
+        assert all(g.submitted_version == 20 for g in batch)
+        assert batch.stats.staleness_mean is None  # no LLM turn: no token to age
+        assert batch.stats.queue_wait_mean_s >= 0 and batch.stats.active_mean_s > 0
     finally:
         sampler.close()
     assert len(set(seen_batches)) == len(seen_batches)  # no group trained on twice
@@ -328,3 +340,75 @@ def test_export_writes_every_trajectory_field(farm, tmp_path):
     assert len(failed) == 2 and all(r["reward"] is None and r["filtered"] for r in failed)
     assert sorted(r["reward"] for r in table if r["state"] == "done") == [0.0, 1.0]
     assert {r["job_id"] for r in table} == set(sub["job_ids"])
+
+
+def _straggling(count: int, slow: dict, n: int = 4):
+    """Groups of ``n`` whose rewards vary, where the samples ``slow`` names ({sample index:
+    run_s}) straggle."""
+    overrides = [{"run_s": slow[i]} if i in slow else {} for i in range(n)]
+    for _ in range(count):
+        yield {"rewards": [0.0, 1.0, 1.0, 0.0][:n], "run_s": 0.05,
+               "sample_overrides": overrides}
+
+
+def test_a_group_ends_without_its_straggler_and_the_cut_is_counted(farm):
+    """group_min_done=3 of 4: each group ends when three rollouts are done (the fourth runs
+    600 s); the straggler is cancelled in the farm, counted as cut, never a reward."""
+    url, _ = farm
+    client = FarmClient(url)
+    with DynamicSampler(client, _straggling(6, {3: 600.0}), "synthetic", n=4,
+                        batch_groups=3, carry=False, group_min_done=3,
+                        prior_acceptance=1.0) as sampler:
+        batch = sampler.next_batch(policy_version=0, timeout_s=120)
+        kept = {j["id"] for g in batch for j in g.rollouts}
+    s = batch.stats
+    assert len(batch) == 3 and s.groups_stopped_early >= 3 and s.rollouts_cut >= 3
+    for group in batch:
+        assert len(group.rollouts) == 3 and sorted(group.rewards) == [0.0, 1.0, 1.0]
+        assert all(j["state"] == "done" for j in group.rollouts)
+    wait_until(lambda: all(client.batch(b)["complete"] for b in sampler.batch_ids), 60,
+               what="every group terminal")
+    cut = [j for b in sampler.batch_ids for j in client.iter_results(b, timeout_s=30)
+           if j["sample_index"] == 3]
+    assert cut and {j["state"] for j in cut} == {"cancelled"}
+    assert all(j["reward"] is None and j["id"] not in kept for j in cut)
+
+
+def test_a_group_s_rest_carried_trains_later_as_a_group_of_its_own(farm):
+    """group_rest="carry": a group ends when two rollouts are done; the two slow ones run on
+    and come back in a later step as a group of their own (its own uid), each rollout
+    trained once."""
+    url, _ = farm
+    client = FarmClient(url)
+    with DynamicSampler(client, _straggling(2, {2: 2.0, 3: 2.0}), "synthetic", n=4,
+                        batch_groups=2, group_min_done=2, group_rest="carry",
+                        staleness=2, prior_acceptance=1.0) as sampler:
+        first = sampler.next_batch(policy_version=0, timeout_s=60)
+        second = sampler.next_batch(policy_version=1, timeout_s=60)
+    assert first.stats.groups_stopped_early == 2 and first.stats.rollouts_carried == 4
+    assert first.stats.rollouts_cut == 0
+    assert all(sorted(g.rewards) == [0.0, 1.0] and g.part == 0 for g in first)
+    assert len(second) == 2 and all(g.part == 1 for g in second)
+    assert {g.batch_id for g in second} == {g.batch_id for g in first}
+    assert {g.uid for g in second}.isdisjoint(g.uid for g in first)
+    assert all(sorted(g.rewards) == [0.0, 1.0] for g in second)
+    ids = [j["id"] for b in (first, second) for g in b for j in g.rollouts]
+    assert len(ids) == len(set(ids)) == 8
+    assert sorted(j["sample_index"] for g in second for j in g.rollouts) == [2, 2, 3, 3]
+
+
+def test_a_step_ends_once_enough_groups_qualify_and_records_the_shortfall(farm):
+    """min_groups=2 of 4 with a 1 s grace: two groups are quick, the rest take 600 s; the
+    step returns the two, says it is two short, and close() leaves nothing running."""
+    url, _ = farm
+    client = FarmClient(url)
+    quick = _straggling(2, {})
+    slow = ({"rewards": [0.0, 1.0], "run_s": 600.0} for _ in range(20))
+    prompts = itertools.chain(quick, slow)
+    with DynamicSampler(client, prompts, "synthetic", n=4, batch_groups=4, min_groups=2,
+                        straggler_grace_s=1.0, prior_acceptance=1.0,
+                        max_groups_per_step=6) as sampler:
+        batch = sampler.next_batch(policy_version=0, timeout_s=120)
+    assert len(batch) == 2 and batch.stats.groups_short == 2
+    wait_until(lambda: all(client.batch(b)["complete"] for b in sampler.batch_ids), 60,
+               what="every group terminal")

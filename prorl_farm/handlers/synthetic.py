@@ -17,6 +17,14 @@ from prorl_farm.llm.session import BackendSession
 _seconds = dict(load_default=0.0, validate=validate.Range(min=0, max=24 * 3600))
 
 
+class SampleOverride(Schema):
+    class Meta:
+        unknown = RAISE
+
+    run_s = fields.Float(validate=validate.Range(min=0, max=24 * 3600))
+    llm_tokens = fields.Integer(strict=True, validate=validate.Range(min=1, max=4096))
+
+
 class SyntheticInstance(Schema):
     class Meta:
         unknown = RAISE
@@ -57,6 +65,10 @@ class SyntheticInstance(Schema):
                                    validate=validate.Range(min=1, max=1 << 20))
     trajectory_turns = fields.Integer(load_default=1, strict=True,
                                       validate=validate.Range(min=1, max=4096))
+    # Per sample: sample i of the instance runs with overrides[i % len] of run_s and
+    # llm_tokens (stragglers: one slow rollout in a group, heavy-tailed turn lengths).
+    sample_overrides = fields.List(fields.Nested(SampleOverride),
+                                   validate=validate.Length(min=1, max=4096))
     # Carried and ignored: gives an instance the size of a real one (benchmarks, tests).
     payload = fields.String(validate=validate.Length(max=64 * 1024 * 1024))
 
@@ -119,14 +131,25 @@ class SyntheticHandler(AgentHandler):
                 or ctx.sample_index in ctx.instance["fail_samples"]):
             raise SyntheticFailure(f"synthetic failure in {ctx.stage}")
 
+    @staticmethod
+    def _sample(ctx: JobContext, name: str, default):
+        """``name`` for this sample: its override where it has one, else the instance's."""
+        overrides = ctx.instance.get("sample_overrides")
+        if overrides:
+            mine = overrides[ctx.sample_index % len(overrides)]
+            if name in mine:
+                return mine[name]
+        return ctx.instance.get(name, default)
+
     def init(self, ctx: JobContext) -> dict:
         self._work(ctx, ctx.instance.get("init_s", 0.0))
         return {"sandbox": f"synthetic-{ctx.job_id}", "node": ctx.node}
 
     def run(self, ctx: JobContext) -> dict:
         turns = ctx.instance.get("llm_turns", 0)
+        run_s = self._sample(ctx, "run_s", 0.0)
         if not turns:
-            self._work(ctx, ctx.instance.get("run_s", 0.0))
+            self._work(ctx, run_s)
             out = {"sandbox": ctx.state.get("sandbox"), "turns": 1}
             if ctx.instance.get("trajectory_tokens"):
                 out.update(synthetic_trajectory(
@@ -137,18 +160,21 @@ class SyntheticHandler(AgentHandler):
         session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
                                  request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
         prompt = [1, 2, 3]
-        backends, versions = [], []
+        backends, versions, newest = [], [], []
         with session:
             for _ in range(turns):
-                ctx.sleep(ctx.instance.get("run_s", 0.0) / turns)
-                t = session.generate(prompt, {"max_tokens": ctx.instance.get("llm_tokens", 4)})
+                ctx.sleep(run_s / turns)
+                t = session.generate(prompt, {"max_tokens": self._sample(ctx, "llm_tokens", 4)})
                 prompt = prompt + t.generation.token_ids
                 backends.append(t.backend.id)
-                versions.append(t.backend.policy_version)
+                # The oldest weights that sampled any of the turn's tokens.
+                versions.append(min(v for _, v in t.versions))
+                newest.append(max(v for _, v in t.versions))
         if ctx.instance.get("fail_stage") == "run":
             raise SyntheticFailure("synthetic failure in run")
         return {"sandbox": ctx.state.get("sandbox"), "turns": turns, "backends": backends,
                 "policy_versions": versions, "policy_version": min(versions),
+                "min_version": min(versions), "max_version": max(newest),
                 "failovers": session.failovers,
                 "tokens": len(prompt) - 3}
 

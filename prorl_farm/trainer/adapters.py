@@ -35,7 +35,23 @@ def _samples(groups: Iterable) -> list[tuple[int, dict]]:
 
 
 def _uid(group, g: int) -> str:
-    return getattr(group, "batch_id", None) or str(g)
+    return getattr(group, "uid", None) or getattr(group, "batch_id", None) or str(g)
+
+
+def token_versions(result: dict, policy_version=None) -> np.ndarray:
+    """The policy version that sampled each response token (int64, one per response
+    token; -1 where the policy sampled nothing: observations, template glue), from the
+    trajectory's ``version_boundaries`` ([response index, version] where it changes)."""
+    n = len(result["response_ids"])
+    bounds = result.get("version_boundaries")
+    if not bounds:  # a trajectory recorded before boundaries: one version throughout
+        v = result.get("policy_version", policy_version)
+        bounds = [[0, -1 if v is None else v]]
+    out = np.full(n, -1, dtype=np.int64)
+    for (start, v), nxt in zip(bounds, [*bounds[1:], [n, None]]):
+        out[int(start):int(nxt[0])] = int(v)
+    out[np.asarray(result["response_mask"], dtype=bool) == 0] = -1
+    return out
 
 
 def _torch(arrays: dict, as_torch: bool) -> dict:
@@ -87,8 +103,11 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
     concatenation), ``attention_mask``, ``position_ids``, ``response_mask`` (the loss mask:
     sampled tokens only), ``rollout_log_probs``, ``rm_scores`` (the reward on the last
     response token, where VeRL's agent loop puts it; its trainer reads the reward there),
-    ``token_level_scores`` and ``token_level_rewards`` (the same, before any KL penalty);
-    in ``non_tensor_batch`` ``uid`` per group, ``policy_version``, ``__num_turns__`` and
+    ``token_level_scores`` and ``token_level_rewards`` (the same, before any KL penalty),
+    ``rollout_versions`` (the policy version that sampled each response token, -1 where
+    none did: weight or mask by staleness with it);
+    in ``non_tensor_batch`` ``uid`` per group, ``policy_version`` (the oldest token's),
+    ``min_version``, ``max_version``, ``__num_turns__`` and
     ``multi_modal_inputs`` (empty for text) per sample; ``meta_info["temperature"]`` (the
     actor divides its logits by it). ``logprobs_mode``: what the trainer computes (VeRL's
     rollout default, ``processed_logprobs``): trajectories sampled with other logprobs under
@@ -107,6 +126,7 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
     response_mask = np.zeros((b, r), dtype=np.int64)
     logprobs = np.zeros((b, r), dtype=np.float32)
     scores = np.zeros((b, r), dtype=np.float32)
+    token_vers = np.full((b, r), -1, dtype=np.int64)
     uids, versions, turns = [], [], []
     for i, (g, job) in enumerate(samples):
         res = job["result"]
@@ -117,6 +137,7 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
         response_attn[i, :len(response)] = 1
         response_mask[i, :len(response)] = res["response_mask"]
         logprobs[i, :len(response)] = res["response_logprobs"]
+        token_vers[i, :len(response)] = token_versions(res, job.get("policy_version"))
         # An empty response's reward goes where VeRL's agent loop puts it: at index -1.
         scores[i, len(response) - 1 if len(response) else -1] = job["reward"]
         uids.append(_uid(groups[g], g))
@@ -130,12 +151,19 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
              "attention_mask": attention_mask, "position_ids": position_ids,
              "response_mask": response_mask, "rollout_log_probs": logprobs,
              "rm_scores": scores, "token_level_scores": scores.copy(),
-             "token_level_rewards": scores.copy()}
+             "token_level_rewards": scores.copy(), "rollout_versions": token_vers}
+    sampled = [token_vers[i][token_vers[i] >= 0] for i in range(b)]
     multi_modal = np.empty(b, dtype=object)
     multi_modal[:] = [{} for _ in range(b)]
     return {"batch": _torch(batch, as_torch),
             "non_tensor_batch": {"uid": np.array(uids, dtype=object),
                                  "policy_version": np.array(versions, dtype=object),
+                                 "min_version": np.array(
+                                     [int(v.min()) if len(v) else None for v in sampled],
+                                     dtype=object),
+                                 "max_version": np.array(
+                                     [int(v.max()) if len(v) else None for v in sampled],
+                                     dtype=object),
                                  "__num_turns__": np.array(turns, dtype=np.int32),
                                  "multi_modal_inputs": multi_modal},
             "meta_info": {"temperature": temperature}}
@@ -155,30 +183,37 @@ def to_nemo_rl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
     """NeMo RL: ``message_log`` per sample (the prompt as one ``user`` message; then each
     run of sampled tokens as an ``assistant`` message with its ``generation_logprobs`` and
     ``token_loss_mask`` 1, each run of other tokens, observations and template glue, as an
-    ``environment`` message with mask 0; ``token_ids`` in every message), and the flat dict
-    of its GRPO step: ``input_ids`` right-padded, ``input_lengths``, ``token_mask``,
-    ``generation_logprobs``, ``sample_mask``, ``total_reward`` and ``idx`` (the group)."""
+    ``environment`` message with mask 0; ``token_ids`` in every message;
+    ``generation_versions``, the policy version that sampled each token, -1 where none
+    did), and the flat dict of its GRPO step: ``input_ids`` right-padded,
+    ``input_lengths``, ``token_mask``, ``generation_logprobs``, ``generation_versions``,
+    ``sample_mask``, ``total_reward`` and ``idx`` (the group); ``min_version`` and
+    ``max_version`` per sample beside them."""
     groups = list(groups)
     samples = _samples(groups)
     logs = []
     for _, job in samples:
         res = job["result"]
         response, mask = res["response_ids"], res["response_mask"]
+        vers = token_versions(res, job.get("policy_version"))
         log = [{"role": "user", "token_ids": np.array(res["prompt_ids"], dtype=np.int64),
                 "token_loss_mask": np.zeros(len(res["prompt_ids"]), dtype=np.int64),
-                "generation_logprobs": np.zeros(len(res["prompt_ids"]), dtype=np.float32)}]
+                "generation_logprobs": np.zeros(len(res["prompt_ids"]), dtype=np.float32),
+                "generation_versions": np.full(len(res["prompt_ids"]), -1, dtype=np.int64)}]
         for start, end, value in mask_runs(mask):
             log.append({"role": "assistant" if value else "environment",
                         "token_ids": np.array(response[start:end], dtype=np.int64),
                         "token_loss_mask": np.full(end - start, value, dtype=np.int64),
                         "generation_logprobs": np.array(res["response_logprobs"][start:end],
-                                                        dtype=np.float32)})
+                                                        dtype=np.float32),
+                        "generation_versions": vers[start:end].copy()})
         logs.append(log)
     lengths = np.array([sum(len(m["token_ids"]) for m in log) for log in logs], dtype=np.int64)
     width = int(lengths.max())
     input_ids = np.full((len(logs), width), pad_token_id, dtype=np.int64)
     token_mask = np.zeros((len(logs), width), dtype=np.int64)
     gen_logprobs = np.zeros((len(logs), width), dtype=np.float32)
+    gen_versions = np.full((len(logs), width), -1, dtype=np.int64)
     for i, log in enumerate(logs):
         at = 0
         for m in log:
@@ -186,10 +221,14 @@ def to_nemo_rl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
             input_ids[i, at:at + n] = m["token_ids"]
             token_mask[i, at:at + n] = m["token_loss_mask"]
             gen_logprobs[i, at:at + n] = m["generation_logprobs"]
+            gen_versions[i, at:at + n] = m["generation_versions"]
             at += n
     flat = {"input_ids": input_ids, "input_lengths": lengths, "token_mask": token_mask,
-            "generation_logprobs": gen_logprobs,
+            "generation_logprobs": gen_logprobs, "generation_versions": gen_versions,
             "sample_mask": np.ones(len(logs), dtype=np.float32),
             "total_reward": np.array([job["reward"] for _, job in samples], dtype=np.float32),
             "idx": np.array([g for g, _ in samples], dtype=np.int64)}
-    return {"message_log": logs, "flat": _torch(flat, as_torch)}
+    sampled = [v[v >= 0] for v in gen_versions]
+    return {"message_log": logs, "flat": _torch(flat, as_torch),
+            "min_version": [int(v.min()) if len(v) else None for v in sampled],
+            "max_version": [int(v.max()) if len(v) else None for v in sampled]}

@@ -9,6 +9,22 @@ still running then is either cancelled (the paper's stale-job cleanup) or carrie
 next step, as are qualified groups the step did not need, as long as they are at most
 ``staleness`` policy versions old; older ones are cancelled or dropped.
 
+Staleness is the oldest *token's*: with weight updates in place a rollout goes on across
+an update, its tokens tagged with the version that sampled each, and the bound applies to
+its ``min_version``, not to the version it was submitted at. A group still in flight when
+the policy moves on is kept (``stale_in_flight="keep"``: its rollouts may not have
+started) and judged by its tokens when it finishes; ``"cancel"`` cancels it at once.
+Each step's stats say how stale what it returns is (versions behind the step's policy:
+per rollout, of its oldest token, mean and max; and per sampled token) and how long those
+rollouts waited in the farm's queues against how long they ran.
+
+No step waits on one straggler: ``group_min_done=k`` ends a group as soon as ``k`` of its
+rollouts finished and their rewards vary (the rest cancelled, or with
+``group_rest="carry"`` left running and trained later as a group of their own); with
+``min_groups`` the step ends once that many groups qualified and ``straggler_grace_s``
+passed without the rest. What a stop cut is counted in the stats (``rollouts_cut``,
+``rollouts_carried``, ``groups_short``), never returned as a reward.
+
     farm = FarmClient(url)
     sampler = DynamicSampler(farm, prompts, handler="math", n=8, batch_groups=32)
     for step in range(steps):
@@ -33,6 +49,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from prorl_farm.trainer.adapters import token_versions
 from prorl_farm.trainer.farm import FarmClient, FarmNotFound
 
 # Groups whose results one request fetches (the API's limit).
@@ -50,6 +67,14 @@ class Group:
     submitted_at: float
     jobs: dict[str, dict] = field(default_factory=dict)  # finished, by id
     cursor: str = "0-0"
+    # 0: the prompt's group as submitted; 1, 2, ...: rollouts a group's early stop left
+    # running, carried on as a group of their own (same batch).
+    part: int = 0
+
+    @property
+    def uid(self) -> str:
+        """The group's identity for advantage grouping (VeRL's ``uid``)."""
+        return self.batch_id if not self.part else f"{self.batch_id}/{self.part}"
 
     @property
     def done(self) -> bool:
@@ -71,6 +96,13 @@ class Group:
         versions = [j.get("policy_version") for j in self.rollouts]
         return min([v for v in versions if v is not None] or [self.submitted_version])
 
+    @property
+    def stale_known(self) -> int | None:
+        """The oldest version among the rollouts finished so far (None: none with a turn)."""
+        versions = [j.get("policy_version") for j in self.jobs.values()
+                    if j.get("state") == "done"]
+        return min([v for v in versions if v is not None], default=None)
+
 
 @dataclass
 class StepStats:
@@ -91,6 +123,22 @@ class StepStats:
     # the policy's mean reward, unbiased by the filter.
     reward_mean: float | None = None
     rollouts_judged: int = 0
+    # How stale the returned rollouts are, in versions behind the step's policy: of each
+    # rollout's oldest token (mean, max), and over every sampled token.
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
+    token_staleness_mean: float | None = None
+    # The returned rollouts' time in the farm's queues vs running (mean seconds per
+    # rollout, over its stages).
+    queue_wait_mean_s: float | None = None
+    active_mean_s: float | None = None
+    # Straggler stops: groups ended early (the rest cancelled: rollouts_cut; or left
+    # running as groups of their own: rollouts_carried), and groups the step ended
+    # without (min_groups reached and the grace passed).
+    groups_stopped_early: int = 0
+    rollouts_cut: int = 0
+    rollouts_carried: int = 0
+    groups_short: int = 0
 
 
 @dataclass
@@ -112,9 +160,19 @@ class DynamicSampler:
                  staleness: int = 1, on_failure: str = "drop_group",
                  max_groups_in_flight: int | None = None, overprovision: float = 1.25,
                  prior_acceptance: float = 0.5, poll_wait_s: float = 0.5,
-                 max_groups_per_step: int | None = None):
+                 max_groups_per_step: int | None = None, stale_in_flight: str = "keep",
+                 group_min_done: int | None = None, group_rest: str = "cancel",
+                 min_groups: int | None = None, straggler_grace_s: float = 0.0):
         if on_failure not in ("drop_group", "drop_rollout"):
             raise ValueError("on_failure: drop_group or drop_rollout")
+        if stale_in_flight not in ("keep", "cancel"):
+            raise ValueError("stale_in_flight: keep or cancel")
+        if group_rest not in ("cancel", "carry"):
+            raise ValueError("group_rest: cancel or carry")
+        if group_min_done is not None and not 2 <= group_min_done <= n:
+            raise ValueError(f"group_min_done must be between 2 and n ({n})")
+        if min_groups is not None and not 1 <= min_groups <= batch_groups:
+            raise ValueError(f"min_groups must be between 1 and batch_groups ({batch_groups})")
         if n < 2:
             raise ValueError("dynamic sampling needs n >= 2 rollouts per group")
         self.farm = farm
@@ -135,6 +193,11 @@ class DynamicSampler:
         # finding the last groups costs the most. (VeRL's DAPO bounds generation rounds the
         # same way with max_num_gen_batches, but stops training with an error there.)
         self.max_groups_per_step = max_groups_per_step
+        self.stale_in_flight = stale_in_flight
+        self.group_min_done = group_min_done
+        self.group_rest = group_rest
+        self.min_groups = min_groups
+        self.straggler_grace_s = straggler_grace_s
         self.overprovision = overprovision
         self.poll_wait_s = poll_wait_s
         # Observed acceptance (accepted / finished groups), with a prior worth 4 groups.
@@ -146,6 +209,8 @@ class DynamicSampler:
         self.batch_ids: list[str] = []  # every group's batch, for audits
         self.step = 0
         self.history: list[StepStats] = []
+        self._stats = StepStats(step=0)
+        self._parts: dict[str, int] = {}  # batch id: carried parts so far
 
     # -- the acceptance rule -----------------------------------------------------------------
 
@@ -214,7 +279,41 @@ class DynamicSampler:
                 if group.done:
                     finished.append(group)
                     self.in_flight.remove(group)
+                elif self._stop_early(group):
+                    finished.append(group)
         return finished
+
+    def _stop_early(self, group: Group) -> bool:
+        """``group_min_done``: end a group in flight once that many of its rollouts are done
+        and their rewards vary (under ``drop_group``, none failed). The unfinished rest is
+        cancelled, or carried on as a group of its own (``group_rest="carry"``; a single
+        rollout is no group and is cancelled)."""
+        if self.group_min_done is None or group.done:
+            return False
+        done = [j for j in group.rollouts if j["state"] == "done"]
+        failed = len(group.jobs) - len(done)
+        if (len(done) < self.group_min_done or len({j["reward"] for j in done}) < 2
+                or (failed and self.on_failure == "drop_group")):
+            return False
+        rest = [j for j in group.job_ids if j not in group.jobs]
+        group.job_ids = [j for j in group.job_ids if j in group.jobs]
+        self.in_flight.remove(group)
+        stats = self._stats
+        stats.groups_stopped_early += 1
+        if self.group_rest == "carry" and len(rest) >= 2:
+            self._parts[group.batch_id] = part = self._parts.get(group.batch_id, 0) + 1
+            self.in_flight.append(Group(group.instance, group.batch_id, rest,
+                                        group.submitted_version, group.submitted_at,
+                                        cursor=group.cursor, part=part))
+            stats.rollouts_carried += len(rest)
+        else:  # the batch's other jobs are terminal: this cancels the rest only
+            try:
+                self.farm.cancel_batch(group.batch_id)
+            except FarmNotFound:
+                pass
+            stats.rollouts_cut += len(rest)
+            stats.rollouts_wasted += len(rest)
+        return True
 
     def _cancel(self, groups: list[Group], stats: StepStats) -> None:
         for group in groups:
@@ -238,7 +337,7 @@ class DynamicSampler:
         """Block until ``batch_groups`` groups qualify (or the prompts run out, or the step
         has submitted ``max_groups_per_step`` groups and they are in, or ``timeout_s``
         passes: then the batch has fewer); returns them with the step's stats."""
-        stats = StepStats(step=self.step)
+        stats = self._stats = StepStats(step=self.step)
         self.step += 1
         oldest = policy_version - self.staleness
         # What the last step left: stale groups go, fresh ones count.
@@ -246,8 +345,12 @@ class DynamicSampler:
         self.ready = [g for g in self.ready if g.policy_version >= oldest]
         stats.dropped_stale += len(stale_ready)
         stats.rollouts_wasted += sum(len(g.job_ids) for g in stale_ready)
-        stale = [g for g in self.in_flight if g.submitted_version < oldest]
-        self.in_flight = [g for g in self.in_flight if g.submitted_version >= oldest]
+        # In flight: stale where a finished rollout's oldest token is (the group is judged by
+        # its oldest), or, with stale_in_flight="cancel", where it was submitted.
+        stale = [g for g in self.in_flight
+                 if (g.stale_known is not None and g.stale_known < oldest)
+                 or (self.stale_in_flight == "cancel" and g.submitted_version < oldest)]
+        self.in_flight = [g for g in self.in_flight if g not in stale]
         self._cancel(stale, stats)
         stats.dropped_stale += len(stale)
         stats.carried_in = len(self.ready) + len(self.in_flight)
@@ -257,7 +360,13 @@ class DynamicSampler:
         end = None if timeout_s is None else start + timeout_s
         samples = []
         rewards: list[float] = []
+        enough_at = None  # when min_groups qualified
         while len(accepted) < self.batch_groups:
+            if self.min_groups is not None and len(accepted) >= self.min_groups:
+                enough_at = enough_at or time.monotonic()
+                if time.monotonic() - enough_at >= self.straggler_grace_s:
+                    stats.groups_short = self.batch_groups - len(accepted)
+                    break
             missing = self.batch_groups - len(accepted)
             want = self._wanted_in_flight(missing) - len(self.in_flight)
             if self.max_groups_per_step is not None:
@@ -271,6 +380,9 @@ class DynamicSampler:
             samples.append(sum(len(g.job_ids) - len(g.jobs) for g in self.in_flight))
             wait = self.poll_wait_s if end is None else max(
                 0.0, min(self.poll_wait_s, end - time.monotonic()))
+            if enough_at is not None:
+                wait = max(0.0, min(wait, enough_at + self.straggler_grace_s
+                                    - time.monotonic()))
             for group in self._poll(wait):
                 self._seen += 1
                 rewards += group.rewards
@@ -297,6 +409,7 @@ class DynamicSampler:
         if capacity:
             stats.utilisation = round(min(1.0, stats.in_flight_mean / capacity), 3)
         stats.acceptance_rate = round(self.acceptance_rate, 3)
+        _age(stats, accepted, policy_version)
         self.history.append(stats)
         return Batch(accepted, stats)
 
@@ -311,3 +424,33 @@ class DynamicSampler:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def _age(stats: StepStats, groups: list[Group], policy_version: int) -> None:
+    """The step's staleness and queue/active time, over the rollouts it returns."""
+    behind, token_behind, queued, active = [], [], [], []
+    for group in groups:
+        for job in group.rollouts:
+            if job.get("state") != "done":
+                continue
+            result = job.get("result") or {}
+            oldest = job.get("policy_version")
+            if oldest is not None:
+                behind.append(policy_version - oldest)
+            if result.get("response_ids") is not None and result.get("response_mask") is not None:
+                versions = token_versions(result, oldest)
+                token_behind += (policy_version - versions[versions >= 0]).tolist()
+            timings = job.get("timings") or {}
+            stages = [t for t in timings.values() if isinstance(t, dict)]
+            if stages:
+                queued.append(sum(t.get("queue_wait_s") or 0.0 for t in stages))
+                active.append(sum(t.get("active_s") or 0.0 for t in stages))
+    stats.staleness_mean = _mean(behind)
+    stats.staleness_max = max(behind, default=None)
+    stats.token_staleness_mean = _mean(token_behind)
+    stats.queue_wait_mean_s = _mean(queued)
+    stats.active_mean_s = _mean(active)
