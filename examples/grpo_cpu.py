@@ -18,11 +18,17 @@ What it does, end to end:
    computes with its own model, resume with the next policy version). Every trajectory of
    step k must carry version k on every turn, and its recorded logprobs must match the
    trainer's teacher-forced ones within ``--max-drift`` (the check at every step).
+6. With ``--staleness K`` (K > 0), asynchronously: the sync is in place (generation
+   pauses, the turns in flight go on under the new weights from the tokens they have),
+   groups still running when a step has its groups carry into the next steps, and every
+   token must come from a version at most K behind; the drift check covers the tokens the
+   current weights sampled.
 
 Prints a row per step, writes ``history.json`` and the reward curve ``reward.png``.
 
     .venv/bin/python examples/grpo_cpu.py [--steps 40] [--out grpo-run]      # or: make grpo
     make grpo GRPO_ARGS="--engine vllm --steps 5"                # rollouts from real vLLM
+    make grpo GRPO_ARGS="--staleness 1"              # in-place updates and carry-over
 """
 
 from __future__ import annotations
@@ -98,8 +104,15 @@ class Config:
     # What serves the rollouts: the farm's dev server, or vLLM's CPU build (make vllm).
     engine: str = "dev"
     # The logprob check at every step: the largest difference between a recorded logprob
-    # and the trainer's teacher-forced one, before the update (float32 on both sides).
+    # and the trainer's teacher-forced one, before the update (float32 on both sides), over
+    # the tokens the current weights sampled.
     max_drift: float = 1e-3
+    # 0: strictly on-policy (each sync drains the backend first; what is in flight when a
+    # step has its groups is cancelled). k > 0: asynchronous: weights are updated in place
+    # (the turns in flight go on under the new weights), groups in flight are carried into
+    # the next steps, and a rollout trains while its oldest token is at most k versions
+    # behind (PPO's ratio is then against the policy that sampled each token).
+    staleness: int = 0
 
 
 # -- the model --------------------------------------------------------------------------
@@ -195,13 +208,17 @@ def lr_at(cfg: Config, step: int) -> float:
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
 
 
-def update(model, opt, batch: dict, uids, cfg: Config, rng: random.Random) -> dict:
-    """PPO-clip with the farm's recorded logprobs as the old policy; token-level mean."""
+def update(model, opt, batch: dict, uids, cfg: Config, rng: random.Random,
+           version: int) -> dict:
+    """PPO-clip with the farm's recorded logprobs as the old policy (the behaviour policy's,
+    token by token); token-level mean. The drift is checked over the tokens that the
+    current weights (``version``) sampled: older ones came from weights no longer here."""
     mask = batch["response_mask"].float()
     old = batch["rollout_log_probs"].float()
+    current = (batch["rollout_versions"] == version).float() * mask
     with torch.no_grad():
         recomputed = response_logprobs(model, batch)
-    drift = float(((recomputed - old).abs() * mask).max())
+    drift = float(((recomputed - old).abs() * current).max()) if current.any() else 0.0
     adv = advantages(batch, list(uids)).unsqueeze(-1)
     size = max(1, -(-len(uids) // cfg.minibatches))
     model.train()
@@ -281,12 +298,15 @@ def probe(model, tok) -> dict:
     return {"token_ids": ids, "logprobs": [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]}
 
 
-def sync_weights(farm: FarmClient, backend: dict, model, tok, path: Path, version: int) -> dict:
-    """Save, then one farm call: drain, wait for nothing in flight, load the engine's way,
-    check the probe, resume at ``version``."""
+def sync_weights(farm: FarmClient, backend: dict, model, tok, path: Path, version: int,
+                 mode: str = "drain") -> dict:
+    """Save, then one farm call: drain, wait for nothing in flight (``mode="in_place"``:
+    pause, the turns in flight kept), load the engine's way, check the probe, resume at
+    ``version``."""
     model.save_pretrained(str(path))
     return farm.sync_weights(str(path), version, backend_id=backend["id"],
-                             probe=probe(model, tok), tolerance=1e-3, drain_timeout_s=120)
+                             probe=probe(model, tok), tolerance=1e-3, drain_timeout_s=120,
+                             mode=mode)
 
 
 def prompts(rng: random.Random, operands: int = 10):
@@ -318,7 +338,8 @@ def train(cfg: Config, out: Path, log=print) -> dict:
         [backend] = client.backends()
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         sampler = DynamicSampler(client, prompts(rng, cfg.operands), "arith", n=cfg.n,
-                                 batch_groups=cfg.groups, carry=False, staleness=0,
+                                 batch_groups=cfg.groups, carry=cfg.staleness > 0,
+                                 staleness=cfg.staleness,
                                  sampling={"temperature": 1.0, "max_tokens": cfg.max_tokens},
                                  rollout_deadline_s=120, overprovision=cfg.overprovision,
                                  max_groups_in_flight=int(cfg.max_in_flight * cfg.groups),
@@ -333,24 +354,26 @@ def train(cfg: Config, out: Path, log=print) -> dict:
                 while not len(batch):  # nothing qualified in time: sample on
                     batch = sampler.next_batch(policy_version=step, timeout_s=300)
                 sample_s = time.monotonic() - t0
-                for group in batch:
-                    for job in group.rollouts:
-                        for turn in (job.get("result") or {}).get("turns", []):
-                            if turn["policy_version"] != step:
-                                violations.append(f"step {step}: job {job['id']} turn at "
-                                                  f"version {turn['policy_version']}")
                 verl = to_verl(batch, pad_token_id=pad, as_torch=True)
+                # Every sampled token from a version within the bound (exactly this step's
+                # when strictly on-policy).
+                versions = verl["batch"]["rollout_versions"]
+                sampled = versions[versions >= 0]
+                for v in sorted(set(sampled.tolist())):
+                    if not step - cfg.staleness <= v <= step:
+                        violations.append(f"step {step}: tokens sampled at version {v}")
                 t1 = time.monotonic()
                 for group in opt.param_groups:
                     group["lr"] = lr_at(cfg, step)
                 upd = update(model, opt, verl["batch"], verl["non_tensor_batch"]["uid"], cfg,
-                             rng)
+                             rng, step)
                 update_s = time.monotonic() - t1
                 t2 = time.monotonic()
                 if upd["logprob_drift"] > cfg.max_drift:
                     violations.append(f"step {step}: recorded logprobs differ from the "
                                       f"trainer's by {upd['logprob_drift']:.2e}")
-                sync_weights(client, backend, model, tok, out / "weights", step + 1)
+                sync_weights(client, backend, model, tok, out / "weights", step + 1,
+                             "in_place" if cfg.staleness else "drain")
                 sync_s = time.monotonic() - t2
                 s = batch.stats
                 row = {"step": step, "reward": s.reward_mean, "accepted": s.accepted,
@@ -358,7 +381,10 @@ def train(cfg: Config, out: Path, log=print) -> dict:
                        "rollouts": s.rollouts_judged, "sample_s": round(sample_s, 3),
                        "update_s": round(update_s, 3), "sync_s": round(sync_s, 3),
                        "logprob_drift": upd["logprob_drift"], "loss": upd["loss"],
-                       "policy_version": step}
+                       "policy_version": step, "staleness_mean": s.staleness_mean,
+                       "staleness_max": s.staleness_max,
+                       "token_staleness_mean": s.token_staleness_mean,
+                       "carried_in": s.carried_in}
                 history.append(row)
                 log(f"{step:>4} {row['reward']:>6.3f} {row['accepted']:>4} "
                     f"{row['filtered']:>4} {sample_s:>8.2f} {update_s:>8.2f} {sync_s:>6.2f} "

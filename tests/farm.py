@@ -424,11 +424,19 @@ def serve_model(model_dir, log_path, *args: str):
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "serve-model", "--model",
                              str(model_dir), "--port", str(port), *args], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = ServedUrl(f"http://127.0.0.1:{port}")
+    url.proc = proc
     try:
         wait_until(lambda: model_server_up(url), 60, 0.1, "dev model server")
         yield url
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+class ServedUrl(str):
+    """A model server's URL, with its process (``proc``: a test may kill it)."""
+
+    proc: subprocess.Popen

@@ -7,6 +7,7 @@ arrives while paused waits and is sampled by the new weights, labelled so."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -165,3 +166,196 @@ def _update_in_place_mid_turn(url, model_dir, tmp_path, tmp_path_factory, redis_
                 assert worst < 1e-3, (job["id"], lo, hi, worst)
     kinds = sorted(str(j["result"]["version_boundaries"]) for j in jobs)
     assert straddled >= 20, f"only {straddled} of 50 turns were in flight: {kinds}"
+
+
+# -- faults during an update in place -------------------------------------------------------
+
+M = 600  # tokens a turn in the fault tests
+
+
+@contextlib.contextmanager
+def _farm(redis_server, tmp_path_factory, tag: str):
+    from api import create_app
+    from prorl_farm.config import load_settings
+    from tests.conftest import make_pools
+    from tests.farm import farm_env
+
+    pools = make_pools(redis_server, tmp_path_factory.mktemp(tag), run_concurrency=32)
+    pools.start()
+    try:
+        client = create_app(load_settings(farm_env(redis_server.url))).test_client()
+        for b in client.get("/v1/backends").get_json()["backends"]:
+            client.delete(f"/v1/backends/{b['id']}")
+        yield client
+    finally:
+        pools.stop()
+
+
+def _register(client, url, model_dir) -> str:
+    resp = client.post("/v1/backends", json={"url": url, "kind": "vllm", "model": "tiny",
+                                             "tokenizer": str(model_dir), "capacity": 32,
+                                             "policy_version": 7})
+    assert resp.status_code == 201, resp.get_json()
+    return resp.get_json()["id"]
+
+
+def _submit(client, n: int) -> dict:
+    return client.post("/v1/jobs", json={"handler": "chat", "n": n, "instances": [
+        {"messages": [{"role": "user", "content": "Count."}]}],
+        "sampling": {"max_tokens": M, "ignore_eos": True, "seed": 3}}).get_json()
+
+
+def _finished(client, sub: dict, timeout_s: float = 240) -> list[dict]:
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+               timeout_s, 0.2, "the batch (no job hung)")
+    return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
+
+
+def _probe(model_dir) -> dict:
+    from tests.test_tokens import teacher_forced_logprobs
+
+    ids = list(range(3, 30))
+    return {"token_ids": ids, "logprobs": teacher_forced_logprobs(model_dir, ids)[1:]}
+
+
+def test_a_load_that_fails_in_place_moves_the_jobs_to_another_engine(
+        tiny_model, tmp_path, tmp_path_factory, redis_server):
+    """A's load fails mid-update (no weights at the path): the sync says why (422), A stays
+    out with the reason, its jobs go on on B from the tokens they had; nothing A sampled
+    after the failure is kept, no job hangs, and every token is still the old weights'."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with serve_model(tiny_model, tmp_path / "a.log") as a, \
+            serve_model(tiny_model, tmp_path / "b.log") as b, \
+            _farm(redis_server, tmp_path_factory, "inplace-load") as client:
+        ba, bb = _register(client, a, tiny_model), _register(client, b, tiny_model)
+        sub = _submit(client, 16)
+        wait_until(lambda: _get(a + "/get_model_info")["running"] >= 4, 90, 0.02,
+                   "turns generating on A")
+        on_a = client.get(f"/v1/backends/{ba}").get_json()["in_flight"]
+        pinned_b = client.get(f"/v1/backends/{bb}").get_json()["jobs_total"]
+        resp = client.post(f"/v1/backends/{ba}/weights", json={
+            "path": str(empty), "policy_version": 8, "probe": _probe(tiny_model),
+            "mode": "in_place"})
+        assert resp.status_code == 422, resp.get_json()
+        assert "safetensors" in resp.get_json()["error"]["message"]
+        jobs = _finished(client, sub)
+        back_a = client.get(f"/v1/backends/{ba}").get_json()
+        back_b = client.get(f"/v1/backends/{bb}").get_json()
+    assert back_a["weights"]["error"].startswith("load_failed") and not back_a["in_heap"]
+    assert back_a["in_flight"] == 0 and back_a["policy_version"] == 7
+    assert on_a and back_b["jobs_total"] > pinned_b  # A's jobs went on on B
+    assert [j["state"] for j in jobs] == ["done"] * 16, [j["failure"] for j in jobs]
+    for job in jobs:
+        t = job["result"]
+        assert len(t["response_ids"]) == M and t["version_boundaries"] == [[0, 7]]
+    _teacher_forced(jobs, tiny_model)
+
+
+def _teacher_forced(jobs: list[dict], model_dir) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_tokens import teacher_forced_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for job in jobs[:4]:
+        t = job["result"]
+        n = len(t["prompt_ids"])
+        forced = teacher_forced_logprobs(model, t["prompt_ids"] + t["response_ids"])[n:]
+        worst = max(abs(x - y) for x, y in zip(forced, t["response_logprobs"]))
+        assert worst < 1e-3, (job["id"], worst)
+
+
+def test_with_no_engine_left_the_jobs_fail_backend_unavailable_with_the_reason(
+        tiny_model, tmp_path, tmp_path_factory, redis_server):
+    """The only engine's load fails in place: its jobs fail ``backend_unavailable``, saying
+    the update failed (never a reward, never hung)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with serve_model(tiny_model, tmp_path / "a.log") as a, \
+            _farm(redis_server, tmp_path_factory, "inplace-alone") as client:
+        ba = _register(client, a, tiny_model)
+        sub = _submit(client, 8)
+        wait_until(lambda: _get(a + "/get_model_info")["running"] >= 4, 90, 0.02,
+                   "turns generating")
+        resp = client.post(f"/v1/backends/{ba}/weights", json={
+            "path": str(empty), "policy_version": 8, "probe": _probe(tiny_model),
+            "mode": "in_place"})
+        assert resp.status_code == 422
+        jobs = _finished(client, sub, 120)
+        assert client.get(f"/v1/backends/{ba}").get_json()["in_flight"] == 0
+    states = {j["state"] for j in jobs}
+    assert "failed" in states and states <= {"failed", "done"}
+    for job in jobs:
+        if job["state"] == "failed":
+            assert job["reward"] is None and job["failure"]["kind"] == "backend_unavailable"
+            message = job["failure"]["message"]
+            assert "failed-8" in message or "load_failed" in message, job["failure"]
+
+
+def test_an_engine_that_dies_under_an_update_leaves_its_jobs_on_another(
+        tiny_model, tmp_path, tmp_path_factory, redis_server):
+    """A dies while its turns are in flight and a trainer updates it in place: the update
+    fails with the reason (A unreachable, marked unhealthy), A's jobs go on on B."""
+    with serve_model(tiny_model, tmp_path / "a.log") as a, \
+            serve_model(tiny_model, tmp_path / "b.log") as b, \
+            _farm(redis_server, tmp_path_factory, "inplace-dies") as client:
+        ba, _ = _register(client, a, tiny_model), _register(client, b, tiny_model)
+        sub = _submit(client, 16)
+        wait_until(lambda: _get(a + "/get_model_info")["running"] >= 4, 90, 0.02,
+                   "turns generating on A")
+        a.proc.kill()
+        resp = client.post(f"/v1/backends/{ba}/weights", json={
+            "path": str(tiny_model), "policy_version": 8, "probe": _probe(tiny_model),
+            "mode": "in_place"})
+        assert resp.status_code == 422 and "unreachable" in resp.get_json()["error"]["message"]
+        jobs = _finished(client, sub)
+        back_a = client.get(f"/v1/backends/{ba}").get_json()
+    assert not back_a["healthy"] and back_a["in_flight"] == 0
+    assert [j["state"] for j in jobs] == ["done"] * 16, [j["failure"] for j in jobs]
+    assert all(len(j["result"]["response_ids"]) == M for j in jobs)
+
+
+def test_updates_raced_by_two_trainers_one_refused_a_repeat_idempotent(
+        tiny_model, tmp_path, tmp_path_factory, redis_server):
+    """Two trainers update one engine in place at once: one is applied, the other refused
+    409 ``sync_in_progress``; the same update again is applied again (same version), an
+    older version is refused 409 ``policy_version_regressed``."""
+    from tests.test_weight_sync import _perturbed
+
+    new = _perturbed(tiny_model, tmp_path / "new", 0.3, seed=5)
+    body = {"path": str(new), "policy_version": 8, "probe": _probe(new), "mode": "in_place"}
+    with serve_model(tiny_model, tmp_path / "a.log") as a, \
+            _farm(redis_server, tmp_path_factory, "inplace-race") as client:
+        ba = _register(client, a, tiny_model)
+        sub = _submit(client, 8)
+        wait_until(lambda: _get(a + "/get_model_info")["running"] >= 4, 90, 0.02,
+                   "turns generating")
+        app = client.application
+        answers: list = []
+        gate = threading.Barrier(2)
+
+        def trainer():
+            c = app.test_client()
+            gate.wait()
+            resp = c.post(f"/v1/backends/{ba}/weights", json=body)
+            answers.append((resp.status_code, resp.get_json()))
+
+        threads = [threading.Thread(target=trainer) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        codes = sorted(code for code, _ in answers)
+        assert codes == [200, 409], answers
+        refused = next(doc for code, doc in answers if code == 409)
+        assert refused["error"]["code"] == "sync_in_progress"
+        again = client.post(f"/v1/backends/{ba}/weights", json=body)
+        assert again.status_code == 200 and again.get_json()["policy_version"] == 8
+        older = client.post(f"/v1/backends/{ba}/weights", json=dict(body, policy_version=7))
+        assert older.status_code == 409
+        assert older.get_json()["error"]["code"] == "policy_version_regressed"
+        jobs = _finished(client, sub)
+    assert [j["state"] for j in jobs] == ["done"] * 8
+    assert all(j["result"]["max_version"] <= 8 for j in jobs)

@@ -54,6 +54,28 @@ def test_grpo_through_the_farm_raises_the_reward(tmp_path):
     assert any("mean reward, first 10 steps" in line for line in lines)
 
 
+def test_grpo_with_updates_in_place_and_carry_over_raises_the_reward(tmp_path):
+    """`make grpo GRPO_ARGS="--staleness 1"`: weights updated in place (the turns in flight
+    go on under the new ones), groups in flight carried into the next steps; every token
+    within one version of the step's policy, the current weights' tokens match the
+    trainer's, and the reward rises by the same bar."""
+    grpo = _example()
+    cfg = grpo.Config(staleness=1)
+    result = grpo.train(cfg, tmp_path / "run", log=lambda *_: None)
+    history = result["history"]
+    assert [r["step"] for r in history] == list(range(cfg.steps))
+    assert result["version_violations"] == []
+    assert all(r["logprob_drift"] <= 1e-3 for r in history), history
+    assert all(r["staleness_max"] is None or r["staleness_max"] <= 1 for r in history)
+    # Carry-over happened: some steps trained on rollouts a version old, and said so.
+    assert any(r["carried_in"] for r in history)
+    assert any((r["staleness_mean"] or 0) > 0 for r in history), history
+    rewards = [r["reward"] for r in history]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= first + 0.2, (first, last, rewards)
+    assert result["unfinished_batches"] == [] and result["backend_in_flight"] == 0
+
+
 def test_grpo_with_its_rollouts_from_real_vllm(tmp_path):
     """`make grpo GRPO_ARGS="--engine vllm"`: `prorl-farm up --model DIR --engine vllm`
     starts vLLM's CPU build and registers it; every step's rollouts come from it, the

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from prorl_farm.context import JobContext
-from prorl_farm.errors import BackendError, BackendUnavailable, InvalidInstance
+from prorl_farm.errors import BackendError, BackendUnavailable, InvalidInstance, NotFound
 from prorl_farm.llm.backends import Generation, client_for
 from prorl_farm.llm.registry import Backend, BackendRegistry
 
@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 PIN_TTL_S = 0.25
 # Interruptions of one turn (weight updates in place) after which it fails.
 MAX_INTERRUPTIONS = 16
+# How long a turn sampled by weights loaded in place waits for the farm's check of them
+# (one probe request, after the engine resumed) before its tokens are given up.
+CHECK_WAIT_S = 120.0
 
 
 def _joined(parts: list[Turn]) -> Turn:
@@ -78,6 +81,7 @@ class BackendSession:
         self.retries = retries
         self.failovers = 0
         self._exclude = ""
+        self._last_failure = ""  # the last backend failure, for the job's failure message
         # The tokenizer of the first backend the job got: a fail-over to a backend with
         # another one would mix token vocabularies in one trajectory.
         self.tokenizer: str | None = None
@@ -132,7 +136,8 @@ class BackendSession:
         pause = 0.02
         while True:
             # A backend kept out by a failed weight check is not about to resume.
-            drained = [b["id"] for b in self.registry.list()
+            backends = self.registry.list()
+            drained = [b["id"] for b in backends
                        if b["drained"] and b["healthy"] and b["id"] != self._exclude
                        and not b["weights"]["error"]
                        and (self.tokenizer is None or b["tokenizer"] == self.tokenizer)]
@@ -141,7 +146,11 @@ class BackendSession:
                 backend = self.registry.pin(self.ctx.job_id, self._exclude)
                 if backend is not None:
                     return backend
-                raise BackendUnavailable("no healthy, undrained LLM backend is registered")
+                out = [f"{b['id']}: {b['weights']['error'] or b['last_error']}"
+                       for b in backends if b["weights"]["error"] or not b["healthy"]]
+                why = "; ".join(([self._last_failure] if self._last_failure else []) + out)
+                raise BackendUnavailable("no healthy, undrained LLM backend is registered"
+                                         + (f" ({why})"[:1000] if why else ""))
             if time.monotonic() >= end:
                 raise BackendUnavailable(f"every backend stayed drained for {wait_s:g} s "
                                          f"(PRORL_LLM_DRAIN_WAIT_S): {', '.join(drained)}")
@@ -201,6 +210,11 @@ class BackendSession:
                 self.ctx.check()  # a deadline or cancellation explains the failure better
                 self._fail_over(backend.id, str(e), mark=True)
                 continue
+            if gen.unchecked is not None:
+                failed = self._await_check(backend.id, gen.unchecked)
+                if failed:  # these tokens came from weights that failed: sampled again
+                    self._fail_over(backend.id, failed, mark=False)
+                    continue
             if self._lat[0] != backend.id:
                 self._flush_latency()
                 self._lat[0] = backend.id
@@ -208,6 +222,27 @@ class BackendSession:
             self._lat[2] += 1
             self._lat[3] += backend.in_flight  # the load its pin saw (at most PIN_TTL_S ago)
             return Turn(gen, backend)
+
+    def _await_check(self, backend_id: str, version: int) -> str | None:
+        """Wait for the farm's check of the weights ``version`` that backend loaded in place
+        (some tokens were sampled between the engine's resume and the check's end): None
+        once it passed (the backend serves that version), else why they are not kept."""
+        end = time.monotonic() + CHECK_WAIT_S
+        pause = 0.01
+        while True:
+            try:
+                b = self.registry.get(backend_id)
+            except NotFound:
+                return f"backend {backend_id} was unregistered during a weight update"
+            if b["weights"]["error"]:
+                return f"its weights for version {version} failed: {b['weights']['error']}"
+            if b["policy_version"] is not None and b["policy_version"] >= version:
+                return None
+            if time.monotonic() >= end:
+                return (f"the check of its weights for version {version} did not end in "
+                        f"{CHECK_WAIT_S:g} s")
+            self.ctx.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     def _take_latency(self) -> tuple[str, float, int, float] | None:
         backend, total, n, load = self._lat
@@ -243,6 +278,7 @@ class BackendSession:
             self.registry.mark_unhealthy(backend_id, why)
         self.registry.release(self.ctx.job_id)
         self._exclude = backend_id
+        self._last_failure = f"backend {backend_id}: {why}"
         self.failovers += 1
         log.warning("job %s: backend %s failed (%s); fail-over %d/%d", self.ctx.job_id,
                     backend_id, why, self.failovers, self.max_failovers)

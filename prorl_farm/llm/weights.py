@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from prorl_farm import keys
 from prorl_farm.errors import Conflict, FarmError
+from prorl_farm.llm.backends.vllm import UNCHECKED
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ PAUSE_ROUTES = {"vllm": ("/pause?mode=abort&clear_cache=true", "/resume",
 MODES = ("drain", "in_place")
 
 
-def label_version(kind: str, url: str, version: int) -> bool:
+def label_version(kind: str, url: str, version: int | str) -> bool:
     """Label the engine's weights with ``version`` (what it reports for the tokens they
     sample); False where the engine has no such label (then the farm labels tokens with
     the version the backend was pinned at)."""
@@ -283,26 +284,52 @@ def _sync_in_place(registry, b: dict, path: str, policy_version: int, probe: Pro
     probe = _prepare(b, path, policy_version, probe, verify, try_probe=False)
     pause, resume, _ = PAUSE_ROUTES[kind]
     started = time.monotonic()
-    status, text = _http("POST", url + pause, timeout_s=600)
-    _ok("pause", status, text)
+    try:
+        status, text = _http("POST", url + pause, timeout_s=600)
+        _ok("pause", status, text)
+    except WeightSyncError as e:  # nothing changed; the engine is not answering as it should
+        registry.mark_unhealthy(backend_id, f"pause failed: {e}"[:500])
+        raise
     paused_s = time.monotonic() - started
     try:
         load(kind, url, path)
-        if not label_version(kind, url, policy_version):
+        # Labelled unchecked until the check below passes: the sessions hold the tokens
+        # these weights sample until then (and give them up if it fails).
+        if not label_version(kind, url, f"{policy_version}{UNCHECKED}"):
             raise WeightSyncError(f"backend {backend_id}: the engine cannot label its "
                                   "weights' version (/update_weight_version), so tokens "
                                   "sampled across the update could not say which weights "
                                   "sampled them: use mode drain")
+        status, text = _http("POST", url + resume, timeout_s=60)
+        _ok("resume", status, text)
+        out = _verified(registry, b, path, policy_version, probe, tolerance, verify,
+                        time.monotonic() - started,
+                        {"weights_mode": "in_place", "weights_paused_s": f"{paused_s:.3f}"})
     except WeightSyncError as e:
-        registry.set_fields(backend_id, weights_error=f"load_failed: {e}"[:500],
-                            weights_path=path)
-        _http("POST", url + resume, timeout_s=60)  # it serves nobody: out of the heap
+        # Out of the heap, and the jobs pinned to it move on (backend_acquire); what the
+        # engine samples now is labelled as no version, so no session keeps it.
+        if not registry.get(backend_id)["weights"]["error"]:
+            registry.set_fields(backend_id, weights_error=f"load_failed: {e}"[:500],
+                                weights_path=path)
+        if _label_failed(kind, url, policy_version):
+            try:  # the requests held by the pause end, and fail over
+                _http("POST", url + resume, timeout_s=60)
+            except WeightSyncError:
+                pass
         raise
-    status, text = _http("POST", url + resume, timeout_s=60)
-    _ok("resume", status, text)
-    loaded_s = time.monotonic() - started
-    return _verified(registry, b, path, policy_version, probe, tolerance, verify, loaded_s,
-                     {"weights_mode": "in_place", "weights_paused_s": f"{paused_s:.3f}"})
+    if out["weights"]["error"]:
+        _label_failed(kind, url, policy_version)
+    else:
+        label_version(kind, url, policy_version)
+    return out
+
+
+def _label_failed(kind: str, url: str, policy_version: int) -> bool:
+    """Label the engine's weights as no version (tokens they sample are not kept)."""
+    try:
+        return label_version(kind, url, f"failed-{policy_version}")
+    except WeightSyncError:
+        return False
 
 
 def _sync(registry, b: dict, path: str, policy_version: int, probe: Probe | None,

@@ -28,7 +28,9 @@ local function pinned(b, how)
 end
 local cur = redis.call('HGET', K.BACKEND_ASSIGN, job)
 if cur then
-  if cur ~= exclude and redis.call('EXISTS', K.backend(cur)) == 1 then
+  -- Sticky, unless its weights failed (a load or check in place): the job moves on.
+  if cur ~= exclude and redis.call('EXISTS', K.backend(cur)) == 1
+      and (redis.call('HGET', K.backend(cur), 'weights_error') or '') == '' then
     return pinned(cur, 'sticky')
   end
   release_backend(job)

@@ -51,6 +51,10 @@ class Generation:
     # The policy versions that sampled the tokens, as the engine reports them: (index of
     # the first token, version) at each change; empty where the engine does not say.
     versions: list[tuple[int, int]] = field(default_factory=list)
+    # A version among ``versions`` whose weights were loaded in place and sampled before
+    # the farm's check of them passed: the tokens count only once it has (the session
+    # waits for the check's outcome; weights that fail it lose these tokens, never train).
+    unchecked: int | None = None
 
 
 class LLMClient(ABC):

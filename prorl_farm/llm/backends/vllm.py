@@ -20,18 +20,42 @@ TOKENS_ROUTE = "/inference/v1/generate"
 _WITHOUT_TOKENS_ROUTE: set[str] = set()
 
 
-def versions_of(spans) -> list[tuple[int, int]]:
+# The label of weights loaded in place that the farm has not checked yet ("8:unchecked"):
+# weights.py sets it before the engine resumes and the plain version once the check passed.
+UNCHECKED = ":unchecked"
+
+
+def version_label(label) -> tuple[int, bool] | None:
+    """A weight version label as (version, checked); None where the engine has none. A
+    label the farm did not set (a load that failed is labelled so) raises BackendError:
+    such tokens are not kept."""
+    if label is None:
+        return None
+    text = str(label)
+    checked = not text.endswith(UNCHECKED)
+    try:
+        return int(text if checked else text[:-len(UNCHECKED)]), checked
+    except ValueError:
+        raise BackendError(f"the engine labels its weights {text!r}, not a version the farm "
+                           "set (a weight update that failed): its tokens are not kept") from None
+
+
+def versions_of(spans) -> tuple[list[tuple[int, int]], int | None]:
     """vLLM's weight version spans ([{version, start, end}]) as (first token, version) at
-    each change; [] where a span has no version the farm set (an integer label)."""
+    each change, and the version among them not yet checked (or None); ([], None) where
+    a span has no version at all."""
     out: list[tuple[int, int]] = []
+    unchecked = None
     for span in spans or []:
-        try:
-            version = int(span["version"])
-        except (TypeError, ValueError, KeyError):
-            return []
+        label = version_label(span.get("version") if isinstance(span, dict) else None)
+        if label is None:
+            return [], None
+        version, checked = label
+        if not checked:
+            unchecked = version
         if not out or out[-1][1] != version:
             out.append((int(span["start"]), version))
-    return out
+    return out, unchecked
 
 
 class VLLMClient(LLMClient):
@@ -77,9 +101,9 @@ def _from_tokens(doc: dict, latency_ms: float) -> Generation:
             raise BackendError("the logprobs are not those of the sampled tokens")
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise BackendError(f"malformed generate response: {e!r}") from e
+    versions, unchecked = versions_of(choice.get("weight_versions")) if ids else ([], None)
     return Generation(ids, logprobs, choice.get("finish_reason") or "stop", latency_ms,
-                      {"stop_reason": choice.get("stop_reason")},
-                      versions_of(choice.get("weight_versions")) if ids else [])
+                      {"stop_reason": choice.get("stop_reason")}, versions, unchecked)
 
 
 def _from_completion(doc: dict, latency_ms: float) -> Generation:
