@@ -101,6 +101,7 @@ bench: bootstrap vllm
 	$(PY) bench/recovery.py
 	$(PY) bench/grading.py
 	$(PY) bench/engines.py
+	$(PY) bench/weight_sync.py
 
 # GRPO on the CPU with every rollout from a farm it starts (examples/grpo_cpu.py).
 GRPO_ARGS ?=

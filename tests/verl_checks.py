@@ -49,6 +49,16 @@ def main() -> None:
     data = DataProto.from_dict(tensors=out["batch"], non_tensors=out["non_tensor_batch"],
                                meta_info=out["meta_info"])
 
+    # Each sampled token's policy version rides along, through the DataProto's own
+    # selection (what a trainer masking by staleness slices).
+    versions = data.batch["rollout_versions"]
+    assert versions.shape == data.batch["responses"].shape
+    assert bool(((versions >= 0) == data.batch["response_mask"].bool()).all())
+    first = data.select_idxs([0])
+    assert torch.equal(first.batch["rollout_versions"], versions[:1])
+    assert list(first.non_tensor_batch["min_version"]) == \
+        [int(versions[0][versions[0] >= 0].min())]
+
     reward, _ = extract_reward(data)  # what the trainer reads: rm_scores
     data.batch["token_level_scores"] = reward
     data.batch["token_level_rewards"] = reward  # no KL penalty in reward

@@ -164,7 +164,8 @@ class SyntheticHandler(AgentHandler):
         with session:
             for _ in range(turns):
                 ctx.sleep(run_s / turns)
-                t = session.generate(prompt, {"max_tokens": self._sample(ctx, "llm_tokens", 4)})
+                t = session.generate(prompt, {"max_tokens": self._sample(ctx, "llm_tokens", 4),
+                                              "ignore_eos": True})  # exactly that many
                 prompt = prompt + t.generation.token_ids
                 backends.append(t.backend.id)
                 # The oldest weights that sampled any of the turn's tokens.
