@@ -253,7 +253,7 @@ def test_the_openai_and_anthropic_sdks_in_a_farm_sandbox_round_trip_tool_calls(
     client, _ = harness_farm
     jobs = _math(client, [("sdk", {"command": OPENAI_SDK}), ("sdk", {"command": ANTHROPIC_SDK})])
     for job in jobs:
-        assert job["state"] == "done", (job["failure"], job.get("result", {}).get("harness"))
+        assert job["state"] == "done", (job["failure"], (job.get("result") or {}).get("harness"))
         result = job["result"]
         seen = json.loads(result["harness"]["stdout_tail"].strip().splitlines()[-1])
         assert seen == [['bash{"command": "ls"}'], ['bash{"command": "pwd"}'], "All done."]
@@ -392,7 +392,7 @@ def test_pools_and_sandboxes_of_an_unprivileged_user_serve_a_harness(
             client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
                               "tokenizer": tokenizer, "capacity": 8}
             (job,) = _math(client, [("add", {"preset": "openai-agent"})])
-        assert job["state"] == "done", (job["failure"], job.get("result", {}).get("harness"))
+        assert job["state"] == "done", (job["failure"], (job.get("result") or {}).get("harness"))
         assert job["reward"] == 1.0 and job["result"]["capture"]["merged"] == 1
     finally:
         shutil.rmtree(under, ignore_errors=True)
