@@ -70,6 +70,25 @@ def test_the_dev_server_pauses_aborts_and_labels_versions(tiny_model, tmp_path):
         assert later[0]["weight_versions"] == [{"version": "4", "start": 0, "end": 4}]
 
 
+def test_weight_labels_the_farm_reads():
+    """Labels the farm set: a version, one loaded in place not yet checked, one whose update
+    failed (its tokens never kept); any other (vLLM's "default" before any label) says
+    nothing, and the version the backend was pinned at applies."""
+    import pytest
+
+    from prorl_farm.errors import BackendError
+    from prorl_farm.llm.backends.vllm import version_label, versions_of
+
+    assert version_label("8") == (8, True) and version_label("8:unchecked") == (8, False)
+    assert version_label("default") is None and version_label(None) is None
+    with pytest.raises(BackendError, match="failed-8"):
+        version_label("failed-8")
+    assert versions_of([{"version": "7", "start": 0, "end": 3},
+                        {"version": "8:unchecked", "start": 3, "end": 5}]) == \
+        ([(0, 7), (3, 8)], 8)
+    assert versions_of([{"version": "default", "start": 0, "end": 3}]) == ([], None)
+
+
 N = 1500  # tokens a turn: long enough that turns are mid-way when the update comes
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from prorl_farm import keys
 from prorl_farm.errors import Conflict, FarmError
-from prorl_farm.llm.backends.vllm import UNCHECKED
+from prorl_farm.llm.backends.vllm import FAILED, UNCHECKED
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ def _sync_in_place(registry, b: dict, path: str, policy_version: int, probe: Pro
 def _label_failed(kind: str, url: str, policy_version: int) -> bool:
     """Label the engine's weights as no version (tokens they sample are not kept)."""
     try:
-        return label_version(kind, url, f"failed-{policy_version}")
+        return label_version(kind, url, f"{FAILED}{policy_version}")
     except WeightSyncError:
         return False
 

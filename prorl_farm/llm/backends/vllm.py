@@ -23,21 +23,25 @@ _WITHOUT_TOKENS_ROUTE: set[str] = set()
 # The label of weights loaded in place that the farm has not checked yet ("8:unchecked"):
 # weights.py sets it before the engine resumes and the plain version once the check passed.
 UNCHECKED = ":unchecked"
+# The label of weights whose update failed ("failed-8"): their tokens are never kept.
+FAILED = "failed-"
 
 
 def version_label(label) -> tuple[int, bool] | None:
-    """A weight version label as (version, checked); None where the engine has none. A
-    label the farm did not set (a load that failed is labelled so) raises BackendError:
-    such tokens are not kept."""
+    """A weight version label as (version, checked); None where the engine has none the farm
+    set (no label, or vLLM's own "default" before any). Weights whose update failed raise
+    BackendError: their tokens are not kept."""
     if label is None:
         return None
     text = str(label)
+    if text.startswith(FAILED):
+        raise BackendError(f"the engine labels its weights {text!r}: a weight update "
+                           "failed there, so its tokens are not kept")
     checked = not text.endswith(UNCHECKED)
     try:
         return int(text if checked else text[:-len(UNCHECKED)]), checked
     except ValueError:
-        raise BackendError(f"the engine labels its weights {text!r}, not a version the farm "
-                           "set (a weight update that failed): its tokens are not kept") from None
+        return None
 
 
 def versions_of(spans) -> tuple[list[tuple[int, int]], int | None]:
