@@ -1,5 +1,6 @@
 """The dashboard: a page for a person at GET / (no build step, refreshes itself), and the
-two read-only documents it draws from: GET /v1/overview and GET /v1/batches/<id>/stats."""
+read-only documents it draws from: GET /v1/overview, GET /v1/batches/<id>/stats and
+GET /v1/history (the farm a minute at a time over the last day)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 
 from flask import Blueprint, Response, request
 
-from api.schemas import OverviewQuerySchema
+from api.schemas import HistoryQuerySchema, OverviewQuerySchema
 from api.services import services
+from prorl_farm import history
 from prorl_farm.overview import batch_stats, farm_overview
 
 bp = Blueprint("dashboard", __name__)
@@ -37,3 +39,9 @@ def overview():
 @bp.get("/v1/batches/<batch_id>/stats")
 def stats(batch_id: str):
     return batch_stats(services().store, batch_id)
+
+
+@bp.get("/v1/history")
+def farm_history():
+    q = HistoryQuerySchema().load(request.args.to_dict())
+    return history.series(services().store.r, q["window_s"])

@@ -69,6 +69,9 @@ _spec.path("/v1/batches/{batch_id}/stats", operations={"get": _op(
 _spec.path("/v1/overview", operations={"get": _op(
     "The farm at a glance: queues, stage waits, pools, backends, sandboxes, newest batches",
     params=[{"in": "query", "schema": s.OverviewQuerySchema}])})
+_spec.path("/v1/history", operations={"get": _op(
+    "The farm a minute at a time: jobs ended by state, failures, rewards, waits, backends",
+    params=[{"in": "query", "schema": s.HistoryQuerySchema}])})
 _spec.path("/v1/batches/{batch_id}/cancel", operations={
     "post": _op("Cancel a batch", params=[_path_param("batch_id")])})
 _spec.path("/v1/batches/{batch_id}/ack", operations={"post": _op(

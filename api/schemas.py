@@ -126,6 +126,16 @@ class OverviewQuerySchema(Schema):
                              metadata={"description": "how many of the newest batches"})
 
 
+class HistoryQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    window_s = fields.Float(load_default=3600.0,
+                            validate=validate.Range(min=60, max=25 * 3600),
+                            metadata={"description": "how far back, in seconds (a point per "
+                                      "minute; kept a day)"})
+
+
 class FailureSchema(Schema):
     kind = fields.String()
     message = fields.String()

@@ -86,6 +86,12 @@ class Settings:
 
     redis_url: str | None = setting(
         None, "Redis to use; unset: `up` starts a private one", cast=str, shown="unset")
+    redis_appendfsync: str = setting(
+        "everysec", "when the Redis that `up` or the Slurm head starts writes its append-only "
+        "file to disk: `everysec` (a crash of the machine loses up to the last second of "
+        "writes: jobs submitted or finished then) or `always` (before every reply: nothing "
+        "acknowledged is lost, every write waits for the disk)",
+        choices=("everysec", "always"))
     node: str = setting(
         "", "node name for the node-local `run.<node>` / `eval.<node>` queues",
         pattern=NODE_PATTERN, shown="short hostname", factory=_short_hostname)

@@ -110,6 +110,14 @@ def histogram(name: str) -> str:
     return f"{PREFIX}metrics:histogram:{name}"
 
 
+def history(minute: str) -> str:
+    """Hash: the farm's counters of one minute (``minute``: its start, epoch seconds) for the
+    dashboard's history (prorl_farm/history.py): jobs ended by state, failures by kind,
+    rewards, stage waits, backend load and latency; expires ``history.TTL_S`` after its
+    last write."""
+    return f"{PREFIX}history:{minute}"
+
+
 # Hash: ``bytes``, ``files``: what the trajectory store holds (jobs/payloads.py), kept up
 # to date as payloads are written and batches acknowledged or expired.
 PAYLOAD_STATS = f"{PREFIX}payloads:stats"
@@ -188,7 +196,7 @@ _LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
                   "REAPER_ACTIONS")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
-                  "batch_stream", "queued", "backend", "histogram")
+                  "batch_stream", "queued", "backend", "histogram", "history")
 
 
 def _lua() -> str:

@@ -24,6 +24,11 @@ BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 # A histogram's counter array: the buckets (+Inf last), then the sum in microseconds.
 SUM_SLOT = len(BUCKETS_S) + 1
 HIST_SLOTS = SUM_SLOT + 1
+# The dashboard's history (prorl_farm/history.py): a hash of counters per minute, kept a
+# day and an hour (the Lua scripts count into it as jobs are claimed and end).
+HISTORY_STEP_S = 60
+HISTORY_TTL_S = 25 * 3600
+
 
 def bucket_index(value: float) -> int:
     """1-based bucket of ``value`` (len(BUCKETS_S) + 1 for +Inf), as lua/lib/metrics.lua

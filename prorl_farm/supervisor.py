@@ -207,11 +207,13 @@ class Supervisor:
         data = self.home / "redis"
         data.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        # Append-only file, fsync every second: finished results (kept result_ttl_s) and
-        # queued jobs survive a restart of `up`. The port changes; the data does not.
+        # Append-only file, fsync every second (or every write: PRORL_REDIS_APPENDFSYNC):
+        # finished results (kept result_ttl_s), queued jobs and the dashboard's history
+        # survive a restart of `up`. The port changes; the data does not.
         self.redis = Child("redis", [
             "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+            "--appendonly", "yes", "--appendfsync", self.settings.redis_appendfsync,
+            "--save", "",
             "--hash-max-listpack-value", str(keys.HASH_MAX_LISTPACK_VALUE), "--daemonize", "no",
         ], self.logs / "redis.log", restart=False)
         self.redis.start(dict(os.environ))

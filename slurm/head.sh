@@ -6,7 +6,7 @@
 # Environment: PRORL_HEAD_HOST (the name workers reach, default: this host),
 # PRORL_REDIS_PORT (6379), PRORL_API_PORT (8000), PRORL_FLOWER_PORT (5555), PRORL_API_TOKEN,
 # PRORL_FLOWER_BASIC_AUTH (user:password), PRORL_REDIS_DIR (default $PRORL_SHARED/redis),
-# and any PRORL_* setting of the API.
+# PRORL_REDIS_APPENDFSYNC (everysec or always), and any PRORL_* setting of the API.
 here=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")
 source "$here/common.sh"
 
@@ -15,6 +15,11 @@ redis_port=${PRORL_REDIS_PORT:-6379}
 api_port=${PRORL_API_PORT:-8000}
 flower_port=${PRORL_FLOWER_PORT:-5555}
 redis_dir=${PRORL_REDIS_DIR:-$PRORL_SHARED/redis}
+appendfsync=${PRORL_REDIS_APPENDFSYNC:-everysec}
+case $appendfsync in
+  everysec|always) ;;
+  *) echo "PRORL_REDIS_APPENDFSYNC: everysec or always, not '$appendfsync'" >&2; exit 2 ;;
+esac
 mkdir -p "$redis_dir"
 
 # A restarted head keeps its credentials, so running worker nodes reconnect.
@@ -35,7 +40,7 @@ bind 0.0.0.0
 requirepass $password
 dir $redis_dir
 appendonly yes
-appendfsync everysec
+appendfsync $appendfsync
 save ""
 hash-max-listpack-value 1024
 daemonize no

@@ -101,3 +101,79 @@ def test_dashboard_asks_for_the_token_when_reads_need_it(redis_server, r, tmp_pa
         dom = chromium_dom(url + "/", tmp_path / "profile")
         assert 'id="auth" style="display: block;"' in dom
         assert "the API token is needed" in dom
+
+
+def test_the_farm_over_time_survives_an_api_restart_and_is_drawn(redis_server, r, tmp_path):
+    """GET /v1/history: jobs ended per minute by state, failures by kind, mean reward and
+    pass rate, stage waits, backend load and latency; kept in Redis, so a restarted API
+    reads the same; drawn on the dashboard's home page in SVG (no library, no network)."""
+    from tests.farm import free_port, gunicorn_api, stop_process
+
+    server = PolicyServer()
+    try:
+        with http_farm(redis_server.url, tmp_path, "dash-hist", run_concurrency=8) as (url,
+                                                                                      env):
+            farm = FarmClient(url)
+            backend = farm.register_backend(server.url, "vllm", "m", "t", capacity=8)["id"]
+            subs = [farm.submit("synthetic", [{"rewards": [1.0, 0.0, 0.5, 1.0]}], n=4),
+                    farm.submit("synthetic", [{"fail_stage": "eval"}], n=2),
+                    farm.submit("synthetic", [{"llm_turns": 2, "reward": 0.25}], n=3)]
+            for sub in subs:
+                list(farm.iter_results(sub["batch_id"], timeout_s=90))
+
+            def read(base: str) -> dict:
+                return FarmClient(base).history(window_s=900)
+
+            # The reaper's leader samples the backends every 10 s.
+            wait_until(lambda: backend in read(url)["backends"], 30, 0.5, "a backend sample")
+            h = read(url)
+            assert h["step_s"] == 60 and len(h["minutes"]) == 15
+            assert h["minutes"] == sorted(h["minutes"])
+            assert sum(h["ended"]["done"]) == 7 and sum(h["ended"]["failed"]) == 2
+            assert sum(h["failures"]["eval_error"]) == 2
+            n = sum(h["rewards"])
+            assert n == 7
+            assert sum(h["reward_sum"]) == pytest.approx(1.0 + 0.0 + 0.5 + 1.0 + 3 * 0.25)
+            assert sum(h["passes"]) == 2
+            for mean, total, k in zip(h["reward_mean"], h["reward_sum"], h["rewards"]):
+                assert mean == (round(total / k, 4) if k else None)
+            assert any(w is not None for w in h["wait_s"]["run"])
+            assert set(h["backends"][backend]) == {"in_flight", "capacity", "latency_ms"}
+            assert 8 in h["backends"][backend]["capacity"]
+            # A bad window: a field-level 400.
+            bad = farm.http.get(url + "/v1/history", params={"window_s": 5})
+            assert bad.status_code == 400 and "window_s" in bad.text
+
+            # Another API process (a restart): the same history, read from Redis.
+            port = free_port()
+            api = gunicorn_api(env, port, tmp_path / "api2.log")
+            try:
+                other = f"http://127.0.0.1:{port}"
+                wait_until(FarmClient(other).ready, 30, 0.2, "the second API")
+                again = read(other)
+            finally:
+                stop_process(api)
+            for doc in (h, again):  # totals (a minute may have turned in between)
+                doc["totals"] = ({k: sum(v) for k, v in doc["ended"].items()},
+                                 {k: sum(v) for k, v in doc["failures"].items()},
+                                 sum(doc["rewards"]), sum(doc["reward_sum"]),
+                                 sum(doc["passes"]))
+            assert again["totals"] == h["totals"]
+
+            dom = chromium_dom(url + "/", tmp_path / "profile")
+            assert "Over time (a point per minute)" in dom
+            for chart in ("Rollouts ended per minute, by state",
+                          "Mean reward and pass rate (reward ≥ 1) per minute",
+                          "Failures per minute, by kind", "Queue wait per stage (mean, s)",
+                          "Backend load: jobs in flight (mean)",
+                          "Backend latency per request (ms)"):
+                assert f'data-chart="{chart}"' in dom, chart
+            for series in ("done", "failed", "eval_error", "mean reward", "pass rate", "run",
+                           backend):
+                assert f'data-series="{series}"' in dom, series
+            shot = chromium_screenshot(url + "/", tmp_path / "profile",
+                                       tmp_path / "dashboard-history.png")
+            assert _png_size(shot) == (1400, 1100)
+            _keep(shot)
+    finally:
+        server.kill()

@@ -231,22 +231,40 @@ def _stop(proc: subprocess.Popen) -> str:
     return out
 
 
+def _private_redis_config(up: subprocess.Popen, name: str) -> str:
+    """A setting of the redis-server that `up` started (found among its children)."""
+    import redis
+
+    for child in psutil.Process(up.pid).children(recursive=True):
+        if child.name().startswith("redis-server"):
+            port = next(c.laddr.port for c in child.net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN)
+            return redis.Redis(port=port, decode_responses=True).config_get(name)[name]
+    raise AssertionError("no redis-server under `up`")
+
+
 def test_up_keeps_results_and_queued_jobs_across_a_restart(tmp_path):
-    """The private Redis persists (append-only): after `up` restarts, finished results are
-    still readable and jobs that were queued run. A second `up` beside a running one says
-    why it cannot start instead of looping, and prints no banner."""
+    """The private Redis persists (append-only, here with every write synced:
+    PRORL_REDIS_APPENDFSYNC=always): after `up` restarts, finished results and the
+    dashboard's history are still readable and jobs that were queued run. A second `up`
+    beside a running one says why it cannot start instead of looping, and prints no
+    banner."""
     api_port, flower_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
                PRORL_FLOWER_PORT=str(flower_port), PRORL_NODE="upnode",
                PRORL_SANDBOX_DIR=SANDBOX_DIR, PRORL_HEARTBEAT_STALE_S="5",
-               PRORL_INIT_CONCURRENCY="1", PRORL_LOG_LEVEL="WARNING")
+               PRORL_INIT_CONCURRENCY="1", PRORL_LOG_LEVEL="WARNING",
+               PRORL_REDIS_APPENDFSYNC="always")
     farm = FarmClient(f"http://127.0.0.1:{api_port}")
     proc = _up(env)
     try:
         wait_until(farm.ready, 60, 0.25, "readyz")
-        done = farm.submit("synthetic", [{"run_s": 0}], n=3)
+        assert _private_redis_config(proc, "appendfsync") == "always"
+        done = farm.submit("synthetic", [{"run_s": 0, "reward": 1.0}], n=3)
         assert len(list(farm.iter_results(done["batch_id"], timeout_s=60))) == 3
+        before = farm.history(window_s=3600)
+        assert sum(before["ended"]["done"]) == 3 and sum(before["rewards"]) == 3
 
         second = _up(env)  # same ports, same data directory
         out = _exit_by_itself(second)
@@ -273,6 +291,8 @@ def test_up_keeps_results_and_queued_jobs_across_a_restart(tmp_path):
         assert again["complete"] and again["counts"]["done"] == 3
         results = list(farm.iter_results(done["batch_id"], timeout_s=10))
         assert sorted(j["id"] for j in results) == sorted(done["job_ids"])
+        after = farm.history(window_s=3600)  # the history, through Redis's restart
+        assert sum(after["ended"]["done"]) >= 3 and sum(after["passes"]) >= 3, after
         finished = list(farm.iter_results(waiting["batch_id"], timeout_s=120))
         assert len(finished) == 6
         # The jobs cut off mid-stage by the stop are recovered (re-queued) or failed as lost;

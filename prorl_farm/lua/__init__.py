@@ -17,7 +17,8 @@ Key names and the tables a script shares with Python are generated from the Pyth
 definitions when a script is loaded, never copied: ``K`` (every key, :mod:`prorl_farm.keys`),
 ``TERMINAL`` (the terminal job states), ``CLAIM_FIELDS`` and ``ATTEMPT_FIELDS`` (job hash
 fields, :mod:`prorl_farm.states`), ``BACKEND_FIELDS`` (what a pin returns of a backend,
-:mod:`prorl_farm.keys`) and ``BUCKETS`` (histogram bounds, :mod:`prorl_farm.metrics`).
+:mod:`prorl_farm.keys`), ``BUCKETS`` (histogram bounds, :mod:`prorl_farm.metrics`) and
+``HISTORY_STEP_S`` / ``HISTORY_TTL_S`` (the dashboard's history, :mod:`prorl_farm.metrics`).
 
 Keys: the farm targets one Redis, not a Cluster (docs/architecture.md says why). Job
 scripts derive the keys of a job's batch and queue from the job's own hash, so those are
@@ -122,7 +123,7 @@ def lua_value(v) -> str:
 def tables() -> str:
     """The generated tables every script starts with, from their Python definitions."""
     from prorl_farm import keys
-    from prorl_farm.metrics import BUCKETS_S, SUM_SLOT
+    from prorl_farm.metrics import BUCKETS_S, HISTORY_STEP_S, HISTORY_TTL_S, SUM_SLOT
     from prorl_farm.states import ATTEMPT_FIELDS, CLAIM_FIELDS, STATE_SLOT, TERMINAL_STATES
 
     shared = {
@@ -133,6 +134,8 @@ def tables() -> str:
         "BUCKETS": BUCKETS_S,
         "SUM_SLOT": SUM_SLOT,
         "STATE_SLOT": STATE_SLOT,
+        "HISTORY_STEP_S": HISTORY_STEP_S,
+        "HISTORY_TTL_S": HISTORY_TTL_S,
     }
     return keys.LUA + "".join(f"local {k} = {lua_value(v)}\n" for k, v in shared.items())
 

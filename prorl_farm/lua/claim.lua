@@ -36,7 +36,11 @@ if deadline and deadline ~= '' and tonumber(deadline) <= now then
 end
 redis.call('HSET', jk, 'state', stage, 'phase', 'active', 'worker', worker, 'holder', holder,
            't_' .. stage .. '_start', fmt(now))
-if queued then observe('wait:' .. stage, now - tonumber(queued)) end
+if queued then
+  local wait = math.max(0, now - tonumber(queued))
+  observe('wait:' .. stage, wait)
+  history(now, {'wait_sum:' .. stage, wait, 'wait_n:' .. stage, 1})
+end
 count_state(state, stage, at.batch_id)
 redis.call('ZADD', K.ACTIVE, now, id)
 unqueue(id, queue)

@@ -311,6 +311,12 @@ class FarmClient:
         return self._call("POST", "/v1/weights", timeout_s=timeout_s, retry="connect",
                           json=body)
 
+    def history(self, window_s: float = 3600.0) -> dict:
+        """The farm a minute at a time over the last ``window_s`` seconds (kept a day): jobs
+        ended by state, failures by kind, mean reward and pass rate, stage waits, backend
+        load and latency (``GET /v1/history``; prorl_farm/history.py)."""
+        return self._call("GET", "/v1/history", params={"window_s": window_s})
+
     def overview(self) -> dict:
         """Queues, stages, pools, backends, sandboxes and jobs by state (what the dashboard
         draws)."""

@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from prorl_farm import keys
+from prorl_farm import history, keys
 from prorl_farm.config import Settings
 from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.store import JobStore
@@ -99,6 +99,7 @@ class Reaper:
         self._next = 0.0  # monotonic time of this process's next look
         self._next_probe = 0.0
         self._next_payload_sweep = 0.0
+        self._next_history = 0.0
         # (job, token) -> when a sweep of this process first saw its message popped and the
         # job unclaimed (lua/popped.lua); kept only while the next sweep sees it so again.
         self._popped: dict[tuple[str, str], float] = {}
@@ -126,6 +127,12 @@ class Reaper:
             if now >= self._next_payload_sweep:
                 self._next_payload_sweep = now + PAYLOAD_SWEEP_S
                 self.sweep_payloads()
+            if now >= self._next_history and self.backends is not None:
+                self._next_history = now + history.SAMPLE_S
+                try:  # the dashboard's history of backend load and latency
+                    history.record_backends(self.store.r, self.backends.list())
+                except Exception:  # noqa: BLE001 - a missed sample is not a fault
+                    log.debug("backend history sample failed", exc_info=True)
             if role == "idle":
                 return {}
         counts = self._sweep()

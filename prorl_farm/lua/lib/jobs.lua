@@ -67,6 +67,20 @@ local function finish(id, jk, state, kind, msg, ttl, now, extra, j)
   end
   redis.call('HSET', jk, unpack(set))
   count_state(old, state, batch)
+  local hist = {'ended:' .. state, 1}
+  if state == 'failed' and kind ~= '' then
+    hist[#hist + 1] = 'failed:' .. kind
+    hist[#hist + 1] = 1
+  end
+  for i = 1, #set - 1, 2 do
+    if set[i] == 'reward' and state == 'done' and tonumber(set[i + 1]) then
+      local r = tonumber(set[i + 1])
+      for _, v in ipairs({'reward_sum', r, 'reward_n', 1, 'pass_n', r >= 1 and 1 or 0}) do
+        hist[#hist + 1] = v
+      end
+    end
+  end
+  history(now, hist)
   release_backend(id, j[13])
   redis.call('XADD', K.batch_stream(batch), '*', 'job', id, 'state', state)
   redis.call('ZREM', K.ACTIVE, id)

@@ -1,4 +1,5 @@
--- lib metrics: observe a value into a histogram of the fixed BUCKETS.
+-- lib metrics: observe a value into a histogram of the fixed BUCKETS; count into the
+-- dashboard's per-minute history (prorl_farm/history.py).
 
 local function observe(name, v)
   if v < 0 then v = 0 end
@@ -9,4 +10,13 @@ local function observe(name, v)
   -- A counter array: bucket i at slot i - 1, the sum in microseconds at SUM_SLOT.
   redis.call('BITFIELD', K.histogram(name), 'INCRBY', 'i64', '#' .. (i - 1), 1,
              'INCRBY', 'i64', '#' .. SUM_SLOT, string.format('%d', math.floor(v * 1e6 + 0.5)))
+end
+
+-- Add each (field, amount) pair to the history of the minute holding ``now``.
+local function history(now, pairs)
+  local hk = K.history(string.format('%d', math.floor(now / HISTORY_STEP_S) * HISTORY_STEP_S))
+  for i = 1, #pairs, 2 do
+    redis.call('HINCRBYFLOAT', hk, pairs[i], pairs[i + 1])
+  end
+  redis.call('EXPIRE', hk, HISTORY_TTL_S)
 end
