@@ -26,6 +26,7 @@ from prorl_farm.gateway.harness import PRESETS, install
 from prorl_farm.sandbox.abstract import INSIDE_HARNESSES
 from tests.farm import (
     ROOT,
+    RedisServer,
     farm_env,
     pool_user,
     readable_copy,
@@ -378,15 +379,18 @@ def test_a_real_model_behind_a_harness_is_captured_token_exact(
 
 
 def test_pools_and_sandboxes_of_an_unprivileged_user_serve_a_harness(
-        redis_server, tmp_path_factory, tiny_model, harnesses):
+        tmp_path_factory, tiny_model, harnesses):
     """Pools run as nobody: the RUN pool's gateway socket, in the sandbox's own directory,
-    is reached from the sandbox (another uid) and the harness environment is readable."""
+    is reached from the sandbox (another uid) and the harness environment is readable.
+    On a Redis of its own: the module's farm (pools as root, the same node) would
+    otherwise take some of its stages."""
     user = pool_user("nobody")
     under = Path(tempfile.mkdtemp(prefix="prs-harness-tok-"))
     under.chmod(0o755)
+    own = RedisServer(tmp_path_factory.mktemp("redis-nobody"))
     try:
         tokenizer = readable_copy(tiny_model, under)
-        with scripted_farm(redis_server.url, tmp_path_factory.mktemp("harness-nobody"),
+        with scripted_farm(own.url, tmp_path_factory.mktemp("harness-nobody"),
                            tokenizer, PLANS, "harness-nobody", user=user,
                            harness_dir=harnesses) as (client, server):
             client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
@@ -395,6 +399,7 @@ def test_pools_and_sandboxes_of_an_unprivileged_user_serve_a_harness(
         assert job["state"] == "done", (job["failure"], (job.get("result") or {}).get("harness"))
         assert job["reward"] == 1.0 and job["result"]["capture"]["merged"] == 1
     finally:
+        own.stop()
         shutil.rmtree(under, ignore_errors=True)
 
 
