@@ -148,7 +148,8 @@ def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_pa
         assert backend["kind"] == "vllm" and backend["tokenizer"] == str(tiny_model)
         assert backend["healthy"] and backend["in_heap"]
         sub = farm.submit("chat", [{"messages": [{"role": "user", "content": "hello"}]}], n=2,
-                          sampling={"max_tokens": 8, "temperature": 1.0})
+                          sampling={"max_tokens": 8, "temperature": 1.0,
+                                    "ignore_eos": True})  # a random model samples stops too
         jobs = list(farm.iter_results(sub["batch_id"], timeout_s=60))
         assert [j["state"] for j in jobs] == ["done", "done"]
         for j in (farm.job(x["id"]) for x in jobs):
