@@ -230,6 +230,19 @@ def _finished(client, sub: dict, timeout_s: float = 240) -> list[dict]:
     return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
 
 
+def _generating(engine: str) -> None:
+    """Until the engine generates at least 4 turns at once."""
+    wait_until(lambda: _get(engine + "/get_model_info")["running"] >= 4, 90, 0.02,
+               f"turns generating on {engine}")
+
+
+def _update_in_place(client, backend: str, path, probe_dir):
+    """Ask for an update in place of ``backend`` to ``path`` at version 8."""
+    return client.post(f"/v1/backends/{backend}/weights", json={
+        "path": str(path), "policy_version": 8, "probe": _probe(probe_dir),
+        "mode": "in_place"})
+
+
 def _probe(model_dir) -> dict:
     from tests.test_tokens import teacher_forced_logprobs
 
@@ -249,13 +262,10 @@ def test_a_load_that_fails_in_place_moves_the_jobs_to_another_engine(
             _farm(redis_server, tmp_path_factory, "inplace-load") as client:
         ba, bb = _register(client, a, tiny_model), _register(client, b, tiny_model)
         sub = _submit(client, 16)
-        wait_until(lambda: _get(a + "/get_model_info")["running"] >= 4, 90, 0.02,
-                   "turns generating on A")
+        _generating(a)
         on_a = client.get(f"/v1/backends/{ba}").get_json()["in_flight"]
         pinned_b = client.get(f"/v1/backends/{bb}").get_json()["jobs_total"]
-        resp = client.post(f"/v1/backends/{ba}/weights", json={
-            "path": str(empty), "policy_version": 8, "probe": _probe(tiny_model),
-            "mode": "in_place"})
+        resp = _update_in_place(client, ba, empty, tiny_model)
         assert resp.status_code == 422, resp.get_json()
         assert "safetensors" in resp.get_json()["error"]["message"]
         jobs = _finished(client, sub)
@@ -296,11 +306,8 @@ def test_with_no_engine_left_the_jobs_fail_backend_unavailable_with_the_reason(
             _farm(redis_server, tmp_path_factory, "inplace-alone") as client:
         ba = _register(client, a, tiny_model)
         sub = _submit(client, 8)
-        wait_until(lambda: _get(a + "/get_model_info")["running"] >= 4, 90, 0.02,
-                   "turns generating")
-        resp = client.post(f"/v1/backends/{ba}/weights", json={
-            "path": str(empty), "policy_version": 8, "probe": _probe(tiny_model),
-            "mode": "in_place"})
+        _generating(a)
+        resp = _update_in_place(client, ba, empty, tiny_model)
         assert resp.status_code == 422
         jobs = _finished(client, sub, 120)
         assert client.get(f"/v1/backends/{ba}").get_json()["in_flight"] == 0
@@ -322,12 +329,9 @@ def test_an_engine_that_dies_under_an_update_leaves_its_jobs_on_another(
             _farm(redis_server, tmp_path_factory, "inplace-dies") as client:
         ba, _ = _register(client, a, tiny_model), _register(client, b, tiny_model)
         sub = _submit(client, 16)
-        wait_until(lambda: _get(a + "/get_model_info")["running"] >= 4, 90, 0.02,
-                   "turns generating on A")
+        _generating(a)
         a.proc.kill()
-        resp = client.post(f"/v1/backends/{ba}/weights", json={
-            "path": str(tiny_model), "policy_version": 8, "probe": _probe(tiny_model),
-            "mode": "in_place"})
+        resp = _update_in_place(client, ba, tiny_model, tiny_model)
         assert resp.status_code == 422 and "unreachable" in resp.get_json()["error"]["message"]
         jobs = _finished(client, sub)
         back_a = client.get(f"/v1/backends/{ba}").get_json()
@@ -349,8 +353,7 @@ def test_updates_raced_by_two_trainers_one_refused_a_repeat_idempotent(
             _farm(redis_server, tmp_path_factory, "inplace-race") as client:
         ba = _register(client, a, tiny_model)
         sub = _submit(client, 8)
-        wait_until(lambda: _get(a + "/get_model_info")["running"] >= 4, 90, 0.02,
-                   "turns generating")
+        _generating(a)
         app = client.application
         answers: list = []
         gate = threading.Barrier(2)

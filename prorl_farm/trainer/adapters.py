@@ -54,6 +54,14 @@ def token_versions(result: dict, policy_version=None) -> np.ndarray:
     return out
 
 
+def version_range(rows: np.ndarray) -> tuple[list, list]:
+    """Per row of per-token versions (-1: not sampled), its oldest and newest version (None
+    for a row with no sampled token)."""
+    sampled = [row[row >= 0] for row in rows]
+    return ([int(v.min()) if len(v) else None for v in sampled],
+            [int(v.max()) if len(v) else None for v in sampled])
+
+
 def _torch(arrays: dict, as_torch: bool) -> dict:
     if not as_torch:
         return arrays
@@ -152,18 +160,14 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
              "response_mask": response_mask, "rollout_log_probs": logprobs,
              "rm_scores": scores, "token_level_scores": scores.copy(),
              "token_level_rewards": scores.copy(), "rollout_versions": token_vers}
-    sampled = [token_vers[i][token_vers[i] >= 0] for i in range(b)]
+    oldest, newest = version_range(token_vers)
     multi_modal = np.empty(b, dtype=object)
     multi_modal[:] = [{} for _ in range(b)]
     return {"batch": _torch(batch, as_torch),
             "non_tensor_batch": {"uid": np.array(uids, dtype=object),
                                  "policy_version": np.array(versions, dtype=object),
-                                 "min_version": np.array(
-                                     [int(v.min()) if len(v) else None for v in sampled],
-                                     dtype=object),
-                                 "max_version": np.array(
-                                     [int(v.max()) if len(v) else None for v in sampled],
-                                     dtype=object),
+                                 "min_version": np.array(oldest, dtype=object),
+                                 "max_version": np.array(newest, dtype=object),
                                  "__num_turns__": np.array(turns, dtype=np.int32),
                                  "multi_modal_inputs": multi_modal},
             "meta_info": {"temperature": temperature}}
@@ -228,7 +232,6 @@ def to_nemo_rl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
             "sample_mask": np.ones(len(logs), dtype=np.float32),
             "total_reward": np.array([job["reward"] for _, job in samples], dtype=np.float32),
             "idx": np.array([g for g, _ in samples], dtype=np.int64)}
-    sampled = [v[v >= 0] for v in gen_versions]
+    oldest, newest = version_range(gen_versions)
     return {"message_log": logs, "flat": _torch(flat, as_torch),
-            "min_version": [int(v.min()) if len(v) else None for v in sampled],
-            "max_version": [int(v.max()) if len(v) else None for v in sampled]}
+            "min_version": oldest, "max_version": newest}
