@@ -18,17 +18,21 @@ VERL_VENV    := .venv-verl
 VERL_STAMP   := $(VERL_VENV)/.installed
 VERL_VERSION ?= 0.9.1
 
-.PHONY: up test bootstrap system lint bench grpo vllm verl harnesses clean
+.PHONY: up test bootstrap system docker lint bench grpo vllm verl harnesses clean
 
 up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
 
 # The suite runs the engine tests against real vLLM wherever it installed (REQUIRE_VLLM: they
 # fail rather than skip); where it cannot run (no AVX2), they skip and say why.
-test: bootstrap vllm verl harnesses
+# The Docker tests (tests/test_compose.py, the docker sandbox runtime) start a private engine
+# as root: where it installed, REQUIRE_DOCKER makes them fail rather than skip.
+test: bootstrap vllm verl harnesses docker
 	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
 	REQUIRE_VLLM=$$(test -f $(VLLM_STAMP) && echo 1 || echo 0) \
-	REQUIRE_VERL=$$(test -f $(VERL_STAMP) && echo 1 || echo 0) $(PY) -m pytest $(PYTEST_ARGS)
+	REQUIRE_VERL=$$(test -f $(VERL_STAMP) && echo 1 || echo 0) \
+	REQUIRE_DOCKER=$$([ "$$(id -u)" = 0 ] && command -v dockerd >/dev/null && echo 1 || echo 0) \
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 bootstrap: system $(STAMP)
 
@@ -44,6 +48,16 @@ system:
 		$(SUDO) apt-get update -q && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 			redis-server bubblewrap tmux chromium git python3-pytest python3-venv; \
+	fi
+
+# A Docker engine, Debian's docker-compose and debootstrap (the images are built from Debian
+# packages: deploy/base-image.sh); as root only (the tests run the engine themselves).
+docker:
+	@if [ "$$(id -u)" = 0 ] && { ! command -v dockerd >/dev/null \
+			|| ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null; }; then \
+		echo "installing docker.io, docker-compose and debootstrap"; \
+		apt-get update -q && env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			docker.io docker-compose debootstrap; \
 	fi
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml

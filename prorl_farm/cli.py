@@ -49,6 +49,20 @@ def _cmd_tiny_model(args) -> int:
 
 
 def _cmd_worker(args) -> int:
+    if args.mount_proc:
+        from prorl_farm.sandbox.procfs import (
+            ProcMountError,
+            exec_without_sys_admin,
+            mount_full_proc,
+        )
+
+        try:
+            mount_full_proc()
+        except ProcMountError as e:
+            print(e, file=sys.stderr)
+            return 2
+        exec_without_sys_admin([sys.executable, "-m", "prorl_farm.cli", "worker", args.stage,
+                                *args.celery_args])
     from prorl_farm.worker import worker_main
 
     worker_main(args.stage, args.celery_args)
@@ -216,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_cmd_up)
     w = sub.add_parser("worker", help="run one stage's worker pool in the foreground")
     w.add_argument("stage", choices=STAGES)
+    w.add_argument("--mount-proc", action="store_true",
+                   help="in a container that masks parts of /proc (Docker's default) and "
+                   "gives CAP_SYS_ADMIN: mount a full proc for bubblewrap, then drop that "
+                   "capability and run the pool (docker-compose.yml)")
     w.add_argument("celery_args", nargs=argparse.REMAINDER,
                    help="extra arguments passed to `celery worker`")
     w.set_defaults(func=_cmd_worker)

@@ -229,6 +229,10 @@ class Settings:
 DEPLOY_ENV = {
     "PRORL_API_PUBLISH": "compose: the host port the API is published on (8000)",
     "PRORL_FLOWER_PUBLISH": "compose: the host port Flower is published on (5555)",
+    "PRORL_BASE_IMAGE": "compose: the base the farm's images build on "
+                        "(python:3.11-slim-bookworm; deploy/base-image.sh makes one)",
+    "PRORL_REDIS_IMAGE": "compose: the Redis image (redis:7-bookworm; deploy/base-image.sh "
+                         "makes prorl-redis:bookworm)",
     "PRORL_SHARED": "Slurm: a directory on the shared filesystem (required)",
     "PRORL_FARM_DIR": "Slurm: the project checkout (default: where sbatch ran)",
     "PRORL_PYTHON": "Slurm: the Python with the farm installed (default: the checkout's .venv)",

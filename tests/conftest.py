@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+from pathlib import Path
 
 import psutil
 import pytest
@@ -63,6 +64,28 @@ def _clear(client) -> None:
              for k in client.scan_iter(pattern, count=1000, _type="list")]
     if keys:
         client.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def docker_engine(tmp_path_factory):
+    """A private Docker engine with the farm's images built on it (tests/docker_engine.py);
+    skips, saying why, where none can start, unless REQUIRE_DOCKER=1 (make test sets it where
+    it installed the engine): then it fails."""
+    import tempfile
+
+    from tests.docker_engine import DockerEngine, build_images, why_no_engine
+
+    why = why_no_engine()
+    if why:
+        if os.environ.get("REQUIRE_DOCKER") == "1":
+            pytest.fail(f"REQUIRE_DOCKER=1 but {why}")
+        pytest.skip(why)
+    engine = DockerEngine(Path(tempfile.mkdtemp(prefix="prs-docker-", dir="/var/tmp")))
+    try:
+        engine.build_times = build_images(engine, tmp_path_factory.mktemp("docker-build"))
+        yield engine
+    finally:
+        engine.stop()
 
 
 def make_pools(redis_server, tmp_path, **overrides) -> Pools:

@@ -73,7 +73,7 @@ def test_compose_has_every_part_with_health_checks(compose):
         assert "trajectories:/var/lib/prorl/trajectories" in services[name]["volumes"]
     assert services["dev-model"]["profiles"] == ["dev"]
     for stage in ("init", "run", "eval"):
-        assert services[stage]["command"] == ["prorl-farm", "worker", stage]
+        assert services[stage]["command"] == ["prorl-farm", "worker", "--mount-proc", stage]
         assert "sandboxes:/var/lib/prorl/sandboxes" in services[stage]["volumes"]
     for stage in ("run", "eval"):  # they use the sandboxes INIT starts
         assert services[stage]["pid"] == "service:init"
@@ -90,8 +90,9 @@ def test_every_prorl_name_is_a_setting(compose):
     known = env_names()
     text = COMPOSE.read_text()
     used = set(re.findall(r"\bPRORL_[A-Z_]+", text))
-    # Names that only publish ports on the host, read by compose itself.
-    compose_only = {"PRORL_API_PUBLISH", "PRORL_FLOWER_PUBLISH"}
+    # Names read by compose itself: host ports, images.
+    compose_only = {"PRORL_API_PUBLISH", "PRORL_FLOWER_PUBLISH", "PRORL_BASE_IMAGE",
+                    "PRORL_REDIS_IMAGE"}
     assert used - known - compose_only == set(), "not settings: " + str(used - known)
     assert used & compose_only <= {n for n in compose_only if f"${{{n}:-" in text}
     for svc in compose["services"].values():

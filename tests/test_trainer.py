@@ -412,3 +412,31 @@ def test_a_step_ends_once_enough_groups_qualify_and_records_the_shortfall(farm):
     assert len(batch) == 2 and batch.stats.groups_short == 2
     wait_until(lambda: all(client.batch(b)["complete"] for b in sampler.batch_ids), 60,
                what="every group terminal")
+
+
+def test_a_farm_that_is_not_ready_is_false_whatever_its_probe_says():
+    """/readyz answers 503 with a probe's body (its "error" a string, not an error
+    document) while Redis restarts: ready() is False, never an exception."""
+    import http.server
+
+    class NotReady(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"ready": False, "redis": False,
+                               "error": "Error 111 connecting to 127.0.0.1:6379."}).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotReady)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert FarmClient(f"http://127.0.0.1:{server.server_address[1]}").ready() is False
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -68,6 +68,8 @@ def _error(status: int, resp: requests.Response) -> FarmHTTPError:
         error = resp.json()["error"]
     except (ValueError, KeyError, TypeError):
         error = {"code": "http_error", "message": resp.text[:500]}
+    if not isinstance(error, dict):  # a probe's body: {"ready": false, "error": "..."}
+        error = {"code": "http_error", "message": str(error)[:500]}
     return _BY_STATUS.get(status, FarmHTTPError)(status, error)
 
 

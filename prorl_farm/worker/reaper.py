@@ -208,10 +208,13 @@ class Reaper:
             stage, _, node = queue.partition(".")
             if f"{stage}:{node}" in live:
                 continue
-            waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({quick}", start=0,
+            # A queued job lost nothing with its pool: it waits the stale time for the pool to
+            # come back (a container's restart policy, `up`'s supervisor, take seconds)
+            # before a move spends one of its requeues.
+            waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({cutoff}", start=0,
                                       num=BATCH)
             for job_id, token in zip(waiting, store.tokens(waiting)):
-                self._reap(counts, job_id, "queued", quick, token, queue,
+                self._reap(counts, job_id, "queued", cutoff, token, queue,
                            f"no live {stage} pool on node {node}")
         reserved = reserved_messages(r)
         self._reap_orphans(counts, [m for m in reserved if m.at < quick], cutoff, quick,

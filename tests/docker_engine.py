@@ -1,0 +1,163 @@
+"""A private Docker engine for the tests, and the farm's images built on it with no registry.
+
+``DockerEngine`` starts ``dockerd`` as root with its own socket, data, exec root and pid file
+in a directory of its own (no bridge firewall rules: the tests use the host network and
+``--network none`` only), and stops it by its pid, leaving nothing mounted.
+
+``build_images`` makes the images as an operator without a registry does: the base from
+Debian packages (``deploy/base-image.sh``: debootstrap, ``docker import``), then the
+Dockerfile's ``farm`` and ``dev-model`` targets on it, their Python packages from a
+wheelhouse served on loopback (downloaded once by the base image's own pip, so markers are
+judged for the image's Python; torch is the CPU build from this machine's wheels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from tests.farm import ROOT, wait_until
+
+BASE = "prorl-base:bookworm"
+REDIS = "prorl-redis:bookworm"
+FARM = "prorl-farm:latest"
+DEV_MODEL = "prorl-farm-dev-model:latest"
+TORCH = "torch==2.13.0"  # requirements-dev.txt's CPU build
+
+
+def why_no_engine() -> str | None:
+    """Why no Docker engine can be started here, or None."""
+    if os.geteuid() != 0:
+        return "needs root to start a Docker engine (dockerd) and debootstrap"
+    for tool, package in (("dockerd", "docker.io"), ("docker", "docker.io"),
+                          ("debootstrap", "debootstrap")):
+        if not shutil.which(tool):
+            return f"{tool} is not installed (apt-get install {package}; make test does)"
+    return None
+
+
+class DockerEngine:
+    def __init__(self, home: Path):
+        self.home = home
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.socket = home / "docker.sock"
+        self.env = {**os.environ, "DOCKER_HOST": f"unix://{self.socket}"}
+        self.log = home / "dockerd.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                ["dockerd", "--host", f"unix://{self.socket}", "--data-root",
+                 str(home / "data"), "--exec-root", str(home / "exec"), "--pidfile",
+                 str(home / "dockerd.pid"), "--iptables=false", "--ip-masq=false"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_until(self._answers, 60, 0.25, "dockerd")
+        except Exception as e:
+            log = self.log.read_text()[-2000:]
+            self.stop()
+            raise RuntimeError(f"dockerd did not start ({e}): {log}") from None
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"dockerd exited: {self.log.read_text()[-2000:]}")
+        return self.run("version", check=False).returncode == 0
+
+    def run(self, *args: str, check: bool = True, timeout: float = 600,
+            **kwargs) -> subprocess.CompletedProcess:
+        out = subprocess.run(["docker", *args], env=self.env, capture_output=True, text=True,
+                             timeout=timeout, **kwargs)
+        if check and out.returncode != 0:
+            raise RuntimeError(f"docker {' '.join(args)[:300]}: {out.stderr[-3000:]}")
+        return out
+
+    def containers(self, *filters: str) -> list[str]:
+        """Names of the containers (any state) that match every ``key=value`` filter."""
+        args = [a for f in filters for a in ("--filter", f)]
+        return self.run("ps", "-a", "--format", "{{.Names}}", *args).stdout.split()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                ids = self.run("ps", "-aq", check=False, timeout=60).stdout.split()
+                if ids:
+                    self.run("rm", "-f", *ids, check=False, timeout=120)
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        # What the engine mounted under its roots (overlays, netns) goes before its files.
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1] for line in f]
+        for mount in sorted((m for m in mounts if m.startswith(str(self.home))), reverse=True):
+            subprocess.run(["umount", "-l", mount], capture_output=True)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def served(directory: Path):
+    """``directory`` over HTTP on loopback (pip's --find-links); yields the URL."""
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Handler, directory=str(directory))
+
+    class Quiet(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass
+
+    server = Quiet(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def build_images(engine: DockerEngine, work: Path, dev_model: bool = True) -> dict[str, float]:
+    """The base, Redis, farm (and dev-model) images; returns seconds per step."""
+    took = {}
+    t = time.monotonic()
+    out = subprocess.run([str(ROOT / "deploy" / "base-image.sh")], env=engine.env,
+                         capture_output=True, text=True, timeout=1200)
+    if out.returncode != 0:
+        raise RuntimeError(f"deploy/base-image.sh: {out.stderr[-3000:]}")
+    took["base_image_s"] = time.monotonic() - t
+
+    t = time.monotonic()
+    wheels = work / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    local = "/opt/wheels" if os.path.isdir("/opt/wheels") else str(wheels)
+    ca = "/etc/ssl/certs/ca-certificates.crt"  # this machine's trust (a proxy's CA included)
+    engine.run("run", "--rm", "--network", "host", "-v", f"{ca}:/host-ca.crt:ro",
+               "-v", f"{local}:/local:ro", "-v", f"{wheels}:/wheels",
+               "-v", f"{ROOT / 'requirements.txt'}:/req.txt:ro", BASE, "sh", "-c",
+               "python3 -m venv /tmp/v && /tmp/v/bin/pip download -q "
+               "--disable-pip-version-check --cert /host-ca.crt --find-links /local "
+               f"-d /wheels -r /req.txt setuptools wheel {TORCH if dev_model else ''}",
+               timeout=900)
+    took["wheelhouse_s"] = time.monotonic() - t
+
+    with served(wheels) as url:
+        for target, tag in (("farm", FARM), ("dev-model", DEV_MODEL)):
+            if target == "dev-model" and not dev_model:
+                continue
+            t = time.monotonic()
+            engine.run("build", "-q", "--force-rm", "--network", "host", "--build-arg",
+                       f"BASE={BASE}", "--build-arg",
+                       f"PIP_OPTS=--no-index --find-links {url}", "--build-arg",
+                       f"TORCH_SPEC={TORCH}", "--target", target, "-t", tag, str(ROOT),
+                       timeout=1200)
+            took[f"build_{target}_s"] = time.monotonic() - t
+    return took
