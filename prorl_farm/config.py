@@ -168,6 +168,9 @@ class Settings:
     sandbox_runtime: str = setting(
         "auto", "`auto`: `bwrap` where installed, else `local`; or `apptainer`, `docker`",
         choices=SANDBOX_RUNTIMES)
+    sandbox_image: str = setting(
+        "", "the image of `docker` and `apptainer` sandboxes whose instance names none "
+        "(graders' among them)", shown="unset")
     sandbox_dir: str = setting(
         "/tmp/prorl-sandboxes", "sandbox files (keep it short: Unix socket paths are limited "
         "to 107 bytes)")

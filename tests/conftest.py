@@ -66,14 +66,20 @@ def _clear(client) -> None:
         client.delete(*keys)
 
 
+@pytest.fixture(scope="module")
+def module_monkeypatch():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
 @pytest.fixture(scope="session")
 def docker_engine(tmp_path_factory):
-    """A private Docker engine with the farm's images built on it (tests/docker_engine.py);
+    """A private Docker engine with the base images built on it (tests/docker_engine.py);
     skips, saying why, where none can start, unless REQUIRE_DOCKER=1 (make test sets it where
     it installed the engine): then it fails."""
     import tempfile
 
-    from tests.docker_engine import DockerEngine, build_images, why_no_engine
+    from tests.docker_engine import DockerEngine, base_images, why_no_engine
 
     why = why_no_engine()
     if why:
@@ -82,7 +88,7 @@ def docker_engine(tmp_path_factory):
         pytest.skip(why)
     engine = DockerEngine(Path(tempfile.mkdtemp(prefix="prs-docker-", dir="/var/tmp")))
     try:
-        engine.build_times = build_images(engine, tmp_path_factory.mktemp("docker-build"))
+        engine.build_times = {"base_images_s": base_images(engine)}
         yield engine
     finally:
         engine.stop()

@@ -125,16 +125,19 @@ def served(directory: Path):
         server.server_close()
 
 
-def build_images(engine: DockerEngine, work: Path, dev_model: bool = True) -> dict[str, float]:
-    """The base, Redis, farm (and dev-model) images; returns seconds per step."""
-    took = {}
+def base_images(engine: DockerEngine) -> float:
+    """The base and Redis images (deploy/base-image.sh); returns the seconds it took."""
     t = time.monotonic()
     out = subprocess.run([str(ROOT / "deploy" / "base-image.sh")], env=engine.env,
                          capture_output=True, text=True, timeout=1200)
     if out.returncode != 0:
         raise RuntimeError(f"deploy/base-image.sh: {out.stderr[-3000:]}")
-    took["base_image_s"] = time.monotonic() - t
+    return time.monotonic() - t
 
+
+def farm_images(engine: DockerEngine, work: Path) -> dict[str, float]:
+    """The Dockerfile's farm and dev-model images on the base; returns seconds per step."""
+    took = {}
     t = time.monotonic()
     wheels = work / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
@@ -145,14 +148,11 @@ def build_images(engine: DockerEngine, work: Path, dev_model: bool = True) -> di
                "-v", f"{ROOT / 'requirements.txt'}:/req.txt:ro", BASE, "sh", "-c",
                "python3 -m venv /tmp/v && /tmp/v/bin/pip download -q "
                "--disable-pip-version-check --cert /host-ca.crt --find-links /local "
-               f"-d /wheels -r /req.txt setuptools wheel {TORCH if dev_model else ''}",
-               timeout=900)
+               f"-d /wheels -r /req.txt setuptools wheel {TORCH}", timeout=900)
     took["wheelhouse_s"] = time.monotonic() - t
 
     with served(wheels) as url:
         for target, tag in (("farm", FARM), ("dev-model", DEV_MODEL)):
-            if target == "dev-model" and not dev_model:
-                continue
             t = time.monotonic()
             engine.run("build", "-q", "--force-rm", "--network", "host", "--build-arg",
                        f"BASE={BASE}", "--build-arg",

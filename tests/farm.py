@@ -233,6 +233,20 @@ def readable_copy(path: Path, under: Path) -> str:
     return str(dest)
 
 
+def docker_settings(request) -> dict:
+    """For a farm fixture's ``docker`` param: the settings of docker sandboxes on the
+    session's private engine (tests/docker_engine.py), whose client is found through
+    DOCKER_HOST (set for the module); {} for any other param."""
+    if request.param != "docker":
+        return {}
+    from tests.docker_engine import BASE
+
+    engine = request.getfixturevalue("docker_engine")
+    mp = request.getfixturevalue("module_monkeypatch")
+    mp.setenv("DOCKER_HOST", engine.env["DOCKER_HOST"])
+    return {"sandbox_runtime": "docker", "sandbox_image": BASE}
+
+
 def farm_env(redis_url: str, **overrides) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update({

@@ -23,7 +23,7 @@ import requests
 import yaml
 
 from prorl_farm.trainer import FarmClient
-from tests.docker_engine import DEV_MODEL, FARM, REDIS
+from tests.docker_engine import DEV_MODEL, FARM, REDIS, farm_images
 from tests.farm import ROOT, free_port, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -127,6 +127,8 @@ class Compose:
 
 @pytest.fixture(scope="module")
 def compose(docker_engine, tmp_path_factory):
+    docker_engine.build_times.update(farm_images(docker_engine,
+                                                 tmp_path_factory.mktemp("docker-build")))
     for image in (FARM, DEV_MODEL, REDIS):
         docker_engine.run("image", "inspect", image)
     c = Compose(docker_engine, tmp_path_factory.mktemp("compose"))

@@ -2,8 +2,8 @@
 sandboxes) by a scripted policy: the ``shell`` handler's commands are the adversary.
 
 Every attempt must fail or earn reward 0, and an honest episode beside them must still earn
-1. The suite runs twice: with the pools as root (the usual case in containers and CI) and
-as an unprivileged user.
+1. The suite runs three times: with the pools as root (the usual case in containers and CI),
+as an unprivileged user, and with the ``docker`` runtime (where an engine can run).
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.farm import ROOT, Pools, farm_env, pool_user, run_batch, wait_until
+from tests.farm import (
+    ROOT,
+    Pools,
+    docker_settings,
+    farm_env,
+    pool_user,
+    run_batch,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap"),
                                                    reason="needs bubblewrap")]
@@ -25,15 +33,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap"),
 SECRET = f"SECRET-{uuid.uuid4().hex}"
 
 
-@pytest.fixture(scope="module", params=["root", "nobody"])
+@pytest.fixture(scope="module", params=["root", "nobody", "docker"])
 def farm(request, redis_server, tmp_path_factory):
-    """Pools (as root, or as user nobody), an API client, and secrets planted on the host
-    where an agent would look: the Redis data directory, the pools' log directory, a
-    reference file outside any sandbox."""
+    """Pools (as root, or as user nobody, or as root with docker sandboxes on a private
+    engine, in an image built here), an API client, and secrets planted on the host where an
+    agent would look: the Redis data directory, the pools' log directory, a reference file
+    outside any sandbox."""
     from api import create_app
     from prorl_farm.config import load_settings
 
-    user = pool_user(request.param)
+    docker = docker_settings(request)
+    user = pool_user("root" if docker else request.param)
     logs = tmp_path_factory.mktemp(f"confinement-{request.param}")
     sandbox_dir = f"/tmp/prs-conf-{os.getpid()}-{request.param}"
     os.makedirs(sandbox_dir, exist_ok=True)
@@ -49,13 +59,17 @@ def farm(request, redis_server, tmp_path_factory):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(SECRET + "\n")
         os.chmod(path, 0o644)  # world-readable: only confinement keeps it from an agent
-    env = farm_env(redis_server.url, sandbox_dir=sandbox_dir, run_concurrency=8)
+    env = farm_env(redis_server.url, sandbox_dir=sandbox_dir, run_concurrency=8, **docker)
     pools = Pools(env, logs, user=user)
     try:
         pools.start()
         yield create_app(load_settings(env)).test_client(), planted, sandbox_dir, user
     finally:
         pools.stop()
+        if docker:  # no container of a sandbox outlives its job
+            engine = request.getfixturevalue("docker_engine")
+            wait_until(lambda: not engine.containers("label=prorl.sandbox"), 30, 0.5,
+                       "the sandboxes' containers gone")
         for path in planted.values():
             path.unlink(missing_ok=True)
         shutil.rmtree(sandbox_dir, ignore_errors=True)

@@ -42,6 +42,7 @@ import pytest
 from prorl_farm.handlers.swe import _git_tree, unified_diff
 from tests.farm import (
     ROOT,
+    docker_settings,
     needs_bwrap_and_git,
     pool_user,
     readable_copy,
@@ -72,9 +73,10 @@ PLANS = {
 }
 
 
-@pytest.fixture(scope="module", params=["root", "nobody"])
+@pytest.fixture(scope="module", params=["root", "nobody", "docker"])
 def farm(request, redis_server, tmp_path_factory, tiny_model):
-    user = pool_user(request.param)
+    docker = docker_settings(request)  # docker sandboxes (graders' too), where an engine runs
+    user = pool_user("root" if docker else request.param)
     repos = Path(tempfile.mkdtemp(prefix="prs-hack-repos-"))
     os.chmod(repos, 0o755)
     instances = build_repos(repos)
@@ -82,7 +84,8 @@ def farm(request, redis_server, tmp_path_factory, tiny_model):
     try:
         with scripted_farm(redis_server.url, tmp_path_factory.mktemp(f"hack-{request.param}"),
                            tokenizer, PLANS, f"hack-{request.param}", user=user,
-                           sandbox_mount_roots=str(repos), grade_timeout_s=3) as (client,
+                           sandbox_mount_roots=str(repos), grade_timeout_s=3,
+                           **docker) as (client,
                                                                                   server):
             client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
                               "tokenizer": tokenizer, "capacity": 64}
@@ -452,9 +455,10 @@ def test_an_answer_that_never_evaluates_earns_nothing_and_stops_nobody(farm, r):
 
 
 @pytest.fixture
-def grading_sandbox(r, tmp_path):
+def grading_sandbox(r, tmp_path, request, monkeypatch):
     """Runs a grader script in a fresh sandbox of a runtime, as EVAL does; yields
-    run(runtime, files, argv, stdin) -> the exec result."""
+    run(runtime, files, argv, stdin) -> the exec result. ``docker`` uses the session's
+    private engine and the base image built there."""
     from prorl_farm.sandbox.abstract import Limits, SandboxSpec
     from prorl_farm.sandbox.connection import ToolConnection
     from prorl_farm.sandbox.manager import SandboxManager
@@ -464,8 +468,16 @@ def grading_sandbox(r, tmp_path):
     def run(runtime: str, files: dict, argv: list[str], stdin: str | None = None,
             env: dict | None = None) -> dict:
         if runtime not in managers:
+            image = ""
+            if runtime == "docker":
+                from tests.docker_engine import BASE
+
+                engine = request.getfixturevalue("docker_engine")
+                monkeypatch.setenv("DOCKER_HOST", engine.env["DOCKER_HOST"])
+                image = BASE
             managers[runtime] = SandboxManager(r, "grading-node", runtime,
-                                               root=f"/tmp/prs-grading-{os.getpid()}")
+                                               root=f"/tmp/prs-grading-{os.getpid()}",
+                                               image=image)
         manager = managers[runtime]
         sandbox = manager.start(SandboxSpec(workspace_files=files, limits=Limits(
             processes=64)))
@@ -480,24 +492,27 @@ def grading_sandbox(r, tmp_path):
     shutil.rmtree(f"/tmp/prs-grading-{os.getpid()}", ignore_errors=True)
 
 
-def _harness(run, program: str, tests: dict, jail: bool) -> dict:
+def _harness(run, program: str, tests: dict, jail: bool, runtime: str = "bwrap") -> dict:
     from prorl_farm.graders import source
     from prorl_farm.handlers.code import CodeInstance, tests_spec
 
     spec = {**tests_spec(CodeInstance().load({"statement": "s", **tests})), "nonce": "N",
             "jail": jail}
-    out = run("bwrap", {"solution.py": program, "code_harness.py": source("code_harness.py")},
+    out = run(runtime, {"solution.py": program, "code_harness.py": source("code_harness.py")},
               ["python3", "-I", "-S", "code_harness.py"], json.dumps(spec))
     return json.loads(out["stdout"].strip().splitlines()[-1][2:])
 
 
-@pytest.mark.parametrize("jail", [True, False], ids=["jail", "no-jail"])
-def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, jail):
+@pytest.mark.parametrize("runtime,jail", [("bwrap", True), ("bwrap", False),
+                                          ("docker", True), ("docker", False)],
+                         ids=["jail", "no-jail", "docker-jail", "docker-no-jail"])
+def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, runtime, jail):
     """With the jail, and without it (where it cannot be made: the program then runs as a
-    plain child of the harness's user): the tests are only in the harness's memory."""
+    plain child of the harness's user), in a bwrap sandbox and in a docker one: the tests
+    are only in the harness's memory."""
     for program, tests, passed in [(DOUBLE, STDIO, 2), (FORGE_STDIO, STDIO, 0),
                                    (ADD, CALL, 1), (FORGE_CALL, CALL, 0)]:
-        verdict = _harness(grading_sandbox, program, tests, jail)
+        verdict = _harness(grading_sandbox, program, tests, jail, runtime)
         assert verdict["passed"] == passed, (program, verdict)
         assert verdict["jail"] == ("bwrap" if jail else "none"), verdict
 

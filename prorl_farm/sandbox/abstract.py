@@ -125,18 +125,24 @@ class Runtime(ABC):
                 spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
                 ip: str, cgroup: Path | None, workdir: str, cwd: str | None = None,
                 run_as: tuple[int, int] | None = None, pass_socket: bool = True,
-                nproc_inside: bool = False) -> Sandbox:
+                nproc_inside: bool = False, ready_fifo: Path | None = None) -> Sandbox:
         """Spawn a runtime's command line and wait for its tool server (shared by runtimes).
 
         ``argv(socket, ready_fd)`` builds the command line. With ``pass_socket`` the host
         makes the listening socket at ``socket_path`` and the server gets its fd (the path
         never enters the sandbox); otherwise ``socket`` is the path for the server to bind
         (image runtimes, whose containers cannot inherit fds). Either way the server says
-        "ready" on a pipe."""
+        "ready" on a pipe: its fd, or with ``ready_fifo`` (a FIFO the caller made where the
+        server sees it) that FIFO's path, which ``argv`` gets for ``ready_fd``."""
         log = socket_path.parent / "server.log"
-        ready_r, ready_w = os.pipe()
+        if ready_fifo is not None:
+            # Read and write end both here: no EOF before the server writes.
+            ready_r, ready_w = os.open(ready_fifo, os.O_RDWR), None
+        else:
+            ready_r, ready_w = os.pipe()
         listener = listen_socket(socket_path) if pass_socket else None
-        fds = (ready_w,) + ((listener.fileno(),) if listener is not None else ())
+        fds = ((ready_w,) if ready_w is not None else ()) + (
+            (listener.fileno(),) if listener is not None else ())
         try:
             where: int | str = listener.fileno() if listener is not None else str(socket_path)
             proc = spawn(argv(where, ready_w), env, spec.limits, cgroup, log, cwd=cwd,
@@ -145,7 +151,8 @@ class Runtime(ABC):
             os.close(ready_r)
             raise
         finally:
-            os.close(ready_w)
+            if ready_w is not None:
+                os.close(ready_w)
             if listener is not None:
                 listener.close()  # the server holds it now
         sandbox = Sandbox(sandbox_id, self.name, "", proc.pid, str(workspace), str(socket_path),

@@ -22,20 +22,22 @@ _BOOT = ("import runpy, sys; sys.path[:0] = [p for p in sys.argv.pop(1).split(':
 
 
 def server_argv(socket: str | int, workspace: str, runtime_dir: str,
-                python: str = sys.executable, ready_fd: int | None = None,
+                python: str = sys.executable, ready_fd: int | str | None = None,
                 pythonpath: str | None = None, nproc: int | None = None,
                 gateway: str | None = None) -> list[str]:
     """The tool server's command line: ``socket`` is a path to bind, or the fd of a
     listening socket made by the host (:func:`listen_socket`); ``pythonpath``: where its
     packages are (default: the farm's own import path); ``nproc``: the process cap the
-    server sets on itself (inside its own user namespace) before it starts anything."""
+    server sets on itself (inside its own user namespace) before it starts anything;
+    ``ready_fd``: the readiness pipe's fd, or the path of a FIFO (containers)."""
     import prorl_farm
 
     if pythonpath is None:
         pythonpath = str(Path(prorl_farm.__file__).resolve().parent.parent)
     where = (["--socket-fd", str(socket)] if isinstance(socket, int)
              else ["--socket", socket])
-    ready = ["--ready-fd", str(ready_fd)] if ready_fd is not None else []
+    ready = ([] if ready_fd is None else ["--ready-path", ready_fd]
+             if isinstance(ready_fd, str) else ["--ready-fd", str(ready_fd)])
     ready += ["--nproc", str(nproc)] if nproc is not None else []
     ready += ["--gateway", gateway] if gateway else []
     return [python, "-I", "-c", _BOOT, pythonpath, *where, *ready,

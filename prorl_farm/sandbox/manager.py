@@ -134,7 +134,7 @@ class SandboxManager:
     def __init__(self, r: redis.Redis, node: str, runtime: str = "auto",
                  root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64,
                  user: str = "auto", python: str = "", ro_paths: str = "",
-                 mount_roots: str = "", allow_network: bool = True):
+                 mount_roots: str = "", allow_network: bool = True, image: str = ""):
         self.r = r
         self.allow_network = allow_network
         self.node = node
@@ -153,7 +153,7 @@ class SandboxManager:
             self.run_as = None
         self.mount_roots = [p for p in mount_roots.split(",") if p.strip()]
         self.runtime = make_runtime(runtime, RuntimeOptions(self.root, self.run_as, python,
-                                                            parse_paths(ro_paths)))
+                                                            parse_paths(ro_paths), image))
         self.max_sandboxes = max_sandboxes
         self.slots_key = keys.sandbox_slots(node)
         self.records_key = keys.sandbox_records(node)

@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     where.add_argument("--socket-fd", type=int, help="serve this listening socket (from the "
                        "host)")
     ap.add_argument("--ready-fd", type=int, help="write 'ready' here once serving")
+    ap.add_argument("--ready-path", help="or into this FIFO (containers inherit no fd)")
     ap.add_argument("--gateway", metavar="PORT:SOCKET",
                     help="relay this loopback port (on the sandbox's address) to the model "
                     "gateway's Unix socket")
@@ -218,6 +219,10 @@ def main(argv=None) -> int:
     if args.ready_fd is not None:
         os.write(args.ready_fd, b"ready")
         os.close(args.ready_fd)
+    elif args.ready_path:
+        fd = os.open(args.ready_path, os.O_WRONLY)
+        os.write(fd, b"ready")
+        os.close(fd)
     try:
         server.serve_forever(poll_interval=0.05)
     finally:

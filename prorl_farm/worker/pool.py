@@ -105,7 +105,8 @@ def _sandbox_manager(r, settings: Settings):
                               python=settings.sandbox_python,
                               ro_paths=settings.sandbox_ro_paths,
                               mount_roots=settings.sandbox_mount_roots,
-                              allow_network=settings.sandbox_network)
+                              allow_network=settings.sandbox_network,
+                              image=settings.sandbox_image)
     except Exception:
         log.exception("sandboxes are unavailable on this node")
         return None

@@ -21,19 +21,21 @@ from prorl_farm.sandbox.runtimes.local import LocalRuntime
 class RuntimeOptions:
     """What a node's sandbox manager gives its runtime: where sandboxes live on the host,
     the host uid/gid they run as (None: the farm's own), the tool server's interpreter
-    (empty: the farm's) and the read-only paths of every sandbox ({inside: host})."""
+    (empty: the farm's), the read-only paths of every sandbox ({inside: host}), and the
+    image of an image runtime's sandboxes whose spec names none."""
 
     sandbox_root: Path
     run_as: tuple[int, int] | None = None
     python: str = ""
     ro_paths: dict[str, str] = field(default_factory=dict)
+    image: str = ""
 
 
 RUNTIMES: dict[str, Callable[[RuntimeOptions], Runtime]] = {
     "local": lambda o: LocalRuntime(),
     "bwrap": lambda o: BwrapRuntime(o.sandbox_root, o.run_as, o.python, o.ro_paths),
-    "apptainer": lambda o: ApptainerRuntime(o.sandbox_root),
-    "docker": lambda o: DockerRuntime(o.sandbox_root),
+    "apptainer": lambda o: ApptainerRuntime(o.sandbox_root, o.image),
+    "docker": lambda o: DockerRuntime(o.sandbox_root, o.image, o.run_as),
 }
 
 

@@ -18,11 +18,11 @@ def apptainer_binary() -> str | None:
 
 
 def apptainer_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path,
-                   run_dir: Path, ip: str, python: str, ready_fd: int | None = None
-                   ) -> list[str]:
-    """``apptainer exec`` of the tool server inside ``spec.image`` (it inherits the
-    readiness pipe)."""
-    tail = inside_server(spec, python, ready_fd)
+                   run_dir: Path, ip: str, python: str, ready_fd: int | None = None,
+                   image: str = "") -> list[str]:
+    """``apptainer exec`` of the tool server inside ``spec.image`` (else ``image``; it
+    inherits the readiness pipe)."""
+    tail = inside_server(spec, python, ready_fd, image)
     argv = [binary, "exec", "--contain", "--cleanenv", "--no-home", "--writable-tmpfs",
             "--pid", "--ipc", "--pwd", INSIDE_WORKSPACE,
             "--bind", f"{workspace}:{INSIDE_WORKSPACE}", "--bind", f"{run_dir}:{INSIDE_RUN}"]
@@ -42,4 +42,4 @@ class ApptainerRuntime(ImageRuntime):
     def argv(self, spec, sandbox_id, workspace, run_dir, ip, python, ready_fd=None
              ) -> list[str]:
         return apptainer_argv(self.binary, spec, sandbox_id, workspace, run_dir, ip, python,
-                              ready_fd)
+                              ready_fd, self.image)

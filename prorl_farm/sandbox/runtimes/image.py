@@ -23,14 +23,17 @@ def inside_env(spec: SandboxSpec, sandbox_id: str, ip: str) -> dict[str, str]:
     return {SANDBOX_ENV: sandbox_id, IP_ENV: ip, "HOME": INSIDE_WORKSPACE, **spec.env}
 
 
-def inside_server(spec: SandboxSpec, python: str, ready_fd: int | None = None) -> list[str]:
-    """The image, then the tool server run by the farm's own (bound-in) interpreter."""
-    if not spec.image:
-        raise SandboxError("this runtime needs spec.image")
-    return [spec.image, *server_argv(f"{INSIDE_RUN}/tools.sock", INSIDE_WORKSPACE,
-                                     f"{INSIDE_RUN}/jupyter", python=python,
-                                     ready_fd=ready_fd,
-                                     pythonpath=sandbox_python().pythonpath)]
+def inside_server(spec: SandboxSpec, python: str, ready_fd: int | str | None = None,
+                  image: str = "") -> list[str]:
+    """The image (the spec's, else ``image``: the node's), then the tool server run by the
+    farm's own (bound-in) interpreter."""
+    image = spec.image or image
+    if not image:
+        raise SandboxError("this runtime needs an image: the instance's, or the node's "
+                           "PRORL_SANDBOX_IMAGE")
+    return [image, *server_argv(f"{INSIDE_RUN}/tools.sock", INSIDE_WORKSPACE,
+                                f"{INSIDE_RUN}/jupyter", python=python, ready_fd=ready_fd,
+                                pythonpath=sandbox_python().pythonpath)]
 
 
 class ImageRuntime(Runtime):
@@ -38,10 +41,11 @@ class ImageRuntime(Runtime):
 
     binaries: tuple[str, ...] = ()
 
-    def __init__(self, sandbox_root: Path):
+    def __init__(self, sandbox_root: Path, image: str = ""):
         import shutil
 
         self.sandbox_root = sandbox_root
+        self.image = image  # for specs that name none
         self.binary = next(filter(None, map(shutil.which, self.binaries)), None)
         if self.binary is None:
             raise SandboxError(f"none of {', '.join(self.binaries)} is on PATH")
