@@ -171,6 +171,10 @@ def test_the_farm_over_time_survives_an_api_restart_and_is_drawn(redis_server, r
             for series in ("done", "failed", "eval_error", "mean reward", "pass rate", "run",
                            backend):
                 assert f'data-series="{series}"' in dom, series
+            # ?window= picks the window (a link to share); the picked one is marked.
+            short = chromium_dom(url + "/?window=900", tmp_path / "profile")
+            assert '<a href="#" class="on">15 min</a>' in short
+            assert "<circle" in short  # a short window marks each point
             shot = chromium_screenshot(url + "/", tmp_path / "profile",
                                        tmp_path / "dashboard-history.png")
             assert _png_size(shot) == (1400, 1100)
