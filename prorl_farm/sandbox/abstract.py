@@ -36,8 +36,15 @@ from prorl_farm.toolserver.protocol import (
 __all__ = ["GATEWAY_PORT", "GATEWAY_SOCKET", "INSIDE_GATEWAY_DIR", "INSIDE_HARNESSES",
            "INSIDE_RUN",
            "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime", "Sandbox",
-           "SandboxError", "SandboxSpec", "gateway_dir", "kill_group", "pid_alive",
+           "SandboxError", "SandboxSpec", "chown_tree", "gateway_dir", "kill_group", "pid_alive",
            "processes_of", "reap"]
+
+
+def chown_tree(path: Path, uid: int, gid: int) -> None:
+    """Give ``path`` and everything under it (links themselves, not followed) to uid:gid."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+            os.lchown(name, uid, gid)
 
 
 def gateway_dir(workspace: str | Path) -> Path:

@@ -24,6 +24,7 @@ from prorl_farm.sandbox.abstract import (
     Sandbox,
     SandboxError,
     SandboxSpec,
+    chown_tree,
     gateway_dir,
     processes_of,
 )
@@ -40,11 +41,6 @@ log = logging.getLogger(__name__)
 # job's requeue count). Slots are taken and given back by lua/sandbox_alloc.lua and
 # lua/sandbox_free.lua.
 
-
-def _chown_tree(path: Path, uid: int, gid: int) -> None:
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
-            os.lchown(name, uid, gid)
 
 
 def slot_ip(slot: int) -> str:
@@ -212,7 +208,7 @@ class SandboxManager:
                 else:
                     target.write_text(text)
             if self.run_as is not None:
-                _chown_tree(workspace, *self.run_as)
+                chown_tree(workspace, *self.run_as)
             cgroup = cgroups.create(sandbox_id, spec.limits.processes)
             sandbox = self.runtime.start(spec, sandbox_id, workspace, run_dir / "tools.sock",
                                          slot_ip(slot), cgroup)

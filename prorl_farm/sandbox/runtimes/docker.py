@@ -35,6 +35,7 @@ from prorl_farm.sandbox.abstract import (
     Limits,
     Sandbox,
     SandboxSpec,
+    chown_tree,
 )
 from prorl_farm.sandbox.interpreter import python_binds, sandbox_python
 from prorl_farm.sandbox.runtimes.image import ImageRuntime, inside_env, inside_server
@@ -109,6 +110,7 @@ class DockerRuntime(ImageRuntime):
     def __init__(self, sandbox_root: Path, image: str = "",
                  run_as: tuple[int, int] | None = None):
         super().__init__(sandbox_root, image)
+        self.run_as = run_as
         if os.geteuid() != 0:
             self.user = (os.geteuid(), os.getegid())  # its files: the farm's own
         else:
@@ -120,16 +122,14 @@ class DockerRuntime(ImageRuntime):
         return docker_argv(self.binary, spec, sandbox_id, workspace, run_dir, ip, python,
                            self.user, self.image, f"{INSIDE_RUN}/{READY}", self.root_mask)
 
-
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
               ip: str, cgroup: Path | None) -> Sandbox:
         run_dir = socket_path.parent
         fifo = run_dir / READY
         os.mkfifo(fifo, 0o600)
         if os.geteuid() == 0:
-            for dirpath, dirnames, filenames in os.walk(workspace):
-                for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
-                    os.lchown(name, *self.user)
+            if self.run_as is None:  # else the manager gave the workspace to run_as already
+                chown_tree(workspace, *self.user)
             for path in (run_dir, fifo):
                 os.lchown(path, *self.user)
         python = sandbox_python().executable
