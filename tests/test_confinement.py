@@ -75,13 +75,22 @@ def farm(request, redis_server, tmp_path_factory):
         shutil.rmtree(sandbox_dir, ignore_errors=True)
 
 
+# A docker sandbox is also its engine's client processes (`docker run`, then the pool's
+# `docker kill`) and the container's shim and runc: the sandbox has stopped when they are gone
+# too, not when the processes inside it are.
+_DOCKER_SIDE = ("prorl.sandbox=", "docker kill prorl-")
+_ENGINE_SIDE = ("runc", "containerd-shim", "containerd-shim-runc-v2")
+
+
 def _sandbox_processes() -> list[int]:
     import psutil
 
     out = []
     for p in psutil.process_iter():
         try:
-            if "PRORL_SANDBOX_ID" in p.environ():
+            line = " ".join(p.cmdline())
+            if ("PRORL_SANDBOX_ID" in p.environ() or p.name() in _ENGINE_SIDE
+                    or any(mark in line for mark in _DOCKER_SIDE)):
                 out.append(p.pid)
         except psutil.Error:
             continue
