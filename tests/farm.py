@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import redis
 
@@ -131,6 +132,8 @@ class RedisServer:
 class Pools:
     """The three worker pools as real `prorl-farm worker <stage>` processes."""
 
+    live: ClassVar[set[Pools]] = set()  # those started and not yet stopped
+
     def __init__(self, env: dict, log_dir: Path, user: str | None = None):
         self.env = env
         self.log_dir = log_dir
@@ -141,6 +144,7 @@ class Pools:
         self.r = redis.Redis.from_url(env["PRORL_REDIS_URL"], decode_responses=True)
 
     def start(self, *stages: str, wait: bool = True) -> None:
+        Pools.live.add(self)
         for stage in stages or STAGES:
             log = open(self.log_dir / f"{stage}.log", "ab")  # noqa: SIM115
             self.procs[stage] = subprocess.Popen(
@@ -192,6 +196,7 @@ class Pools:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
+        Pools.live.discard(self)
         self.r.close()
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def farm(request, redis_server, tmp_path_factory):
     pools = Pools(env, logs, user=user)
     try:
         pools.start()
-        yield create_app(load_settings(env)).test_client(), planted, sandbox_dir, user
+        yield create_app(load_settings(env)).test_client(), planted, sandbox_dir, pools
     finally:
         pools.stop()
         if docker:  # no container of a sandbox outlives its job
@@ -152,6 +153,36 @@ def test_another_jobs_sandbox_is_out_of_reach(farm):
     assert thief["reward"] == 0.0 and victim_secret not in json.dumps(thief["result"])
     client.post(f"/v1/jobs/{victim_id}/cancel")
     wait_until(lambda: not _sandbox_processes(), 30, 0.2, "the victim's sandbox stopped")
+
+
+def test_a_killed_run_pool_leaves_no_sandbox_behind(farm):
+    """kill -9 of the RUN pool (its whole process group) while its episodes run: their
+    sandboxes, in sessions of their own (containers of the engine's, with docker), outlive
+    it. The jobs are re-queued and done again in new sandboxes; the orphans are stopped by
+    the node's janitor, whichever pool holds it, and nothing of them is left."""
+    import signal
+
+    client, _, _, pools = farm
+    resp = client.post("/v1/jobs", json={"handler": "shell", "n": 3, "instances": [{
+        "commands": ["sleep 8", "echo ok > out.txt"], "check": "grep -qx ok out.txt"}]})
+    sub = resp.get_json()
+    wait_until(lambda: all(client.get(f"/v1/jobs/{i}").get_json()["stage"] == "run"
+                           for i in sub["job_ids"]), 60, 0.2, "the episodes running")
+    time.sleep(1.0)  # into their first command
+    orphans = set(_sandbox_processes())
+    assert orphans
+    pools.kill("run", signal.SIGKILL)
+    assert set(_sandbox_processes()) & orphans, "the sandboxes outlive their pool"
+    pools.start("run")
+    wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
+               120, 0.5, "the batch")
+    for job_id in sub["job_ids"]:
+        job = client.get(f"/v1/jobs/{job_id}").get_json()
+        assert job["state"] == "done" and job["reward"] == 1.0, job
+        assert job["requeues"] == 1 and job["attempts"][0]["stage"] == "run", job
+    wait_until(lambda: not set(_sandbox_processes()) & orphans, 60, 0.5,
+               "the orphaned sandboxes stopped")
+    wait_until(lambda: not _sandbox_processes(), 60, 0.5, "every sandbox stopped")
 
 
 def test_the_tool_server_survives_whatever_the_agent_kills(farm):
