@@ -91,3 +91,38 @@ def test_an_sdk_inside_a_bwrap_sandbox_reaches_its_jobs_gateway_only(r, tiny_mod
         _IDLE.close_all()
         policy.kill()
     assert not Path(sb.workspace).exists()
+
+
+def test_the_gateway_socket_is_opened_to_all_without_following_a_link_put_in_its_place(
+        tmp_path):
+    """The gateway directory is writable from the sandbox. An agent that puts a link where
+    the socket was bound, between the bind and the socket's chmod to 0666, must not get the
+    link's target (a host file, the pool's own) opened to every user: the socket is bound
+    and opened where only the pool writes, then renamed into place over whatever is
+    there."""
+    gw = tmp_path / "gw"
+    gw.mkdir()
+    os.chmod(gw, 0o777)
+    target = tmp_path / "pools-own-file"
+    target.write_text("not the sandbox's\n")
+    os.chmod(target, 0o600)
+    final = gw / GATEWAY_SOCKET
+
+    class Raced(UnixGatewayServer):
+        def server_bind(self):
+            super().server_bind()
+            # The agent, in the window after the bind: a link to the host's file where the
+            # socket is to be.
+            if os.path.lexists(final):
+                os.unlink(final)
+            os.symlink(target, final)
+
+    server = Raced(str(final))
+    try:
+        assert (target.stat().st_mode & 0o777) == 0o600
+        assert final.is_socket() and not final.is_symlink()
+        assert (final.stat().st_mode & 0o777) == 0o666
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["gw", "pools-own-file"]
+    finally:
+        server.stop()
+    assert not final.exists()

@@ -12,11 +12,13 @@ ids. Calls of one job run one at a time (a harness's calls are one conversation)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import socketserver
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -324,14 +326,31 @@ class _UnixHandler(_Handler):
 class UnixGatewayServer(_Serving, socketserver.ThreadingUnixStreamServer):
     """The model endpoint on a Unix socket: what a sandbox's relay reaches (the socket in
     the sandbox's gateway directory, sandbox.abstract.gateway_dir). The socket is open to
-    any local user (the sandbox runs as another); the job's key is what admits a call."""
+    any local user (the sandbox runs as another); the job's key is what admits a call.
+
+    The directory is the sandbox's to write: the socket is bound and opened to all in a
+    private directory beside it, then renamed into place over whatever is there. Bound in
+    place, a link the sandbox put there between the bind and the chmod would have the chmod
+    open the link's target (a host file) to every user."""
 
     daemon_threads = True
     request_queue_size = 128
 
     def __init__(self, path: str):
-        socketserver.ThreadingUnixStreamServer.__init__(self, path, _UnixHandler)
-        os.chmod(path, 0o666)
+        staging = tempfile.mkdtemp(prefix=".gw-", dir=os.path.dirname(os.path.dirname(path)))
+        bound = os.path.join(staging, os.path.basename(path))
+        try:
+            socketserver.ThreadingUnixStreamServer.__init__(self, bound, _UnixHandler)
+            try:
+                os.chmod(bound, 0o666)
+                os.rename(bound, path)
+            except BaseException:
+                self.server_close()
+                raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(bound)
+            os.rmdir(staging)
         self.path = path
         self._start()
 
