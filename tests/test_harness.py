@@ -1,12 +1,13 @@
-"""Agent harnesses as the agent of a job, through real pools and bwrap sandboxes: the
-``openai-agent`` preset (examples/harnesses/openai_agent.py on the real ``openai`` SDK) and
-mini-SWE-agent (the PyPI package, unchanged) play a scripted policy's turns through the
-job's gateway; EVAL grades what they leave as for the built-in loop (math 1 or 0, the
-sample ``swe`` instance resolved 1 or left 0). A harness that rewrites its history starts a
-new segment; a job's key is refused by another job and after its job ended; a harness that
-hangs fails ``timeout`` with nothing left running; one that exits non-zero or never calls
-the model fails ``harness_error``; a limit ends the episode and EVAL still grades it; the
-tiny model behind the farm: sampled ids as returned, teacher-forced logprobs within 1e-3.
+"""Agent harnesses as the agent of a job, through real pools and bwrap (then docker)
+sandboxes: the ``openai-agent`` preset (examples/harnesses/openai_agent.py on the real
+``openai`` SDK) and mini-SWE-agent (the PyPI package, unchanged) play a scripted policy's
+turns through the job's gateway; EVAL grades what they leave as for the built-in loop (math
+1 or 0, the sample ``swe`` instance resolved 1 or left 0). A harness that rewrites its
+history starts a new segment; a job's key is refused by another job and after its job
+ended; a harness that hangs fails ``timeout`` with nothing left running; one that exits
+non-zero or never calls the model fails ``harness_error``; a limit ends the episode and
+EVAL still grades it; the tiny model behind the farm: sampled ids as returned, teacher-
+forced logprobs within 1e-3.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from prorl_farm.sandbox.abstract import INSIDE_HARNESSES
 from tests.farm import (
     ROOT,
     RedisServer,
+    docker_settings,
     farm_env,
     pool_user,
     readable_copy,
@@ -159,17 +161,23 @@ def harnesses():
     return path
 
 
-@pytest.fixture(scope="module")
-def harness_farm(redis_server, tmp_path_factory, tiny_model, harnesses):
+@pytest.fixture(scope="module", params=["bwrap", "docker"])
+def harness_farm(request, redis_server, tmp_path_factory, tiny_model, harnesses):
+    """Pools as root with bwrap sandboxes, then with docker sandboxes (graders' too) on the
+    session's private engine, where one runs."""
+    docker = docker_settings(request)
+    tag = "harness" if not docker else "harness-docker"
     repos = Path(tempfile.mkdtemp(prefix="prs-harness-repos-"))
     repos.chmod(0o755)
     instances = build_repos(repos)
     try:
-        with scripted_farm(redis_server.url, tmp_path_factory.mktemp("harness"),
-                           str(tiny_model), PLANS, "harness", sandbox_mount_roots=str(repos),
-                           harness_dir=harnesses) as (client, server):
+        with scripted_farm(redis_server.url, tmp_path_factory.mktemp(tag),
+                           str(tiny_model), PLANS, tag, sandbox_mount_roots=str(repos),
+                           harness_dir=harnesses, **docker) as (client, server):
             client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
                               "tokenizer": str(tiny_model), "capacity": 64}
+            client.tag = tag
+            client.engine = request.getfixturevalue("docker_engine") if docker else None
             yield client, instances
     finally:
         shutil.rmtree(repos, ignore_errors=True)
@@ -191,12 +199,15 @@ def _ids(tiny_model, *turns: str) -> list[int]:
     return [t for text in turns for t in tok.encode(text, add_special_tokens=False) + [end]]
 
 
-def _nothing_left(tag: str = "harness") -> None:
-    """No sandbox of the farm's left (their directories go with them) and no harness
-    process."""
-    root = Path(f"/tmp/prs-{tag}-{os.getpid()}")
+def _nothing_left(client) -> None:
+    """No sandbox of the farm's left (their directories go with them; with docker, their
+    containers) and no harness process."""
+    root = Path(f"/tmp/prs-{client.tag}-{os.getpid()}")
     wait_until(lambda: not [p for p in root.glob("*") if not p.name.startswith(".")], 30,
                0.2, "sandboxes stopped")
+    if client.engine is not None:
+        wait_until(lambda: not client.engine.containers("label=prorl.sandbox"), 30, 0.2,
+                   "the sandboxes' containers gone")
     ps = subprocess.run(["pgrep", "-f", "openai-agent/bin/python|sleep 600"],
                         capture_output=True)
     assert ps.stdout == b"", ps.stdout
@@ -221,7 +232,7 @@ def test_the_openai_agent_preset_solves_and_fails_math(harness_farm, tiny_model)
     tok = AutoTokenizer.from_pretrained(str(tiny_model), local_files_only=True)
     assert "<tool_response>\n4\n\n[exit status 0]\n</tool_response>" in tok.decode(observed)
     assert "segments" not in result  # one segment: it is the trajectory
-    _nothing_left()
+    _nothing_left(client)
 
 
 def test_mini_swe_agent_resolves_the_sample_swe_instance_and_a_wrong_fix_does_not(
@@ -273,10 +284,12 @@ def test_cancel_ends_a_running_harness_at_once(harness_farm):
     wait_until(lambda: subprocess.run(["pgrep", "-f", "sleep 600"],
                                       capture_output=True).stdout != b"", 60, 0.2,
                "the harness running")
+    if client.engine is not None:  # it runs in a container of the engine's
+        assert client.engine.containers("label=prorl.sandbox")
     assert client.post(f"/v1/batches/{sub['batch_id']}/cancel").status_code == 200
     wait_until(lambda: client.get(job_url).get_json()["state"] == "cancelled", 30, 0.1,
                "cancelled")
-    _nothing_left()
+    _nothing_left(client)
 
 
 def test_a_rewritten_history_starts_a_new_segment_and_says_where(harness_farm, tiny_model):
@@ -330,7 +343,7 @@ def test_harness_faults_fail_clearly_and_leave_nothing(harness_farm):
         broken["failure"]["message"]
     assert silent["failure"]["kind"] == "harness_error"
     assert "without a model call" in silent["failure"]["message"]
-    _nothing_left()
+    _nothing_left(client)
 
 
 def test_a_limit_ends_the_episode_and_eval_still_grades(harness_farm):
@@ -340,7 +353,7 @@ def test_a_limit_ends_the_episode_and_eval_still_grades(harness_farm):
     result = job["result"]
     assert result["stats"]["end_reason"] == "max_turns" and result["stats"]["turns"] == 3
     assert job["reward"] == 0.0  # graded: no final answer
-    _nothing_left()
+    _nothing_left(client)
 
 
 @pytest.fixture(scope="session", params=["dev", "vllm"])
@@ -416,9 +429,11 @@ def test_a_farm_without_bwrap_refuses_harness_instances_and_checks_the_field():
     handler = MathHandler()
     inst = handler.validate_instance({"problem": "x", "answer": "1",
                                       "agent": {"preset": "openai-agent"}})
-    assert handler.refusals(inst, load_settings({"PRORL_SANDBOX_RUNTIME": "bwrap"})) == {}
-    refused = handler.refusals(inst, load_settings({"PRORL_SANDBOX_RUNTIME": "local"}))
-    assert "bwrap" in refused["agent"][0]
+    for runtime in ("bwrap", "docker"):
+        assert handler.refusals(inst, load_settings({"PRORL_SANDBOX_RUNTIME": runtime})) == {}
+    for runtime in ("local", "apptainer"):
+        refused = handler.refusals(inst, load_settings({"PRORL_SANDBOX_RUNTIME": runtime}))
+        assert "bwrap or docker" in refused["agent"][0] and runtime in refused["agent"][0]
     for bad, field in (({"preset": "x"}, "preset"), ({}, "preset"),
                        ({"preset": "openai-agent", "command": "x"}, "preset"),
                        ({"command": "x", "env": [{"name": "1A", "value": ""}]}, "env"),

@@ -60,9 +60,9 @@ class ToolAgentHandler(AgentHandler):
 
     def refusals(self, instance: dict, settings) -> dict:
         if instance.get("agent") and not _harnesses_run(settings):
-            return {"agent": [f"agent harnesses run in bwrap sandboxes (the only runtime with "
-                              f"the model gateway's door); this farm's runtime is "
-                              f"{settings.sandbox_runtime}"]}
+            return {"agent": [f"agent harnesses run in bwrap or docker sandboxes (the "
+                              f"runtimes with the model gateway's door); this farm's "
+                              f"runtime is {settings.sandbox_runtime}"]}
         return {}
 
     @staticmethod
@@ -109,7 +109,7 @@ class ToolAgentHandler(AgentHandler):
 
 
 def _harnesses_run(settings) -> bool:
-    return settings.sandbox_runtime in ("auto", "bwrap")
+    return settings.sandbox_runtime in ("auto", "bwrap", "docker")
 
 
 def final_answer(result: dict) -> str:

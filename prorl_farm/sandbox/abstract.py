@@ -36,7 +36,8 @@ from prorl_farm.toolserver.protocol import (
 __all__ = ["GATEWAY_PORT", "GATEWAY_SOCKET", "INSIDE_GATEWAY_DIR", "INSIDE_HARNESSES",
            "INSIDE_RUN",
            "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime", "Sandbox",
-           "SandboxError", "SandboxSpec", "chown_tree", "gateway_dir", "kill_group", "pid_alive",
+           "SandboxError", "SandboxSpec", "chown_tree", "gateway_dir", "gateway_env",
+           "gateway_relay", "kill_group", "pid_alive",
            "processes_of", "reap"]
 
 
@@ -51,6 +52,19 @@ def gateway_dir(workspace: str | Path) -> Path:
     """Where, on the host, a sandbox's model gateway puts its socket (bound in at
     INSIDE_GATEWAY_DIR): beside its workspace, gone with it."""
     return Path(workspace).parent / "gw"
+
+
+def gateway_env(ip: str) -> dict[str, str]:
+    """Where a harness's SDKs find the job's model gateway inside a sandbox: the tool
+    server's relay on the sandbox's loopback address."""
+    return {"OPENAI_BASE_URL": f"http://{ip}:{GATEWAY_PORT}/v1",
+            "ANTHROPIC_BASE_URL": f"http://{ip}:{GATEWAY_PORT}"}
+
+
+def gateway_relay() -> str:
+    """The tool server's ``--gateway``: the loopback port it relays to the socket the job's
+    gateway puts in INSIDE_GATEWAY_DIR."""
+    return f"{GATEWAY_PORT}:{INSIDE_GATEWAY_DIR}/{GATEWAY_SOCKET}"
 
 
 @dataclass(frozen=True)
@@ -68,7 +82,8 @@ class SandboxSpec:
     # operator's PRORL_SANDBOX_MOUNT_ROOTS (instances are untrusted input).
     ro_paths: dict[str, str] = field(default_factory=dict)
     # A door to the job's model gateway: its Unix socket's directory bound in, a loopback
-    # port relayed to it, and OPENAI_BASE_URL / ANTHROPIC_BASE_URL pointing there (bwrap).
+    # port relayed to it, and OPENAI_BASE_URL / ANTHROPIC_BASE_URL pointing there (the
+    # runtimes whose ``serves_gateway``: bwrap, docker).
     gateway: bool = False
     # With the gateway: the operator's harness environments (PRORL_HARNESS_DIR), bound
     # read-only at INSIDE_HARNESSES where the directory exists.
@@ -102,6 +117,9 @@ class Runtime(ABC):
     """Starts and stops sandboxes of one kind on this node."""
 
     name: str = ""
+    # Whether it can open a door to a job's model gateway (SandboxSpec.gateway): bind the
+    # socket's directory in and run the tool server's relay where the sandbox's loopback is.
+    serves_gateway: bool = False
     # The Popen of each sandbox this process started, by id; a pool's threads start and
     # stop sandboxes at once, so the table is shared under a lock (one per process).
     _procs: dict | None = None

@@ -190,8 +190,9 @@ class SandboxManager:
             workspace.mkdir(parents=True)
             run_dir.mkdir()
             if spec.gateway:
-                if self.runtime.name != "bwrap":
-                    raise SandboxError("the model gateway is served to bwrap sandboxes only")
+                if not self.runtime.serves_gateway:
+                    raise SandboxError(f"the model gateway is not served to "
+                                       f"{self.runtime.name} sandboxes (bwrap, docker)")
                 gw = gateway_dir(workspace)
                 gw.mkdir()
                 os.chmod(gw, 0o777)  # the RUN pool puts its socket here

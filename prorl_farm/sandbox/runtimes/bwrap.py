@@ -30,8 +30,6 @@ import sys
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
-    GATEWAY_PORT,
-    GATEWAY_SOCKET,
     INSIDE_GATEWAY_DIR,
     INSIDE_HARNESSES,
     INSIDE_RUN,
@@ -43,6 +41,8 @@ from prorl_farm.sandbox.abstract import (
     SandboxError,
     SandboxSpec,
     gateway_dir,
+    gateway_env,
+    gateway_relay,
 )
 from prorl_farm.sandbox.interpreter import SandboxPython, sandbox_python, server_argv
 
@@ -99,8 +99,7 @@ def bwrap_argv(spec: SandboxSpec, sandbox_id: str, workspace: Path, ip: str,
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": INSIDE_WORKSPACE,
            "USER": "agent", "LOGNAME": "agent", SANDBOX_ENV: sandbox_id, IP_ENV: ip}
     if spec.gateway:  # the harness's SDKs find the job's model gateway here
-        env.update(OPENAI_BASE_URL=f"http://{ip}:{GATEWAY_PORT}/v1",
-                   ANTHROPIC_BASE_URL=f"http://{ip}:{GATEWAY_PORT}")
+        env.update(gateway_env(ip))
     env.update(spec.env)
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_GID),
@@ -138,6 +137,7 @@ def bwrap_argv(spec: SandboxSpec, sandbox_id: str, workspace: Path, ip: str,
 
 class BwrapRuntime(Runtime):
     name = "bwrap"
+    serves_gateway = True
 
     def __init__(self, sandbox_root: Path, run_as: tuple[int, int] | None = None,
                  python: str = "", ro_paths: dict[str, str] | None = None):
@@ -157,8 +157,7 @@ class BwrapRuntime(Runtime):
                           ro_paths, self.bwrap)
 
         def argv(sock, ready_fd):
-            gateway = (f"{GATEWAY_PORT}:{INSIDE_GATEWAY_DIR}/{GATEWAY_SOCKET}"
-                       if spec.gateway else None)
+            gateway = gateway_relay() if spec.gateway else None
             return base + ["--"] + server_argv(sock, INSIDE_WORKSPACE, f"{INSIDE_RUN}/jupyter",
                                                python=self.python.executable,
                                                ready_fd=ready_fd,

@@ -30,12 +30,15 @@ import subprocess
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
+    INSIDE_GATEWAY_DIR,
+    INSIDE_HARNESSES,
     INSIDE_RUN,
     INSIDE_WORKSPACE,
     Limits,
     Sandbox,
     SandboxSpec,
     chown_tree,
+    gateway_dir,
 )
 from prorl_farm.sandbox.interpreter import python_binds, sandbox_python
 from prorl_farm.sandbox.runtimes.image import ImageRuntime, inside_env, inside_server
@@ -78,6 +81,10 @@ def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path
     binds = python_binds()
     if root_mask is not None:
         argv += ["-v", f"{root_mask}:/root"]
+    if spec.gateway:  # the directory where the job's gateway puts its socket
+        argv += ["-v", f"{gateway_dir(workspace)}:{INSIDE_GATEWAY_DIR}"]
+        if spec.harnesses and os.path.isdir(spec.harnesses):
+            argv += ["-v", f"{spec.harnesses}:{INSIDE_HARNESSES}:ro"]
     for host, inside in binds:
         argv += ["-v", f"{host}:{inside}:ro"]
     for inside, host in sorted(spec.ro_paths.items()):
@@ -105,6 +112,7 @@ def root_mask(sandbox_root: Path, insides: list[str]) -> Path | None:
 
 class DockerRuntime(ImageRuntime):
     name = "docker"
+    serves_gateway = True
     binaries = ("docker",)
 
     def __init__(self, sandbox_root: Path, image: str = "",

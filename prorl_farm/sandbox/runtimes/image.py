@@ -15,25 +15,31 @@ from prorl_farm.sandbox.abstract import (
     Sandbox,
     SandboxError,
     SandboxSpec,
+    gateway_env,
+    gateway_relay,
 )
 from prorl_farm.sandbox.interpreter import sandbox_python, server_argv
 
 
 def inside_env(spec: SandboxSpec, sandbox_id: str, ip: str) -> dict[str, str]:
-    return {SANDBOX_ENV: sandbox_id, IP_ENV: ip, "HOME": INSIDE_WORKSPACE, **spec.env}
+    gateway = gateway_env(ip) if spec.gateway else {}
+    return {SANDBOX_ENV: sandbox_id, IP_ENV: ip, "HOME": INSIDE_WORKSPACE, **gateway,
+            **spec.env}
 
 
 def inside_server(spec: SandboxSpec, python: str, ready_fd: int | str | None = None,
                   image: str = "") -> list[str]:
     """The image (the spec's, else ``image``: the node's), then the tool server run by the
-    farm's own (bound-in) interpreter."""
+    farm's own (bound-in) interpreter (with the gateway's relay where the spec asks for
+    it)."""
     image = spec.image or image
     if not image:
         raise SandboxError("this runtime needs an image: the instance's, or the node's "
                            "PRORL_SANDBOX_IMAGE")
     return [image, *server_argv(f"{INSIDE_RUN}/tools.sock", INSIDE_WORKSPACE,
                                 f"{INSIDE_RUN}/jupyter", python=python, ready_fd=ready_fd,
-                                pythonpath=sandbox_python().pythonpath)]
+                                pythonpath=sandbox_python().pythonpath,
+                                gateway=gateway_relay() if spec.gateway else None)]
 
 
 class ImageRuntime(Runtime):
