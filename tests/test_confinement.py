@@ -157,9 +157,10 @@ def test_another_jobs_sandbox_is_out_of_reach(farm):
 
 def test_a_killed_run_pool_leaves_no_sandbox_behind(farm):
     """kill -9 of the RUN pool (its whole process group) while its episodes run: their
-    sandboxes, in sessions of their own (containers of the engine's, with docker), outlive
-    it. The jobs are re-queued and done again in new sandboxes; the orphans are stopped by
-    the node's janitor, whichever pool holds it, and nothing of them is left."""
+    sandboxes outlive it (INIT started them: bwrap's die with that pool, not with RUN; with
+    docker, the engine runs the containers). The jobs are re-queued and done again in new
+    sandboxes; the orphans are stopped by the node's janitor, whichever pool holds it, and
+    nothing of them is left."""
     import signal
 
     client, _, _, pools = farm
