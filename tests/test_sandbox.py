@@ -17,7 +17,7 @@ import pytest
 from prorl_farm.sandbox.abstract import Limits, SandboxError, SandboxSpec, processes_of
 from prorl_farm.sandbox.connection import ToolConnection, ToolRejected
 from prorl_farm.sandbox.manager import SandboxManager
-from tests.farm import ROOT
+from tests.farm import ROOT, wait_until
 
 RUNTIMES = ["local", "bwrap"]
 
@@ -504,6 +504,9 @@ def test_docker_and_bwrap_command_lines(tmp_path):
     assert argv[argv.index("--network") + 1] == "none"
     assert argv[argv.index("--pids-limit") + 1] == str(spec.limits.processes)
     assert "PRORL_SANDBOX_ID=abc" in argv
+    with_lifeline = docker_argv("docker", spec, "abc", tmp_path / "ws", tmp_path / "run",
+                                "127.16.0.2", "/usr/bin/python3", lifeline="/run/prorl/l")
+    assert with_lifeline[with_lifeline.index("--lifeline") + 1] == "/run/prorl/l"
     from prorl_farm.sandbox.interpreter import sandbox_python
 
     python = sandbox_python()
@@ -523,6 +526,47 @@ def test_docker_and_bwrap_command_lines(tmp_path):
         assert never not in sources
     assert "--unshare-net" not in bwrap_argv(SandboxSpec(network=True), "abc", tmp_path,
                                               "ip", tmp_path, python)
+
+
+def test_a_docker_sandbox_ends_with_the_worker_that_started_it(redis_server, docker_engine,
+                                                                 tmp_path):
+    """kill -9 of the process that started a docker sandbox (a worker) ends its container
+    with no janitor anywhere: the client dies with the worker, and the tool server stops
+    at the EOF of the lifeline the client held. The lifeline is gone from the run directory
+    once the server holds it: nothing inside can keep it open."""
+    from tests.docker_engine import BASE
+
+    root = f"/tmp/prs-lifeline-{os.getpid()}"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", f"""
+import redis, time
+from prorl_farm.sandbox.abstract import SandboxSpec
+from prorl_farm.sandbox.manager import SandboxManager
+manager = SandboxManager(redis.Redis.from_url({redis_server.url!r}), "lifeline-node",
+                         "docker", root={root!r}, image={BASE!r})
+sandbox = manager.start(SandboxSpec())
+print(sandbox.id, sandbox.socket, flush=True)
+time.sleep(600)
+"""], env={**os.environ, **docker_engine.env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        sandbox_id, socket = worker.stdout.readline().split()
+        label = f"label=prorl.sandbox={sandbox_id}"
+        assert docker_engine.containers(label)
+        run_dir = Path(socket).parent
+        assert (run_dir / "tools.sock").exists() and not (run_dir / "lifeline.fifo").exists()
+        client = ToolConnection(socket)
+        assert client.call("exec", argv=["ls", "/run/prorl"], timeout_s=30)["exit_code"] == 0
+        client.close()
+    finally:
+        os.killpg(worker.pid, 9)
+        worker.wait(timeout=30)
+        worker.stdout.close()
+    try:
+        wait_until(lambda: not docker_engine.containers(label), 30, 0.2,
+                   "the container ended with its worker")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_pools_threads_track_their_sandboxes_without_racing():

@@ -150,7 +150,8 @@ class Runtime(ABC):
                 spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
                 ip: str, cgroup: Path | None, workdir: str, cwd: str | None = None,
                 run_as: tuple[int, int] | None = None, pass_socket: bool = True,
-                nproc_inside: bool = False, ready_fifo: Path | None = None) -> Sandbox:
+                nproc_inside: bool = False, ready_fifo: Path | None = None,
+                keep_fds: tuple[int, ...] = ()) -> Sandbox:
         """Spawn a runtime's command line and wait for its tool server (shared by runtimes).
 
         ``argv(socket, ready_fd)`` builds the command line. With ``pass_socket`` the host
@@ -158,7 +159,8 @@ class Runtime(ABC):
         never enters the sandbox); otherwise ``socket`` is the path for the server to bind
         (image runtimes, whose containers cannot inherit fds). Either way the server says
         "ready" on a pipe: its fd, or with ``ready_fifo`` (a FIFO the caller made where the
-        server sees it) that FIFO's path, which ``argv`` gets for ``ready_fd``."""
+        server sees it) that FIFO's path, which ``argv`` gets for ``ready_fd``. ``keep_fds``:
+        more fds the spawned process inherits (and holds while it lives)."""
         log = socket_path.parent / "server.log"
         if ready_fifo is not None:
             # Read and write end both here: no EOF before the server writes.
@@ -167,7 +169,7 @@ class Runtime(ABC):
             ready_r, ready_w = os.pipe()
         listener = listen_socket(socket_path) if pass_socket else None
         fds = ((ready_w,) if ready_w is not None else ()) + (
-            (listener.fileno(),) if listener is not None else ())
+            (listener.fileno(),) if listener is not None else ()) + keep_fds
         try:
             where: int | str = listener.fileno() if listener is not None else str(socket_path)
             proc = spawn(argv(where, ready_w), env, spec.limits, cgroup, log, cwd=cwd,

@@ -172,6 +172,24 @@ def _reap_orphans(stop: threading.Event, managed) -> None:
         seen = zombies
 
 
+def _hold_lifeline(path: str, server) -> None:
+    """Serve only while the host's end of ``path`` (a FIFO) is open: a container outlives
+    its client (``docker run``, which dies with the worker that started it), so the
+    sandbox ends itself at the FIFO's EOF rather than run on until a janitor finds it. The
+    FIFO is unlinked once open, so nothing started inside can hold it open too."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # no wait: an EOF at once if none
+    os.unlink(path)
+    os.set_blocking(fd, True)
+
+    def watch() -> None:
+        while os.read(fd, 64):
+            pass
+        log.warning("the host's end of the lifeline closed: stopping")
+        server.shutdown()
+
+    threading.Thread(target=watch, daemon=True, name="lifeline").start()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="prorl-farm in-sandbox tool server")
     where = ap.add_mutually_exclusive_group(required=True)
@@ -180,6 +198,9 @@ def main(argv=None) -> int:
                        "host)")
     ap.add_argument("--ready-fd", type=int, help="write 'ready' here once serving")
     ap.add_argument("--ready-path", help="or into this FIFO (containers inherit no fd)")
+    ap.add_argument("--lifeline", metavar="FIFO",
+                    help="serve while this FIFO has a writer on the host (a container's "
+                    "client), stop at its EOF; it is unlinked once opened")
     ap.add_argument("--gateway", metavar="PORT:SOCKET",
                     help="relay this loopback port (on the sandbox's address) to the model "
                     "gateway's Unix socket")
@@ -212,6 +233,8 @@ def main(argv=None) -> int:
         tmp = args.socket + ".starting"
         server = make_server(tmp, tools)
         os.rename(tmp, args.socket)
+    if args.lifeline:
+        _hold_lifeline(args.lifeline, server)
     stop = threading.Event()
     if os.getpid() == 1:
         threading.Thread(target=_reap_orphans, args=(stop, tools.children), daemon=True,

@@ -19,6 +19,11 @@ The tool server is pid 1 of the container's pid namespace (no ``--init``): as un
 not dumpable. Its socket is bound inside the run directory; readiness comes back through a
 FIFO there (a container inherits no fd). Stopped with ``docker kill`` (``--rm`` removes it),
 then the usual SIGTERM/SIGKILL of the client process group.
+
+A container outlives its client, which dies with the worker that started it (as a ``bwrap``
+sandbox does). So that the container does too, the client holds the host end of a second
+FIFO, the lifeline: the tool server opens it, unlinks it (nothing inside can hold it), and
+stops at its EOF. A janitor is not needed to end the sandboxes of a worker that is gone.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from prorl_farm.sandbox.runtimes.image import ImageRuntime, inside_env, inside_s
 
 NOBODY = (65534, 65534)
 READY = "ready.fifo"  # in the run directory
+LIFELINE = "lifeline.fifo"  # in the run directory: the container ends at its EOF
 # The client process (`docker run`) is not the sandbox: the spec's limits are the
 # container's, and a Go client under an address-space cap may not start.
 _INF = resource.RLIM_INFINITY
@@ -57,9 +63,9 @@ CPU_SHARES = 128
 
 def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path,
                 run_dir: Path, ip: str, python: str, user: tuple[int, int] = NOBODY,
-                image: str = "", ready: str | None = None, root_mask: Path | None = None
-                ) -> list[str]:
-    image_name, command, *args = inside_server(spec, python, ready, image)
+                image: str = "", ready: str | None = None, root_mask: Path | None = None,
+                lifeline: str | None = None) -> list[str]:
+    image_name, command, *args = inside_server(spec, python, ready, image, lifeline)
     lim = spec.limits
     argv = [binary, "run", "--rm", "--name", f"prorl-{sandbox_id}",
             "--label", f"prorl.sandbox={sandbox_id}",
@@ -128,29 +134,37 @@ class DockerRuntime(ImageRuntime):
     def argv(self, spec, sandbox_id, workspace, run_dir, ip, python, ready_fd=None
              ) -> list[str]:
         return docker_argv(self.binary, spec, sandbox_id, workspace, run_dir, ip, python,
-                           self.user, self.image, f"{INSIDE_RUN}/{READY}", self.root_mask)
+                           self.user, self.image, f"{INSIDE_RUN}/{READY}", self.root_mask,
+                           f"{INSIDE_RUN}/{LIFELINE}")
 
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
               ip: str, cgroup: Path | None) -> Sandbox:
         run_dir = socket_path.parent
-        fifo = run_dir / READY
-        os.mkfifo(fifo, 0o600)
+        fifo, lifeline = run_dir / READY, run_dir / LIFELINE
+        for path in (fifo, lifeline):
+            os.mkfifo(path, 0o600)
         if os.geteuid() == 0:
             if self.run_as is None:  # else the manager gave the workspace to run_as already
                 chown_tree(workspace, *self.user)
-            for path in (run_dir, fifo):
+            for path in (run_dir, fifo, lifeline):
                 os.lchown(path, *self.user)
         python = sandbox_python().executable
 
         def argv(_sock, _ready_fd):
             return self.argv(spec, sandbox_id, workspace, run_dir, ip, python)
 
-        # The pids and memory caps are the container's (the engine's cgroup), not the
-        # client process's.
-        return self._launch(argv, dict(os.environ),
-                            dataclasses.replace(spec, limits=CLIENT_LIMITS), sandbox_id,
-                            workspace, socket_path, ip, None, INSIDE_WORKSPACE,
-                            pass_socket=False, ready_fifo=fifo)
+        # The client holds the lifeline's host end (it dies with the worker that started
+        # it); this process lets go of it once the client has it.
+        hold = os.open(lifeline, os.O_RDWR)
+        try:
+            # The pids and memory caps are the container's (the engine's cgroup), not the
+            # client process's.
+            return self._launch(argv, dict(os.environ),
+                                dataclasses.replace(spec, limits=CLIENT_LIMITS), sandbox_id,
+                                workspace, socket_path, ip, None, INSIDE_WORKSPACE,
+                                pass_socket=False, ready_fifo=fifo, keep_fds=(hold,))
+        finally:
+            os.close(hold)
 
     def stop(self, sandbox: Sandbox, grace_s: float = 2.0) -> None:
         subprocess.run([self.binary, "kill", f"prorl-{sandbox.id}"], capture_output=True,
