@@ -113,8 +113,21 @@ def host_side(sb) -> list[int]:
     return [sb.pid, *shims]
 
 
+def idle_mib(manager: SandboxManager, k: int) -> float:
+    """Memory (PSS) per idle sandbox with ``k`` of them up: pages shared between sandboxes
+    (the interpreter's, the client binary's) count once, as on a busy node."""
+    sandboxes = [manager.start(SandboxSpec()) for _ in range(k)]
+    try:
+        time.sleep(0.5)
+        pids = {pid for sb in sandboxes for pid in (*processes_of(sb.id), *host_side(sb))}
+        return pss_kib(sorted(pids)) / 1024 / k
+    finally:
+        for sb in sandboxes:
+            manager.stop(sb)
+
+
 def bench_runtime(r, runtime: str, n: int, starts: int, bash_with: dict,
-                  image: str = "") -> dict:
+                  image: str = "", idle: int = 8) -> dict:
     """Start/stop times, IPython, idle memory; bash round trips interleaved with those of
     ``bash_with`` (label -> callable), which the result holds under ``with``."""
     manager = SandboxManager(r, f"bench-{runtime}", runtime,
@@ -127,11 +140,11 @@ def bench_runtime(r, runtime: str, n: int, starts: int, bash_with: dict,
         t0 = time.perf_counter()
         manager.stop(sb)
         stop_ms.append(1000 * (time.perf_counter() - t0))
+    one = idle_mib(manager, 1)
+    many = idle_mib(manager, idle)
     sb = manager.start(SandboxSpec())
     client = ToolConnection(sb.socket)
     try:
-        time.sleep(0.5)
-        idle_kib = pss_kib(sorted({*processes_of(sb.id), *host_side(sb)}))
         bash = interleaved({**bash_with, "sandbox": lambda: client.bash("echo hi")}, n)
         client.ipython("1+1")  # start the kernel
         ipy = timed(lambda: client.ipython("1+1"), max(20, n // 5), warmup=3)
@@ -140,8 +153,7 @@ def bench_runtime(r, runtime: str, n: int, starts: int, bash_with: dict,
         manager.stop(sb)
         shutil.rmtree(manager.root, ignore_errors=True)
     return {"bash": bash.pop("sandbox"), "with": bash, "ipython": ipy, "start": start_ms,
-            "stop": stop_ms,
-            "idle_mib": idle_kib / 1024}
+            "stop": stop_ms, "idle_mib": one, "idle_mib_many": many}
 
 
 def main() -> None:
@@ -150,6 +162,8 @@ def main() -> None:
     ap.add_argument("--tmux-n", type=int, default=50)
     ap.add_argument("--starts", type=int, default=20)
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--idle", type=int, default=8,
+                    help="sandboxes up at once for the memory per sandbox")
     ap.add_argument("--docker-image", default="",
                     help="also docker sandboxes in this image (the engine: DOCKER_HOST)")
     args = ap.parse_args()
@@ -163,7 +177,8 @@ def main() -> None:
                 ["docker"] if args.docker_image else [])
             runtimes = {rt: bench_runtime(r, rt, args.n, args.starts,
                                           {"floor": lambda: shell.run("echo hi")},
-                                          args.docker_image if rt == "docker" else "")
+                                          args.docker_image if rt == "docker" else "",
+                                          args.idle)
                         for rt in wanted}
         finally:
             shell.close()
@@ -195,14 +210,16 @@ def main() -> None:
     base = runtimes.get("bwrap") or runtimes["local"]
     base_name = "bwrap" if "bwrap" in runtimes else "local"
     lines += ["", f"| runtime | start p50 (ms) | stop p50 (ms) | start+stop / {base_name} | "
-              "IPython `1+1` p50 (ms) | idle sandbox PSS (MiB) |",
-              "|---|---|---|---|---|---|"]
+              f"IPython `1+1` p50 (ms) | PSS of one idle sandbox (MiB) | "
+              f"PSS per sandbox, {args.idle} idle (MiB) |",
+              "|---|---|---|---|---|---|---|"]
     cycle = statistics.median(base["start"]) + statistics.median(base["stop"])
     for rt, res in runtimes.items():
         mine = statistics.median(res["start"]) + statistics.median(res["stop"])
         lines.append(f"| {rt} | {statistics.median(res['start']):.0f} | "
                      f"{statistics.median(res['stop']):.0f} | {mine / cycle:.2f} | "
-                     f"{pct(res['ipython'], 50):.2f} | {res['idle_mib']:.1f} |")
+                     f"{pct(res['ipython'], 50):.2f} | {res['idle_mib']:.1f} | "
+                     f"{res['idle_mib_many']:.1f} |")
     if "docker" in runtimes:
         lines += ["", "docker's memory counts its `docker run` client and the engine's shim "
                   "(the host's share of each sandbox), not the engine itself."]
