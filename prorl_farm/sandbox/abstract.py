@@ -34,11 +34,9 @@ from prorl_farm.toolserver.protocol import (
 )
 
 __all__ = ["GATEWAY_PORT", "GATEWAY_SOCKET", "INSIDE_GATEWAY_DIR", "INSIDE_HARNESSES",
-           "INSIDE_RUN",
-           "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime", "Sandbox",
-           "SandboxError", "SandboxSpec", "chown_tree", "gateway_dir", "gateway_env",
-           "gateway_relay", "kill_group", "pid_alive",
-           "processes_of", "reap"]
+           "INSIDE_RUN", "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime",
+           "Sandbox", "SandboxError", "SandboxSpec", "chown_tree", "gateway_dir", "gateway_env",
+           "gateway_relay", "kill_group", "pid_alive", "processes_of", "reap"]
 
 
 def chown_tree(path: Path, uid: int, gid: int) -> None:
