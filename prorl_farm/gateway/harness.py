@@ -46,10 +46,10 @@ from prorl_farm.gateway.capture import Capture
 from prorl_farm.gateway.server import JobGateway, Sampled, UnixGatewayServer
 from prorl_farm.llm.session import BackendSession, turn_seed
 from prorl_farm.sandbox.abstract import (
-    GATEWAY_PORT,
     GATEWAY_SOCKET,
     INSIDE_HARNESSES,
     gateway_dir,
+    gateway_env,
 )
 from prorl_farm.sandbox.connection import ToolConnection
 
@@ -205,12 +205,11 @@ def command_line(options: dict, prompt: str, model: str) -> tuple[list[str], str
 
 def harness_env(options: dict, sandbox: dict, key: str, model: str) -> dict[str, str]:
     preset = PRESETS.get(options.get("preset") or "")
-    base = f"http://{sandbox['ip']}:{GATEWAY_PORT}"
+    gateway = gateway_env(sandbox["ip"])
     env = {"HOME": "/tmp", "TERM": "dumb", **(preset.variables if preset else {}),
            **{v["name"]: v["value"] for v in options.get("env", [])}}
-    env.update(OPENAI_BASE_URL=f"{base}/v1", OPENAI_API_BASE=f"{base}/v1",
-               OPENAI_API_KEY=key, ANTHROPIC_BASE_URL=base, ANTHROPIC_API_KEY=key,
-               **{MODEL_ENV: model, PROMPT_FILE_ENV: PROMPT_FILE})
+    env.update(gateway, OPENAI_API_BASE=gateway["OPENAI_BASE_URL"], OPENAI_API_KEY=key,
+               ANTHROPIC_API_KEY=key, **{MODEL_ENV: model, PROMPT_FILE_ENV: PROMPT_FILE})
     return env
 
 

@@ -14,6 +14,7 @@ from prorl_farm.gateway.harness import HarnessOptions, run_harness
 from prorl_farm.handlers.base import AgentHandler, JobContext
 from prorl_farm.sandbox.abstract import SandboxSpec
 from prorl_farm.sandbox.connection import ToolConnection
+from prorl_farm.sandbox.runtimes import GATEWAY_RUNTIMES
 
 # Fields every agent instance may set, all visible to the policy.
 AGENT_OPTIONS = ("tools", "system", "parser", "max_turns", "call_timeout_s",
@@ -60,9 +61,9 @@ class ToolAgentHandler(AgentHandler):
 
     def refusals(self, instance: dict, settings) -> dict:
         if instance.get("agent") and not _harnesses_run(settings):
-            return {"agent": [f"agent harnesses run in bwrap or docker sandboxes (the "
-                              f"runtimes with the model gateway's door); this farm's "
-                              f"runtime is {settings.sandbox_runtime}"]}
+            return {"agent": [f"agent harnesses run in {' or '.join(GATEWAY_RUNTIMES)} "
+                              f"sandboxes (the runtimes with the model gateway's door); "
+                              f"this farm's runtime is {settings.sandbox_runtime}"]}
         return {}
 
     @staticmethod
@@ -109,7 +110,7 @@ class ToolAgentHandler(AgentHandler):
 
 
 def _harnesses_run(settings) -> bool:
-    return settings.sandbox_runtime in ("auto", "bwrap", "docker")
+    return settings.sandbox_runtime in ("auto", *GATEWAY_RUNTIMES)
 
 
 def final_answer(result: dict) -> str:

@@ -139,6 +139,11 @@ class Runtime(ABC):
         with self._procs_lock:
             return (self._procs or {}).pop(sandbox_id, None)
 
+    @classmethod
+    def from_options(cls, options) -> Runtime:
+        """The runtime for a node's sandbox manager (``runtimes.RuntimeOptions``)."""
+        return cls()
+
     @abstractmethod
     def start(self, spec: SandboxSpec, sandbox_id: str, workspace: Path, socket_path: Path,
               ip: str, cgroup: Path | None) -> Sandbox:

@@ -29,7 +29,7 @@ from prorl_farm.sandbox.abstract import (
     processes_of,
 )
 from prorl_farm.sandbox.interpreter import sandbox_python, usable_by
-from prorl_farm.sandbox.runtimes import RuntimeOptions, make_runtime
+from prorl_farm.sandbox.runtimes import GATEWAY_RUNTIMES, RuntimeOptions, make_runtime
 from prorl_farm.sandbox.runtimes.bwrap import SYSTEM
 from prorl_farm.states import TERMINAL_STATES, JobState
 from prorl_farm.toolserver.protocol import INSIDE_FARM, INSIDE_HARNESSES
@@ -192,7 +192,8 @@ class SandboxManager:
             if spec.gateway:
                 if not self.runtime.serves_gateway:
                     raise SandboxError(f"the model gateway is not served to "
-                                       f"{self.runtime.name} sandboxes (bwrap, docker)")
+                                       f"{self.runtime.name} sandboxes (only to "
+                                       f"{', '.join(GATEWAY_RUNTIMES)})")
                 gw = gateway_dir(workspace)
                 gw.mkdir()
                 os.chmod(gw, 0o777)  # the RUN pool puts its socket here

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,12 +30,10 @@ class RuntimeOptions:
     image: str = ""
 
 
-RUNTIMES: dict[str, Callable[[RuntimeOptions], Runtime]] = {
-    "local": lambda o: LocalRuntime(),
-    "bwrap": lambda o: BwrapRuntime(o.sandbox_root, o.run_as, o.python, o.ro_paths),
-    "apptainer": lambda o: ApptainerRuntime(o.sandbox_root, o.image),
-    "docker": lambda o: DockerRuntime(o.sandbox_root, o.image, o.run_as),
-}
+RUNTIMES: dict[str, type[Runtime]] = {
+    kind.name: kind for kind in (LocalRuntime, BwrapRuntime, ApptainerRuntime, DockerRuntime)}
+# Those whose sandboxes get the model gateway's door (agent harnesses run only there).
+GATEWAY_RUNTIMES = tuple(name for name, kind in RUNTIMES.items() if kind.serves_gateway)
 
 
 def make_runtime(name: str, options: RuntimeOptions) -> Runtime:
@@ -47,4 +44,4 @@ def make_runtime(name: str, options: RuntimeOptions) -> Runtime:
     if name not in RUNTIMES:
         raise SandboxError(f"unknown sandbox runtime {name!r}; expected one of "
                            f"{', '.join(RUNTIMES)} or auto")
-    return RUNTIMES[name](options)
+    return RUNTIMES[name].from_options(options)

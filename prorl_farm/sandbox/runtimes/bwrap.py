@@ -139,6 +139,10 @@ class BwrapRuntime(Runtime):
     name = "bwrap"
     serves_gateway = True
 
+    @classmethod
+    def from_options(cls, options) -> BwrapRuntime:
+        return cls(options.sandbox_root, options.run_as, options.python, options.ro_paths)
+
     def __init__(self, sandbox_root: Path, run_as: tuple[int, int] | None = None,
                  python: str = "", ro_paths: dict[str, str] | None = None):
         self.sandbox_root = sandbox_root

@@ -84,14 +84,13 @@ def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path
             "-w", INSIDE_WORKSPACE, "--entrypoint", command]
     if not spec.network:
         argv += ["--network", "none"]
-    binds = python_binds()
     if root_mask is not None:
         argv += ["-v", f"{root_mask}:/root"]
     if spec.gateway:  # the directory where the job's gateway puts its socket
         argv += ["-v", f"{gateway_dir(workspace)}:{INSIDE_GATEWAY_DIR}"]
         if spec.harnesses and os.path.isdir(spec.harnesses):
             argv += ["-v", f"{spec.harnesses}:{INSIDE_HARNESSES}:ro"]
-    for host, inside in binds:
+    for host, inside in python_binds():
         argv += ["-v", f"{host}:{inside}:ro"]
     for inside, host in sorted(spec.ro_paths.items()):
         argv += ["-v", f"{host}:{inside}:ro"]
@@ -120,6 +119,10 @@ class DockerRuntime(ImageRuntime):
     name = "docker"
     serves_gateway = True
     binaries = ("docker",)
+
+    @classmethod
+    def from_options(cls, options) -> DockerRuntime:
+        return cls(options.sandbox_root, options.image, options.run_as)
 
     def __init__(self, sandbox_root: Path, image: str = "",
                  run_as: tuple[int, int] | None = None):

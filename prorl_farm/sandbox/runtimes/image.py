@@ -48,6 +48,10 @@ class ImageRuntime(Runtime):
 
     binaries: tuple[str, ...] = ()
 
+    @classmethod
+    def from_options(cls, options) -> ImageRuntime:
+        return cls(options.sandbox_root, options.image)
+
     def __init__(self, sandbox_root: Path, image: str = ""):
         import shutil
 
