@@ -238,6 +238,30 @@ def readable_copy(path: Path, under: Path) -> str:
     return str(dest)
 
 
+# A docker sandbox is also its engine's client processes (`docker run`, then a pool's
+# `docker kill`) and its container's shim and runc: it has stopped when they are gone too,
+# not only the processes inside it.
+_DOCKER_SIDE = ("prorl.sandbox=", "docker kill prorl-")
+_ENGINE_SIDE = ("runc", "containerd-shim", "containerd-shim-runc-v2")
+
+
+def sandbox_processes() -> list[int]:
+    """Every process on the machine of a sandbox: those that carry a sandbox id in their
+    environment, and a docker sandbox's processes on the engine's side."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            line = " ".join(p.cmdline())
+            if ("PRORL_SANDBOX_ID" in p.environ() or p.name() in _ENGINE_SIDE
+                    or any(mark in line for mark in _DOCKER_SIDE)):
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
 def docker_settings(request) -> dict:
     """For a farm fixture's ``docker`` param: the settings of docker sandboxes on the
     session's private engine (tests/docker_engine.py), whose client is found through

@@ -25,6 +25,7 @@ from tests.farm import (
     farm_env,
     pool_user,
     run_batch,
+    sandbox_processes,
     wait_until,
 )
 
@@ -74,28 +75,6 @@ def farm(request, redis_server, tmp_path_factory):
         for path in planted.values():
             path.unlink(missing_ok=True)
         shutil.rmtree(sandbox_dir, ignore_errors=True)
-
-
-# A docker sandbox is also its engine's client processes (`docker run`, then the pool's
-# `docker kill`) and the container's shim and runc: the sandbox has stopped when they are gone
-# too, not when the processes inside it are.
-_DOCKER_SIDE = ("prorl.sandbox=", "docker kill prorl-")
-_ENGINE_SIDE = ("runc", "containerd-shim", "containerd-shim-runc-v2")
-
-
-def _sandbox_processes() -> list[int]:
-    import psutil
-
-    out = []
-    for p in psutil.process_iter():
-        try:
-            line = " ".join(p.cmdline())
-            if ("PRORL_SANDBOX_ID" in p.environ() or p.name() in _ENGINE_SIDE
-                    or any(mark in line for mark in _DOCKER_SIDE)):
-                out.append(p.pid)
-        except psutil.Error:
-            continue
-    return out
 
 
 def _run(client, instances: list[dict], timeout_s: float = 120) -> list[dict]:
@@ -152,7 +131,7 @@ def test_another_jobs_sandbox_is_out_of_reach(farm):
                              "check": f"grep -q {victim_secret} loot.txt"}])
     assert thief["reward"] == 0.0 and victim_secret not in json.dumps(thief["result"])
     client.post(f"/v1/jobs/{victim_id}/cancel")
-    wait_until(lambda: not _sandbox_processes(), 30, 0.2, "the victim's sandbox stopped")
+    wait_until(lambda: not sandbox_processes(), 30, 0.2, "the victim's sandbox stopped")
 
 
 def test_a_killed_run_pool_leaves_no_sandbox_behind(farm):
@@ -170,10 +149,10 @@ def test_a_killed_run_pool_leaves_no_sandbox_behind(farm):
     wait_until(lambda: all(client.get(f"/v1/jobs/{i}").get_json()["stage"] == "run"
                            for i in sub["job_ids"]), 60, 0.2, "the episodes running")
     time.sleep(1.0)  # into their first command
-    orphans = set(_sandbox_processes())
+    orphans = set(sandbox_processes())
     assert orphans
     pools.kill("run", signal.SIGKILL)
-    assert set(_sandbox_processes()) & orphans, "the sandboxes outlive their pool"
+    assert set(sandbox_processes()) & orphans, "the sandboxes outlive their pool"
     pools.start("run")
     wait_until(lambda: client.get(f"/v1/batches/{sub['batch_id']}").get_json()["complete"],
                120, 0.5, "the batch")
@@ -181,9 +160,9 @@ def test_a_killed_run_pool_leaves_no_sandbox_behind(farm):
         job = client.get(f"/v1/jobs/{job_id}").get_json()
         assert job["state"] == "done" and job["reward"] == 1.0, job
         assert job["requeues"] == 1 and job["attempts"][0]["stage"] == "run", job
-    wait_until(lambda: not set(_sandbox_processes()) & orphans, 60, 0.5,
+    wait_until(lambda: not set(sandbox_processes()) & orphans, 60, 0.5,
                "the orphaned sandboxes stopped")
-    wait_until(lambda: not _sandbox_processes(), 60, 0.5, "every sandbox stopped")
+    wait_until(lambda: not sandbox_processes(), 60, 0.5, "every sandbox stopped")
 
 
 def test_the_tool_server_survives_whatever_the_agent_kills(farm):

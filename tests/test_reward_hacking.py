@@ -85,8 +85,7 @@ def farm(request, redis_server, tmp_path_factory, tiny_model):
         with scripted_farm(redis_server.url, tmp_path_factory.mktemp(f"hack-{request.param}"),
                            tokenizer, PLANS, f"hack-{request.param}", user=user,
                            sandbox_mount_roots=str(repos), grade_timeout_s=3,
-                           **docker) as (client,
-                                                                                  server):
+                           **docker) as (client, server):
             client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
                               "tokenizer": tokenizer, "capacity": 64}
             yield client, instances, repos / "prorl__calc"

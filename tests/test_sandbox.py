@@ -17,7 +17,7 @@ import pytest
 from prorl_farm.sandbox.abstract import Limits, SandboxError, SandboxSpec, processes_of
 from prorl_farm.sandbox.connection import ToolConnection, ToolRejected
 from prorl_farm.sandbox.manager import SandboxManager
-from tests.farm import ROOT, wait_until
+from tests.farm import ROOT, sandbox_processes, wait_until
 
 RUNTIMES = ["local", "bwrap"]
 
@@ -33,20 +33,6 @@ def leftovers(manager: SandboxManager, ids) -> dict:
         "records": manager.r.hkeys(manager.records_key),
         "cgroups": [c.name for c in cgroups if c.name.removeprefix("prorl-") in set(ids)],
     }
-
-
-def any_sandbox_processes() -> list[int]:
-    """Every process on the machine that carries a sandbox id in its environment."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/environ", "rb") as f:
-                    if b"PRORL_SANDBOX_ID=" in f.read():
-                        out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
 
 
 def no_leftovers(manager, ids) -> None:
@@ -443,7 +429,7 @@ def test_shell_jobs_run_in_sandboxes_stopped_however_they_end(shell_farm, r):
     # However each ended, its sandbox is gone: no processes, records or slots.
     wait_until(lambda: not r.hlen("prorl:sandboxes:testnode")
                and not r.hlen("prorl:sandbox-slots:testnode"), 10, 0.1, "sandboxes stopped")
-    assert any_sandbox_processes() == []
+    assert sandbox_processes() == []
     root = Path(f"/tmp/prs-farm-{os.getpid()}")
     assert [p.name for p in root.iterdir()] == [".etc"]  # only the shared identity
 
