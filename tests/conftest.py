@@ -13,9 +13,43 @@ import pytest
 import redis
 
 from prorl_farm.config import load_settings
-from tests.farm import SANDBOX_DIR, STORE_ROOT, Pools, RedisServer, farm_env
+from tests.farm import SANDBOX_DIR, STORE_ROOT, Pools, RedisServer, farm_env, own_processes
 
 CI = bool(os.environ.get("CI"))
+
+# The real parts started once per pytest session and shared by the tests that use them: under
+# pytest-xdist (tests/suite.py runs ``--dist loadgroup``) every test of a part's group runs on
+# one worker, which starts the part once; its processes are that worker's, so the leak check
+# of every test sees them as the session's, on that worker only. A test is in a part's group
+# when it uses the part's fixture, or when a parameter of one of its fixtures is marked with
+# ``part`` (module fixtures parametrised by runtime or engine start the part through
+# request.getfixturevalue: tests.farm.part_param). Every test of a part is ``slow`` too, so
+# that `make check` leaves them out.
+SHARED_PARTS = {"docker": ("docker_engine",), "vllm": ("vllm_server",), "verl": ("verl_host",)}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        groups = {m.args[0] for m in item.iter_markers("part")}
+        groups |= {group for group, fixtures in SHARED_PARTS.items()
+                   if set(fixtures) & set(item.fixturenames)}
+        if len(groups) > 1:
+            raise pytest.UsageError(f"{item.nodeid} uses {' and '.join(sorted(groups))}: a "
+                                    "test uses one shared part at most")
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(groups.pop()))
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """When each test starts, on which worker: .prorl/test-results/timeline-WORKER.txt (what
+    ran beside what, for the suite's own timing; tests/suite.py reads the JUnit files)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    path = Path(__file__).resolve().parent.parent / ".prorl" / "test-results"
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / f"timeline-{worker}.txt", "a") as f:
+        f.write(f"{time.time():.1f} {nodeid}\n")
 
 
 @pytest.fixture(autouse=True)
@@ -233,18 +267,20 @@ LEAK_GRACE_S = 15.0
 
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
-    """Every test must leave no child process of the test runner behind."""
-    me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
+    """Every test must leave nothing running of what it started: no process of this test
+    process's tree, and no container's process of its Docker engine (:func:`own_processes`,
+    which looks at nothing else on the machine, so that the suite's other workers and a farm
+    running beside it are not taken for leaks)."""
+    before = {p.pid for p in own_processes()}
     pools_before = set(Pools.live)
     yield
     end = time.monotonic() + LEAK_GRACE_S
-    while (leaked := _leaked(me, before, pools_before)) and time.monotonic() < end:
+    while (leaked := _leaked(before, pools_before)) and time.monotonic() < end:
         time.sleep(0.2)
     assert not leaked, f"processes left behind: {leaked}"
 
 
-def _leaked(me: psutil.Process, before: set[int], pools_before: set[Pools]) -> list[str]:
+def _leaked(before: set[int], pools_before: set[Pools]) -> list[str]:
     # A pool of a set that was there before the test and still is, restarted by the test
     # (as a supervisor would; under runuser where it runs as another user), and its
     # watchdog: the set's, not the test's (they end with it). Not what the pool started
@@ -258,7 +294,7 @@ def _leaked(me: psutil.Process, before: set[int], pools_before: set[Pools]) -> l
             except psutil.NoSuchProcess:
                 pass
     leaked = []
-    for p in me.children(recursive=True):
+    for p in own_processes():
         if p.pid in before or p.pid in kept:
             continue
         try:

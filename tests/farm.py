@@ -245,13 +245,42 @@ _DOCKER_SIDE = ("prorl.sandbox=", "docker kill prorl-")
 _ENGINE_SIDE = ("runc", "containerd-shim", "containerd-shim-runc-v2")
 
 
+def own_processes() -> list:
+    """What this test process started: its descendants, and the processes of the
+    containers of the Docker engines among them (a container's shim is reparented to init,
+    not to the engine: it is found by the engine's exec root on its command line). Nothing
+    else on the machine: another worker of the suite, or a farm running beside it."""
+    import psutil
+
+    procs = psutil.Process().children(recursive=True)
+    roots = []
+    for p in procs:
+        try:
+            argv = p.cmdline()
+            if os.path.basename(argv[0]) == "dockerd" and "--exec-root" in argv:
+                roots.append(argv[argv.index("--exec-root") + 1].rstrip("/") + "/")
+        except (psutil.Error, IndexError):
+            continue
+    if roots:
+        for p in psutil.process_iter():
+            try:
+                argv = p.cmdline()
+                if (argv and os.path.basename(argv[0]).startswith("containerd-shim")
+                        and any(root in " ".join(argv) for root in roots)):
+                    procs += [p, *p.children(recursive=True)]
+            except psutil.Error:
+                continue
+    return procs
+
+
 def sandbox_processes() -> list[int]:
-    """Every process on the machine of a sandbox: those that carry a sandbox id in their
-    environment, and a docker sandbox's processes on the engine's side."""
+    """The processes of the sandboxes this test process started (:func:`own_processes`):
+    those that carry a sandbox id in their environment, and a docker sandbox's processes on
+    the engine's side."""
     import psutil
 
     out = []
-    for p in psutil.process_iter():
+    for p in own_processes():
         try:
             line = " ".join(p.cmdline())
             if ("PRORL_SANDBOX_ID" in p.environ() or p.name() in _ENGINE_SIDE
@@ -260,6 +289,14 @@ def sandbox_processes() -> list[int]:
         except psutil.Error:
             continue
     return out
+
+
+def part_param(name: str):
+    """A fixture parameter that starts a shared real part (``docker``, ``vllm``): its tests
+    join the part's group (tests/conftest.py: SHARED_PARTS)."""
+    import pytest
+
+    return pytest.param(name, marks=pytest.mark.part(name))
 
 
 def docker_settings(request) -> dict:
@@ -470,7 +507,7 @@ def serve_model(model_dir, log_path, *args: str):
     url = ServedUrl(f"http://127.0.0.1:{port}")
     url.proc = proc
     try:
-        wait_until(lambda: model_server_up(url), 60, 0.1, "dev model server")
+        wait_until(lambda: model_server_up(url), 180, 0.1, "dev model server")
         yield url
     finally:
         if proc.poll() is None:

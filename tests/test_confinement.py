@@ -23,6 +23,7 @@ from tests.farm import (
     Pools,
     docker_settings,
     farm_env,
+    part_param,
     pool_user,
     run_batch,
     sandbox_processes,
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shutil.which("bwrap"),
 SECRET = f"SECRET-{uuid.uuid4().hex}"
 
 
-@pytest.fixture(scope="module", params=["root", "nobody", "docker"])
+@pytest.fixture(scope="module", params=["root", "nobody", part_param("docker")])
 def farm(request, redis_server, tmp_path_factory):
     """Pools (as root, or as user nobody, or as root with docker sandboxes on a private
     engine, in an image built here), an API client, and secrets planted on the host where an

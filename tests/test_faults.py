@@ -17,7 +17,8 @@ from prorl_farm.llm.registry import BackendRegistry
 from tests.farm import Pools, RedisServer, farm_env, wait_until
 from tests.policy_server import PolicyServer
 
-pytestmark = pytest.mark.slow
+# kill -9 of pools and of Redis, with recovery times printed: on a machine of its own
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 SETTINGS = dict(heartbeat_stale_s=3, heartbeat_interval_s=0.2, reap_interval_s=0.5,
                 max_requeues=3, run_concurrency=16, init_concurrency=8, eval_concurrency=8)

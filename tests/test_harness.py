@@ -30,6 +30,7 @@ from tests.farm import (
     RedisServer,
     docker_settings,
     farm_env,
+    part_param,
     pool_user,
     readable_copy,
     run_batch,
@@ -161,7 +162,7 @@ def harnesses():
     return path
 
 
-@pytest.fixture(scope="module", params=["bwrap", "docker"])
+@pytest.fixture(scope="module", params=["bwrap", part_param("docker")])
 def harness_farm(request, redis_server, tmp_path_factory, tiny_model, harnesses):
     """Pools as root with bwrap sandboxes, then with docker sandboxes (graders' too) on the
     session's private engine, where one runs."""
@@ -328,8 +329,9 @@ def test_harness_faults_fail_clearly_and_leave_nothing(harness_farm):
     hang_after_call = (f"{PYTHON} -c 'import openai; openai.OpenAI().chat.completions.create("
                        "model=\"m\", messages=[{\"role\": \"user\", \"content\": \"[case:add] "
                        "x\"}])'; sleep 600")
+    # Time for the SDK to start and make its call first, on a loaded machine too.
     jobs = _math(client, [("add", {"command": "sleep 600", "time_limit_s": 3}),
-                          ("add", {"command": hang_after_call, "time_limit_s": 5}),
+                          ("add", {"command": hang_after_call, "time_limit_s": 20}),
                           ("add", {"command": "echo broken >&2; exit 3"}),
                           ("add", {"command": "true"})])
     hang, hang_after, broken, silent = jobs
@@ -356,7 +358,7 @@ def test_a_limit_ends_the_episode_and_eval_still_grades(harness_farm):
     _nothing_left(client)
 
 
-@pytest.fixture(scope="session", params=["dev", "vllm"])
+@pytest.fixture(scope="session", params=["dev", part_param("vllm")])
 def engine(request):
     """(name, model directory, URL): the tiny model on the dev server, then on real vLLM
     (started before the test, as the session's servers are)."""

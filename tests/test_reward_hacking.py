@@ -44,6 +44,7 @@ from tests.farm import (
     ROOT,
     docker_settings,
     needs_bwrap_and_git,
+    part_param,
     pool_user,
     readable_copy,
     run_batch,
@@ -73,7 +74,7 @@ PLANS = {
 }
 
 
-@pytest.fixture(scope="module", params=["root", "nobody", "docker"])
+@pytest.fixture(scope="module", params=["root", "nobody", part_param("docker")])
 def farm(request, redis_server, tmp_path_factory, tiny_model):
     docker = docker_settings(request)  # docker sandboxes (graders' too), where an engine runs
     user = pool_user("root" if docker else request.param)

@@ -4,9 +4,16 @@ drain / load / resume each step, and its reward rises.
 
 Checks, on every step: the recorded logprobs match a teacher-forced recomputation by the
 trainer's current weights (so the server sampled with exactly the weights the trainer last
-synced), every turn carries the step's policy version; over the run, the mean reward of
-the last 10 steps exceeds that of the first 10 by at least 0.2; at the end nothing is left
-running and no backend slot is held."""
+synced), every turn carries the step's policy version; over the run, the mean reward rises;
+at the end nothing is left running and no backend slot is held.
+
+The runs are sized to what they prove: `make grpo` runs 40 steps (docs/trainers.md), these
+run its defaults for the first 12 (RISE_STEPS), where the reward rises fastest, and assert
+the last 3 steps' mean reward at least RISE (0.2) above the first 3's. Measured on seeds 0, 1
+and 2: +0.48, +0.37, +0.43 on-policy, and +0.51, +0.38, +0.40 with updates in place
+(bench/RESULTS.md). The noise in that difference is far below the bar: a step's mean is over
+about 128 rollouts (a standard error of 0.04 or less), a 3-step mean's 0.025, the
+difference's 0.035, so 0.2 is over five of them, and no run tried came near it."""
 
 from __future__ import annotations
 
@@ -21,6 +28,13 @@ from tests.farm import ROOT, wait_until
 
 pytestmark = pytest.mark.slow
 
+RISE_STEPS = 12  # steps of a run that must show the rise
+RISE = 0.2  # the last 3 steps' mean reward above the first 3's, at least
+
+
+def _rise(rewards: list[float]) -> tuple[float, float]:
+    return sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+
 
 def _example():
     spec = importlib.util.spec_from_file_location("grpo_cpu", ROOT / "examples" / "grpo_cpu.py")
@@ -32,8 +46,8 @@ def _example():
 
 def test_grpo_through_the_farm_raises_the_reward(tmp_path):
     grpo = _example()
-    cfg = grpo.Config()  # the shipped defaults: what `make grpo` runs
-    assert cfg.steps >= 20
+    assert grpo.Config().steps >= 20  # what `make grpo` runs
+    cfg = grpo.Config(steps=RISE_STEPS)  # its defaults otherwise
     lines: list[str] = []
     result = grpo.train(cfg, tmp_path / "run", log=lines.append)
     history = result["history"]
@@ -45,13 +59,13 @@ def test_grpo_through_the_farm_raises_the_reward(tmp_path):
     assert all(r["rollouts"] >= r["accepted"] * cfg.n for r in history)
     rewards = [r["reward"] for r in history]
     assert all(0.0 <= x <= 1.0 for x in rewards)
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= first + 0.2, (first, last, rewards)
+    first, last = _rise(rewards)
+    assert last >= first + RISE, (first, last, rewards)
     assert result["unfinished_batches"] == [] and result["backend_in_flight"] == 0
     saved = json.loads((tmp_path / "run" / "history.json").read_text())
     assert saved["history"] == history
     assert (tmp_path / "run" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert any("mean reward, first 10 steps" in line for line in lines)
+    assert any("mean reward, first 3 steps" in line for line in lines)
 
 
 def test_grpo_with_updates_in_place_and_carry_over_raises_the_reward(tmp_path):
@@ -60,7 +74,7 @@ def test_grpo_with_updates_in_place_and_carry_over_raises_the_reward(tmp_path):
     within one version of the step's policy, the current weights' tokens match the
     trainer's, and the reward rises by the same bar."""
     grpo = _example()
-    cfg = grpo.Config(staleness=1)
+    cfg = grpo.Config(steps=RISE_STEPS, staleness=1)
     result = grpo.train(cfg, tmp_path / "run", log=lambda *_: None)
     history = result["history"]
     assert [r["step"] for r in history] == list(range(cfg.steps))
@@ -71,8 +85,8 @@ def test_grpo_with_updates_in_place_and_carry_over_raises_the_reward(tmp_path):
     assert any(r["carried_in"] for r in history)
     assert any((r["staleness_mean"] or 0) > 0 for r in history), history
     rewards = [r["reward"] for r in history]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= first + 0.2, (first, last, rewards)
+    first, last = _rise(rewards)
+    assert last >= first + RISE, (first, last, rewards)
     assert result["unfinished_batches"] == [] and result["backend_in_flight"] == 0
 
 

@@ -599,20 +599,33 @@ def test_a_pools_threads_track_their_sandboxes_without_racing():
 def test_the_process_cap_counts_threads_as_rlimit_nproc_does():
     """Without a pids cgroup a sandbox's cap is RLIMIT_NPROC on top of what its uid runs
     now, and RLIMIT_NPROC counts threads: a farm running as the sandboxes' user has pools of
-    many threads, which must be in the count, or the sandbox cannot start its own."""
+    many threads, which must be in the count, or the sandbox cannot start its own. As root,
+    the threads are a process of a uid nothing else on the machine runs as (the suite's
+    other workers run tasks as root and as nobody); else this process's own, beside
+    whatever else this user runs."""
     from prorl_farm.sandbox.process import user_task_count
 
-    stop = threading.Event()
-    before = user_task_count(os.getuid())
-    threads = [threading.Thread(target=stop.wait) for _ in range(40)]
-    for t in threads:
-        t.start()
+    script = ("import sys, threading; stop = threading.Event(); "
+              "[threading.Thread(target=stop.wait, daemon=True).start() for _ in range(40)]; "
+              "print('up', flush=True); sys.stdin.read()")
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        uid = 40000 + os.getpid() % 20000
+        argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                "/usr/bin/python3", "-c", script]
+        expected, before = 41, 0
+    else:
+        uid = os.getuid()
+        argv = [sys.executable, "-c", script]
+        expected, before = 40, user_task_count(uid)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert user_task_count(os.getuid()) >= before + 40
+        assert proc.stdout.readline() == "up\n"
+        if os.geteuid() == 0:
+            assert user_task_count(uid) == expected  # its main thread and the 40
+        else:
+            assert user_task_count(uid) >= before + expected
     finally:
-        stop.set()
-        for t in threads:
-            t.join()
+        proc.communicate("")
 
 
 def test_without_a_cgroup_each_sandbox_has_its_own_process_cap(manager_for, monkeypatch):

@@ -15,7 +15,8 @@ from prorl_farm.trainer import FarmClient
 from tests.farm import ROOT, free_port, wait_until
 from tests.slurm_cluster import SlurmCluster, install
 
-pytestmark = pytest.mark.slow
+# a single-node Slurm of the machine's own (its daemons, its configuration): alone
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

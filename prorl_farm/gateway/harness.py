@@ -159,24 +159,47 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 def install(name: str, into: str, python: str = "") -> Path:
     """Build preset ``name``'s environment under ``into``, idempotent; returns its
     directory. It is a venv of the system's Python (``/usr/bin/python3``, which a sandbox
-    sees as /usr is bound in), not of the farm's own interpreter, which may live anywhere."""
+    sees as /usr is bound in), not of the farm's own interpreter, which may live anywhere.
+    Its packages are pinned by ``locks/harness-NAME.txt`` where the checkout has one (``make
+    lock`` writes it); built by uv where there is one (the checkout's ``.uv/bin/uv``, as
+    `make` installs it, or uv on the PATH), else by venv and pip."""
     preset = PRESETS[name]
     env = Path(into) / preset.env
     stamp = env / ".installed"
     base = python or (SYSTEM_PYTHON if os.path.exists(SYSTEM_PYTHON) else sys.executable)
-    want = "\n".join((base, *preset.packages, *sorted(preset.files)))
+    lock = ROOT / "locks" / f"harness-{name}.txt"
+    pins = lock.read_text() if lock.exists() else ""
+    want = "\n".join((base, *preset.packages, *sorted(preset.files), pins))
     if not (stamp.exists() and stamp.read_text() == want):
         if env.exists():
             shutil.rmtree(env)
-        subprocess.run([base, "-m", "venv", str(env)], check=True)
-        subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
-                        "--disable-pip-version-check", *preset.packages], check=True)
+        constraints = ["-c", str(lock)] if pins else []
+        uv = _uv()
+        if uv:  # copies, not links into uv's cache (which a sandbox's uid may not read);
+            # compiled, as pip does: read-only in a sandbox, it could not be compiled there
+            subprocess.run([uv, "venv", "--quiet", "--python", base, str(env)], check=True)
+            subprocess.run([uv, "pip", "install", "--quiet", "--link-mode", "copy",
+                            "--compile-bytecode",
+                            "--python", str(env / "bin" / "python"), *constraints,
+                            *preset.packages], check=True)
+        else:
+            subprocess.run([base, "-m", "venv", str(env)], check=True)
+            subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
+                            "--disable-pip-version-check", *constraints, *preset.packages],
+                           check=True)
         for inside, source in preset.files.items():
             (env / inside).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(ROOT / source, env / inside)
         stamp.write_text(want)
     subprocess.run(["chmod", "-R", "a+rX", str(Path(into))], check=True)
     return env
+
+
+def _uv() -> str | None:
+    for candidate in (str(ROOT / ".uv" / "bin" / "uv"), shutil.which("uv") or ""):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
 
 
 # -- running one ------------------------------------------------------------------------

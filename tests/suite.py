@@ -1,0 +1,91 @@
+"""The suite as `make test` and `make check` run it, with its time as a visible number.
+
+Phases: ruff; the tests that can run side by side, on ``--workers`` pytest-xdist workers
+(``--dist loadgroup``: the tests that share one real part, vLLM or the Docker engine, run
+on one worker, which starts it once); then the tests marked ``serial`` (they need the
+machine alone), on their own. At the end: the 15 slowest tests and the time of each phase,
+installs included when ``--installs-since`` says when they began (`make test`)::
+
+    tests/suite.py [--check] [--workers N] [--installs-since EPOCH] [-- PYTEST_ARGS...]
+
+``--check`` is the inner loop (`make check`): ruff and the tests not marked ``slow`` (no
+real engine, Docker, Slurm or GRPO run). The exit status is that of the first phase that
+failed; a later phase still runs, so one run reports every failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / ".prorl" / "test-results"
+LINTED = ["prorl_farm", "api", "workers", "tests", "bench", "examples"]
+NO_TESTS = 5  # pytest's exit status when a selection holds no test
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="ruff and the fast tests only")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--installs-since", type=float, default=None,
+                   help="when the installs began (seconds since the epoch)")
+    p.add_argument("pytest_args", nargs="*")
+    args = p.parse_args(argv)
+    phases: list[tuple[str, float, int]] = []
+    if args.installs_since is not None:
+        phases.append(("installs", time.time() - args.installs_since, 0))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for old in [*RESULTS.glob("*.xml"), *RESULTS.glob("timeline-*.txt")]:
+        old.unlink()
+
+    phases.append(_timed("ruff", [sys.executable, "-m", "ruff", "check", *LINTED]))
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    fast = ["-m", "not slow and not serial"] if args.check else ["-m", "not serial"]
+    workers = ["-n", str(args.workers), "--dist", "loadgroup"] if args.workers > 1 else []
+    phases.append(_timed("tests, side by side", [
+        *base, *workers, *fast, f"--junitxml={RESULTS / 'parallel.xml'}", *args.pytest_args]))
+    if not args.check:
+        phases.append(_timed("tests, alone (serial)", [
+            *base, "-m", "serial", f"--junitxml={RESULTS / 'serial.xml'}",
+            *args.pytest_args]))
+    _report(phases)
+    failed = [rc for _, _, rc in phases if rc not in (0, NO_TESTS)]
+    return failed[0] if failed else 0
+
+
+def _timed(name: str, argv: list[str]) -> tuple[str, float, int]:
+    print(f"\n=== {name}: {' '.join(argv[2:])}", flush=True)
+    t = time.monotonic()
+    rc = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    return name, time.monotonic() - t, rc
+
+
+def slowest(paths, n: int = 15) -> list[tuple[float, str]]:
+    """The ``n`` slowest tests of these JUnit XML files (setup, call and teardown)."""
+    times = []
+    for path in paths:
+        for case in ET.parse(path).getroot().iter("testcase"):
+            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            times.append((float(case.get("time") or 0), name))
+    return sorted(times, reverse=True)[:n]
+
+
+def _report(phases: list[tuple[str, float, int]]) -> None:
+    print("\n=== the 15 slowest tests (seconds, setup and teardown included)")
+    for seconds, name in slowest(sorted(RESULTS.glob("*.xml"))):
+        print(f"{seconds:8.1f}  {name}")
+    print("\n=== time per phase")
+    for name, seconds, rc in phases:
+        status = "" if rc in (0, NO_TESTS) else f"  (exit status {rc})"
+        print(f"{seconds / 60:6.1f} min  {name}{status}")
+    print(f"{sum(s for _, s, _ in phases) / 60:6.1f} min  in all", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
