@@ -40,11 +40,24 @@ def pytest_collection_modifyitems(config, items):
         if groups:
             item.add_marker(pytest.mark.xdist_group(groups.pop()))
             item.add_marker(pytest.mark.slow)
+    # The longest work first, so that no worker starts it last: the parts' groups (minutes
+    # each on one worker), then the slow tests, then the rest; in file order within each.
+    items.sort(key=lambda item: 0 if item.get_closest_marker("xdist_group") else
+               1 if item.get_closest_marker("slow") else 2)
+
+
+_CONFIG: list = []
+
+
+def pytest_configure(config):
+    _CONFIG.append(config)
 
 
 def pytest_runtest_logstart(nodeid, location):
     """When each test starts, on which worker: .prorl/test-results/timeline-WORKER.txt (what
     ran beside what, for the suite's own timing; tests/suite.py reads the JUnit files)."""
+    if _CONFIG and _CONFIG[0].pluginmanager.hasplugin("dsession"):
+        return  # the controller of xdist's workers: each worker writes its own
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     path = Path(__file__).resolve().parent.parent / ".prorl" / "test-results"
     path.mkdir(parents=True, exist_ok=True)
