@@ -245,12 +245,27 @@ _DOCKER_SIDE = ("prorl.sandbox=", "docker kill prorl-")
 _ENGINE_SIDE = ("runc", "containerd-shim", "containerd-shim-runc-v2")
 
 
-def own_processes() -> list:
+def own_processes(pattern: str | None = None) -> list:
     """What this test process started: its descendants, and the processes of the
     containers of the Docker engines among them (a container's shim is reparented to init,
     not to the engine: it is found by the engine's exec root on its command line). Nothing
-    else on the machine: another worker of the suite, or a farm running beside it."""
+    else on the machine: another worker of the suite, or a farm running beside it. With
+    ``pattern`` (a regular expression, as ``pgrep -f`` takes), the command lines of those
+    that match it."""
     import psutil
+
+    if pattern is not None:
+        import re
+
+        lines = []
+        for p in own_processes():
+            try:
+                line = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if re.search(pattern, line):
+                lines.append(f"{p.pid} {line[:120]}")
+        return lines
 
     procs = psutil.Process().children(recursive=True)
     roots = []

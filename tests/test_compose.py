@@ -24,7 +24,7 @@ import yaml
 
 from prorl_farm.trainer import FarmClient
 from tests.docker_engine import DEV_MODEL, FARM, REDIS, farm_images
-from tests.farm import ROOT, free_port, wait_until
+from tests.farm import ROOT, free_port, own_processes, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not shutil.which("docker-compose"),
@@ -234,8 +234,8 @@ def test_compose_up_serves_recovers_and_goes_down(compose, docker_engine, tmp_pa
     assert docker_engine.containers(label) == []
     assert docker_engine.run("volume", "ls", "-q", "--filter", label).stdout.split() == []
     assert docker_engine.run("network", "ls", "-q", "--filter", label).stdout.split() == []
-    leftovers = subprocess.run(["pgrep", "-f", "prorl-farm worker|bwrap --unshare-user"],
-                               capture_output=True, text=True).stdout.split()
+    leftovers = [line.split()[0] for line in
+                 own_processes("prorl-farm worker|bwrap --unshare-user")]
     assert not [pid for pid in leftovers if _in_container(pid)], leftovers
     print("compose figures: " + json.dumps({k: round(v, 1) for k, v in figures.items()}))
     (ROOT / ".prorl").mkdir(exist_ok=True)

@@ -147,7 +147,8 @@ def test_a_wedged_pool_is_killed_by_its_watchdog_and_its_jobs_recovered(tmp_path
     server = RedisServer(tmp_path / "redis")
     env = farm_env(server.url, **{**SETTINGS, "watchdog_s": 2})
     pools = Pools(env, tmp_path)
-    client = create_app(load_settings(env)).test_client()
+    app = create_app(load_settings(env))
+    client = app.test_client()
     r = redis.Redis.from_url(server.url, decode_responses=True)
     try:
         pools.start()
@@ -170,4 +171,5 @@ def test_a_wedged_pool_is_killed_by_its_watchdog_and_its_jobs_recovered(tmp_path
     finally:
         pools.stop()
         r.close()
+        app.extensions["prorl"].store.r.connection_pool.disconnect()  # as `faulty` does
         server.stop()

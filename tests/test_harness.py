@@ -30,6 +30,7 @@ from tests.farm import (
     RedisServer,
     docker_settings,
     farm_env,
+    own_processes,
     part_param,
     pool_user,
     readable_copy,
@@ -209,9 +210,9 @@ def _nothing_left(client) -> None:
     if client.engine is not None:
         wait_until(lambda: not client.engine.containers("label=prorl.sandbox"), 30, 0.2,
                    "the sandboxes' containers gone")
-    ps = subprocess.run(["pgrep", "-f", "openai-agent/bin/python|sleep 600"],
-                        capture_output=True)
-    assert ps.stdout == b"", ps.stdout
+    # Of this test process's own (the suite's other workers run harnesses too).
+    left = own_processes("openai-agent/bin/python|sleep 600")
+    assert left == [], left
 
 
 def test_the_openai_agent_preset_solves_and_fails_math(harness_farm, tiny_model):
@@ -282,9 +283,7 @@ def test_cancel_ends_a_running_harness_at_once(harness_farm):
     sub = client.post("/v1/jobs", json={"handler": "math", "deadline_s": 600, "instances": [{
         "problem": "x", "answer": "4", "agent": {"command": "sleep 600"}}]}).get_json()
     job_url = f"/v1/jobs/{sub['job_ids'][0]}"
-    wait_until(lambda: subprocess.run(["pgrep", "-f", "sleep 600"],
-                                      capture_output=True).stdout != b"", 60, 0.2,
-               "the harness running")
+    wait_until(lambda: own_processes("sleep 600"), 60, 0.2, "the harness running")
     if client.engine is not None:  # it runs in a container of the engine's
         assert client.engine.containers("label=prorl.sandbox")
     assert client.post(f"/v1/batches/{sub['batch_id']}/cancel").status_code == 200

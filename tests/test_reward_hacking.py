@@ -503,9 +503,11 @@ def _harness(run, program: str, tests: dict, jail: bool, runtime: str = "bwrap")
     return json.loads(out["stdout"].strip().splitlines()[-1][2:])
 
 
-@pytest.mark.parametrize("runtime,jail", [("bwrap", True), ("bwrap", False),
-                                          ("docker", True), ("docker", False)],
-                         ids=["jail", "no-jail", "docker-jail", "docker-no-jail"])
+@pytest.mark.parametrize("runtime,jail", [
+    ("bwrap", True), ("bwrap", False),
+    pytest.param("docker", True, marks=pytest.mark.part("docker")),
+    pytest.param("docker", False, marks=pytest.mark.part("docker"))],
+    ids=["jail", "no-jail", "docker-jail", "docker-no-jail"])
 def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, runtime, jail):
     """With the jail, and without it (where it cannot be made: the program then runs as a
     plain child of the harness's user), in a bwrap sandbox and in a docker one: the tests
