@@ -30,6 +30,19 @@ for stage in init run eval; do
   start_child "$stage pool" "$LOG_DIR/$PRORL_NODE.$stage.log" "$PY" -m prorl_farm.cli worker "$stage"
 done
 say "worker node $PRORL_NODE: pools started, head $PRORL_URL"
-cleanup() { rm -rf "$PRORL_SANDBOX_DIR" "$PRORL_HOME"; }
+# A pool's own processes (its prefork children) can outlive it by a moment and make its
+# sandbox directory again: the directories go once no process of this node is left.
+node_processes() {  # (the list is expanded before any grep runs: none of them is in it)
+  local f
+  for f in /proc/[0-9]*/environ; do
+    [ "$f" = "/proc/$$/environ" ] && continue
+    grep -qsxz "PRORL_NODE=$PRORL_NODE" "$f" && return 0
+  done
+  return 1
+}
+cleanup() {
+  for _ in $(seq 50); do node_processes || break; sleep 0.2; done
+  rm -rf "$PRORL_SANDBOX_DIR" "$PRORL_HOME"
+}
 trap cleanup EXIT
 restart_children  # a pool that dies (killed by its watchdog, say) is started again
