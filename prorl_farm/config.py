@@ -185,6 +185,13 @@ class Settings:
     sandbox_ro_paths: str = setting("", "read-only paths in every sandbox, `host[:inside],...`")
     sandbox_mount_roots: str = setting(
         "", "host roots under which handlers and instances may ask for more read-only paths")
+    swe_env_dir: str = setting(
+        "/var/tmp/prorl-swe-envs", "environments of real SWE instances (one per repository "
+        "and version, built once, read-only in sandboxes) and their unpacked repositories; "
+        "readable by the sandbox user")
+    swe_pythons: str = setting(
+        "", "interpreters for SWE environments, `3.9=/path/python3.9,...`",
+        shown="pyenv's newest build of each version")
     harness_dir: str = setting(
         "", "agent harness environments (`prorl-farm harness install`), read-only at "
         "/opt/harnesses in a sandbox that runs a harness", shown="`$PRORL_HOME/harnesses`")

@@ -52,8 +52,10 @@ def main():
         ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/self/mem
     except (OSError, AttributeError):
         pass
-    grader = os.path.abspath("grader")
-    repo = os.path.abspath("repo")
+    # The tree under test and the grader's files: ``repo/`` and ``grader/``, or where the
+    # command line says (a SWE-bench environment has its checkout at the workspace itself).
+    repo = os.path.abspath(sys.argv[1] if len(sys.argv) > 2 else "repo")
+    grader = os.path.abspath(sys.argv[2] if len(sys.argv) > 2 else "grader")
     kept = {}
     for name in ("spec.json", "test.patch", "model.patch", "swe_runner.py"):
         path = os.path.join(grader, name)
@@ -113,8 +115,13 @@ def main():
             lambda: run_tests(jail, repo, runner, spec, wanted, key, deadline))
     except JailError as e:  # noqa: F821 - from jail.py
         verdict(error=str(e))
-    verdict(outcomes=decide(wanted, records), suspicious=suspicious, jail=jail.name,
-            exit_code=code, timed_out=late, output=output, discarded=discarded)
+    if spec.get("every_test"):  # every test the run reported, in run order
+        collected = next((r["tests"] for r in records if r.get("kind") == "collected"), [])
+        reported = [r["test"] for r in records if r.get("kind") == "report"]
+        wanted = list(dict.fromkeys([*collected, *reported, *wanted]))
+    verdict(outcomes=decide(wanted, records, spec.get("every_test", False)),
+            suspicious=suspicious, jail=jail.name, exit_code=code, timed_out=late,
+            output=output, discarded=discarded)
 
 
 def is_protected(path, spec):
@@ -159,12 +166,15 @@ def restore(repo, spec, before):
 def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     """Run the child (``runner``: its source); returns (its records, why it is suspicious or
     None, its exit code or None, the tail of its output, whether it ran out of time)."""
-    files = [f for f in dict.fromkeys(t.split("::")[0] for t in wanted)
-             if os.path.isfile(os.path.join(repo, f))]
+    files = spec.get("files") or [f for f in dict.fromkeys(t.split("::")[0] for t in wanted)
+                                  if os.path.isfile(os.path.join(repo, f))]
     r, w = os.pipe()
     log = tempfile.TemporaryFile()
     request = {"key": key, "fd": w, "repo": repo, "tests": wanted, "files": files,
-               "changed": spec.get("changed", []), "test_files": spec.get("test_files", [])}
+               "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
+               "every_test": spec.get("every_test", False),
+               "plugins": spec.get("plugins", []),
+               "pytest_args": spec.get("pytest_args", ["-q"])}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
     child = jail.popen([sys.executable, "-I", "-c", runner], [(repo, True)], repo,
@@ -218,14 +228,16 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     jail.check(child, killed=killed)
     log.seek(0, 2)
     size = log.tell()
-    log.seek(max(0, size - OUTPUT_TAIL))
+    log.seek(max(0, size - int(spec.get("log_bytes", OUTPUT_TAIL))))
     output = log.read().decode("utf-8", errors="replace")
     done = next((rec for rec in records if rec.get("kind") == "done"), None)
     return records, suspicious, done["exit_code"] if done else None, output, late
 
 
-def decide(wanted, records):
-    """Each named test's outcome from the child's records."""
+def decide(wanted, records, xfail=False):
+    """Each named test's outcome from the child's records (``xfail``: tell expected
+    failures, ``xfail``, and unexpected passes, ``xpass``, apart, as pytest's summary
+    does)."""
     phases = {t: {} for t in wanted}
     for rec in records:
         if rec.get("kind") == "report" and rec.get("test") in phases:
@@ -238,11 +250,12 @@ def decide(wanted, records):
         elif call is not None and call.get("outcome") == "failed":
             outcomes[test] = "failed"
         elif any(p.get("outcome") == "skipped" for p in seen.values()):
-            outcomes[test] = "skipped"
+            outcomes[test] = ("xfail" if xfail and call is not None and call.get("xfail")
+                              else "skipped")
         elif call is None or "teardown" not in seen:
             outcomes[test] = "missing"
         elif call.get("outcome") == "passed" and call.get("returned") is True:
-            outcomes[test] = "passed"
+            outcomes[test] = "xpass" if xfail and call.get("xfail") else "passed"
         else:
             outcomes[test] = "failed"
     return outcomes

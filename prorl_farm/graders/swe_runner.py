@@ -223,6 +223,9 @@ def main():
     class Evidence:
         @pytest.hookimpl(tryfirst=True)
         def pytest_collection_modifyitems(self, session, config, items):
+            if every_test:  # SWE-bench runs the whole files; every test has its say
+                wanted.update(i.nodeid for i in items)
+                return
             keep_items = [i for i in items if i.nodeid in wanted]
             dropped = [i for i in items if i.nodeid not in wanted]
             if dropped:
@@ -245,16 +248,21 @@ def main():
             check("report")
             emit("report", test=report.nodeid, when=report.when, outcome=report.outcome,
                  returned=returned.get(report.nodeid, False) if report.when == "call"
-                 else None)
+                 else None, xfail=hasattr(report, "wasxfail"))
 
     plugin = Evidence()
     files = request["files"]
+    every_test = bool(request.get("every_test"))
+    # The environment's own plugins (installed by the farm, named by it): autoloading
+    # stays off, so nothing the candidate registers as an entry point is loaded.
+    options = [a for m in request.get("plugins", []) for a in ("-p", m)]
+    options += request.get("pytest_args", ["-q"])
     os.chdir(repo)
     sys.path.insert(0, repo)  # as `python -m pytest` from the repository's root would
     code = 0
     if files:
         try:
-            code = int(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", repo,
+            code = int(pytest.main(["-p", "no:cacheprovider", "--rootdir", repo, *options,
                                     *files], plugins=[plugin]))
         except BaseException:  # noqa: BLE001 - what the tests raise is theirs
             code = -1

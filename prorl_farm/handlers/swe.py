@@ -19,6 +19,7 @@ import difflib
 import functools
 import io
 import json
+import logging
 import os
 import posixpath
 import re
@@ -36,6 +37,16 @@ from prorl_farm.sandbox.abstract import Limits
 from prorl_farm.sandbox.connection import ToolConnection
 from prorl_farm.sandbox.grading import required_verdict, run_isolated
 from prorl_farm.sandbox.manager import under_mount_roots
+from prorl_farm.swebench.instance import (
+    GRADER_DIR,
+    Prepared,
+    grading_spec,
+    prepare,
+    read_verdict,
+    swebench_spec,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PROMPT = (
     "The current directory is a checkout of the repository {repo}. Resolve the issue below "
@@ -182,14 +193,14 @@ def is_protected(path: str, test_files: set[str]) -> bool:
             or any(part in SKIP_DIRS for part in path.split("/")))
 
 
-def graded_tree(base: dict[str, bytes], agent: dict[str, bytes], test_files: set[str]
-                ) -> tuple[dict[str, bytes], list[str]]:
-    """The agent's tree with every protected file as it was at the base commit; and the
-    protected paths whose changes were discarded."""
+def graded_tree(base: dict[str, bytes], agent: dict[str, bytes], test_files: set[str],
+                also: frozenset[str] = frozenset()) -> tuple[dict[str, bytes], list[str]]:
+    """The agent's tree with every protected file (and each of ``also``) as it was at the
+    base commit; and the protected paths whose changes were discarded."""
     tree = dict(agent)
     discarded = []
     for path in set(base) | set(agent):
-        if is_protected(path, test_files):
+        if is_protected(path, test_files) or path in also:
             if agent.get(path) != base.get(path):
                 discarded.append(path)
             if path in base:
@@ -234,20 +245,38 @@ class SweHandler(ToolAgentHandler):
                       "prompt_template", "image", *AGENT_OPTIONS)
     extra_tools = ("submit",)
 
+    @staticmethod
+    def _swebench(ctx: JobContext) -> Prepared | None:
+        """A SWE-bench instance's repository and environment (built here if needed)."""
+        spec = swebench_spec(ctx.instance)
+        if spec is None:
+            return None
+        return prepare(ctx.instance, spec, ctx.settings, ctx.sandboxes.mount_roots,
+                       log=lambda line: log.info("job %s: %s", ctx.job_id, line))
+
     def init(self, ctx: JobContext) -> dict:
+        prep = self._swebench(ctx)  # reference mode too: the environment is built in INIT
         if ctx.mode == "reference":
             return {}
         inst = ctx.instance
-        files = base_tree(inst, ctx.sandboxes.mount_roots)
+        if prep is not None:
+            files = prep.workspace(inst["base_commit"])
+            extra = {"ro_paths": prep.env.ro_paths, "env": prep.env.sandbox_env}
+            # The index of the shipped .git (its objects are there, the index is not).
+            commands = ["git reset -q"]
+        else:
+            files = base_tree(inst, ctx.sandboxes.mount_roots)
+            extra = {}
+            commands = [f"if command -v git >/dev/null; then git init -q && git add -A "
+                        f"&& git {GIT_IDENTITY} commit -q --no-verify -m base; fi",
+                        *inst["setup"]]
         sandbox = ctx.sandboxes.start(self.sandbox_spec(ctx, workspace_files=files,
-                                                        image=inst["image"]),
+                                                        image=inst["image"], **extra),
                                       ctx.job_id, ctx.requeues, ctx)
         ctx.state = {"sandbox": sandbox.to_dict()}
         client = ToolConnection(sandbox.socket)
         try:
-            fresh_history = (f"if command -v git >/dev/null; then git init -q && git add -A "
-                             f"&& git {GIT_IDENTITY} commit -q --no-verify -m base; fi")
-            run_setup(ctx, client, [fresh_history, *inst["setup"]], SETUP_TIMEOUT_S)
+            run_setup(ctx, client, commands, SETUP_TIMEOUT_S)
         finally:
             client.close()
         return ctx.state
@@ -267,6 +296,9 @@ class SweHandler(ToolAgentHandler):
 
     def eval(self, ctx: JobContext) -> dict:
         inst = ctx.instance
+        prep = self._swebench(ctx)
+        if prep is not None:
+            return self._eval_swebench(ctx, prep)
         base = base_tree(inst, ctx.sandboxes.mount_roots)
         files: dict[str, str | bytes] = {}
         discarded: list[str] = []
@@ -316,3 +348,59 @@ class SweHandler(ToolAgentHandler):
         return {"reward": 1.0 if resolved else 0.0, "resolved": resolved, "suspicious": False,
                 **kept, "tests": by_kind, "jail": verdict.get("jail"),
                 "timed_out": verdict.get("timed_out", False)}
+
+    def _eval_swebench(self, ctx: JobContext, prep: Prepared) -> dict:
+        """EVAL with SWE-bench's steps and verdict: the tree (the base commit, the
+        environment's install output, the candidate's changes but to protected files) at
+        the workspace itself, where the environment's editable install looks; the test
+        files reset and the test patch applied by the harness; SWE-bench's test files run
+        whole under the evidence runner; the outcomes read as swebench 5.0.2 reads a log."""
+        inst = ctx.instance
+        overlay = prep.overlay
+        base = {**prep.base, **overlay}
+        test_paths = patch_paths(inst["test_patch"])
+        files: dict[str, str | bytes] = {}
+        discarded: list[str] = []
+        if ctx.mode == "reference":
+            tree, diff = base, inst["patch"]
+            files[f"{GRADER_DIR}/model.patch"] = inst["patch"]
+            changed = patch_paths(inst["patch"])
+        else:
+            sandbox = ctx.state["sandbox"]
+            try:
+                agent = ctx.sandboxes.snapshot(sandbox, max_bytes=1 << 30, max_files=200_000,
+                                               skip_dirs=SKIP_DIRS)
+            finally:
+                ctx.sandboxes.stop(sandbox)
+            agent = {p: d for p, d in agent.items() if not p.startswith(GRADER_DIR + "/")}
+            tree, discarded = graded_tree(base, agent, test_paths, frozenset(overlay))
+            diff = unified_diff(base, tree)
+            changed = {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)}
+        spec = grading_spec(inst, prep, changed, test_paths, {
+            "protected_names": sorted(PROTECTED_NAMES),
+            "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS)})
+        files.update(tree)
+        files.update({f"{GRADER_DIR}/spec.json": json.dumps(spec),
+                      f"{GRADER_DIR}/test.patch": inst["test_patch"],
+                      f"{GRADER_DIR}/swe_harness.py": source("swe_harness.py"),
+                      f"{GRADER_DIR}/swe_runner.py": source("swe_runner.py")})
+        nonce = secrets.token_hex(16)
+        out = run_isolated(ctx, files, [prep.env.python, "-I", f"{GRADER_DIR}/swe_harness.py",
+                                        ".", GRADER_DIR],
+                           timeout_s=inst["test_timeout_s"], stdin=nonce + "\n",
+                           limits=Limits(processes=256), ro_paths=prep.env.ro_paths,
+                           env=prep.env.sandbox_env)
+        verdict = required_verdict(out, nonce, "swe harness")
+        if verdict.get("discarded"):
+            discarded = verdict["discarded"]
+        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded,
+                "environment": os.path.basename(prep.env.path)}
+        if verdict.get("applied") is False:
+            return {"reward": 0.0, "resolved": False, **kept, "invalid": "patch",
+                    "verdict": f"the patch does not apply: {verdict['why']}"}
+        if verdict.get("suspicious"):
+            return {"reward": 0.0, "resolved": False, "suspicious": True, **kept,
+                    "verdict": f"the candidate reached into the test process: "
+                               f"{verdict['suspicious']}", "output": verdict.get("output", "")}
+        return {**read_verdict(inst, verdict), "suspicious": False, **kept,
+                "jail": verdict.get("jail"), "timed_out": verdict.get("timed_out", False)}

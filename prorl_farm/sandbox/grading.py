@@ -24,11 +24,14 @@ GRADER_LIMITS = Limits(processes=64)
 
 def run_isolated(ctx: JobContext, files: dict[str, str | bytes], argv: list[str],
                  timeout_s: float, stdin: str | None = None,
-                 env: dict[str, str] | None = None, limits: Limits = GRADER_LIMITS) -> dict:
-    """Run ``argv`` in a fresh sandbox holding only ``files``; returns the ``exec`` result
-    (exit_code, signal, stdout, stderr, timed_out). The sandbox is gone afterwards."""
+                 env: dict[str, str] | None = None, limits: Limits = GRADER_LIMITS,
+                 ro_paths: dict[str, str] | None = None) -> dict:
+    """Run ``argv`` in a fresh sandbox holding only ``files`` (and ``ro_paths``, read-only:
+    an environment); returns the ``exec`` result (exit_code, signal, stdout, stderr,
+    timed_out). The sandbox is gone afterwards."""
     sandboxes = ctx.sandboxes
-    sandbox = sandboxes.start(SandboxSpec(workspace_files=files, limits=limits), ctx.job_id,
+    sandbox = sandboxes.start(SandboxSpec(workspace_files=files, limits=limits,
+                                          ro_paths=dict(ro_paths or {})), ctx.job_id,
                               ctx.requeues, ctx)
     client = ToolConnection(sandbox.socket)
     try:

@@ -130,7 +130,8 @@ class SandboxManager:
     def __init__(self, r: redis.Redis, node: str, runtime: str = "auto",
                  root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64,
                  user: str = "auto", python: str = "", ro_paths: str = "",
-                 mount_roots: str = "", allow_network: bool = True, image: str = ""):
+                 mount_roots: str = "", allow_network: bool = True, image: str = "",
+                 trusted_roots: tuple[str, ...] = ()):
         self.r = r
         self.allow_network = allow_network
         self.node = node
@@ -148,6 +149,9 @@ class SandboxManager:
                         "PRORL_SANDBOX_USER", self.run_as[0])
             self.run_as = None
         self.mount_roots = [p for p in mount_roots.split(",") if p.strip()]
+        # Where the farm itself keeps what handlers bind (SWE environments): trusted, as
+        # the mount roots are, but no instance names a path under them.
+        self.trusted_roots = [p for p in trusted_roots if p]
         self.runtime = make_runtime(runtime, RuntimeOptions(self.root, self.run_as, python,
                                                             parse_paths(ro_paths), image))
         self.max_sandboxes = max_sandboxes
@@ -198,8 +202,8 @@ class SandboxManager:
                 gw.mkdir()
                 os.chmod(gw, 0o777)  # the RUN pool puts its socket here
             if spec.ro_paths:
-                spec = dataclasses.replace(spec, ro_paths=check_ro_paths(spec.ro_paths,
-                                                                          self.mount_roots))
+                spec = dataclasses.replace(spec, ro_paths=check_ro_paths(
+                    spec.ro_paths, self.mount_roots + self.trusted_roots))
             for rel, text in spec.workspace_files.items():
                 target = (workspace / rel).resolve()
                 if not str(target).startswith(str(workspace.resolve()) + os.sep):

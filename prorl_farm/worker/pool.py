@@ -106,7 +106,8 @@ def _sandbox_manager(r, settings: Settings):
                               ro_paths=settings.sandbox_ro_paths,
                               mount_roots=settings.sandbox_mount_roots,
                               allow_network=settings.sandbox_network,
-                              image=settings.sandbox_image)
+                              image=settings.sandbox_image,
+                              trusted_roots=(settings.swe_env_dir,))
     except Exception:
         log.exception("sandboxes are unavailable on this node")
         return None

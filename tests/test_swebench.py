@@ -1,0 +1,212 @@
+"""Real SWE-bench instances through the farm (``examples/swe-bench``: 8 rows of SWE-bench
+Lite from 4 repositories, their commits as shallow git bundles, their environments from
+pinned locks), graded with SWE-bench's semantics and checked against swebench's own code:
+
+- for every instance the gold patch is resolved, the empty patch and a known-wrong patch
+  are not, and an agent that replays the gold patch through its tools (the built-in loop on
+  the scripted policy) is resolved through RUN and EVAL;
+- the log of every one of those runs, read by swebench 5.0.2's ``get_eval_report``, gives
+  the farm's verdict and the farm's per-test lists;
+- the farm's eval steps are SWE-bench 4.1.0's ``make_eval_script_list_py``'s, but for the
+  differences listed (and justified) here;
+- the agent sees its repository at the original base commit and nothing after it.
+
+Environments are built once per checkout (``.prorl/swe-envs``): a fresh clone builds each.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.farm import ROOT, run_batch, scripted_farm, use_only_backend, wait_until
+
+DATA = ROOT / "examples" / "swe-bench"
+ROWS = [json.loads(line) for line in (DATA / "instances.jsonl").read_text().splitlines()
+        if line.strip()]
+ENV_DIR = ROOT / ".prorl" / "swe-envs"
+WHEELS = ROOT / ".prorl" / "swebench"
+pytestmark = pytest.mark.slow
+
+
+def _call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + \
+        "\n</tool_call>"
+
+
+SUBMIT = _call("submit")
+
+
+def _gold_plan(row: dict) -> list[str]:
+    """The gold patch, written with the editor and applied with bash, then submitted."""
+    return [_call("str_replace_editor", command="create", path="/tmp/fix.patch",
+                  file_text=row["patch"]),
+            _call("bash", command="git apply /tmp/fix.patch && git status --short"),
+            SUBMIT]
+
+
+def _wheel(name: str) -> str:
+    found = sorted(WHEELS.glob(f"{name}-*.whl"))
+    if not found:
+        pytest.fail(f"{name} is not under {WHEELS}: `make swebench` fetches it")
+    return str(found[0])
+
+
+def swebench(version: str, what: str, cases: list[dict]) -> list:
+    """swebench's own functions (tests/swebench_check.py) on ``cases``."""
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "swebench_check.py"),
+                          _wheel(f"swebench-{version}"), _wheel("unidiff"), what],
+                         input=json.dumps(cases), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def wrong_patch(row: dict, base_file: str) -> str:
+    """A patch that applies but does not fix: half of the gold patch's hunks where it has
+    several, else a comment added to the file the gold patch changes."""
+    patch = row["patch"]
+    hunks = patch.split("\n@@ ")
+    if len(hunks) > 2:
+        kept = hunks[: (len(hunks) + 1) // 2]
+        return "\n@@ ".join(kept).rstrip("\n") + "\n"
+    path = patch.split("diff --git a/", 1)[1].split(" ", 1)[0]
+    old = base_file.splitlines(True)
+    new = ["# a change that fixes nothing\n", *old]
+    return f"diff --git a/{path} b/{path}\n" + "".join(
+        difflib.unified_diff(old, new, f"a/{path}", f"b/{path}"))
+
+
+@pytest.fixture(scope="module")
+def bench_farm(redis_server, tmp_path_factory, tiny_model):
+    plans = {f"gold-{row['instance_id']}": _gold_plan(row) for row in ROWS}
+    plans["empty"] = [_call("bash", command="git log --format='%H %s' | head -3"), SUBMIT]
+    plans["look"] = [_call("bash", command="git log --all --format=%H; git count-objects -v; "
+                           "git cat-file --batch-all-objects --batch-check | wc -l"), SUBMIT]
+    ENV_DIR.mkdir(parents=True, exist_ok=True)
+    with scripted_farm(redis_server.url, tmp_path_factory.mktemp("swebench"), str(tiny_model),
+                       plans, "swebench", sandbox_mount_roots=str(DATA / "repos"),
+                       swe_env_dir=str(ENV_DIR), eval_concurrency=2,
+                       init_concurrency=4) as (client, server):
+        client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
+                          "tokenizer": str(tiny_model), "capacity": 64}
+        yield client
+
+
+def _batch(client, rows: list[dict], mode: str = "policy") -> list[dict]:
+    use_only_backend(client, **client.backend)
+    body = {"handler": "swe", "instances": rows, "sampling": {"max_tokens": 4096},
+            "deadline_s": 1500}
+    if mode != "policy":
+        body["mode"] = mode
+    return run_batch(client, body, 1500)
+
+
+def _case(row: dict, case: str) -> dict:
+    return {**row, "problem_statement": f"[case:{case}] {row['problem_statement']}"}
+
+
+def _base_file(row: dict, tmp: Path) -> str:
+    from prorl_farm.swebench import repos
+
+    git_dir = repos.find_source(row["repo"], [str(DATA / "repos")], str(tmp))
+    path = row["patch"].split("diff --git a/", 1)[1].split(" ", 1)[0]
+    return repos.tree(git_dir, row["base_commit"])[path].decode()
+
+
+def test_real_instances_grade_as_swebench_grades_them(bench_farm, tmp_path, r):
+    wrong = [{**row, "patch": wrong_patch(row, _base_file(row, tmp_path))} for row in ROWS]
+    reference = _batch(bench_farm, [*ROWS, *wrong], mode="reference")
+    policy = _batch(bench_farm, [_case(row, f"gold-{row['instance_id']}") for row in ROWS]
+                    + [_case(row, "empty") for row in ROWS])
+    n = len(ROWS)
+    runs = {"gold": reference[:n], "wrong": reference[n:], "agent": policy[:n],
+            "empty": policy[n:]}
+    table = []
+    for kind, jobs in runs.items():
+        for row, job in zip(ROWS, jobs):
+            assert job["state"] == "done", (kind, row["instance_id"], job["failure"])
+            ev = job["result"]["eval"]
+            want = kind in ("gold", "agent")
+            assert ev["resolved"] is want and job["reward"] == float(want), \
+                (kind, row["instance_id"], {k: ev.get(k) for k in
+                                           ("tests", "invalid", "verdict", "output")})
+            assert not ev.get("suspicious"), (kind, row["instance_id"], ev.get("verdict"))
+            table.append((kind, row, job))
+    # The agent's jobs: its own diff is the gold patch's change, and its trajectory ends
+    # with the submit.
+    for row, job in zip(ROWS, runs["agent"]):
+        assert job["result"]["stats"]["end_reason"] == "submitted"
+        assert job["result"]["eval"]["diff"], row["instance_id"]
+    # swebench 5.0.2 on the same logs: the same verdict, the same per-test lists.
+    theirs = swebench("5.0.2", "report", [{"instance": row, "log": job["result"]["eval"]["log"]}
+                                          for _, row, job in table])
+    for (kind, row, job), report in zip(table, theirs):
+        ev = job["result"]["eval"]
+        assert report["resolved"] is ev["resolved"], (kind, row["instance_id"], report)
+        if "report" in ev:
+            assert report["tests_status"] == ev["report"], (kind, row["instance_id"])
+        else:
+            assert not report["applied"], (kind, row["instance_id"], ev.get("invalid"))
+    wait_until(lambda: not r.hlen("prorl:sandboxes:testnode"), 30, 0.1, "sandboxes stopped")
+
+
+def test_the_agent_sees_the_base_commit_and_nothing_after_it(bench_farm):
+    row = next(r for r in ROWS if r["repo"] == "sqlfluff/sqlfluff")
+    (job,) = _batch(bench_farm, [_case(row, "look")])
+    assert job["state"] == "done", job["failure"]
+    seen = "\n".join(m.get("content") or "" for m in job["result"]["messages"]
+                     if m["role"] == "tool")
+    assert row["base_commit"] in seen
+    others = {r["base_commit"] for r in ROWS} | {r["environment_setup_commit"] for r in ROWS}
+    assert not [c for c in others - {row["base_commit"]} if c in seen], seen
+
+
+def test_the_eval_steps_are_swebench_builders_but_for_the_listed_differences():
+    from prorl_farm.swebench.envs import spec_for
+    from prorl_farm.swebench.grading import eval_script
+
+    theirs = swebench("4.1.0", "script", [{"instance": row} for row in ROWS])
+    # What SWE-bench's script does that the farm does not, and why:
+    # - conda activation and `cd`: the farm's environment is its interpreter at its path;
+    # - `git config`/`git status`/`git show`/`git diff`: informational only;
+    # - the install command again: the environment's install is editable (the candidate's
+    #   source is what runs) and a job's sandbox has no registry to reinstall from; a patch
+    #   that changes packaging metadata is graded without it (none of the shipped ones).
+    skipped = ("source /opt/miniconda3/bin/activate", "conda activate testbed", "cd /testbed",
+               "git config --global --add safe.directory /testbed", "git status",
+               "git show")
+    for row, script in zip(ROWS, theirs):
+        spec = spec_for(row["repo"], row["version"])
+        kept = [c for c in script if c not in skipped and not c.startswith(
+            ("git -c core.fileMode=false diff", spec.install))]
+        assert kept == eval_script(row, spec.test_cmd, "/testbed")[1:], row["instance_id"]
+
+
+def test_a_malformed_row_is_refused_naming_the_field(bench_farm):
+    row = ROWS[0]
+    resp = bench_farm.post("/v1/jobs", json={"handler": "swe", "instance": {
+        **row, "FAIL_TO_PASS": "[not json", "base_commit": None}})
+    assert resp.status_code == 400
+    fields = resp.get_json()["error"]["details"]["instances"]["0"]
+    assert set(fields) == {"FAIL_TO_PASS", "base_commit"}, fields
+
+
+def test_the_shipped_data_is_what_its_record_says():
+    from prorl_farm.swebench import repos
+
+    assert len(ROWS) >= 8 and len({r["repo"] for r in ROWS}) >= 4
+    size = sum(p.stat().st_size for p in DATA.rglob("*") if p.is_file())
+    assert size <= 15 << 20, size
+    cache = os.path.join(ENV_DIR, ".repos")
+    os.makedirs(cache, exist_ok=True)
+    for row in ROWS:
+        git_dir = repos.find_source(row["repo"], [str(DATA / "repos")], cache)
+        assert repos.has_commit(git_dir, row["base_commit"]), row["instance_id"]
+        assert repos.has_commit(git_dir, row["environment_setup_commit"]), row["instance_id"]
+        assert row["instance_id"] in (DATA / "SOURCES.md").read_text()
