@@ -19,6 +19,11 @@ import tempfile
 import types
 
 
+def names(value):
+    """SWE-bench stores test lists as JSON strings; SWE-Gym and some copies as lists."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
 def main():
     wheel, unidiff, what = sys.argv[1:4]
     sys.path[:0] = [wheel, unidiff]
@@ -36,8 +41,8 @@ def main():
             inst = case["instance"]
             spec = TestSpec(instance_id=inst["instance_id"], image="", eval_script_list=[],
                             repo=inst["repo"], version=inst["version"],
-                            FAIL_TO_PASS=json.loads(inst["FAIL_TO_PASS"]),
-                            PASS_TO_PASS=json.loads(inst["PASS_TO_PASS"]),
+                            FAIL_TO_PASS=names(inst["FAIL_TO_PASS"]),
+                            PASS_TO_PASS=names(inst["PASS_TO_PASS"]),
                             log_parser="parse_log_pytest", eval_type="pass_and_fail")
             with tempfile.NamedTemporaryFile("w", suffix=".log") as f:
                 f.write(case["log"])

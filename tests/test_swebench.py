@@ -45,9 +45,9 @@ SUBMIT = _call("submit")
 
 def _gold_plan(row: dict) -> list[str]:
     """The gold patch, written with the editor and applied with bash, then submitted."""
-    return [_call("str_replace_editor", command="create", path="/tmp/fix.patch",
+    return [_call("str_replace_editor", command="create", path="fix.patch",
                   file_text=row["patch"]),
-            _call("bash", command="git apply /tmp/fix.patch && git status --short"),
+            _call("bash", command="git apply fix.patch && rm fix.patch && git status --short"),
             SUBMIT]
 
 
@@ -135,7 +135,10 @@ def test_real_instances_grade_as_swebench_grades_them(bench_farm, tmp_path, r):
             want = kind in ("gold", "agent")
             assert ev["resolved"] is want and job["reward"] == float(want), \
                 (kind, row["instance_id"], {k: ev.get(k) for k in
-                                           ("tests", "invalid", "verdict", "output")})
+                                           ("invalid", "verdict", "output")},
+                 {k: v["failure"] for k, v in ev.get("report", {}).items()},
+                 [line for line in ev.get("log", "").splitlines()
+                  if line.startswith(("FAILED", "ERROR"))][:20])
             assert not ev.get("suspicious"), (kind, row["instance_id"], ev.get("verdict"))
             table.append((kind, row, job))
     # The agent's jobs: its own diff is the gold patch's change, and its trajectory ends

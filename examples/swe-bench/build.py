@@ -117,6 +117,9 @@ def locks() -> None:
             f"# {spec.name}: resolved from the registry for Python "
             f"{env.manifest['python_version']} by examples/swe-bench/build.py\n"
             + env.manifest["resolved"])
+        (LOCKS_DIR / f"{spec.name}.build.txt").write_text(
+            f"# {spec.name}: the repository's build backend, for Python "
+            f"{env.manifest['python_version']}\n" + env.manifest.get("resolved_build", ""))
         print(f"{spec.name}: {len(env.manifest['resolved'].splitlines())} packages locked")
 
 

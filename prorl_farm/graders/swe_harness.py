@@ -172,7 +172,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     log = tempfile.TemporaryFile()
     request = {"key": key, "fd": w, "repo": repo, "tests": wanted, "files": files,
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
-               "every_test": spec.get("every_test", False),
+               "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
                "plugins": spec.get("plugins", []),
                "pytest_args": spec.get("pytest_args", ["-q"])}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",

@@ -141,7 +141,12 @@ def main():
         finally:
             local.busy = False
 
-    sys.addaudithook(hook)
+    # Off where the repository under test is the test runner itself (pytest's own tests):
+    # its code is the candidate's, and what it does to run tests (read test files, walk
+    # frames) is what the hook forbids. The harness says so in the verdict.
+    guard = request.get("guard", True)
+    if guard:
+        sys.addaudithook(hook)
 
     # -- what must not change -----------------------------------------------------------
 
@@ -153,12 +158,25 @@ def main():
     import pluggy
     import pytest
 
+    # pytester is a plugin whose modules pytest rewrites when it loads them: imported here
+    # first, they could not be (a warning, which a repository's `filterwarnings = error`
+    # makes an error).
+    rewritten = ("_pytest.pytester", "_pytest.pytester_assertions")
     for package in (_pytest, pluggy):
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if info.name in rewritten:
+                continue
             try:
                 importlib.import_module(info.name)
             except Exception:  # noqa: BLE001 - optional parts (e.g. for other platforms)
                 pass
+    # The environment's plugins (installed by the farm, named by it) before the snapshot:
+    # some patch pytest as they load (hypothesis wraps FixtureFunctionMarker.__call__).
+    for name in request.get("plugins", []):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - pytest reports it when it loads the plugin
+            pass
     import unittest  # noqa: F401 - its assertions are guarded too
     guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest")
     if not os.path.exists(os.path.join(repo, "numpy")):  # not when testing numpy itself
@@ -213,6 +231,8 @@ def main():
     returned = {}  # nodeid -> whether its call returned (seen by our own wrapper)
 
     def check(where, item=None):
+        if not guard:
+            return
         why = tampered()
         if why is None and item is not None and "runtest" in vars(item):
             why = f"{item.nodeid}: runtest overridden on the item"
@@ -265,9 +285,17 @@ def main():
             code = int(pytest.main(["-p", "no:cacheprovider", "--rootdir", repo, *options,
                                     *files], plugins=[plugin]))
         except BaseException:  # noqa: BLE001 - what the tests raise is theirs
+            import traceback
+
+            traceback.print_exc()  # into the output the verdict keeps
             code = -1
     check("end")
     emit("done", exit_code=code)
+    for stream in (sys.__stdout__, sys.__stderr__):  # the log's last lines (the summary)
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - the log is for reading, the evidence is sent
+            pass
     os._exit(0)  # no atexit hook of the repository's runs after the evidence
 
 

@@ -78,6 +78,11 @@ class EnvSpec:
         path = LOCKS_DIR / f"{self.name}.txt"
         return path.read_text() if path.exists() else None
 
+    def build_lock(self) -> str | None:
+        """The versions of the repository's build backend (its ``build-system``)."""
+        path = LOCKS_DIR / f"{self.name}.build.txt"
+        return path.read_text() if path.exists() else None
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -275,15 +280,25 @@ def _uv() -> str | None:
     return None
 
 
-def _pip_install_locked(install: str) -> str:
-    """The spec's install command for a locked build: no dependency resolution (the lock
-    installed them) and no build isolation (no registry needed for the build backend)."""
-    if re.search(r"\bpip install\b", install):
-        return install + " --no-deps --no-build-isolation"
-    return install
+
+
+EDITABLE = re.compile(r"^(?:python -m )?pip install (?:-e|--editable) ['\"]?([^'\" ]+)['\"]?$")
 
 
 class EnvBuilder:
+    @staticmethod
+    def _install_locked(spec: EnvSpec, python: str, uv: str | None) -> str:
+        """The spec's install command for a locked build: the packages are in already (no
+        dependency resolution), the build backend at the lock's versions."""
+        m = EDITABLE.match(spec.install.strip())
+        if m and uv:
+            target = m.group(1).split("[", 1)[0]  # extras: their packages are in the lock
+            return (f"{uv} pip install --quiet --python {python} --no-deps --link-mode copy "
+                    f"--build-constraints {BUILD_DIR}/build.txt -e {target}")
+        if re.search(r"\bpip install\b", spec.install):
+            return f"{spec.install} --no-deps -c {BUILD_DIR}/build.txt"
+        return spec.install
+
     def __init__(self, root: str, pythons: str = ""):
         self.root = Path(root)
         self.pythons = pythons
@@ -293,7 +308,8 @@ class EnvBuilder:
         prefix, version = _interpreter(exe)
         lock = None if resolve else spec.lock()
         blob = json.dumps({"spec": spec.as_dict(), "python": version, "prefix": prefix,
-                           "lock": lock, "commit": commit, "builder": BUILDER_VERSION},
+                           "lock": lock, "build": None if resolve else spec.build_lock(),
+                           "commit": commit, "builder": BUILDER_VERSION},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16], prefix, version
 
@@ -355,16 +371,11 @@ class EnvBuilder:
                 steps.append(("packages from the lock", f"{python} -m pip install -q "
                               f"--no-deps -r {BUILD_DIR}/lock.txt"))
             if spec.install:
-                steps.append(("the repository", _pip_install_locked(spec.install)))
+                (build / "build.txt").write_text(spec.build_lock() or "")
+                steps.append(("the repository", self._install_locked(spec, python, uv)))
         else:
             log(f"{spec.name}: no lock, resolving from the registry (unpinned)")
             steps.append(("pip", "python -m ensurepip --default-pip"))
-            # The build backend first, in the environment (a locked build installs the
-            # repository without build isolation): the spec's own pins, installed after,
-            # win over what the backend pulled in.
-            (build / "build.txt").write_text("\n".join(build_requires(files)) + "\n")
-            steps.append(("the build backend",
-                          f"python -m pip install -r {BUILD_DIR}/build.txt"))
             if spec.pip_packages:
                 (build / "pip.txt").write_text("\n".join(spec.pip_packages) + "\n")
                 steps.append(("the spec's pip packages",
@@ -385,6 +396,11 @@ class EnvBuilder:
                 steps.append(("the repository", spec.install))
             steps.append(("the lock", f"python -m pip freeze --all --exclude-editable > "
                           f"{BUILD_DIR}/lock.out"))
+            if uv:  # the build backend's versions (a locked build constrains them)
+                (build / "build.in").write_text("\n".join(build_requires(files)) + "\n")
+                steps.append(("the build backend's lock",
+                              f"{uv} pip compile --quiet --no-header --python-version {short} "
+                              f"{BUILD_DIR}/build.in -o {BUILD_DIR}/build.out"))
         env = {k: v for k, v in os.environ.items() if PASS_ENV.match(k)}
         env.update({"PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
                     "LANG": "C.UTF-8", "XDG_CACHE_HOME": CACHE_DIR,
@@ -420,6 +436,8 @@ class EnvBuilder:
                     "built_s": round(time.monotonic() - started, 1)}
         if lock is None and (build / "lock.out").exists():
             manifest["resolved"] = (build / "lock.out").read_text()
+            if (build / "build.out").exists():
+                manifest["resolved_build"] = (build / "build.out").read_text()
         shutil.rmtree(build)
         log(f"{spec.name}: ready in {manifest['built_s']}s")
         return manifest

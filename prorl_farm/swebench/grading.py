@@ -141,21 +141,36 @@ def test_files(test_patch: str) -> list[str]:
             if not any(d.endswith(ext) for ext in non_test)]
 
 
+def reset_files(test_patch: str) -> list[str]:
+    """The files SWE-bench resets to the base commit around the tests
+    (``get_modified_files``): each file the test patch changes or renames, as it was before
+    (a new file has none)."""
+    import re
+
+    out = []
+    for block in re.split(r"^(?=diff --git )", test_patch, flags=re.M):
+        head = re.match(r"diff --git a/(\S+) b/(\S+)", block)
+        if head and not re.search(r"^(new file mode|--- /dev/null)", block, re.M):
+            out.append(head.group(1))
+    return out
+
+
 def eval_script(instance: dict, test_cmd: str, repo_dir: str = "/workspace") -> list[str]:
     """What the farm's grader does for ``instance``, written as the commands of SWE-bench's
     eval script (``make_eval_script_list_py``), for comparison with SWE-bench's builder. The
     farm runs them as its hardened harness does (not through a shell): the tests in-process
     under the evidence runner, whose outcomes are read as :func:`verdict` says."""
     files = " ".join(test_files(instance["test_patch"]))
+    reset = " ".join(reset_files(instance["test_patch"]))
     base = instance["base_commit"]
     return [f"cd {repo_dir}",
-            f"git checkout {base} {files}",
+            f"git checkout {base} {reset}",
             "git apply -v - <<'EOF_114329324912'\n" + instance["test_patch"]
             + "\nEOF_114329324912",
             f": '{START}'",
             f"{test_cmd} {files}",
             f": '{END}'",
-            f"git checkout {base} {files}"]
+            f"git checkout {base} {reset}"]
 
 
 def log_text(output: str, exit_code: int | None) -> str:

@@ -18,6 +18,10 @@ from prorl_farm.swebench import grading, repos
 from prorl_farm.swebench.envs import Env, EnvBuilder, EnvSpec, spec_for
 
 GRADER_DIR = ".prorl-grader"  # the grader's files in the grading sandbox (removed first)
+# Repositories that are the test runner (or the plugin system under it): their tests are
+# run by the candidate's own code, so no evidence is beyond its reach (SWE-bench reads the
+# log that code writes). Graded, with the guard off and ``trust`` saying so.
+RUNNER_REPOS = frozenset({"pytest-dev/pytest", "pytest-dev/pluggy"})
 LOG_BYTES = 256 << 10
 
 
@@ -95,7 +99,8 @@ def grading_spec(inst: dict, prep: Prepared, changed: set[str], test_paths: set[
             "pytest_args": shlex.split(prep.spec.test_cmd)[1:],
             "plugins": prep.env.manifest.get("plugins", []), "log_bytes": LOG_BYTES,
             "changed": sorted(changed - test_paths), "test_files": sorted(test_paths),
-            "timeout_s": inst["test_timeout_s"], **protected}
+            "timeout_s": inst["test_timeout_s"], "guard": inst["repo"] not in RUNNER_REPOS,
+            **protected}
 
 
 def read_verdict(inst: dict, verdict: dict) -> dict:
@@ -112,7 +117,10 @@ def read_verdict(inst: dict, verdict: dict) -> dict:
            "tests": {"FAIL_TO_PASS": {t: status(t) for t in f2p},
                      "PASS_TO_PASS": {t: status(t) for t in p2p}},
            "log": grading.log_text(verdict.get("output", ""), verdict.get("exit_code")),
-           "grading": f"swebench {grading.SWEBENCH_VERSION} semantics"}
+           "grading": f"swebench {grading.SWEBENCH_VERSION} semantics",
+           "trust": ("candidate-runner: the repository is the test runner, whose reports come "
+                     "from the candidate's code (as SWE-bench's log does)"
+                     if inst["repo"] in RUNNER_REPOS else "evidence")}
     if not decided["valid"]:
         out["invalid"] = decided["why"]
     else:
