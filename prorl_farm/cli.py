@@ -159,27 +159,61 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _validate_line(job: dict) -> tuple[bool, str]:
+    """(passes, what one finished reference job says): the reward, SWE's test counts, the
+    time its stages took."""
+    timings = job.get("timings") or {}
+    took = " ".join(f"{stage} {t['active_s']:.1f}s" for stage, t in timings.items()
+                    if isinstance(t, dict) and t.get("active_s") is not None)
+    if job["state"] != "done":
+        failure = job["failure"] or {}
+        return False, (f"{job['state']}: {failure.get('kind')}: "
+                       f"{failure.get('message', '')[:300]}  ({took})")
+    detail = (job.get("result") or {}).get("eval") or {}
+    counts = " ".join(f"{short} {len(r['success'])}/{len(r['success']) + len(r['failure'])}"
+                      for short, r in (("F2P", (detail.get("report") or {}).get("FAIL_TO_PASS")),
+                                       ("P2P", (detail.get("report") or {}).get("PASS_TO_PASS")))
+                      if r is not None)
+    if job["reward"] == 1.0:
+        return True, " ".join(filter(None, ["reward 1.0", counts, f"({took})"]))
+    tests = detail.get("tests")
+    if isinstance(tests, dict) and all(isinstance(v, dict) for v in tests.values()):
+        tests = {k: [t for t, o in v.items() if o not in ("PASSED", "XFAIL", "passed")][:5]
+                 for k, v in tests.items()}  # SWE: the tests that did not pass
+    why = detail.get("invalid") or detail.get("verdict") or tests or detail
+    return False, " ".join(filter(None, [f"reference earns {job['reward']}", counts]))\
+        + f": {str(why)[:300]} ({took})"
+
+
 def _cmd_validate(args) -> int:
-    """Grade every instance's own reference through a running farm; list those that fail."""
+    """Grade every instance's own reference through a running farm (the job path training
+    uses), one line per instance as it finishes; list those that fail."""
+    import time
+
     from prorl_farm.trainer import FarmClient
 
     farm = FarmClient(args.url)
     rows = _read_jsonl(args.file)
+    started = time.monotonic()
     sub = farm.submit(args.handler, rows, mode="reference", deadline_s=args.deadline_s)
     by_id = {j: i for i, j in enumerate(sub["job_ids"])}
     bad = []
+    done = 0
     for job in farm.iter_results(sub["batch_id"], timeout_s=args.deadline_s + 60):
-        line = by_id[job["id"]] + 1
-        if job["state"] != "done":
-            bad.append((line, f"{job['state']}: {(job['failure'] or {}).get('kind')}: "
-                              f"{(job['failure'] or {}).get('message', '')[:300]}"))
-        elif job["reward"] != 1.0:
-            detail = (job.get("result") or {}).get("eval") or {}
-            why = detail.get("verdict") or detail.get("tests") or detail
-            bad.append((line, f"reference earns {job['reward']}: {str(why)[:300]}"))
+        done += 1
+        index = by_id[job["id"]]
+        name = rows[index].get("instance_id") or rows[index].get("task_id") or ""
+        ok, line = _validate_line(job)
+        print(f"[{done}/{len(rows)} {time.monotonic() - started:6.1f}s] {args.file}:"
+              f"{index + 1} {name}: {'ok' if ok else 'FAILS'}: {line}", file=sys.stderr,
+              flush=True)
+        if not ok:
+            bad.append((index + 1, line))
     for line, why in sorted(bad):
         print(f"{args.file}:{line}: {why}")
-    print(f"{len(rows) - len(bad)} of {len(rows)} references pass")
+    passing = len(rows) - len(bad)
+    print(f"{passing} of {len(rows)} references pass ({100 * passing / max(1, len(rows)):.0f}%)"
+          f" in {time.monotonic() - started:.1f}s")
     return 1 if bad else 0
 
 

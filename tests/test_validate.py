@@ -21,7 +21,8 @@ def farm_url(redis_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validate")
     build_repos(tmp / "repos")  # the swe sample's repository
     with http_farm(redis_server.url, tmp, "val",
-                   sandbox_mount_roots=str(tmp / "repos")) as farm:
+                   sandbox_mount_roots=f"{tmp / 'repos'},{ROOT / 'examples/swe-bench/repos'}",
+                   swe_env_dir=str(ROOT / ".prorl" / "swe-envs")) as farm:
         yield farm
 
 
@@ -39,6 +40,22 @@ def test_every_sample_reference_passes(farm_url, handler):
     text = (ROOT / "examples" / "data" / f"{handler}.jsonl").read_text()
     lines = sum(1 for line in text.splitlines() if line.strip())
     assert f"{lines} of {lines} references pass" in out.stdout
+
+
+def test_real_swe_instances_validate_one_by_one_with_their_resolve_rate(farm_url):
+    url, env = farm_url
+    path = ROOT / "examples" / "swe-bench" / "instances.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = _validate(url, env, path, "swe")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(rows)} of {len(rows)} references pass (100%)" in out.stdout
+    progress = [line for line in out.stderr.splitlines() if line.startswith("[")]
+    assert len(progress) == len(rows), out.stderr
+    for row in rows:
+        line = next(p for p in progress if f" {row['instance_id']}: ok: reward 1.0 F2P " in p)
+        f2p = len(json.loads(row["FAIL_TO_PASS"]) if isinstance(row["FAIL_TO_PASS"], str)
+                  else row["FAIL_TO_PASS"])
+        assert f"F2P {f2p}/{f2p} " in line and "eval " in line, line
 
 
 def test_a_planted_broken_reference_is_named(farm_url, tmp_path):
