@@ -125,19 +125,21 @@ def main() -> None:
                 git_dir = repos.find_source(row["repo"], [str(DATA / "repos")], cache)
                 setup = row["environment_setup_commit"]
                 files = repos.tree(git_dir, setup)
+                base = {"base_files": repos.tree(git_dir, row["base_commit"]),
+                        "base_commit": repos.full_commit(git_dir, row["base_commit"])}
                 t0 = time.perf_counter()
-                env = builder.ensure(spec, files, repos.full_commit(git_dir, setup))
+                env = builder.ensure(spec, files, repos.full_commit(git_dir, setup), **base)
                 cold = time.perf_counter() - t0
-                cold_text = f"{cold:.1f}" if spec.name not in built else "(built)"
+                cold_text = f"{cold:.1f}" + ("" if spec.name not in built else " (packages built)")
                 built[spec.name] = cold
                 t0 = time.perf_counter()
-                env = builder.ensure(spec, files, repos.full_commit(git_dir, setup))
+                env = builder.ensure(spec, files, repos.full_commit(git_dir, setup), **base)
                 cached = time.perf_counter() - t0
-                prep = Prepared(spec, git_dir, repos.tree(git_dir, row["base_commit"]), env)
+                prep = Prepared(spec, git_dir, base["base_files"], env)
                 for _ in range(args.rounds):  # INIT with the environment cached
                     t0 = time.perf_counter()
                     again = builder.ensure(spec, repos.tree(git_dir, setup),
-                                           repos.full_commit(git_dir, setup))
+                                           repos.full_commit(git_dir, setup), **base)
                     ws = Prepared(spec, git_dir, repos.tree(git_dir, row["base_commit"]),
                                   again).workspace(row["base_commit"])
                     sb = manager.start(SandboxSpec(workspace_files=ws, ro_paths=again.ro_paths,

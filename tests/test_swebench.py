@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -87,7 +86,9 @@ def bench_farm(redis_server, tmp_path_factory, tiny_model):
     plans = {f"gold-{row['instance_id']}": _gold_plan(row) for row in ROWS}
     plans["empty"] = [_call("bash", command="git log --format='%H %s' | head -3"), SUBMIT]
     plans["look"] = [_call("bash", command="git log --all --format=%H; git count-objects -v; "
-                           "git cat-file --batch-all-objects --batch-check | wc -l"), SUBMIT]
+                           "git cat-file --batch-all-objects --batch-check | wc -l; "
+                           "grep -h ^Version: src/*.egg-info/PKG-INFO; "
+                           "python -c 'import sqlfluff; print(sqlfluff.__file__)'"), SUBMIT]
     ENV_DIR.mkdir(parents=True, exist_ok=True)
     with scripted_farm(redis_server.url, tmp_path_factory.mktemp("swebench"), str(tiny_model),
                        plans, "swebench", sandbox_mount_roots=str(DATA / "repos"),
@@ -111,16 +112,22 @@ def _case(row: dict, case: str) -> dict:
     return {**row, "problem_statement": f"[case:{case}] {row['problem_statement']}"}
 
 
-def _base_file(row: dict, tmp: Path) -> str:
+def _tree(row: dict, commit: str) -> dict[str, bytes]:
     from prorl_farm.swebench import repos
 
-    git_dir = repos.find_source(row["repo"], [str(DATA / "repos")], str(tmp))
+    cache = ENV_DIR / ".repos"
+    cache.mkdir(parents=True, exist_ok=True)
+    return repos.tree(repos.find_source(row["repo"], [str(DATA / "repos")], str(cache)),
+                      commit)
+
+
+def _base_file(row: dict) -> str:
     path = row["patch"].split("diff --git a/", 1)[1].split(" ", 1)[0]
-    return repos.tree(git_dir, row["base_commit"])[path].decode()
+    return _tree(row, row["base_commit"])[path].decode()
 
 
-def test_real_instances_grade_as_swebench_grades_them(bench_farm, tmp_path, r):
-    wrong = [{**row, "patch": wrong_patch(row, _base_file(row, tmp_path))} for row in ROWS]
+def test_real_instances_grade_as_swebench_grades_them(bench_farm, r):
+    wrong = [{**row, "patch": wrong_patch(row, _base_file(row))} for row in ROWS]
     reference = _batch(bench_farm, [*ROWS, *wrong], mode="reference")
     policy = _batch(bench_farm, [_case(row, f"gold-{row['instance_id']}") for row in ROWS]
                     + [_case(row, "empty") for row in ROWS])
@@ -168,6 +175,12 @@ def test_the_agent_sees_the_base_commit_and_nothing_after_it(bench_farm):
     assert row["base_commit"] in seen
     others = {r["base_commit"] for r in ROWS} | {r["environment_setup_commit"] for r in ROWS}
     assert not [c for c in others - {row["base_commit"]} if c in seen], seen
+    # The repository is installed from the base commit: its version there, not the later
+    # environment-setup commit's; the package imports from the agent's own checkout.
+    ini = _tree(row, row["base_commit"])["src/sqlfluff/config.ini"].decode()
+    version = next(line for line in ini.splitlines() if line.startswith("version"))
+    assert f"Version: {version.split('=')[1].strip()}\n" in seen, seen
+    assert "/workspace/src/sqlfluff/__init__.py" in seen, seen
 
 
 def test_the_eval_steps_are_swebench_builders_but_for_the_listed_differences():

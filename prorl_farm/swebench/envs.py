@@ -13,10 +13,15 @@ finder) is the one a sandbox sees. What the install wrote into the tree (``*.egg
 generated ``_version.py``) is kept as the environment's *overlay*, laid into each job's
 checkout as SWE-bench's image has it.
 
-A sandbox gets the environment bound read-only at the interpreter's path; whatever a job
-writes goes to its own workspace. Builds are cached by content (spec, interpreter, lock,
-commit): a second job, or a second process, finds the environment ready, and two that ask
-at once build it once (the second waits on a lock file).
+Two layers, as SWE-bench's environment and instance images: the interpreter and the
+packages, built from the ``environment_setup_commit`` and shared by every instance of
+(repository, version); over it (hard links), the repository installed from the instance's
+own base commit, so that nothing of a later commit (its version, its file list in
+``SOURCES.txt``) is in an agent's sight. A sandbox gets the instance's layer bound
+read-only at the interpreter's path; whatever a job writes goes to its own workspace.
+Builds are cached by content (spec, interpreter, lock, commits): a second job, or a second
+process, finds the environment ready, and two that ask at once build it once (the second
+waits on a lock file).
 """
 
 from __future__ import annotations
@@ -248,6 +253,22 @@ def _copy_interpreter(prefix: str, dest: Path, version: str) -> None:
     (dest / lib / "site-packages").mkdir(exist_ok=True)
 
 
+def _link_tree(src: Path, dest: Path, site: str) -> None:
+    """``src`` again at ``dest``, by hard links (the layer below stays as it is: installers
+    write new files, never into old ones); the files at the top of ``site`` (``.pth``
+    files, which an install may append to) are copied."""
+    def link(a, b):
+        if os.path.dirname(os.path.relpath(a, src)) == site:
+            shutil.copy2(a, b)
+            return
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dest, symlinks=True, copy_function=link)
+
+
 def _bwrap_argv(python_dir: Path, prefix: str, src: Path, build: Path, cache: Path,
                 env: dict[str, str]) -> list[str]:
     bwrap = shutil.which("bwrap")
@@ -314,28 +335,44 @@ class EnvBuilder:
         return hashlib.sha256(blob.encode()).hexdigest()[:16], prefix, version
 
     def ensure(self, spec: EnvSpec, files: dict[str, bytes], commit: str,
-               log: Callable[[str], None] = lambda s: None, resolve: bool = False) -> Env:
-        """The environment for ``spec``, built from ``files`` (the tree at ``commit``: the
-        instance's ``environment_setup_commit``, else its base commit) unless it is
-        cached. ``resolve``: ignore the lock, resolve from the registry (to make a lock)."""
+               log: Callable[[str], None] = lambda s: None, resolve: bool = False,
+               base_files: dict[str, bytes] | None = None, base_commit: str = "") -> Env:
+        """The environment of one instance, cached, as SWE-bench's two images: the spec's
+        packages, built from ``files`` (the tree at ``commit``: the instance's
+        ``environment_setup_commit``), shared by every instance of (repo, version); over it
+        (hard links), the repository installed from ``base_files`` (the tree at
+        ``base_commit``), so that nothing of a later commit (its version, its file list)
+        shows. ``resolve``: ignore the lock, resolve from the registry and install the
+        repository at ``commit`` in one build (to make a lock)."""
         if spec.pre_install:
             raise EnvError(f"{spec.name}: the spec needs system packages "
                            f"({'; '.join(spec.pre_install)}), which a farm node does not "
                            "install")
         exe = find_python(spec.python, self.pythons)
         key, prefix, version = self.key(spec, commit, exe, resolve)
-        final = self.root / f"{spec.name}-{key}"
+        if resolve:
+            return self._cached(f"{spec.name}-{key}", lambda tmp: self._build(
+                spec, files, commit, prefix, version, tmp, log, resolve=True))
+        packages = self._cached(f"{spec.name}-{key}", lambda tmp: self._build(
+            spec, files, commit, prefix, version, tmp, log, install=False))
+        if base_files is None:
+            base_files, base_commit = files, commit
+        at = hashlib.sha256(f"{key} {base_commit}".encode()).hexdigest()[:16]
+        return self._cached(f"{spec.name}-{at}", lambda tmp: self._build(
+            spec, base_files, base_commit, prefix, version, tmp, log, over=packages))
+
+    def _cached(self, name: str, build: Callable[[Path], dict]) -> Env:
+        final = self.root / name
         if (final / "env.json").exists():
             return Env(str(final), json.loads((final / "env.json").read_text()))
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
-        with _Locked(self.root / f".{spec.name}-{key}.lock"):
+        with _Locked(self.root / f".{name}.lock"):
             if (final / "env.json").exists():
                 return Env(str(final), json.loads((final / "env.json").read_text()))
-            tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=self.root))
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self.root))
             try:
-                manifest = self._build(spec, files, commit, exe, prefix, version, tmp, log,
-                                       resolve)
+                manifest = build(tmp)
                 (tmp / "env.json").write_text(json.dumps(manifest, indent=1))
                 subprocess.run(["chmod", "-R", "a+rX", str(tmp)], check=True)
                 os.rename(tmp, final)
@@ -343,64 +380,75 @@ class EnvBuilder:
                 shutil.rmtree(tmp, ignore_errors=True)
         return Env(str(final), manifest)
 
-    def _build(self, spec: EnvSpec, files: dict[str, bytes], commit: str, exe: str,
-               prefix: str, version: str, tmp: Path, log: Callable[[str], None],
-               resolve: bool) -> dict:
+    def _build(self, spec: EnvSpec, files: dict[str, bytes], commit: str, prefix: str,
+               version: str, tmp: Path, log: Callable[[str], None], resolve: bool = False,
+               install: bool = True, over: Env | None = None) -> dict:
+        """One layer: the interpreter and the packages (``over`` None), or the repository
+        installed over the packages of ``over``."""
         started = time.monotonic()
         lock = None if resolve else spec.lock()
         short = ".".join(version.split(".")[:2])
         python = f"{prefix}/bin/python{short}"
-        log(f"{spec.name}: Python {version} from {prefix}")
-        _copy_interpreter(prefix, tmp / "python", version)
+        if over is None:
+            log(f"{spec.name}: Python {version} from {prefix}")
+            _copy_interpreter(prefix, tmp / "python", version)
+        else:
+            log(f"{spec.name}: the repository at {commit[:12]}")
+            _link_tree(Path(over.path) / "python", tmp / "python",
+                       f"lib/python{short}/site-packages")
         src, build, cache = tmp / "src", tmp / "build", self.root / ".cache"
         for d in (src, build, cache):
             d.mkdir(parents=True, exist_ok=True)
-        for rel, data in files.items():
-            path = src / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+        if install:
+            for rel, data in files.items():
+                path = src / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
         steps: list[tuple[str, str]] = []
         uv = _uv()
         if lock is not None:
-            (build / "lock.txt").write_text(lock)
-            if uv:
-                steps.append(("packages from the lock", f"{uv} pip install --quiet --python "
-                              f"{python} --no-deps --link-mode copy --compile-bytecode "
-                              f"-r {BUILD_DIR}/lock.txt"))
-            else:
-                steps.append(("packages from the lock", f"{python} -m pip install -q "
-                              f"--no-deps -r {BUILD_DIR}/lock.txt"))
-            if spec.install:
+            if over is None:
+                (build / "lock.txt").write_text(lock)
+                if uv:
+                    steps.append(("packages from the lock", f"{uv} pip install --quiet "
+                                  f"--python {python} --no-deps --link-mode copy "
+                                  f"--compile-bytecode -r {BUILD_DIR}/lock.txt"))
+                else:
+                    steps.append(("packages from the lock", f"{python} -m pip install -q "
+                                  f"--no-deps -r {BUILD_DIR}/lock.txt"))
+            if install and spec.install:
                 (build / "build.txt").write_text(spec.build_lock() or "")
                 steps.append(("the repository", self._install_locked(spec, python, uv)))
         else:
-            log(f"{spec.name}: no lock, resolving from the registry (unpinned)")
-            steps.append(("pip", "python -m ensurepip --default-pip"))
-            if spec.pip_packages:
-                (build / "pip.txt").write_text("\n".join(spec.pip_packages) + "\n")
-                steps.append(("the spec's pip packages",
-                              f"python -m pip install -r {BUILD_DIR}/pip.txt"))
-            if spec.packages == "requirements.txt":
-                paths = load_specs()["requirements_paths"].get(spec.repo,
-                                                               ["requirements.txt"])
-                reqs = requirements_from_tree(files, paths)
-                (build / "reqs.txt").write_text(reqs)
-                steps.append(("the repository's requirements",
-                              f"python -m pip install -r {BUILD_DIR}/reqs.txt"))
-            elif spec.packages and not spec.packages.endswith((".yml", ".yaml")):
-                steps.append(("the spec's packages", f"python -m pip install "
-                              f"{spec.packages}"))
-            elif spec.packages:
-                raise EnvError(f"{spec.name}: a conda environment file is not supported")
-            if spec.install:
+            if over is None:
+                log(f"{spec.name}: no lock, resolving from the registry (unpinned)")
+                steps.append(("pip", "python -m ensurepip --default-pip"))
+                if spec.pip_packages:
+                    (build / "pip.txt").write_text("\n".join(spec.pip_packages) + "\n")
+                    steps.append(("the spec's pip packages",
+                                  f"python -m pip install -r {BUILD_DIR}/pip.txt"))
+                if spec.packages == "requirements.txt":
+                    paths = load_specs()["requirements_paths"].get(spec.repo,
+                                                                   ["requirements.txt"])
+                    reqs = requirements_from_tree(files, paths)
+                    (build / "reqs.txt").write_text(reqs)
+                    steps.append(("the repository's requirements",
+                                  f"python -m pip install -r {BUILD_DIR}/reqs.txt"))
+                elif spec.packages and not spec.packages.endswith((".yml", ".yaml")):
+                    steps.append(("the spec's packages", f"python -m pip install "
+                                  f"{spec.packages}"))
+                elif spec.packages:
+                    raise EnvError(f"{spec.name}: a conda environment file is not supported")
+            if install and spec.install:
                 steps.append(("the repository", spec.install))
-            steps.append(("the lock", f"python -m pip freeze --all --exclude-editable > "
-                          f"{BUILD_DIR}/lock.out"))
-            if uv:  # the build backend's versions (a locked build constrains them)
-                (build / "build.in").write_text("\n".join(build_requires(files)) + "\n")
-                steps.append(("the build backend's lock",
-                              f"{uv} pip compile --quiet --no-header --python-version {short} "
-                              f"{BUILD_DIR}/build.in -o {BUILD_DIR}/build.out"))
+            if resolve:
+                steps.append(("the lock", f"python -m pip freeze --all --exclude-editable > "
+                              f"{BUILD_DIR}/lock.out"))
+                if uv:  # the build backend's versions (a locked build constrains them)
+                    (build / "build.in").write_text("\n".join(build_requires(files)) + "\n")
+                    steps.append(("the build backend's lock",
+                                  f"{uv} pip compile --quiet --no-header --python-version "
+                                  f"{short} {BUILD_DIR}/build.in -o {BUILD_DIR}/build.out"))
         env = {k: v for k, v in os.environ.items() if PASS_ENV.match(k)}
         env.update({"PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
                     "LANG": "C.UTF-8", "XDG_CACHE_HOME": CACHE_DIR,

@@ -84,9 +84,11 @@ def prepare(inst: dict, spec: EnvSpec, settings, roots: list[str], log=lambda s:
     setup = inst.get("environment_setup_commit") or base
     if not repos.has_commit(git_dir, setup):
         setup = base
+    base_files = repos.tree(git_dir, base)
     env = EnvBuilder(settings.swe_env_dir, settings.swe_pythons).ensure(
-        spec, repos.tree(git_dir, setup), repos.full_commit(git_dir, setup), log)
-    return Prepared(spec, git_dir, repos.tree(git_dir, base), env)
+        spec, repos.tree(git_dir, setup), repos.full_commit(git_dir, setup), log,
+        base_files=base_files, base_commit=repos.full_commit(git_dir, base))
+    return Prepared(spec, git_dir, base_files, env)
 
 
 def grading_spec(inst: dict, prep: Prepared, changed: set[str], test_paths: set[str],
