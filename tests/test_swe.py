@@ -97,13 +97,15 @@ def swe_farm(request, redis_server, tmp_path_factory, tiny_model):
         shutil.rmtree(repos, ignore_errors=True)
 
 
-def _swe(client, instances: list[dict], mode: str = "policy") -> list[dict]:
+def _swe(client, instances: list[dict], mode: str = "policy", max_tokens: int = 1024,
+         deadline_s: float = 240) -> list[dict]:
+    """One batch of ``swe`` jobs on the client's scripted backend, to its end."""
     use_only_backend(client, **client.backend)
-    body = {"handler": "swe", "instances": instances, "sampling": {"max_tokens": 1024},
-            "deadline_s": 240}
+    body = {"handler": "swe", "instances": instances, "sampling": {"max_tokens": max_tokens},
+            "deadline_s": deadline_s}
     if mode != "policy":
         body["mode"] = mode
-    return run_batch(client, body, 240)
+    return run_batch(client, body, deadline_s)
 
 
 def _case(instance: dict, case: str) -> dict:

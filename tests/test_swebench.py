@@ -24,7 +24,8 @@ import sys
 
 import pytest
 
-from tests.farm import ROOT, run_batch, scripted_farm, use_only_backend, wait_until
+from tests.farm import ROOT, scripted_farm, wait_until
+from tests.test_swe import _swe
 
 DATA = ROOT / "examples" / "swe-bench"
 ROWS = [json.loads(line) for line in (DATA / "instances.jsonl").read_text().splitlines()
@@ -100,12 +101,7 @@ def bench_farm(redis_server, tmp_path_factory, tiny_model):
 
 
 def _batch(client, rows: list[dict], mode: str = "policy") -> list[dict]:
-    use_only_backend(client, **client.backend)
-    body = {"handler": "swe", "instances": rows, "sampling": {"max_tokens": 4096},
-            "deadline_s": 1500}
-    if mode != "policy":
-        body["mode"] = mode
-    return run_batch(client, body, 1500)
+    return _swe(client, rows, mode, max_tokens=4096, deadline_s=1500)
 
 
 def _case(row: dict, case: str) -> dict:

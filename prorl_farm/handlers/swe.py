@@ -306,14 +306,7 @@ class SweHandler(ToolAgentHandler):
             tree, diff = base, inst["patch"]
             files["grader/model.patch"] = inst["patch"]
         else:
-            sandbox = ctx.state["sandbox"]
-            try:
-                agent = ctx.sandboxes.snapshot(sandbox, max_bytes=1 << 30, max_files=200_000,
-                                               skip_dirs=SKIP_DIRS)
-            finally:
-                ctx.sandboxes.stop(sandbox)  # nothing of the agent runs while tests do
-            tree, discarded = graded_tree(base, agent, patch_paths(inst["test_patch"]))
-            diff = unified_diff(base, tree)
+            tree, discarded, diff = self._candidate(ctx, base, patch_paths(inst["test_patch"]))
         tests = {"FAIL_TO_PASS": inst["FAIL_TO_PASS"], "PASS_TO_PASS": inst["PASS_TO_PASS"]}
         test_files = patch_paths(inst["test_patch"])
         changed = (patch_paths(inst["patch"]) if ctx.mode == "reference" else
@@ -349,6 +342,22 @@ class SweHandler(ToolAgentHandler):
                 **kept, "tests": by_kind, "jail": verdict.get("jail"),
                 "timed_out": verdict.get("timed_out", False)}
 
+    @staticmethod
+    def _candidate(ctx: JobContext, base: dict[str, bytes], test_paths: set[str],
+                   also: frozenset[str] = frozenset()) -> tuple[dict, list[str], str]:
+        """The tree EVAL grades: what the agent left (its sandbox stopped first: nothing of
+        the agent runs while tests do), every protected file (and each of ``also``) as at
+        the base; the paths whose changes were discarded; its diff against the base."""
+        sandbox = ctx.state["sandbox"]
+        try:
+            agent = ctx.sandboxes.snapshot(sandbox, max_bytes=1 << 30, max_files=200_000,
+                                           skip_dirs=SKIP_DIRS)
+        finally:
+            ctx.sandboxes.stop(sandbox)
+        agent = {p: d for p, d in agent.items() if not p.startswith(GRADER_DIR + "/")}
+        tree, discarded = graded_tree(base, agent, test_paths, also)
+        return tree, discarded, unified_diff(base, tree)
+
     def _eval_swebench(self, ctx: JobContext, prep: Prepared) -> dict:
         """EVAL with SWE-bench's steps and verdict: the tree (the base commit, the
         environment's install output, the candidate's changes but to protected files) at
@@ -366,15 +375,7 @@ class SweHandler(ToolAgentHandler):
             files[f"{GRADER_DIR}/model.patch"] = inst["patch"]
             changed = patch_paths(inst["patch"])
         else:
-            sandbox = ctx.state["sandbox"]
-            try:
-                agent = ctx.sandboxes.snapshot(sandbox, max_bytes=1 << 30, max_files=200_000,
-                                               skip_dirs=SKIP_DIRS)
-            finally:
-                ctx.sandboxes.stop(sandbox)
-            agent = {p: d for p, d in agent.items() if not p.startswith(GRADER_DIR + "/")}
-            tree, discarded = graded_tree(base, agent, test_paths, frozenset(overlay))
-            diff = unified_diff(base, tree)
+            tree, discarded, diff = self._candidate(ctx, base, test_paths, frozenset(overlay))
             changed = {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)}
         spec = grading_spec(inst, prep, changed, test_paths, {
             "protected_names": sorted(PROTECTED_NAMES),
