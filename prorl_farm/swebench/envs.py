@@ -50,6 +50,7 @@ BUILDER_VERSION = 1
 INSIDE_SRC = "/workspace"
 BUILD_DIR = "/tmp/prorl-build"
 CACHE_DIR = "/tmp/prorl-cache"
+UV_INSIDE = "/tmp/prorl-uv"
 # Passed to the build from the farm's environment (how this host reaches the registry).
 PASS_ENV = re.compile(r"^(PIP_\w+|UV_\w+|(https?|no|all)_proxy|(HTTPS?|NO|ALL)_PROXY|"
                       r"SSL_CERT_(FILE|DIR)|REQUESTS_CA_BUNDLE)$")
@@ -270,7 +271,10 @@ def _link_tree(src: Path, dest: Path, site: str) -> None:
 
 
 def _bwrap_argv(python_dir: Path, prefix: str, src: Path, build: Path, cache: Path,
-                env: dict[str, str]) -> list[str]:
+                env: dict[str, str], uv: str | None = None) -> list[str]:
+    """The build's namespace: the host read-only (its /tmp fresh, so a checkout or a uv
+    under /tmp is bound in by name), the interpreter's copy at its own path, the tree at
+    /workspace, the build and cache directories writable; the network shared."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise EnvError("bubblewrap (bwrap) is needed to build SWE environments")
@@ -288,6 +292,8 @@ def _bwrap_argv(python_dir: Path, prefix: str, src: Path, build: Path, cache: Pa
              "--bind", str(python_dir), prefix, "--bind", str(src), INSIDE_SRC,
              "--bind", str(build), BUILD_DIR, "--bind", str(cache), CACHE_DIR,
              "--chdir", INSIDE_SRC, "--clearenv"]
+    if uv:
+        argv += ["--ro-bind", uv, UV_INSIDE]
     for key, value in env.items():
         argv += ["--setenv", key, value]
     return argv
@@ -405,7 +411,8 @@ class EnvBuilder:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
         steps: list[tuple[str, str]] = []
-        uv = _uv()
+        uv_host = _uv()
+        uv = UV_INSIDE if uv_host else None
         if lock is not None:
             if over is None:
                 (build / "lock.txt").write_text(lock)
@@ -456,7 +463,7 @@ class EnvBuilder:
                     "PIP_ROOT_USER_ACTION": "ignore",
                     # A shallow tree has no history for setuptools-scm to read a version from.
                     "SETUPTOOLS_SCM_PRETEND_VERSION": f"{spec.version}.0", **dict(spec.env)})
-        argv = _bwrap_argv(tmp / "python", prefix, src, build, cache, env)
+        argv = _bwrap_argv(tmp / "python", prefix, src, build, cache, env, uv_host)
         for what, command in steps:
             t0 = time.monotonic()
             out = subprocess.run([*argv, "bash", "-c", command], capture_output=True,
