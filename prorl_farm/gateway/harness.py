@@ -174,7 +174,7 @@ def install(name: str, into: str, python: str = "") -> Path:
         if env.exists():
             shutil.rmtree(env)
         constraints = ["-c", str(lock)] if pins else []
-        uv = _uv()
+        uv = uv_binary()
         if uv:  # copies, not links into uv's cache (which a sandbox's uid may not read);
             # compiled, as pip does: read-only in a sandbox, it could not be compiled there
             subprocess.run([uv, "venv", "--quiet", "--python", base, str(env)], check=True)
@@ -195,7 +195,8 @@ def install(name: str, into: str, python: str = "") -> Path:
     return env
 
 
-def _uv() -> str | None:
+def uv_binary() -> str | None:
+    """The checkout's uv (``make`` puts it in ``.uv/``), else one on the PATH."""
     for candidate in (str(ROOT / ".uv" / "bin" / "uv"), shutil.which("uv") or ""):
         if candidate and os.access(candidate, os.X_OK):
             return candidate

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import difflib
 import functools
-import io
 import json
 import logging
 import os
 import posixpath
 import re
 import secrets
-import subprocess
-import tarfile
 
 from marshmallow import ValidationError, fields, validate
 
@@ -37,6 +34,7 @@ from prorl_farm.sandbox.abstract import Limits
 from prorl_farm.sandbox.connection import ToolConnection
 from prorl_farm.sandbox.grading import required_verdict, run_isolated
 from prorl_farm.sandbox.manager import under_mount_roots
+from prorl_farm.swebench import repos
 from prorl_farm.swebench.instance import (
     GRADER_DIR,
     Prepared,
@@ -125,33 +123,12 @@ class SweInstance(AgentOptions):
 # -- the base tree ----------------------------------------------------------------------
 
 
-def _tar_files(data: bytes | None = None, path: str | None = None) -> dict[str, bytes]:
-    """The regular files of a tar (links, devices and unsafe names left out)."""
-    files = {}
-    with tarfile.open(fileobj=io.BytesIO(data) if data is not None else None, name=path,
-                      mode="r:*") as tar:
-        for member in tar:
-            name = posixpath.normpath(member.name)
-            if not member.isreg() or name.startswith(("/", "..")) or name == ".":
-                continue
-            files[name] = tar.extractfile(member).read()
-    return files
-
-
-@functools.lru_cache(maxsize=4)
-def _git_tree(repo: str, commit: str) -> dict[str, bytes]:
-    out = subprocess.run(["git", "-c", f"safe.directory={repo}", "-C", repo, "archive",
-                          "--format=tar", commit], capture_output=True, timeout=600,
-                         stdin=subprocess.DEVNULL)
-    if out.returncode != 0:
-        raise InvalidInstance(f"base_commit {commit}: git archive failed in {repo}: "
-                              f"{out.stderr.decode(errors='replace')[-1000:]}")
-    return _tar_files(out.stdout)
+_git_tree = repos.tree
 
 
 @functools.lru_cache(maxsize=4)
 def _archive_tree(path: str, mtime_ns: int, size: int) -> dict[str, bytes]:
-    return _tar_files(path=path)
+    return repos.tar_files(path=path)
 
 
 def base_tree(inst: dict, roots: list[str]) -> dict[str, bytes]:
@@ -166,12 +143,9 @@ def base_tree(inst: dict, roots: list[str]) -> dict[str, bytes]:
                              inst["base_commit"])
     except SandboxError as e:
         raise InvalidInstance(str(e)) from e
-    owner, name = inst["repo"].split("/", 1)
-    for root in roots:
-        for candidate in (f"{owner}__{name}", f"{owner}/{name}", name):
-            path = os.path.realpath(os.path.join(root, candidate))
-            if os.path.isdir(path) and path.startswith(os.path.realpath(root) + os.sep):
-                return _git_tree(path, inst["base_commit"])
+    found = repos.find_source(inst["repo"], roots)
+    if found is not None:
+        return _git_tree(found, inst["base_commit"])
     raise InvalidInstance(f"repository {inst['repo']} not found under the mount roots "
                           f"({', '.join(roots) or 'none set: PRORL_SANDBOX_MOUNT_ROOTS'})")
 

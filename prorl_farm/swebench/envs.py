@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -139,6 +138,7 @@ def find_python(version: str, configured: str = "") -> str:
                    f"name it in PRORL_SWE_PYTHONS ({version}=/path/to/python{version})")
 
 
+@functools.lru_cache(maxsize=16)
 def _interpreter(exe: str) -> tuple[str, str]:
     """(its prefix, its full version)."""
     out = subprocess.run([exe, "-I", "-c", "import sys, platform; print(sys.prefix); "
@@ -232,6 +232,14 @@ class Env:
                 if p.is_file() and not p.is_symlink()}
 
 
+def _link(src, dst) -> None:
+    """A hard link where the filesystem allows, else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _copy_interpreter(prefix: str, dest: Path, version: str) -> None:
     """The interpreter's tree (hard links where the filesystem allows), without its test
     suite or any installed package."""
@@ -244,13 +252,7 @@ def _copy_interpreter(prefix: str, dest: Path, version: str) -> None:
             return {"test", "site-packages"} & set(names)
         return {"__pycache__"} & set(names) if rel.startswith(f"{lib}/test") else set()
 
-    def link(src, dst):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(prefix, dest, symlinks=True, ignore=ignore, copy_function=link)
+    shutil.copytree(prefix, dest, symlinks=True, ignore=ignore, copy_function=_link)
     (dest / lib / "site-packages").mkdir(exist_ok=True)
 
 
@@ -261,11 +263,8 @@ def _link_tree(src: Path, dest: Path, site: str) -> None:
     def link(a, b):
         if os.path.dirname(os.path.relpath(a, src)) == site:
             shutil.copy2(a, b)
-            return
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
+        else:
+            _link(a, b)
 
     shutil.copytree(src, dest, symlinks=True, copy_function=link)
 
@@ -297,14 +296,6 @@ def _bwrap_argv(python_dir: Path, prefix: str, src: Path, build: Path, cache: Pa
     for key, value in env.items():
         argv += ["--setenv", key, value]
     return argv
-
-
-def _uv() -> str | None:
-    root = HERE.parents[1]
-    for candidate in (str(root / ".uv" / "bin" / "uv"), shutil.which("uv") or ""):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 
@@ -411,7 +402,9 @@ class EnvBuilder:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
         steps: list[tuple[str, str]] = []
-        uv_host = _uv()
+        from prorl_farm.gateway.harness import uv_binary
+
+        uv_host = uv_binary()
         uv = UV_INSIDE if uv_host else None
         if lock is not None:
             if over is None:
@@ -510,6 +503,3 @@ class EnvBuilder:
                              stdin=subprocess.DEVNULL, timeout=120, cwd="/")
         return json.loads(out.stdout) if out.returncode == 0 else []
 
-
-def default_python_version() -> str:
-    return f"{sys.version_info.major}.{sys.version_info.minor}"

@@ -27,6 +27,7 @@ module with swebench 5.0.2's own functions on every shipped instance.
 from __future__ import annotations
 
 import json
+import re
 
 SWEBENCH_VERSION = "5.0.2"
 START = ">>>>> Start Test Output"
@@ -133,8 +134,6 @@ def verdict(outcomes: dict[str, str], exit_code: int | None, fail_to_pass: list[
 def test_files(test_patch: str) -> list[str]:
     """SWE-bench's test directives for a pytest repository: every file the test patch names
     (``diff --git a/X b/Y``: Y), but documentation and data files."""
-    import re
-
     non_test = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml",
                 ".yaml", ".toml")
     return [d for d in re.findall(r"diff --git a/.* b/(.*)", test_patch)
@@ -145,8 +144,6 @@ def reset_files(test_patch: str) -> list[str]:
     """The files SWE-bench resets to the base commit around the tests
     (``get_modified_files``): each file the test patch changes or renames, as it was before
     (a new file has none)."""
-    import re
-
     out = []
     for block in re.split(r"^(?=diff --git )", test_patch, flags=re.M):
         head = re.match(r"diff --git a/(\S+) b/(\S+)", block)

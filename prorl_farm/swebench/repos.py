@@ -18,9 +18,12 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import io
 import os
+import posixpath
 import shutil
 import subprocess
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -115,10 +118,10 @@ def unpack_bundle(bundle: str, cache: str) -> str:
     return str(target)
 
 
-def find_source(repo: str, roots: list[str], cache: str) -> str | None:
+def find_source(repo: str, roots: list[str], cache: str | None = None) -> str | None:
     """The git directory for ``owner/name`` under the mount roots: ``owner__name.bundle``
-    (unpacked into ``cache``), or a repository at ``owner__name``, ``owner/name`` or
-    ``name``; None if there is none."""
+    (unpacked into ``cache``; without one, bundles are not looked for), or a repository at
+    ``owner__name``, ``owner/name`` or ``name``; None if there is none."""
     owner, name = repo.split("/", 1)
     for root in roots:
         real_root = os.path.realpath(root)
@@ -127,8 +130,10 @@ def find_source(repo: str, roots: list[str], cache: str) -> str | None:
             path = os.path.realpath(os.path.join(root, candidate))
             if not path.startswith(real_root + os.sep):
                 continue
-            if candidate.endswith(".bundle") and os.path.isfile(path):
-                return unpack_bundle(path, cache)
+            if candidate.endswith(".bundle"):
+                if cache is not None and os.path.isfile(path):
+                    return unpack_bundle(path, cache)
+                continue
             if os.path.isdir(path):
                 return path
     return None
@@ -175,16 +180,24 @@ def workspace_git(git_dir: str, commit: str) -> dict[str, bytes]:
     }
 
 
+def tar_files(data: bytes | None = None, path: str | None = None) -> dict[str, bytes]:
+    """The regular files of a tar (links, devices and unsafe names left out)."""
+    files = {}
+    with tarfile.open(fileobj=io.BytesIO(data) if data is not None else None, name=path,
+                      mode="r:*") as tar:
+        for member in tar:
+            name = posixpath.normpath(member.name)
+            if not member.isreg() or name.startswith(("/", "..")) or name == ".":
+                continue
+            files[name] = tar.extractfile(member).read()
+    return files
+
+
 @functools.lru_cache(maxsize=8)
 def tree(git_dir: str, commit: str) -> dict[str, bytes]:
-    """The regular files of ``commit`` (links and submodules left out)."""
-    import io
-    import tarfile
-
-    data = _git(git_dir, "archive", "--format=tar", commit)
-    files = {}
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        for member in tar:
-            if member.isreg():
-                files[member.name] = tar.extractfile(member).read()
-    return files
+    """The regular files of ``commit`` (read on this node, never in a sandbox)."""
+    try:
+        data = _git(git_dir, "archive", "--format=tar", commit)
+    except InvalidInstance as e:
+        raise InvalidInstance(f"base_commit {commit}: {e}") from e
+    return tar_files(data)
