@@ -96,12 +96,18 @@ def data(rows_files: list[str], clones: list[str], ids: list[str]) -> None:
 
 
 def locks() -> None:
-    from prorl_farm.swebench import repos
-    from prorl_farm.swebench.envs import LOCKS_DIR, EnvBuilder, spec_for
+    from prorl_farm.swebench.envs import EnvBuilder
 
     rows = [json.loads(line) for line in INSTANCES.read_text().splitlines() if line.strip()]
-    builder = EnvBuilder(tempfile.mkdtemp(prefix="prs-envs-"))
-    cache = tempfile.mkdtemp(prefix="prs-repos-")
+    with tempfile.TemporaryDirectory(prefix="prs-envs-") as envs, \
+            tempfile.TemporaryDirectory(prefix="prs-repos-") as cache:
+        _locks(rows, EnvBuilder(envs), cache)
+
+
+def _locks(rows: list[dict], builder, cache: str) -> None:
+    from prorl_farm.swebench import repos
+    from prorl_farm.swebench.envs import LOCKS_DIR, spec_for
+
     done = set()
     for row in rows:
         spec = spec_for(row["repo"], row["version"])
