@@ -161,8 +161,9 @@ class Settings:
     vllm_python: str = setting("", "the interpreter of vLLM's environment, for `--engine "
                                "vllm`", shown="`.venv-vllm/bin/python`")
     grade_timeout_s: float = setting(
-        10.0, "time one `math`/`stem` answer's grading may take (in a helper process) before "
-        "it earns 0 with the reason", lo=0.1, hi=3600)
+        10.0, "CPU seconds one `math`/`stem` answer's grading may take (in a helper process at "
+        "the lowest priority; 30 times as long of wall clock at most) before it earns 0 with "
+        "the reason", lo=0.1, hi=3600)
     grade_memory_mb: int = setting(1024, "memory one answer's grading may take", lo=256,
                                    hi=1 << 20)
     sandbox_runtime: str = setting(

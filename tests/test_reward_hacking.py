@@ -444,7 +444,7 @@ def test_an_answer_that_never_evaluates_earns_nothing_and_stops_nobody(farm, r):
             assert job["reward"] == 1.0, ev
         else:
             assert job["reward"] == 0.0, ev
-            assert ev["verdict"] == "grading exceeded its time bound (3 s)", ev
+            assert ev["verdict"] == "grading exceeded its time bound (3 s of CPU)", ev
     # The EVAL pool is alive and grades what comes next.
     assert r.zscore("prorl:pools", "eval:testnode") >= time.time() - 5
     after = batch(["honest"] * 3)

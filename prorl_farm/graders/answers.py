@@ -6,11 +6,16 @@ inside the process can stop (the computation holds the interpreter), and a long 
 message with many ``\\boxed`` is quadratic to scan. So the pool process only ships the
 final message and the reference to a *helper process* (``python -m
 prorl_farm.graders.answers``: math-verify imported once, a memory limit, lowest
-priority), waits for its one-line verdict within a time bound, and
+priority), waits for its one-line verdict within a bound of the *helper's CPU time*, and
 kills the helper if the bound passes: that answer earns 0 with the reason, the helper is
-replaced for the next one, and the pool and every other job go on. The helper also holds
-each answer to that many seconds of CPU itself (``RLIMIT_CPU``), so a computation goes
-even if the pool process dies under it.
+replaced for the next one, and the pool and every other job go on. The bound is CPU time,
+not wall time, because the helper runs at the lowest priority: on a loaded node it may wait
+for a core far longer than it computes, and a right answer must not earn 0 for the node's
+load (a wall-clock backstop, ``GRADE_WALL_FACTOR`` times the bound, still ends a helper
+that never gets to run). The helper also holds each answer to that many seconds of CPU
+itself (``RLIMIT_CPU``), so a computation goes even if the pool process dies under it.
+It lowers its own priority only once it is ready: importing math-verify at the lowest
+priority could take minutes on a busy node.
 
 Helpers are kept between gradings (a per-process pool, one helper per grading in flight);
 a helper that dies without a verdict is retried once on a fresh one (what killed it may
@@ -34,7 +39,9 @@ from collections.abc import Callable
 
 from prorl_farm.sandbox.process import kill_group
 
-GRADE_TIMEOUT_S = 10.0  # per answer, wall clock (PRORL_GRADE_TIMEOUT_S)
+GRADE_TIMEOUT_S = 10.0  # per answer, the helper's CPU seconds (PRORL_GRADE_TIMEOUT_S)
+GRADE_WALL_FACTOR = 30.0  # wall-clock backstop: this many times the CPU bound
+START_TIMEOUT_S = 300.0  # a helper's start-up (imports), wall clock
 GRADE_MEMORY_MB = 1024  # address space of a helper (PRORL_GRADE_MEMORY_MB)
 HELPER_CPU_S = 600  # per answer when the request does not say
 IDLE_EXIT_S = 120.0  # an unused helper exits
@@ -128,6 +135,7 @@ def serve() -> None:
     even with the pool gone); an idle helper exits after ``IDLE_EXIT_S``."""
     import math_verify  # noqa: F401 - imported once, before the first request
 
+    os.nice(19)  # lowest priority from here on: what runs now is the policy's answer
     out = sys.stdout
     out.write("ready\n")
     out.flush()
@@ -169,13 +177,12 @@ def _helper_limits(memory_mb: int) -> None:
     mem = memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    os.nice(19)
 
 
 class Helper:
     """One helper process and its pipes."""
 
-    def __init__(self, memory_mb: int = GRADE_MEMORY_MB, timeout_s: float = 60.0):
+    def __init__(self, memory_mb: int = GRADE_MEMORY_MB, timeout_s: float = START_TIMEOUT_S):
         self.memory_mb = memory_mb
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prorl_farm.graders.answers"], stdin=subprocess.PIPE,
@@ -186,9 +193,12 @@ class Helper:
             self.kill()
             raise RuntimeError("the answer grader did not start")
 
-    def _line(self, timeout_s: float, check: Callable[[], None] | None) -> str | None:
-        """The next line, or None if the helper died or ``timeout_s`` passed."""
+    def _line(self, timeout_s: float, check: Callable[[], None] | None,
+              cpu_s: float | None = None) -> str | None:
+        """The next line, or None if the helper died, ``timeout_s`` (wall clock) passed, or
+        the helper spent more than ``cpu_s`` seconds of CPU since the call."""
         end = time.monotonic() + timeout_s
+        spent = _cpu_seconds(self.proc.pid) if cpu_s is not None else 0.0
         fd = self.proc.stdout
         while True:
             if check is not None:
@@ -196,18 +206,22 @@ class Helper:
             left = end - time.monotonic()
             if left <= 0:
                 return None
+            if cpu_s is not None and _cpu_seconds(self.proc.pid) - spent > cpu_s:
+                return None
             ready, _, _ = select.select([fd], [], [], min(left, 0.2))
             if ready:
                 line = fd.readline()
                 return line.decode().rstrip("\n") if line else None
 
-    def ask(self, request: dict, timeout_s: float, check) -> tuple[float, str] | None:
+    def ask(self, request: dict, cpu_s: float, check) -> tuple[float, str] | None:
+        """The verdict, or None if the helper died or spent ``cpu_s`` of CPU (or
+        ``GRADE_WALL_FACTOR`` times that of wall clock) without one."""
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
         except OSError:
             return None
-        line = self._line(timeout_s, check)
+        line = self._line(cpu_s * GRADE_WALL_FACTOR, check, cpu_s)
         if line is None:
             return None
         reward, why = json.loads(line)
@@ -226,6 +240,17 @@ class Helper:
                 pass
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far (0.0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
 _idle: list[Helper] = []
 _lock = threading.Lock()
 
@@ -261,8 +286,8 @@ def grade(request: dict, timeout_s: float = GRADE_TIMEOUT_S,
           memory_mb: int = GRADE_MEMORY_MB) -> tuple[float, str]:
     """(reward, why) for ``request`` (``kind`` ``math``: text, reference, max_chars; or
     ``choice``: text, reference, n_choices), graded in a helper process within
-    ``timeout_s``. ``check`` (e.g. ``ctx.check``) runs while waiting and may raise to
-    abandon the grading (the helper is then killed)."""
+    ``timeout_s`` of the helper's CPU time. ``check`` (e.g. ``ctx.check``) runs while
+    waiting and may raise to abandon the grading (the helper is then killed)."""
     for attempt in (1, 2):
         helper = _take(memory_mb)
         try:
@@ -276,7 +301,7 @@ def grade(request: dict, timeout_s: float = GRADE_TIMEOUT_S,
         timed_out = helper.alive()
         helper.kill()
         if timed_out:
-            return 0.0, f"grading exceeded its time bound ({timeout_s:g} s)"
+            return 0.0, f"grading exceeded its time bound ({timeout_s:g} s of CPU)"
         if attempt == 2:
             return 0.0, "grading exceeded its memory bound (the grader died twice)"
     raise AssertionError("unreachable")
