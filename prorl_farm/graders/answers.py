@@ -80,6 +80,54 @@ def last_boxed(text: str) -> str | None:
 _BRACES = re.compile(r"[{}]")
 _SEPARATORS = re.compile(r",|;|\bor\b|\\text\{\s*or\s*\}|\\lor")
 _ANSWER_LINE = re.compile(r"(?im)^\s*answer\s*[:：]\s*\(?([A-Z])\)?\s*$")
+# "The answer is (B)", "the correct answer is: **B**." (the letter a capital, the words any case)
+_ANSWER_PHRASE = re.compile(r"(?i:\b(?:the\s+)?(?:final\s+|correct\s+)?answer\s+is)\s*:?\s*"
+                            r"[*_]*\(?([A-Z])\)?[*_]*(?=[\s.,;:!)]|$)")
+# Digits grouped by thousands: 1,000 / 1{,}000 / 1\,000 / 1\ 000 / 1\;000 / 1~000 (never a
+# list: each group after the first has exactly three digits, and nothing but a digit-free
+# boundary around them).
+_GROUP_SEP = r"(?:,|\{,\}|\\,|\\;|\\:|\\ |~|\\thinspace\s?)"
+_GROUPED = re.compile(r"(?<![\d.,}])(\d{1,3}(?:" + _GROUP_SEP + r"\d{3})+)(?![\d]|\{,\}\d)")
+_GROUP_SEPS = re.compile(_GROUP_SEP)
+# Wrappers that dress a value without changing it: text and font commands.
+_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|texttt|mathrm|mathbf|mathit|mathsf|"
+                      r"mathtt|mbox|boldsymbol|bm|operatorname)\s*\{([^{}]*)\}")
+_CURRENCY = re.compile(r"\\\$|\$|\\(?:text)?(?:dollar|euro|pounds?)\b|(?:USD|US\$|€|£)")
+
+
+def unwrap(text: str) -> str:
+    """``text`` without text and font wrappers (``\\text{B}`` -> ``B``), innermost first."""
+    for _ in range(8):
+        new = _WRAPPER.sub(lambda m: m.group(1), text)
+        if new == text:
+            break
+        text = new
+    return text
+
+
+_BRACKETED = re.compile(r"[(\[]|\\\{|\\left|\\langle")
+
+
+def ungroup(text: str) -> str:
+    """Thousands separators out of numbers (``1{,}000`` -> ``1000``), nothing else; not in
+    a tuple, interval or set, where ``(10,100)`` is two numbers."""
+    if _BRACKETED.search(text):
+        return text
+    return _GROUPED.sub(lambda m: _GROUP_SEPS.sub("", m.group(1)), text)
+
+
+_NUMBER_WRAPPED = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox)\s*"
+                             r"\{(\s*[-+]?[\d.,]+\s*(?:\\?%)?\s*)\}")
+_SPACING = re.compile(r"\\[,;:!]|\\ |~")
+
+
+def normal_answer(text: str) -> str:
+    """A boxed answer as math-verify and the candidate count read it best: currency signs
+    out, a number out of its text wrapper (``\\text{0.5}``), thousands separators out (so
+    that ``1,000`` is one answer, not a list of two), LaTeX spacing (``\\,``) a space."""
+    text = _CURRENCY.sub("", text).strip()
+    text = _NUMBER_WRAPPED.sub(lambda m: m.group(1), text)
+    return _SPACING.sub(" ", ungroup(text))
 
 
 def grade_math(final_text: str, reference: str, max_chars: int = 200) -> tuple[float, str]:
@@ -92,6 +140,7 @@ def grade_math(final_text: str, reference: str, max_chars: int = 200) -> tuple[f
         return 0.0, "no \\boxed{} answer"
     if len(answer) > max_chars:
         return 0.0, f"answer longer than {max_chars} characters"
+    answer, reference = normal_answer(answer), normal_answer(reference)
     single = not _SEPARATORS.search(reference)
     if single and _SEPARATORS.search(answer):
         return 0.0, "several candidate answers"
@@ -108,18 +157,32 @@ def _parse(parse, text: str):
             or parse(text, parsing_timeout=None))
 
 
+def choice_letter(picked: str) -> str:
+    """The letter of a choice in its common dress: ``B``, ``(B)``, ``B.``, ``B)``, ``[B]``,
+    ``\\text{B}``, ``\\textbf{(B)}``, ``**B**``, ``Option B``, ``Answer: B``, ``$B$``;
+    anything else is returned as it is (and is not a letter)."""
+    text = unwrap(picked).strip().strip("$").strip()
+    text = re.sub(r"^(?i:(?:the\s+)?(?:final\s+|correct\s+)?(?:answer|option|choice)"
+                  r"(?:\s+is)?\s*[:：]?)\s*", "", text)
+    text = text.strip().strip("*_").strip()
+    m = re.fullmatch(r"[(\[{]?\s*([A-Za-z])\s*[)\]}]?\s*[.:)]?", text)
+    return m.group(1) if m else text
+
+
 def grade_choice(final_text: str, reference: str, n_choices: int) -> tuple[float, str]:
-    """(reward, why) for a multiple-choice answer: one letter, boxed or on an Answer line."""
+    """(reward, why) for a multiple-choice answer: one letter, boxed, on an ``Answer:`` line
+    or in "the answer is B"."""
     picked = last_boxed(final_text)
     if picked is None:
-        lines = _ANSWER_LINE.findall(final_text)
+        lines = _ANSWER_LINE.findall(final_text) or _ANSWER_PHRASE.findall(final_text)
         picked = lines[-1] if lines else None
     if picked is None:
         return 0.0, "no answer"
-    letter = picked.strip().strip("()").strip()
+    letter = choice_letter(picked)
     valid = {chr(ord("A") + i) for i in range(n_choices)}
     if letter.upper() not in valid or len(letter) != 1:
         return 0.0, "not a single choice letter"
+    reference = choice_letter(reference)
     return (1.0, "correct") if letter.upper() == reference.strip().upper() else (0.0, "wrong")
 
 
