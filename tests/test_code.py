@@ -44,6 +44,21 @@ PROGRAMS = {
     "patched": "import builtins, unittest\nbuiltins.AssertionError = Exception\n"
                "unittest.TestCase.assertEqual = lambda *a: None\ndef add(a, b):\n    return 0\n",
     "exit-early": "import os, sys\ndef add(a, b):\n    os._exit(0)\nsys.exit(0)\n",
+    # The harness imports what a program says its modules are: a name bound to a module
+    # object called like one that exits when imported (unittest.__main__), for the test
+    # code's `check` or `assert`.
+    "names-a-module": "import types\ncheck = types.ModuleType('unittest.__main__')\n"
+                      "globals()['assert'] = types.ModuleType('unittest.__main__')\n"
+                      "def add(a, b):\n    return 0\n",
+    # Writes its own ready line, built to make the harness's literal parser take hundreds of
+    # times its size (then never answers a call).
+    **{f"amplify-{mb}M": f"import os, sys\nline = b'ready ' + b'[' + b'0,' * ({mb} << 19) + "
+                         f"b']\\n'\nos.write(int(sys.argv[2]), line)\nos._exit(0)\n"
+       for mb in (1, 4, 16)},
+    "amplify-names": "import os, sys\nv = repr('[' + '(),' * (1 << 20) + ']')\n"
+                     "os.write(int(sys.argv[2]), b'ready ' + repr({'BIG': ['value', "
+                     "'[' + '(),' * (1 << 20) + ']']}).encode() + b'\\n')\n"
+                     "def add(a, b):\n    return 0\nBIG = 1\n",
     "fork-bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
                  "        pass\n",
     "memory-hog": "x = []\nwhile True:\n    x.append(bytearray(10**7))\n",
@@ -112,6 +127,27 @@ def test_tricks_on_the_grader_earn_nothing(code_farm):
     assert honest["reward"] == 1.0
     for job, (case, _) in zip(tricks, cases):
         assert job["state"] == "done" and job["reward"] == 0.0, (case, job["result"]["eval"])
+
+
+def test_a_program_that_steers_the_harness_earns_zero_with_the_reason(code_farm):
+    """Whatever a wrong program makes the harness do (import a module it names, raise
+    ``SystemExit``, parse megabytes of its own literals) earns 0 with the reason, never a
+    failed job; the harness's memory stays within 64 MiB of its start while it reads up to
+    16 MiB of the program's output."""
+    mbpp = {**MBPP_TESTS, "test_list": ["assert add(1, 2) == 3 and BIG == 1"]}
+    cases = [("names-a-module", CALL_TESTS), ("names-a-module", MBPP_TESTS),
+             ("amplify-1M", CALL_TESTS), ("amplify-4M", CALL_TESTS),
+             ("amplify-16M", CALL_TESTS), ("amplify-names", mbpp),
+             ("call-good", CALL_TESTS)]
+    jobs = _code(code_farm, cases)
+    *attacks, honest = jobs
+    assert honest["reward"] == 1.0, honest["result"]["eval"]
+    for job, (case, _) in zip(attacks, cases):
+        assert job["state"] == "done", (case, job["failure"])  # a zero, not an error
+        ev = job["result"]["eval"]
+        assert job["reward"] == 0.0 and ev["tests"][0]["why"], (case, ev)
+        grew = ev["harness_mb"]["peak"] - ev["harness_mb"]["start"]
+        assert grew <= 64, (case, ev["harness_mb"])
 
 
 def test_runaway_programs_end_within_their_limits_and_leave_the_node_clean(code_farm, r):

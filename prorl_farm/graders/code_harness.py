@@ -26,7 +26,14 @@ is a plain child, and the tests are still out of its reach; the verdict says whi
   (imported here by name) and its literal constants. The test setup's own definitions and
   Python's builtins are never replaced by the program's. A returned object with a rigged
   ``__eq__``, a patched ``assert``/``unittest``/``pytest``, an early ``os._exit(0)`` or
-  printed fake results cannot pass a test.
+  printed fake results cannot pass a test. Of the modules a program imported, only those
+  whose import does nothing but define names (``PURE_MODULES``) are imported here: a name
+  bound to ``unittest.__main__`` (which exits when imported) is left out. Whatever the
+  program makes this process raise (``SystemExit`` and every other ``BaseException``
+  included) fails that test with the reason: a wrong program earns 0, never an error.
+  What the program writes is read as Python literals by a child process of bounded memory
+  (``Literals``): ``ast.literal_eval`` can take hundreds of times the size of its input,
+  here it costs this process only the value (a line is at most ``MAX_LINE``).
 
 After each test every other process of the sandbox's user is killed. Exit status 0 and
 one line ``NONCE {"passed", "total", "jail", "results": [{"ok", "why"}]}``.
@@ -37,12 +44,14 @@ import builtins
 import ctypes
 import importlib
 import json
+import marshal
 import os
 import re
 import resource
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -50,8 +59,16 @@ import time
 
 PR_SET_DUMPABLE = 4
 SOLUTION = "solution.py"
-MAX_LINE = 16 * 1024 * 1024  # one result from the program, at most
+MAX_LINE = 4 * 1024 * 1024  # one line from the program (a result, its names), at most
+PARSER_MB = 1024  # the literal reader's address space
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
+# Modules whose import only defines names: test code may use these from a program's imports.
+PURE_MODULES = frozenset({
+    "abc", "array", "bisect", "calendar", "cmath", "collections", "collections.abc",
+    "copy", "dataclasses", "datetime", "decimal", "difflib", "enum", "fractions",
+    "functools", "hashlib", "heapq", "itertools", "json", "math", "numbers", "operator",
+    "random", "re", "statistics", "string", "struct", "textwrap", "typing", "unicodedata",
+    "zlib"})
 
 
 def harden():
@@ -72,15 +89,16 @@ def limits(memory_mb, file_mb=64):
 
 
 def kill_others():
-    """Every process but this one and the sandbox's init: what a test left behind. Only
-    inside a sandbox (never as root, where "every process" would be the host's)."""
+    """Every process but this one, its literal reader and the sandbox's init: what a test
+    left behind. Only inside a sandbox (never as root, where "every process" would be the
+    host's)."""
     if os.getuid() == 0:
         return
-    me = os.getpid()
+    keep = {os.getpid(), 1, LITERALS.pid}
     for _ in range(3):
         found = False
         for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in (me, 1):
+            if not name.isdigit() or int(name) in keep:
                 continue
             try:
                 os.kill(int(name), signal.SIGKILL)
@@ -93,6 +111,85 @@ def kill_others():
 
 
 # include: jail.py
+
+
+# The literal reader: reads a length-prefixed text, answers ``o`` + marshal of its value,
+# ``m`` (over its memory bound) or ``e`` + the error's name, length-prefixed.
+PARSER = r'''
+import ast, ctypes, marshal, struct, sys
+try:
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+except Exception:
+    pass
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+while True:
+    head = inp.read(8)
+    if len(head) < 8:
+        break
+    data = inp.read(struct.unpack("<Q", head)[0])
+    try:
+        blob = b"o" + marshal.dumps(ast.literal_eval(data.decode("utf-8", "replace")))
+    except MemoryError:
+        blob = b"m"
+    except BaseException as e:
+        blob = b"e" + type(e).__name__.encode()
+    data = None
+    out.write(struct.pack("<Q", len(blob)) + blob)
+    out.flush()
+'''
+
+
+class Literals:
+    """Python literals read in a child process of bounded memory (``PARSER_MB``), started
+    on first use and again if it dies; ``read(text)`` returns the value or raises
+    ``ValueError`` with the reason."""
+
+    def __init__(self, memory_mb=PARSER_MB):
+        self.memory_mb = memory_mb
+        self.proc = None
+
+    def read(self, text):
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", PARSER],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, close_fds=True,
+                                         preexec_fn=limits(self.memory_mb))
+        data = text.encode("utf-8", errors="replace")
+        try:
+            self.proc.stdin.write(struct.pack("<Q", len(data)) + data)
+            self.proc.stdin.flush()
+            head = self.proc.stdout.read(8)
+            blob = self.proc.stdout.read(struct.unpack("<Q", head)[0]) \
+                if len(head) == 8 else b""
+        except (OSError, ValueError):
+            blob = b""
+        if blob[:1] == b"o":
+            return marshal.loads(blob[1:])
+        if blob[:1] == b"e":
+            raise ValueError(f"not a Python literal ({blob[1:].decode(errors='replace')})")
+        self.close()
+        raise ValueError("a value too large to read within its memory bound")
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc is not None else None
+
+    def close(self):
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+            for f in (self.proc.stdin, self.proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            self.proc = None
+
+
+LITERALS = Literals()
 
 
 def binds(where):
@@ -227,16 +324,31 @@ class Program:
         self.checked = False
         try:
             first = self._read()
-        except RuntimeError:  # it exited: the program's doing, or the jail's?
-            self.proc.wait()
+        except RuntimeError as e:
+            if str(e) != "the program exited":
+                self.close()  # it may still be writing: it goes before the error is told
+                raise
+            self.proc.wait()  # it exited: the program's doing, or the jail's?
             self.checked = True
+            self.results.close()
             jail.check(self.proc)
             raise
-        if not first.startswith("ready "):
-            raise RuntimeError(f"the program did not load ({first.lstrip('!')})")
-        self.names = ast.literal_eval(first[len("ready "):])
-        if not isinstance(self.names, dict):
-            raise RuntimeError("the program did not load (bad name table)")
+        except BaseException:
+            self.close()
+            raise
+        try:
+            if not first.startswith("ready "):
+                raise RuntimeError(f"the program did not load ({first.lstrip('!')[:200]})")
+            try:
+                self.names = LITERALS.read(first[len("ready "):])
+            except ValueError as e:
+                raise RuntimeError(f"the program did not load (bad name table: {e})") \
+                    from None
+            if not isinstance(self.names, dict):
+                raise RuntimeError("the program did not load (bad name table)")
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self):
         ready, _, _ = select.select([self.results], [], [], self.time_s)
@@ -256,8 +368,8 @@ class Program:
         self.proc.stdin.flush()
         line = self._read()
         if line.startswith("!"):
-            raise RuntimeError(f"the program raised {line[1:]}")
-        return ast.literal_eval(line)
+            raise RuntimeError(f"the program raised {line[1:200]}")
+        return LITERALS.read(line)
 
     def function(self, name):
         def call(*args, **kwargs):
@@ -277,7 +389,6 @@ class Program:
 
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def program_names(program, test_source, taken):
@@ -287,18 +398,28 @@ def program_names(program, test_source, taken):
     bound = {}
     for name, kind in program.names.items():
         if (not isinstance(name, str) or not _IDENT.match(name) or name in taken
-                or hasattr(builtins, name) or not re.search(rf"\b{name}\b", test_source)):
+                or hasattr(builtins, name) or not re.search(rf"\b{name}\b", test_source)
+                or not isinstance(kind, (list, tuple)) or not kind
+                or not all(isinstance(k, str) for k in kind)):
             continue
         try:
             if kind[0] == "callable":
                 bound[name] = program.function(name)
-            elif kind[0] == "module" and _MODULE.match(kind[1]):
+            elif kind[0] == "module" and len(kind) == 2 and kind[1] in PURE_MODULES:
                 bound[name] = importlib.import_module(kind[1])
-            elif kind[0] == "value":
-                bound[name] = ast.literal_eval(kind[1])
+            elif kind[0] == "value" and len(kind) == 2:
+                bound[name] = LITERALS.read(kind[1])
         except Exception:  # noqa: BLE001 - a name the test code cannot use is left out
             continue
     return bound
+
+
+def _text(error):
+    """An exception's message, whatever its ``__str__`` does (the program may have made it)."""
+    try:
+        return str(error)[:200]
+    except BaseException:  # noqa: BLE001
+        return "(no message)"
 
 
 def run_calls(jail, where, spec, time_s, memory_mb):
@@ -327,8 +448,8 @@ def run_calls(jail, where, spec, time_s, memory_mb):
             results.append((False, "assertion failed"))
         except TimeoutError:
             results.append((False, "time limit"))
-        except Exception as e:  # noqa: BLE001 - any failure fails the test
-            results.append((False, f"{type(e).__name__}: {str(e)[:200]}"))
+        except BaseException as e:  # noqa: BLE001 - whatever the program causes fails the test
+            results.append((False, f"{type(e).__name__}: {_text(e)}"))
         finally:
             if program is not None:
                 program.close()
@@ -338,6 +459,7 @@ def run_calls(jail, where, spec, time_s, memory_mb):
 
 def main():
     harden()
+    base_kb = peak_rss_kb()
     spec = json.loads(sys.stdin.buffer.read())
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # nothing of the tests is left to read on fd 0
@@ -361,8 +483,25 @@ def main():
     except JailError as e:  # noqa: F821 - the environment's fault: an error, not a zero
         verdict(nonce, error=str(e))
         return
+    finally:
+        LITERALS.close()
+    peak_kb = peak_rss_kb()
     verdict(nonce, passed=sum(1 for ok, _ in results if ok), total=len(results),
-            jail=jail.name, results=[{"ok": ok, "why": why} for ok, why in results])
+            jail=jail.name, results=[{"ok": ok, "why": why} for ok, why in results],
+            memory_mb={"start": round(base_kb / 1024, 1), "peak": round(peak_kb / 1024, 1)})
+
+
+def peak_rss_kb():
+    """This process's peak resident memory since it started (``VmHWM``: unlike
+    ``ru_maxrss``, not the forking parent's)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def verdict(nonce, **fields):

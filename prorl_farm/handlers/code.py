@@ -105,7 +105,7 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
     fraction = verdict["passed"] / verdict["total"] if verdict["total"] else 0.0
     return {"reward": 1.0 if verdict["passed"] == verdict["total"] > 0 else 0.0,
             "pass_fraction": round(fraction, 6), "jail": verdict.get("jail"),
-            "tests": verdict["results"][:100]}
+            "tests": verdict["results"][:100], "harness_mb": verdict.get("memory_mb")}
 
 
 class CodeHandler(ToolAgentHandler):
