@@ -176,6 +176,13 @@ class Settings:
         "/tmp/prorl-sandboxes", "sandbox files (keep it short: Unix socket paths are limited "
         "to 107 bytes)")
     sandbox_max: int = setting(64, "live sandboxes per node", lo=1, hi=65_000)
+    sandbox_scratch_mb: int = setting(
+        512, "size of each memory-backed scratch directory of a sandbox (`/tmp`, `/var/tmp`, "
+        "`/run`, `/dev/shm`; bwrap and docker): writing past it fails inside", lo=1,
+        hi=1 << 20)
+    grade_scratch_mb: int = setting(
+        1024, "size of the `/tmp` and of the `/dev/shm` of a grader's jail (`swe`, `code`): "
+        "writing past it fails inside", lo=16, hi=1 << 20)
     sandbox_user: str = setting(
         "auto", "host user a sandbox runs as: `auto` = `nobody` when the farm is root (if "
         "`nobody` can read the farm's installation; else the farm's own, with a warning), "

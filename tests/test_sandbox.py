@@ -240,6 +240,35 @@ def test_bwrap_contains_fork_bomb_and_memory_hog(bwrap_box, manager_for):
         manager.stop(other)
 
 
+def _shmem_kb() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+
+
+def test_scratch_space_is_bounded_and_a_write_past_it_fails_inside(manager_for):
+    """Every memory-backed directory of a sandbox (/tmp, /var/tmp, /run, /dev/shm) holds at
+    most PRORL_SANDBOX_SCRATCH_MB: a 1 GiB write into each fails inside with ENOSPC, the
+    sandbox and its tool server go on, and the node's shared memory grows by no more than
+    the bounds (it would grow by the whole 4 GiB without them)."""
+    manager = manager_for("bwrap", scratch_mb=16)
+    sb = manager.start(SandboxSpec(limits=Limits(processes=64)))
+    c = ToolConnection(sb.socket)
+    try:
+        before = _shmem_kb()
+        for scratch in ("/tmp", "/var/tmp", "/run", "/dev/shm"):
+            out = c.bash(f"df -k --output=size {scratch} | tail -1; dd if=/dev/zero "
+                         f"of={scratch}/fill bs=1M count=1024 2>&1 | head -1", timeout_s=120)
+            size_kb, message = out["output"].strip().split("\n", 1)
+            assert int(size_kb) == 16 * 1024, (scratch, out)
+            assert "No space left on device" in message, (scratch, out)
+        grew_mb = (_shmem_kb() - before) / 1024
+        assert grew_mb < 1024, grew_mb  # 4 x 16 MiB, and whatever runs beside the test
+        assert c.bash("echo alive")["output"] == "alive\n"
+    finally:
+        c.close()
+        manager.stop(sb)
+
+
 def test_bwrap_as_a_non_root_user(tmp_path, redis_server):
     if not shutil.which("bwrap") or not shutil.which("runuser"):
         pytest.skip("needs bwrap and runuser")

@@ -466,7 +466,7 @@ def main():
     nonce = spec["nonce"]
     time_s, memory_mb = spec.get("time_s", 5.0), spec.get("memory_mb", 512)
     # Jail is from jail.py, included when the harness is shipped.
-    jail = Jail(enabled=spec.get("jail", True))  # noqa: F821
+    jail = Jail(tmp_mb=int(spec.get("tmp_mb", 256)), enabled=spec.get("jail", True))  # noqa: F821
     # The program's own directory: a private copy, so the jail binds it alone.
     where = tempfile.mkdtemp(prefix="candidate-")
     shutil.copy(SOLUTION, os.path.join(where, SOLUTION))

@@ -21,7 +21,8 @@ class Jail:
     user, pid, mount, network, IPC and UTS namespaces, no capabilities, the grader's root
     read-only, fresh ``/proc``, ``/dev``, ``/tmp`` and ``/run``, an empty ``/workspace``
     holding only ``binds`` (``(path, writable)``, at the same path), dying with its parent;
-    its ``/tmp`` (memory) holds at most ``tmp_mb``.
+    its ``/tmp`` and ``/dev/shm`` (memory) hold at most ``tmp_mb`` each, its ``/run`` and
+    ``/workspace`` 1 MiB.
     From inside, the grader's processes cannot be seen or signalled, and nothing of the
     grader's sandbox but the read-only system and the binds can be read. Where the jail
     cannot be made (no bubblewrap, or no user namespaces here), the program runs as a plain
@@ -51,7 +52,8 @@ class Jail:
                 "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--uid",
                 str(JAIL_UID), "--gid", str(JAIL_UID), "--cap-drop", "ALL",
                 "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--proc", "/proc",
-                "--dev", "/dev", "--size", self.tmp_bytes, "--tmpfs", "/tmp",
+                "--dev", "/dev", "--size", self.tmp_bytes, "--tmpfs", "/dev/shm",
+                "--size", self.tmp_bytes, "--tmpfs", "/tmp",
                 "--size", "1048576", "--tmpfs", "/run", "--size", "1048576", "--tmpfs",
                 "/workspace"]
         if status_fd is not None:

@@ -34,7 +34,6 @@ import select
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 PR_SET_DUMPABLE = 4
@@ -169,7 +168,10 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     files = spec.get("files") or [f for f in dict.fromkeys(t.split("::")[0] for t in wanted)
                                   if os.path.isfile(os.path.join(repo, f))]
     r, w = os.pipe()
-    log = tempfile.TemporaryFile()
+    # The run's output: read from a pipe, its last ``log_bytes`` kept in memory. Never a
+    # file: this sandbox's /tmp is memory too, and what the tests print is theirs to size.
+    log_r, log_w = os.pipe()
+    keep = int(spec.get("log_bytes", OUTPUT_TAIL))
     request = {"key": key, "fd": w, "repo": repo, "tests": wanted, "files": files,
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
                "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
@@ -178,24 +180,43 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
     child = jail.popen([sys.executable, "-I", "-c", runner], [(repo, True)], repo,
-                       pass_fds=(w,), stdin=subprocess.PIPE, stdout=log, stderr=log,
+                       pass_fds=(w,), stdin=subprocess.PIPE, stdout=log_w, stderr=log_w,
                        close_fds=True, env=env, start_new_session=True)
     os.close(w)
+    os.close(log_w)
     child.stdin.write((json.dumps(request) + "\n").encode())
     child.stdin.close()
     records, suspicious, buffer, late = [], None, b"", False
+    tail = bytearray()
     prefix = (key + " ").encode()
-    while True:
-        left = deadline - time.monotonic()
+    evidence_open, log_open, drain_until = True, True, None
+    while evidence_open or log_open:
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
-            late = True
+            late = evidence_open
             break
-        ready, _, _ = select.select([r], [], [], min(left, 1.0))
-        if not ready:
+        if not evidence_open:  # the runner is done; what it printed last, briefly
+            if drain_until is None:
+                drain_until = now + 2.0
+            if now >= drain_until:
+                break
+        ready, _, _ = select.select([f for f, o in ((r, evidence_open), (log_r, log_open))
+                                     if o], [], [], min(left, 1.0))
+        if log_r in ready:
+            chunk = os.read(log_r, 65536)
+            if chunk:
+                tail += chunk
+                if len(tail) > 2 * keep:
+                    del tail[:len(tail) - keep]
+            else:
+                log_open = False
+        if r not in ready:
             continue
         chunk = os.read(r, 65536)
         if not chunk:
-            break
+            evidence_open = False
+            continue
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         if len(buffer) > MAX_RECORD:
@@ -215,6 +236,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                                                if record.get("where") else ""))
             records.append(record)
     os.close(r)
+    os.close(log_r)
     try:  # the runner ends itself after its last record; past the deadline we end it
         child.wait(timeout=0 if late else 5)
         killed = False
@@ -226,10 +248,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
         pass
     child.wait()
     jail.check(child, killed=killed)
-    log.seek(0, 2)
-    size = log.tell()
-    log.seek(max(0, size - int(spec.get("log_bytes", OUTPUT_TAIL))))
-    output = log.read().decode("utf-8", errors="replace")
+    output = bytes(tail[-keep:]).decode("utf-8", errors="replace")
     done = next((rec for rec in records if rec.get("kind") == "done"), None)
     return records, suspicious, done["exit_code"] if done else None, output, late
 

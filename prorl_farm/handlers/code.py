@@ -96,7 +96,8 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
     """Run the harness on ``program`` in a fresh sandbox: the tests reach it on its stdin,
     never as a file, and its verdict is the line tagged with a nonce it read there."""
     nonce = secrets.token_hex(16)
-    spec = {**tests_spec(inst), "nonce": nonce}
+    spec = {**tests_spec(inst), "nonce": nonce,
+            "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 256)}
     n = len(spec.get("tests") or spec.get("cases"))
     files = {"solution.py": program, "code_harness.py": source("code_harness.py")}
     out = run_isolated(ctx, files, ["python3", "-I", "-S", "code_harness.py"],

@@ -288,7 +288,8 @@ class SweHandler(ToolAgentHandler):
         spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"],
                 "changed": sorted(changed - test_files), "test_files": sorted(test_files),
                 "timeout_s": inst["test_timeout_s"], "protected_names": sorted(PROTECTED_NAMES),
-                "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS)}
+                "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
+                "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 1024)}
         files.update({f"repo/{p}": data for p, data in tree.items()})
         files.update({"grader/spec.json": json.dumps(spec), "grader/test.patch":
                       inst["test_patch"], "grader/swe_harness.py": source("swe_harness.py"),
@@ -353,7 +354,8 @@ class SweHandler(ToolAgentHandler):
             changed = {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)}
         spec = grading_spec(inst, prep, changed, test_paths, {
             "protected_names": sorted(PROTECTED_NAMES),
-            "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS)})
+            "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
+            "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 1024)})
         files.update(tree)
         files.update({f"{GRADER_DIR}/spec.json": json.dumps(spec),
                       f"{GRADER_DIR}/test.patch": inst["test_patch"],

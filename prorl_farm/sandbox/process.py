@@ -34,6 +34,10 @@ class Limits:
     # Scheduling priority: below the farm's own processes, so that whatever a sandbox runs
     # (a fork bomb, a busy loop) cannot starve the pools' heartbeats or Redis.
     nice: int = 15
+    # Each memory-backed scratch directory (/tmp, /var/tmp, /run, /dev/shm) holds at most
+    # this much: writing past it fails with ENOSPC inside, and the node's memory stays as it
+    # was (PRORL_SANDBOX_SCRATCH_MB sets it for every sandbox of a node).
+    scratch_bytes: int = 512 * 1024**2
 
 
 def parent_death_signal(sig: int) -> None:

@@ -107,7 +107,8 @@ def _sandbox_manager(r, settings: Settings):
                               mount_roots=settings.sandbox_mount_roots,
                               allow_network=settings.sandbox_network,
                               image=settings.sandbox_image,
-                              trusted_roots=(settings.swe_env_dir,))
+                              trusted_roots=(settings.swe_env_dir,),
+                              scratch_mb=settings.sandbox_scratch_mb)
     except Exception:
         log.exception("sandboxes are unavailable on this node")
         return None

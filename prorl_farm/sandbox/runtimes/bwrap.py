@@ -117,8 +117,11 @@ def bwrap_argv(spec: SandboxSpec, sandbox_id: str, workspace: Path, ip: str,
             argv += ["--tmpfs", f"/etc/{name}"]
     argv += ["--ro-bind", str(identity / "passwd"), "/etc/passwd",
              "--ro-bind", str(identity / "group"), "/etc/group", "--remount-ro", "/etc"]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
-             "--tmpfs", "/run", "--dir", INSIDE_RUN]
+    size = str(spec.limits.scratch_bytes)  # every tmpfs bounded: it is the node's memory
+    argv += ["--dev", "/dev", "--proc", "/proc"]
+    for scratch in ("/dev/shm", "/tmp", "/var/tmp", "/run"):
+        argv += ["--size", size, "--tmpfs", scratch]
+    argv += ["--dir", INSIDE_RUN]
     if spec.gateway:  # the directory where the job's gateway puts its socket
         argv += ["--bind", str(gateway_dir(workspace)), INSIDE_GATEWAY_DIR]
         if spec.harnesses and os.path.isdir(spec.harnesses):
