@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -49,8 +50,45 @@ def pytest_collection_modifyitems(config, items):
 _CONFIG: list = []
 
 
+RESULTS = Path(__file__).resolve().parent.parent / ".prorl" / "test-results"
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")  # cgroup v1's CPU accounting, where mounted
+_cpu: dict = {}
+
+
 def pytest_configure(config):
     _CONFIG.append(config)
+    if not config.pluginmanager.hasplugin("dsession"):
+        _account_cpu()
+
+
+def _account_cpu() -> None:
+    """This pytest process (a worker) and all it starts, in a CPU accounting group of its own,
+    so that each test's CPU time, with its servers and subprocesses (not its containers'),
+    can be told (.prorl/test-results/cpu-WORKER.txt; tests/suite.py prints the largest).
+    Where there is no writable cgroup v1 ``cpuacct``, nothing is measured."""
+    group = CPUACCT / "prorl-tests" / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-" \
+        f"{os.getpid()}"
+    try:
+        group.mkdir(parents=True, exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return
+    _cpu["usage"] = group / "cpuacct.usage"
+
+
+def pytest_unconfigure(config):
+    usage = _cpu.pop("usage", None)
+    if usage is not None:
+        with contextlib.suppress(OSError):  # back to the root group; the group goes if empty
+            (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+            usage.parent.rmdir()
+
+
+def _cpu_s() -> float | None:
+    try:
+        return int(_cpu["usage"].read_text()) / 1e9 if "usage" in _cpu else None
+    except (OSError, ValueError):
+        return None
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -59,10 +97,20 @@ def pytest_runtest_logstart(nodeid, location):
     if _CONFIG and _CONFIG[0].pluginmanager.hasplugin("dsession"):
         return  # the controller of xdist's workers: each worker writes its own
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    path = Path(__file__).resolve().parent.parent / ".prorl" / "test-results"
-    path.mkdir(parents=True, exist_ok=True)
-    with open(path / f"timeline-{worker}.txt", "a") as f:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / f"timeline-{worker}.txt", "a") as f:
         f.write(f"{time.time():.1f} {nodeid}\n")
+    _cpu["start"] = _cpu_s()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """The CPU seconds the test and what it started took: cpu-WORKER.txt."""
+    start, end = _cpu.pop("start", None), _cpu_s()
+    if start is None or end is None:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(RESULTS / f"cpu-{worker}.txt", "a") as f:
+        f.write(f"{end - start:.1f} {nodeid}\n")
 
 
 @pytest.fixture(autouse=True)

@@ -9,12 +9,22 @@ Debian packages (``deploy/base-image.sh``: debootstrap, ``docker import``), then
 Dockerfile's ``farm`` and ``dev-model`` targets on it, their Python packages from a
 wheelhouse served on loopback (downloaded once by the base image's own pip, so markers are
 judged for the image's Python; torch is the CPU build from this machine's wheels).
+
+The engine's data root (its images and build cache) is kept between runs
+(``tests/farm.py:kept``, ``PRORL_TEST_CACHE``), as a CI keeps a layer cache: a run rebuilds
+only the layers whose inputs changed (the farm's source, most often), the base image only
+when ``deploy/base-image.sh`` or ``deploy/redis.Dockerfile`` changed, the wheelhouse only
+when the requirements did. The engine itself starts cold in every run. One run at a time
+holds the cache (a lock); a run that finds it held, or ``PRORL_TEST_CACHE=`` (empty), builds
+everything on a data root of its own, as on a fresh machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
+import hashlib
 import http.server
 import os
 import shutil
@@ -24,13 +34,22 @@ import threading
 import time
 from pathlib import Path
 
-from tests.farm import ROOT, wait_until
+from tests.farm import ROOT, kept, wait_until
 
 BASE = "prorl-base:bookworm"
 REDIS = "prorl-redis:bookworm"
 FARM = "prorl-farm:latest"
 DEV_MODEL = "prorl-farm-dev-model:latest"
 TORCH = "torch==2.13.0"  # requirements-dev.txt's CPU build
+WHEELS_PORT = 18791  # the wheelhouse's port: fixed where free, so that PIP_OPTS and the
+#                      layers built with it stay the same from run to run
+
+
+def _digest(*paths: Path, extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
+    for path in paths:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def why_no_engine() -> str | None:
@@ -45,16 +64,21 @@ def why_no_engine() -> str | None:
 
 
 class DockerEngine:
+    """``dockerd`` with its socket, exec root and pid file in ``home``; its data root is the
+    kept one (:func:`cache_dir`) where this run can lock it, else ``home/data``."""
+
     def __init__(self, home: Path):
         self.home = home
         self.home.mkdir(parents=True, exist_ok=True)
+        self.cache, self._lock = self._take_cache()
+        data = self.cache / "data" if self.cache else home / "data"
         self.socket = home / "docker.sock"
         self.env = {**os.environ, "DOCKER_HOST": f"unix://{self.socket}"}
         self.log = home / "dockerd.log"
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 ["dockerd", "--host", f"unix://{self.socket}", "--data-root",
-                 str(home / "data"), "--exec-root", str(home / "exec"), "--pidfile",
+                 str(data), "--exec-root", str(home / "exec"), "--pidfile",
                  str(home / "dockerd.pid"), "--iptables=false", "--ip-masq=false"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -63,6 +87,32 @@ class DockerEngine:
             log = self.log.read_text()[-2000:]
             self.stop()
             raise RuntimeError(f"dockerd did not start ({e}): {log}") from None
+        if self.cache:  # what a run that was killed left on the kept data root
+            self._remove_containers()
+            self.run("volume", "prune", "-f", check=False)
+            self.run("network", "prune", "-f", check=False)
+
+    @staticmethod
+    def _take_cache() -> tuple[Path | None, int | None]:
+        cache = kept("docker")
+        if cache is None:
+            return None, None
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd = os.open(cache / "lock", os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError:
+            return None, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another run holds it: this one builds on its own data root
+            os.close(fd)
+            return None, None
+        return cache, fd
+
+    def _remove_containers(self) -> None:
+        ids = self.run("ps", "-aq", check=False, timeout=60).stdout.split()
+        if ids:
+            self.run("rm", "-f", *ids, check=False, timeout=120)
 
     def _answers(self) -> bool:
         if self.proc.poll() is not None:
@@ -85,9 +135,9 @@ class DockerEngine:
     def stop(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(Exception):
-                ids = self.run("ps", "-aq", check=False, timeout=60).stdout.split()
-                if ids:
-                    self.run("rm", "-f", *ids, check=False, timeout=120)
+                self._remove_containers()
+                if self.cache:  # images no tag names any more (earlier builds of the farm)
+                    self.run("image", "prune", "-f", check=False, timeout=300)
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
@@ -97,14 +147,19 @@ class DockerEngine:
         # What the engine mounted under its roots (overlays, netns) goes before its files.
         with open("/proc/self/mounts") as f:
             mounts = [line.split()[1] for line in f]
-        for mount in sorted((m for m in mounts if m.startswith(str(self.home))), reverse=True):
+        roots = [str(self.home)] + ([str(self.cache)] if self.cache else [])
+        for mount in sorted((m for m in mounts if m.startswith(tuple(roots))), reverse=True):
             subprocess.run(["umount", "-l", mount], capture_output=True)
         shutil.rmtree(self.home, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 @contextlib.contextmanager
-def served(directory: Path):
-    """``directory`` over HTTP on loopback (pip's --find-links); yields the URL."""
+def served(directory: Path, port: int = 0):
+    """``directory`` over HTTP on loopback (pip's --find-links), on ``port`` where it is free;
+    yields the URL."""
     class Handler(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -115,7 +170,10 @@ def served(directory: Path):
         def handle_error(self, request, client_address):
             pass
 
-    server = Quiet(("127.0.0.1", 0), handler)
+    try:
+        server = Quiet(("127.0.0.1", port), handler)
+    except OSError:
+        server = Quiet(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -128,10 +186,18 @@ def served(directory: Path):
 def base_images(engine: DockerEngine) -> float:
     """The base and Redis images (deploy/base-image.sh); returns the seconds it took."""
     t = time.monotonic()
-    out = subprocess.run([str(ROOT / "deploy" / "base-image.sh")], env=engine.env,
+    env, stamp = engine.env, None
+    if engine.cache:  # images kept from a run with another base-image.sh are made anew
+        stamp = engine.cache / "base-images.sha"
+        digest = _digest(ROOT / "deploy" / "base-image.sh", ROOT / "deploy" / "redis.Dockerfile")
+        if not stamp.exists() or stamp.read_text() != digest:
+            env = {**env, "FORCE": "1"}
+    out = subprocess.run([str(ROOT / "deploy" / "base-image.sh")], env=env,
                          capture_output=True, text=True, timeout=1200)
     if out.returncode != 0:
         raise RuntimeError(f"deploy/base-image.sh: {out.stderr[-3000:]}")
+    if stamp is not None:
+        stamp.write_text(digest)
     return time.monotonic() - t
 
 
@@ -140,18 +206,26 @@ def farm_images(engine: DockerEngine, work: Path) -> dict[str, float]:
     took = {}
     t = time.monotonic()
     wheels = work / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    local = "/opt/wheels" if os.path.isdir("/opt/wheels") else str(wheels)
-    ca = "/etc/ssl/certs/ca-certificates.crt"  # this machine's trust (a proxy's CA included)
-    engine.run("run", "--rm", "--network", "host", "-v", f"{ca}:/host-ca.crt:ro",
-               "-v", f"{local}:/local:ro", "-v", f"{wheels}:/wheels",
-               "-v", f"{ROOT / 'requirements.txt'}:/req.txt:ro", BASE, "sh", "-c",
-               "python3 -m venv /tmp/v && /tmp/v/bin/pip download -q "
-               "--disable-pip-version-check --cert /host-ca.crt --find-links /local "
-               f"-d /wheels -r /req.txt setuptools wheel {TORCH}", timeout=900)
+    if engine.cache:  # one wheelhouse per requirements, kept
+        key = _digest(ROOT / "requirements.txt", extra=TORCH)
+        wheels = engine.cache / f"wheels-{key}"
+        for old in engine.cache.glob("wheels-*"):
+            if old != wheels:
+                shutil.rmtree(old, ignore_errors=True)
+    if not (wheels / ".complete").exists():
+        wheels.mkdir(parents=True, exist_ok=True)
+        local = "/opt/wheels" if os.path.isdir("/opt/wheels") else str(wheels)
+        ca = "/etc/ssl/certs/ca-certificates.crt"  # this machine's trust (a proxy's CA too)
+        engine.run("run", "--rm", "--network", "host", "-v", f"{ca}:/host-ca.crt:ro",
+                   "-v", f"{local}:/local:ro", "-v", f"{wheels}:/wheels",
+                   "-v", f"{ROOT / 'requirements.txt'}:/req.txt:ro", BASE, "sh", "-c",
+                   "python3 -m venv /tmp/v && /tmp/v/bin/pip download -q "
+                   "--disable-pip-version-check --cert /host-ca.crt --find-links /local "
+                   f"-d /wheels -r /req.txt setuptools wheel {TORCH}", timeout=900)
+        (wheels / ".complete").touch()
     took["wheelhouse_s"] = time.monotonic() - t
 
-    with served(wheels) as url:
+    with served(wheels, WHEELS_PORT) as url:
         for target, tag in (("farm", FARM), ("dev-model", DEV_MODEL)):
             t = time.monotonic()
             engine.run("build", "-q", "--force-rm", "--network", "host", "--build-arg",

@@ -20,6 +20,19 @@ import redis
 from prorl_farm.keys import HASH_MAX_LISTPACK_VALUE
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def kept(name: str) -> Path | None:
+    """A directory the suite keeps between runs, as a CI keeps its caches: built things keyed
+    by what they are built from (the Docker engine's images and layers, SWE environments), so
+    that a run rebuilds only what changed. ``PRORL_TEST_CACHE`` (default
+    ``/var/cache/prorl-farm/tests`` for root, which the pools' other users can read,
+    ``~/.cache/prorl-farm/tests`` for others); set it empty to build everything anew in every
+    run, as on a fresh machine (None then)."""
+    home = Path("/var/cache") if os.geteuid() == 0 else \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    value = os.environ.get("PRORL_TEST_CACHE", str(home / "prorl-farm" / "tests"))
+    return Path(value) / name if value else None
 STAGES = ("init", "run", "eval")
 # Sandboxes of the test session's worker pools (short: Unix socket paths are limited).
 SANDBOX_DIR = f"/tmp/prs-{os.getpid()}-pools"

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.installs_since is not None:
         phases.append(("installs", time.time() - args.installs_since, 0))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    for old in [*RESULTS.glob("*.xml"), *RESULTS.glob("timeline-*.txt")]:
+    for old in [*RESULTS.glob("*.xml"), *RESULTS.glob("timeline-*.txt"),
+                *RESULTS.glob("cpu-*.txt")]:
         old.unlink()
 
     phases.append(_timed("ruff", [sys.executable, "-m", "ruff", "check", *LINTED]))
@@ -76,10 +77,27 @@ def slowest(paths, n: int = 15) -> list[tuple[float, str]]:
     return sorted(times, reverse=True)[:n]
 
 
+def hungriest(paths, n: int = 15) -> tuple[list[tuple[float, str]], float]:
+    """The ``n`` tests that took the most CPU time (with the servers and subprocesses they
+    started; conftest.py measures it where the kernel accounts it), and the sum of all."""
+    times = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            seconds, name = line.split(" ", 1)
+            times.append((float(seconds), name))
+    return sorted(times, reverse=True)[:n], sum(s for s, _ in times)
+
+
 def _report(phases: list[tuple[str, float, int]]) -> None:
     print("\n=== the 15 slowest tests (seconds, setup and teardown included)")
     for seconds, name in slowest(sorted(RESULTS.glob("*.xml"))):
         print(f"{seconds:8.1f}  {name}")
+    top, total = hungriest(sorted(RESULTS.glob("cpu-*.txt")))
+    if top:
+        print(f"\n=== the 15 tests that took the most CPU (seconds; {total / 60:.1f} min for "
+              "all tests, their containers' not counted)")
+        for seconds, name in top:
+            print(f"{seconds:8.1f}  {name}")
     print("\n=== time per phase")
     for name, seconds, rc in phases:
         status = "" if rc in (0, NO_TESTS) else f"  (exit status {rc})"

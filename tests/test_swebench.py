@@ -11,7 +11,9 @@ pinned locks), graded with SWE-bench's semantics and checked against swebench's 
   differences listed (and justified) here;
 - the agent sees its repository at the original base commit and nothing after it.
 
-Environments are built once per checkout (``.prorl/swe-envs``): a fresh clone builds each.
+Environments are kept between runs (``tests/farm.py:kept``: keyed by spec, lock, interpreter
+and commit, so a change to any of them builds anew); with ``PRORL_TEST_CACHE=`` each checkout
+builds its own in ``.prorl/swe-envs``.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ import sys
 
 import pytest
 
-from tests.farm import ROOT, scripted_farm, wait_until
+from tests.farm import ROOT, kept, scripted_farm, wait_until
 from tests.test_swe import _swe
 
 DATA = ROOT / "examples" / "swe-bench"
 ROWS = [json.loads(line) for line in (DATA / "instances.jsonl").read_text().splitlines()
         if line.strip()]
-ENV_DIR = ROOT / ".prorl" / "swe-envs"
+ENV_DIR = kept("swe-envs") or ROOT / ".prorl" / "swe-envs"
 WHEELS = ROOT / ".prorl" / "swebench"
 pytestmark = pytest.mark.slow
 

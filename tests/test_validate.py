@@ -12,6 +12,7 @@ import pytest
 
 from tests.farm import ROOT, http_farm
 from tests.test_swe import build_repos
+from tests.test_swebench import ENV_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,7 @@ def farm_url(redis_server, tmp_path_factory):
     build_repos(tmp / "repos")  # the swe sample's repository
     with http_farm(redis_server.url, tmp, "val",
                    sandbox_mount_roots=f"{tmp / 'repos'},{ROOT / 'examples/swe-bench/repos'}",
-                   swe_env_dir=str(ROOT / ".prorl" / "swe-envs")) as farm:
+                   swe_env_dir=str(ENV_DIR)) as farm:
         yield farm
 
 
