@@ -117,7 +117,7 @@ def test_a_fix_resolves_and_no_fix_does_not(swe_farm, r):
     client, instances, _ = swe_farm
     good, bad = _swe(client, [_case(instances[0], "good"), _case(instances[0], "bad")])
     assert good["state"] == "done" and bad["state"] == "done", (good["failure"], bad["failure"])
-    assert good["reward"] == 1.0, good["result"]["eval"]
+    assert good["reward"] == 1.0, str({k: v for k, v in good["result"]["eval"].items() if k != "diff"})
     ev = good["result"]["eval"]
     assert ev["resolved"] and ev["tests"] == {
         "FAIL_TO_PASS": {"tests/test_calc.py::test_mul": "passed"},
@@ -136,8 +136,14 @@ def test_a_fix_resolves_and_no_fix_does_not(swe_farm, r):
 def test_tricks_on_the_grader_earn_nothing(swe_farm, r):
     client, instances, _ = swe_farm
     tricks = ["edit-tests", "conftest", "config", "fake-verdict", "shadow-pytest"]
-    jobs = _swe(client, [_case(instances[0], c) for c in [*tricks, "good"]])
-    *tricked, honest = jobs
+    # The screen off: what is checked here is the test run's own defences. (With the screen
+    # on, the printed verdict's early exit is flagged before any test runs.)
+    jobs = _swe(client, [{**_case(instances[0], c), "screen": False}
+                         for c in [*tricks, "good"]] + [_case(instances[0], "fake-verdict")])
+    *tricked, honest, screened = jobs
+    assert screened["reward"] == 0.0 and screened["result"]["eval"]["suspicious"] is True
+    assert "screened out" in screened["result"]["eval"]["verdict"]
+    assert "os._exit" in screened["result"]["eval"]["verdict"]
     assert honest["reward"] == 1.0, honest["result"].get("eval")
     for job, case in zip(tricked, tricks):
         assert job["state"] == "done" and job["reward"] == 0.0, (case, job["result"]["eval"])

@@ -7,11 +7,13 @@ from the base) and ``grader/`` (``spec.json``, ``test.patch``, ``swe_runner.py``
 ``model.patch`` in reference mode). The nonce comes on stdin.
 
 This process reads all of ``grader/`` into memory and removes it before anything of the
-repository runs, is not dumpable, and never imports the repository. In order: apply
-``model.patch`` (not applying: the candidate fails); run the instance's setup commands in
-the jail (the repository is what they see); apply the test patch (not applying: an
-instance error); then run the tests in a child, ``swe_runner.py``, in the jail: the
-repository's code runs there and only there. The child sends evidence over a pipe, each
+repository runs, is not dumpable, and never imports the repository. In order: ask the
+grading pytest which files it reads as configuration (protected too); apply ``model.patch``
+(not applying: the candidate fails); run the instance's setup commands in the jail (the
+repository is what they see); put every protected file back as it was at the base and
+remove any new one (the setup ran the candidate's code); apply the test patch (not
+applying: an instance error); then run the tests in a child, ``swe_runner.py``, in the jail:
+the repository's code runs there and only there. The child sends evidence over a pipe, each
 record prefixed with a key it got on its stdin; this process decides:
 
 - a test passed only if pytest reported its setup, call and teardown without failure *and*
@@ -71,27 +73,41 @@ def main():
 
     jail = Jail(tmp_mb=int(spec.get("tmp_mb", 2048)), enabled=spec.get("jail", True))  # noqa: F821 - from jail.py
     in_repo = [(repo, True)]
+    # The files the grading pytest reads as configuration: from its own source, not a list
+    # (pytest 9 reads pytest.toml and .pytest.toml too). Probed before anything of the
+    # candidate's is in the tree.
+    names = ("import json, inspect, re, pytest, _pytest.config.findpaths as f; "
+             "print(json.dumps(sorted(set(re.findall(r'[\"\\']([\\w.-]+\\.(?:toml|ini|cfg))"
+             "[\"\\']', inspect.getsource(f))))))")
     try:
-        probe = jail.retrying(lambda: jail.run([sys.executable, "-I", "-c", "import pytest"],
+        probe = jail.retrying(lambda: jail.run([sys.executable, "-I", "-c", names],
                                                in_repo, repo))
     except JailError as e:  # noqa: F821 - from jail.py
         verdict(error=str(e))
     if probe.returncode != 0:
         verdict(error=f"pytest is not importable by {sys.executable} in the sandbox: "
                       f"{probe.stderr[-1000:]}")
+    try:
+        configs = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        configs = []
+    spec["protected_names"] = sorted(set(spec.get("protected_names", [])) | set(configs))
 
     def apply(patch):
         out = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1", "-"], cwd=repo,
                              capture_output=True, input=patch)
         return out.returncode == 0, (out.stdout + out.stderr).decode(errors="replace")[-2000:]
 
-    discarded = []
+    # What the protected files must hold when the tests start: as at the base (a reference
+    # patch: read here before it is applied; a policy's tree: as the farm sent it).
     if "model.patch" in kept:
         before = protected_files(repo, spec)
         ok, why = apply(kept["model.patch"])
         if not ok:
             verdict(applied=False, why=why)
-        discarded = restore(repo, spec, before)
+    else:
+        before = {path: text.encode("latin-1") for path, text in
+                  spec.get("protected_base", {}).items()}
     for command in spec.get("setup", []):
         try:
             out = jail.retrying(lambda c=command: jail.run(
@@ -101,6 +117,10 @@ def main():
         if out.returncode != 0:
             verdict(error=f"setup command failed ({out.returncode}): {command}\n"
                           f"{(out.stdout + out.stderr)[-2000:]}")
+    # After the last command that could write (the setup's build runs the candidate's
+    # setup.py): every protected file back as it was, any new one gone.
+    discarded = restore(repo, spec, before) if ("model.patch" in kept or
+                                                "protected_base" in spec) else []
     ok, why = apply(kept["test.patch"])
     if not ok:
         verdict(error=f"the test patch does not apply: {why}")
@@ -179,7 +199,11 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                "pytest_args": spec.get("pytest_args", ["-q"])}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-    child = jail.popen([sys.executable, "-I", "-c", runner], [(repo, True)], repo,
+    # The runner's code under a name of its own, which no other code may compile under.
+    name = f"<prorl-runner-{secrets.token_hex(8)}>"
+    request["runner"] = name
+    boot = "import sys; exec(compile(sys.argv[1], sys.argv[2], 'exec'))"
+    child = jail.popen([sys.executable, "-I", "-c", boot, runner, name], [(repo, True)], repo,
                        pass_fds=(w,), stdin=subprocess.PIPE, stdout=log_w, stderr=log_w,
                        close_fds=True, env=env, start_new_session=True)
     os.close(w)

@@ -6,13 +6,24 @@ it read from its stdin before any repository code ran (raw ``os.read``, kept in 
 and the harness decides.
 
 Before pytest or the repository is imported, an audit hook (PEP 578: it cannot be removed
-from Python code) watches the process. When code from a file the candidate changed (the
-harness names them) obtains a frame (``sys._getframe``, a traceback's or generator's frame,
-``sys._current_frames``), walks the heap (``gc.get_objects``/``get_referrers``/
-``get_referents``), installs a trace or profile function, builds code objects or swaps a
-function's ``__code__``, reads memory through ``ctypes``, opens ``/proc/*/mem``, or opens a
-test file (directly or through ``inspect``/``linecache``/``traceback``), the hook sends a
-``suspicious`` record and ends the process at once: the candidate gets reward 0.
+from Python code) watches the process. *Untrusted* code is code that is not the
+interpreter's, the environment's, this runner's (compiled under a name the harness made up)
+or one of the repository's files as they were when the run started (path, size, mtime,
+inode): a file the candidate changed (the harness names them), a file the run wrote, code
+compiled from a string. When untrusted code obtains a frame or a frame's code (directly, or
+through a standard-library function that hands frames back), walks the heap, installs a
+trace, profile or signal function, builds code objects (``compile``, ``exec``,
+``code.replace``, ``marshal.loads``), reads memory through ``ctypes``, opens
+``/proc/*/mem``, or opens a test file by any spelling of its path; when anything but the
+import system or the environment's packages compiles code under a trusted name; when a
+repository file rewritten during the run, or bytecode that was not there at the start, is
+loaded, the hook sends a ``suspicious`` record and ends the process at once: the candidate
+gets reward 0.
+
+When collection ends and before each test's call, a fixture, a hook implementation or a
+test's function whose code is untrusted (an autouse fixture set on the test module from the
+package, a plugin named by ``pytest_plugins`` set there, a test function swapped through the
+module's class) is ``suspicious`` too.
 
 Before each named test runs, and at each of its reports, the functions and classes of
 pytest, pluggy, unittest, numpy.testing (where installed) and the builtins are checked
@@ -43,67 +54,174 @@ def main():
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    # No bytecode written by this process (-I ignores PYTHONDONTWRITEBYTECODE; its children
+    # get it): bytecode that appears in the repository during the run is someone's doing.
+    sys.dont_write_bytecode = True
     prefix = (request.pop("key") + " ").encode()
     fd = request["fd"]
-    repo = request["repo"]
+    repo = os.path.realpath(request["repo"])
     wanted = set(request["tests"])
-    changed = {os.path.join(repo, p) for p in request["changed"]}
-    test_files = {os.path.join(repo, p) for p in request["test_files"]}
+    changed = {os.path.realpath(os.path.join(repo, p)) for p in request["changed"]}
+    test_files = {os.path.realpath(os.path.join(repo, p)) for p in request["test_files"]}
     stdlib = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep
                     for k in ("stdlib", "platstdlib")})
     site = tuple({os.path.realpath(p) + os.sep for p in sys.path if "-packages" in p})
+    # The repository's own code: its Python files as they are now, before anything of it
+    # runs, less what the candidate changed. Code from anywhere else (a file the run writes,
+    # a string compiled under any name) is the candidate's as much as a changed file is.
+    original = {}  # path -> (size, mtime, inode): a file rewritten during the run is not
+    bytecode = {}  # the same for the compiled files there at the start (an environment's)
+    for root, dirs, names in os.walk(repo):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        for n in names:
+            if n.endswith((".py", ".pyc")):
+                path = os.path.realpath(os.path.join(root, n))
+                if path not in changed:
+                    st = os.stat(path)
+                    (original if n.endswith(".py") else bytecode)[path] = (
+                        st.st_size, st.st_mtime_ns, st.st_ino)
 
     def emit(kind, **fields):
         os.write(fd, prefix + (json.dumps({"kind": kind, **fields}) + "\n").encode())
 
     # -- the audit hook -----------------------------------------------------------------
 
-    frame_attrs = {"tb_frame", "gi_frame", "cr_frame", "ag_frame"}
+    frame_attrs = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_code", "gi_code",
+                   "cr_code", "ag_code"}
     watched = {"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile",
                "gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.string_at",
                "ctypes.wstring_at", "ctypes.cdata", "ctypes.addressof", "code.__new__",
-               "object.__getattr__", "object.__setattr__", "open"}
+               "object.__getattr__", "object.__setattr__", "open", "compile", "exec",
+               "os.link", "os.rename", "os.symlink",
+               "marshal.loads"}
     local = threading.local()
     getframe = sys._getframe
 
+    known = {}
+
     def file_of(frame):
         name = frame.f_code.co_filename
-        return name if name.startswith("/") else os.path.join(repo, name)
+        path = known.get(name)
+        if path is None:
+            path = name if name.startswith("<") else os.path.realpath(os.path.join(repo, name))
+            known[name] = path
+        return path
 
     def is_stdlib(path):
-        return (path.startswith("<") or path.startswith(stdlib)) and not path.startswith(site)
+        return (path.startswith("<frozen ") or path.startswith(stdlib)) and \
+            not path.startswith(site)
 
-    # Standard-library functions that hand a frame they obtain back to their caller.
+    runner_name = request.get("runner", "")
+    import ast
+    ast_file = os.path.realpath(ast.__file__)
+
+    def untrusted(path):
+        """Code that is not the interpreter's, the environment's, the repository's own or
+        this runner's: changed files, files the run made, code compiled from strings."""
+        if path in original or path.startswith(stdlib) or path.startswith(site) or \
+                path == runner_name:
+            return False
+        return not path.startswith("<frozen ")
+
+    def forged_name(caller, filename):
+        """A compile under the name of trusted code (so that its frames would pass for
+        trusted), asked for by anything but the import system or the environment's packages
+        (pytest's assertion rewriting): the name it claims, or None."""
+        if not isinstance(filename, str):
+            return None
+        path = filename if filename.startswith("<") else \
+            os.path.realpath(os.path.join(repo, filename))
+        if untrusted(path) or path.startswith("<frozen "):
+            return None
+        if path in original:  # the file compiled must still be the one there at the start
+            try:
+                st = os.stat(path)
+                now = (st.st_size, st.st_mtime_ns, st.st_ino)
+            except OSError:
+                now = None
+            if now != original[path]:
+                return f"{path}, rewritten during the run"
+        made_by = file_of(caller)
+        # The import system, the environment's packages (pytest's assertion rewriting), and
+        # ast.parse (a tree, not code) compile trusted files; nothing else does.
+        if made_by.startswith("<frozen importlib") or made_by == ast_file or (
+                made_by.startswith(site) and not untrusted(made_by)):
+            return None
+        return f"{path} (by {made_by})"
+
+    def cached_code_in_repo(caller):
+        """A marshal.loads by the import system of bytecode from the repository that was
+        not there, as it is, when the run started: the run wrote it."""
+        if not file_of(caller).startswith("<frozen importlib"):
+            return None
+        path = caller.f_locals.get("bytecode_path")
+        if not isinstance(path, str):
+            return None
+        path = os.path.realpath(path)
+        if not path.startswith(repo + os.sep):
+            return None
+        try:
+            st = os.stat(path)
+            now = (st.st_size, st.st_mtime_ns, st.st_ino)
+        except OSError:
+            now = None
+        if now is not None and bytecode.get(path) == now:
+            return None
+        return f"bytecode {path}, written during the run"
+
+    # Standard-library functions that hand a frame they obtain back to their caller:
+    # (the file's last two path parts, the function's name).
     hands_frames = {("inspect.py", "currentframe"), ("inspect.py", "stack"),
                     ("inspect.py", "trace"), ("inspect.py", "getouterframes"),
                     ("inspect.py", "getinnerframes"), ("traceback.py", "walk_stack"),
-                    ("traceback.py", "walk_tb")}
+                    ("traceback.py", "walk_tb"), ("logging/__init__.py", "<lambda>"),
+                    ("logging/__init__.py", "currentframe")}
+
+    def tail(path):
+        parts = path.replace(os.sep, "/").split("/")
+        return parts[-1] if parts[-1] != "__init__.py" else "/".join(parts[-2:])
 
     def frame_origin(frame):
-        """For an event that yields a frame: the changed file that gets it, or None. The
-        frame's taker if changed; through a standard-library function that hands frames
-        back (inspect.currentframe, traceback.walk_stack...), that function's caller.
-        Frames the standard library uses itself (logging's caller lookup, namedtuple's
-        module name) are nobody's business."""
+        """For an event that yields a frame: the untrusted code that gets it, or None. The
+        frame's taker if untrusted; through a standard-library function that hands frames
+        back (inspect.currentframe, logging.currentframe, traceback.walk_stack...), that
+        function's caller. Frames the standard library uses itself (logging's caller
+        lookup, namedtuple's module name) are nobody's business."""
         path = file_of(frame)
-        if path in changed:
+        if untrusted(path):
             return path
         code = frame.f_code
-        if (os.path.basename(code.co_filename), code.co_name) in hands_frames \
-                and frame.f_back is not None and file_of(frame.f_back) in changed:
+        if is_stdlib(path) and (tail(path), code.co_name) in hands_frames \
+                and frame.f_back is not None and untrusted(file_of(frame.f_back)):
             return file_of(frame.f_back)
         return None
 
     def first_origin(frame):
-        """For any other event: the first caller outside the standard library, if it is a
-        changed file (ctypes, threading.settrace and the like act for their caller)."""
+        """For any other event: the first caller outside the standard library, if it is
+        untrusted (ctypes, threading.settrace and the like act for their caller)."""
         while frame is not None and is_stdlib(file_of(frame)):
             frame = frame.f_back
-        if frame is not None and file_of(frame) in changed:
+        if frame is not None and untrusted(file_of(frame)):
             return file_of(frame)
         return None
 
     frame_events = {"sys._getframe", "sys._current_frames", "object.__getattr__"}
+    # Code made at run time, judged by who asked for it directly (namedtuple's and
+    # dataclasses' own exec are the standard library's business).
+    direct_events = {"compile", "exec", "marshal.loads"}
+
+    test_tails = {t.replace(os.sep, "/") for t in test_files}
+
+    def is_test_file(path):
+        """A test file, by any spelling of its path: resolved against the repository; and a
+        relative path that ends one (it may be relative to a directory descriptor, which the
+        audit event does not carry)."""
+        if os.path.realpath(os.path.join(repo, path)) in test_files:
+            return True
+        if os.path.isabs(path):
+            return False
+        tail = "/" + os.path.normpath(path).replace(os.sep, "/").lstrip("./")
+        return any(t.endswith(tail) for t in test_tails)
 
     def hook(event, args):
         if event not in watched:
@@ -112,16 +230,16 @@ def main():
             return
         if event == "object.__setattr__" and args[1] != "__code__":
             return
-        if event == "open":
+        if event in ("open", "os.link", "os.rename", "os.symlink"):
             path = args[0]
             if isinstance(path, bytes):
                 path = path.decode(errors="replace")
             if not isinstance(path, str):
                 return
-            if path.startswith("/proc/") and path.endswith("/mem"):
+            if event == "open" and path.startswith("/proc/") and path.endswith("/mem"):
                 emit("suspicious", event="open", detail=path)
                 os._exit(3)
-            if os.path.join(repo, path) not in test_files:
+            if not is_test_file(path):
                 return
         if getattr(local, "busy", False):
             return
@@ -132,11 +250,19 @@ def main():
                 where = None
             elif event in frame_events:
                 where = frame_origin(caller)
+            elif event in direct_events:
+                where = file_of(caller) if untrusted(file_of(caller)) else None
+                if where is None and event == "compile" and len(args) > 1:
+                    forged = forged_name(caller, args[1])
+                    where = f"code compiled as {forged}" if forged else None
+                if where is None and event == "marshal.loads":
+                    where = cached_code_in_repo(caller)
             else:
                 where = first_origin(caller)
             if where is not None:
                 emit("suspicious", event=event, detail=str(args[1] if event.startswith(
-                    "object.") else args[0] if args else "")[:200], where=where)
+                    "object.") else "" if event in direct_events else args[0] if args
+                    else "")[:200], where=where)
                 os._exit(3)
         finally:
             local.busy = False
@@ -177,8 +303,23 @@ def main():
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - pytest reports it when it loads the plugin
             pass
+    # A signal handler is handed the frame the signal interrupts: no handler from untrusted
+    # code (signal.signal calls _signal.signal, which is this; both are guarded below).
+    import _signal
+    import signal  # noqa: F401 - guarded with _signal
     import unittest  # noqa: F401 - its assertions are guarded too
-    guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest")
+    real_signal = _signal.signal
+
+    def signal_guard(signalnum, handler):
+        if guard:
+            where = first_origin(getframe(1))
+            if where is not None:
+                emit("suspicious", event="signal.signal", detail=str(signalnum), where=where)
+                os._exit(3)
+        return real_signal(signalnum, handler)
+
+    _signal.signal = signal_guard
+    guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest", "signal", "_signal")
     if not os.path.exists(os.path.join(repo, "numpy")):  # not when testing numpy itself
         try:
             import numpy.testing  # noqa: F401 - assert_allclose and friends
@@ -230,12 +371,56 @@ def main():
 
     returned = {}  # nodeid -> whether its call returned (seen by our own wrapper)
 
-    def check(where, item=None):
+    def code_file(value):
+        """The file of a function's (or a method's, or a callable's) code, or None."""
+        function = getattr(value, "__func__", value)
+        code = getattr(function, "__code__", None)
+        if code is None:
+            code = getattr(getattr(type(value), "__call__", None), "__code__", None)  # noqa: B004
+        return None if code is None else (code.co_filename if code.co_filename.startswith(
+            "<") else os.path.realpath(os.path.join(repo, code.co_filename)))
+
+    def foreign_hooks(config):
+        """A hook implementation in force from untrusted code (a plugin the candidate's code
+        registered, however it got to the plugin manager), or None."""
+        for name in dir(config.hook):
+            caller = getattr(config.hook, name, None)
+            for impl in getattr(caller, "get_hookimpls", lambda: [])():
+                path = code_file(impl.function)
+                if path is not None and untrusted(path):
+                    return f"hook {name} from {path}"
+        return None
+
+    def foreign_fixtures(session):
+        """A fixture (autouse or not) defined by untrusted code, or None."""
+        manager = getattr(session, "_fixturemanager", None)
+        for name, defs in getattr(manager, "_arg2fixturedefs", {}).items():
+            for fixturedef in defs:
+                path = code_file(getattr(fixturedef, "func", None))
+                if path is not None and untrusted(path):
+                    return f"fixture {name} from {path}"
+        return None
+
+    def foreign_test(item):
+        """The test's function, if untrusted code made or swapped it, or None."""
+        obj = getattr(item, "obj", None) if hasattr(item, "function") or \
+            hasattr(item, "obj") else None
+        path = code_file(obj) if obj is not None else None
+        if path is not None and untrusted(path):
+            return f"{item.nodeid}: its function comes from {path}"
+        return None
+
+    def check(where, item=None, session=None):
         if not guard:
             return
         why = tampered()
         if why is None and item is not None and "runtest" in vars(item):
             why = f"{item.nodeid}: runtest overridden on the item"
+        if why is None and item is not None:
+            why = foreign_test(item) or foreign_hooks(item.config)
+        if why is None and session is not None:
+            why = foreign_hooks(session.config) or foreign_fixtures(session) or next(
+                (w for w in map(foreign_test, session.items) if w), None)
         if why is not None:
             emit("suspicious", event=where, detail=why)
             os._exit(3)
@@ -254,11 +439,17 @@ def main():
 
         @pytest.hookimpl(trylast=True)
         def pytest_collection_finish(self, session):
+            check("collected", session=session)
             emit("collected", tests=[i.nodeid for i in session.items])
 
         @pytest.hookimpl(hookwrapper=True)
         def pytest_runtest_call(self, item):
             check("before call", item)
+            if guard:
+                why = foreign_fixtures(item.session)
+                if why is not None:
+                    emit("suspicious", event="before call", detail=why)
+                    os._exit(3)
             outcome = yield
             returned[item.nodeid] = outcome.excinfo is None
 

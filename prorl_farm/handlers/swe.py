@@ -23,11 +23,14 @@ import os
 import posixpath
 import re
 import secrets
+import subprocess
+import tempfile
 
 from marshmallow import ValidationError, fields, validate
 
 from prorl_farm.errors import InvalidInstance, SandboxError
 from prorl_farm.graders import source
+from prorl_farm.graders.screen import screen
 from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler
 from prorl_farm.handlers.base import JobContext, run_setup
 from prorl_farm.sandbox.abstract import Limits
@@ -37,6 +40,7 @@ from prorl_farm.sandbox.manager import under_mount_roots
 from prorl_farm.swebench import repos
 from prorl_farm.swebench.instance import (
     GRADER_DIR,
+    RUNNER_REPOS,
     Prepared,
     grading_spec,
     prepare,
@@ -55,9 +59,11 @@ HARNESS_PROMPT = ("The current directory is a checkout of the repository {repo}.
                   "issue below by editing its source files (changes to test files are "
                   "discarded).\n\n{problem_statement}")
 # Files the agent's changes never reach the graded tree through (restored from the base).
-PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini",
-                             "setup.cfg", "pyproject.toml", "sitecustomize.py",
-                             "usercustomize.py"})
+# Test configuration (what pytest 8 and 9 read; the grader adds what the grading pytest's
+# own source names), site hooks.
+PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
+                             ".pytest.toml", "tox.ini", "setup.cfg", "pyproject.toml",
+                             "sitecustomize.py", "usercustomize.py"})
 PROTECTED_SUFFIXES = (".pth", ".pyc", ".pyo")
 SKIP_DIRS = (".git", "__pycache__")
 GIT_IDENTITY = "-c user.name=prorl -c user.email=prorl@localhost"
@@ -107,6 +113,10 @@ class SweInstance(AgentOptions):
     setup = fields.List(fields.String(), load_default=list)
     python = fields.String(load_default="python3",
                            validate=validate.Regexp(r"^[\w./+-]+$"))
+    # The screen of the change before any test runs (graders/screen.py). Off only to test
+    # the defences of the test run itself (tests/test_reward_hacking.py does): the trainer's
+    # data says so, never the policy.
+    screen = fields.Boolean(load_default=True)
     test_timeout_s = fields.Float(load_default=900.0, validate=validate.Range(min=1,
                                                                               max=86_400))
     tools = fields.List(fields.String(validate=validate.OneOf(["bash", "python",
@@ -167,6 +177,12 @@ def is_protected(path: str, test_files: set[str]) -> bool:
             or any(part in SKIP_DIRS for part in path.split("/")))
 
 
+def protected_base(base: dict[str, bytes], test_files: set[str]) -> dict[str, str]:
+    """The protected files at the base, for the grader to put back after the instance's
+    setup commands (which run the candidate's code): path -> content as latin-1 text."""
+    return {p: d.decode("latin-1") for p, d in base.items() if is_protected(p, test_files)}
+
+
 def graded_tree(base: dict[str, bytes], agent: dict[str, bytes], test_files: set[str],
                 also: frozenset[str] = frozenset()) -> tuple[dict[str, bytes], list[str]]:
     """The agent's tree with every protected file (and each of ``also``) as it was at the
@@ -182,6 +198,46 @@ def graded_tree(base: dict[str, bytes], agent: dict[str, bytes], test_files: set
             else:
                 tree.pop(path, None)
     return tree, sorted(discarded)
+
+
+def patched(base: dict[str, bytes], patch: str) -> dict[str, bytes] | None:
+    """The files ``patch`` touches, as ``git apply`` leaves them over ``base`` (in a
+    directory of its own; None if it does not apply): a reference patch, for the screen."""
+    touched = patch_paths(patch)
+    with tempfile.TemporaryDirectory(prefix="prorl-screen-") as d:
+        for path in touched:
+            if path in base:
+                target = os.path.join(d, path)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "wb") as f:
+                    f.write(base[path])
+        out = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1", "-"], cwd=d,
+                             input=patch.encode(), capture_output=True)
+        if out.returncode != 0:
+            return None
+        tree = {}
+        for path in touched:
+            target = os.path.join(d, path)
+            if os.path.isfile(target):
+                with open(target, "rb") as f:
+                    tree[path] = f.read()
+        return tree
+
+
+def screened(base: dict[str, bytes], tree: dict[str, bytes] | None, patch: str,
+             test_files: set[str], guard: bool = True) -> str | None:
+    """Why the candidate's change is flagged before any test runs (``graders/screen.py``),
+    or None. ``tree``: the candidate's tree, or None for a reference ``patch``."""
+    if not guard:
+        return None
+    if tree is None:
+        after = patched(base, patch)
+        if after is None:
+            return None  # the harness says it does not apply
+        tree = {**base, **after}
+        for path in patch_paths(patch) - set(after):
+            tree.pop(path, None)
+    return screen(base, tree, skip=test_files)
 
 
 def unified_diff(base: dict[str, bytes], tree: dict[str, bytes]) -> str:
@@ -283,6 +339,12 @@ class SweHandler(ToolAgentHandler):
             tree, discarded, diff = self._candidate(ctx, base, patch_paths(inst["test_patch"]))
         tests = {"FAIL_TO_PASS": inst["FAIL_TO_PASS"], "PASS_TO_PASS": inst["PASS_TO_PASS"]}
         test_files = patch_paths(inst["test_patch"])
+        flagged = screened(base, None if ctx.mode == "reference" else tree,
+                           inst.get("patch", ""), test_files, guard=inst["screen"])
+        if flagged:
+            return {"reward": 0.0, "resolved": False, "suspicious": True,
+                    "diff": diff[:MAX_DIFF], "discarded": discarded,
+                    "verdict": f"the change was screened out: {flagged}"}
         changed = (patch_paths(inst["patch"]) if ctx.mode == "reference" else
                    {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)})
         spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"],
@@ -290,6 +352,8 @@ class SweHandler(ToolAgentHandler):
                 "timeout_s": inst["test_timeout_s"], "protected_names": sorted(PROTECTED_NAMES),
                 "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
                 "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 1024)}
+        if ctx.mode != "reference":
+            spec["protected_base"] = protected_base(base, test_files)
         files.update({f"repo/{p}": data for p, data in tree.items()})
         files.update({"grader/spec.json": json.dumps(spec), "grader/test.patch":
                       inst["test_patch"], "grader/swe_harness.py": source("swe_harness.py"),
@@ -299,8 +363,8 @@ class SweHandler(ToolAgentHandler):
                            timeout_s=inst["test_timeout_s"], stdin=nonce + "\n",
                            limits=Limits(processes=256))
         verdict = required_verdict(out, nonce, "swe harness")
-        if verdict.get("discarded"):  # a reference patch's, undone in the sandbox
-            discarded = verdict["discarded"]
+        if verdict.get("discarded"):  # undone in the sandbox (the patch's, the setup's)
+            discarded = sorted(set(discarded) | set(verdict["discarded"]))
         kept = {"diff": diff[:MAX_DIFF], "discarded": discarded}
         if verdict.get("applied") is False:
             return {"reward": 0.0, "resolved": False, **kept,
@@ -352,10 +416,20 @@ class SweHandler(ToolAgentHandler):
         else:
             tree, discarded, diff = self._candidate(ctx, base, test_paths, frozenset(overlay))
             changed = {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)}
+        flagged = screened(base, None if ctx.mode == "reference" else tree, inst["patch"],
+                           test_paths,
+                           guard=inst["screen"] and inst["repo"] not in RUNNER_REPOS)
+        if flagged:
+            return {"reward": 0.0, "resolved": False, "suspicious": True,
+                    "diff": diff[:MAX_DIFF], "discarded": discarded,
+                    "environment": os.path.basename(prep.env.path),
+                    "verdict": f"the change was screened out: {flagged}"}
         spec = grading_spec(inst, prep, changed, test_paths, {
             "protected_names": sorted(PROTECTED_NAMES),
             "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
             "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 1024)})
+        if ctx.mode != "reference":
+            spec["protected_base"] = protected_base(base, test_paths)
         files.update(tree)
         files.update({f"{GRADER_DIR}/spec.json": json.dumps(spec),
                       f"{GRADER_DIR}/test.patch": inst["test_patch"],
@@ -369,7 +443,7 @@ class SweHandler(ToolAgentHandler):
                            env=prep.env.sandbox_env)
         verdict = required_verdict(out, nonce, "swe harness")
         if verdict.get("discarded"):
-            discarded = verdict["discarded"]
+            discarded = sorted(set(discarded) | set(verdict["discarded"]))
         kept = {"diff": diff[:MAX_DIFF], "discarded": discarded,
                 "environment": os.path.basename(prep.env.path)}
         if verdict.get("applied") is False:
