@@ -9,7 +9,8 @@ Add a class of attack here when you find one: the test is the claim.
 
 - ``code``: reading the hidden tests (the files, other processes through ``/proc``, the
   grader's pipes), signalling the grader, a daemon left to race later tests, links into the
-  grader's paths, flooding the output pipe, filling the disk, printing a verdict, and the
+  grader's paths, flooding the output pipe, filling the disk and the shared memory (bounded
+  tmpfs), printing a verdict, and the
   tricks of tests/test_code.py (an early exit, a rigged ``__eq__``, patched assertions)
   in both call styles; a process left from RUN; a HumanEval helper the tests call,
   redefined by the candidate.
@@ -18,7 +19,15 @@ Add a class of attack here when you find one: the test is the claim.
   ``sys.modules`` or the builtins, reading the test files, writing to the evidence pipe,
   an early exit, a killed parent, a pytest plugin through an entry point, ``conftest.py``,
   ``sitecustomize.py`` and ``.pth`` files, edited tests, a test configuration that loads a
-  plugin, a ``pytest.py`` shadowing pytest, a printed verdict.
+  plugin, a ``pytest.py`` shadowing pytest, a printed verdict. Round three: frames through
+  ``logging.currentframe`` and a signal handler, code compiled under another file's name
+  (directly and by the standard library's ``code`` module), a test file by an unnormalised
+  path, an autouse fixture and ``pytest_plugins`` set on the test module from the package,
+  the test module's class swapped, ``pytest.toml``; and ours: code made from a string,
+  ``code.replace``, a module written during the run and imported, a test file through a
+  directory descriptor and through a hard link. Each runs with the screen off (the run's own
+  defences) and on (the screen, which also catches a rigged ``__eq__``); a setup command
+  that writes a ``conftest.py`` is undone before the tests start.
 - the graders' parts: the tests out of reach without the jail too; a jail that cannot run
   the program is an error (the job fails), never a zero.
 - ``math``: an answer whose evaluation never ends (a power tower, a huge factorial) earns 0
@@ -86,6 +95,7 @@ def farm(request, redis_server, tmp_path_factory, tiny_model):
         with scripted_farm(redis_server.url, tmp_path_factory.mktemp(f"hack-{request.param}"),
                            tokenizer, PLANS, f"hack-{request.param}", user=user,
                            sandbox_mount_roots=str(repos), grade_timeout_s=3,
+                           grade_scratch_mb=64,
                            **docker) as (client, server):
             client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
                               "tokenizer": tokenizer, "capacity": 64}
@@ -187,6 +197,8 @@ FLOOD = "import sys\nwhile True:\n    sys.stdout.write('4\\n' * 65536)\n"
 FILL_DISK = ("import os\nblock = b'x' * (1 << 20)\nfor i in range(100000):\n    try:\n"
              "        with open('/tmp/fill%d' % (i // 32), 'ab') as f:\n"
              "            f.write(block)\n    except OSError:\n        break\nprint(0)\n")
+# The same into the jail's shared memory (a tmpfs of its own, bounded as its /tmp is).
+FILL_SHM = FILL_DISK.replace("/tmp/fill", "/dev/shm/fill")
 VERDICT = ('print(\'{"passed": 2, "total": 2, "jail": "none", "results": []}\')\n'
            'import sys\nprint(\'{"passed": 2, "total": 2}\', file=sys.stderr)\n')
 CODE_ATTACKS = {
@@ -197,6 +209,7 @@ CODE_ATTACKS = {
     "links-into-the-grader": (LINKS, STDIO),
     "flood-the-pipe": (FLOOD, STDIO),
     "fill-the-disk": (FILL_DISK, STDIO),
+    "fill-the-shared-memory": (FILL_SHM, STDIO),
     "print-a-verdict": (VERDICT, STDIO),
 }
 

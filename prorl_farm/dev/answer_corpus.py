@@ -77,6 +77,14 @@ def _number_misses(n: int) -> list[str]:
     return out
 
 
+def _hedges(n: int) -> list[str]:
+    """Answers that name the reference among others, or around it: a policy hedging its bet
+    must not be paid for the one right guess among several."""
+    return [f"{n} \\text{{ or }} {n + 1}", f"\\{{{n - 1}, {n}\\}}", f"{n} \\pm 1",
+            f"{n - 1} \\le x \\le {n + 1}", f"[{n - 1}, {n + 1}]", f"{n}, {n}",
+            f"{n}\\text{{ (or {n + 1})}}", f"x \\in \\{{{n}, {n + 2}\\}}"]
+
+
 def _small_misses(n: int) -> list[str]:
     return [f"{n + 1}\\text{{ cm}}", f"{n - 1}^\\circ", f"\\text{{{n + 2}}}",
             f"\\textbf{{{n * 2}}}", f"{n}.5", f"\\${n + 10}", f"{n} or {n + 1}"]
@@ -115,7 +123,7 @@ def cases() -> list[tuple[str, str, str, bool]]:
     for n in small:
         for text in _small_formats(n):
             out.append(("math", str(n), _message(text), True))
-        for text in _small_misses(n):
+        for text in _small_misses(n) + _hedges(n):
             out.append(("math", str(n), _message(text), False))
     for ref, texts in FRACTIONS:
         out += [("math", ref, _message(t), True) for t in texts]
