@@ -21,6 +21,8 @@ from prorl_farm.gateway.harness import MODEL_ENV, PROMPT_FILE_ENV
 ROOT = Path(__file__).resolve().parents[1]
 # Set by the farm for the programs inside a sandbox: not settings of the farm.
 INSIDE_ENV = {"PRORL_SANDBOX_ID", "PRORL_SANDBOX_IP", MODEL_ENV, PROMPT_FILE_ENV}
+# The test suite's own (tests/farm.py: kept), not a setting of the farm.
+SUITE_ENV = {"PRORL_TEST_CACHE"}
 
 
 def test_the_readme_table_is_the_declaration():
@@ -97,7 +99,7 @@ def test_nothing_but_config_reads_a_setting():
 
 
 def test_every_prorl_name_in_the_docs_and_deployment_is_declared():
-    known = env_names() | set(DEPLOY_ENV) | INSIDE_ENV
+    known = env_names() | set(DEPLOY_ENV) | INSIDE_ENV | SUITE_ENV
     sources = [ROOT / "README.md", ROOT / "docker-compose.yml", ROOT / "Dockerfile",
                ROOT / "Makefile", *(ROOT / "docs").glob("*.md"), *(ROOT / "slurm").iterdir()]
     for path in sources:
