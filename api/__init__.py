@@ -34,6 +34,13 @@ class FarmServices:
     messages: StageMessages
     payloads: TrajectoryStore
 
+    def close(self) -> None:
+        """Close the connections the app holds (Redis, the broker's pool): for an app made
+        and dropped in one process (tests, tools), so that no socket waits for the garbage
+        collector."""
+        self.celery.close()
+        self.store.r.close()
+
 
 # Never behind the token: liveness and readiness probes, and the dashboard's page itself
 # (it holds no data; it asks for the token when the farm's reads need one).

@@ -347,7 +347,9 @@ def farm_env(redis_url: str, **overrides) -> dict:
         "PRORL_REDIS_URL": redis_url,
         "PRORL_NODE": "testnode",
         "PRORL_HEARTBEAT_INTERVAL_S": "0.2",
-        "PRORL_HEARTBEAT_STALE_S": "3",
+        # Long enough that a pool starved of CPU by the suite's other workers is not taken
+        # for dead (the fault tests that kill pools set their own, shorter, and run alone).
+        "PRORL_HEARTBEAT_STALE_S": "15",
         "PRORL_REAP_INTERVAL_S": "0.5",
         "PRORL_INIT_CONCURRENCY": "16",
         "PRORL_RUN_CONCURRENCY": "32",

@@ -109,7 +109,7 @@ def test_every_prorl_name_is_a_setting(compose):
 def test_dockerfile_copies_what_exists_and_runs_entry_points():
     text = DOCKERFILE.read_text()
     stages = re.findall(r"^FROM \S+ AS (\S+)", text, re.M)
-    assert stages == ["farm", "dev-model"]
+    assert stages == ["deps", "farm", "dev-model"]  # the packages, then the farm, the model
     for line in re.findall(r"^COPY (.+)$", text, re.M):
         *sources, _dest = line.split()
         for src in sources:

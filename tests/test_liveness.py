@@ -21,16 +21,19 @@ TERMINAL = {"done", "failed", "cancelled"}
 @pytest.fixture
 def farm(redis_server, tmp_path, r):
     """Start pools with per-test settings: ``farm(**overrides) -> (pools, client)``."""
-    started = []
+    started, apps = [], []
 
     def start(**overrides):
         pools = make_pools(redis_server, tmp_path, **overrides)
         pools.start()
         started.append(pools)
         app = create_app(load_settings(farm_env(redis_server.url, **overrides)))
+        apps.append(app)
         return pools, app.test_client()
 
     yield start
+    for app in apps:  # its Redis and broker connections, closed here rather than by the GC
+        app.extensions["prorl"].close()
     for pools in started:
         pools.stop()
 

@@ -117,7 +117,8 @@ def test_a_fix_resolves_and_no_fix_does_not(swe_farm, r):
     client, instances, _ = swe_farm
     good, bad = _swe(client, [_case(instances[0], "good"), _case(instances[0], "bad")])
     assert good["state"] == "done" and bad["state"] == "done", (good["failure"], bad["failure"])
-    assert good["reward"] == 1.0, str({k: v for k, v in good["result"]["eval"].items() if k != "diff"})
+    assert good["reward"] == 1.0, str({k: v for k, v in good["result"]["eval"].items()
+                                       if k != "diff"})
     ev = good["result"]["eval"]
     assert ev["resolved"] and ev["tests"] == {
         "FAIL_TO_PASS": {"tests/test_calc.py::test_mul": "passed"},
