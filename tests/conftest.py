@@ -27,6 +27,12 @@ CI = bool(os.environ.get("CI"))
 # request.getfixturevalue: tests.farm.part_param). Every test of a part is ``slow`` too, so
 # that `make check` leaves them out.
 SHARED_PARTS = {"docker": ("docker_engine",), "vllm": ("vllm_server",), "verl": ("verl_host",)}
+# Modules whose farms (pools, a scripted policy, repositories) are module fixtures: their
+# tests (those of no part) run on one worker, which starts each farm once. Spread over the
+# workers, each worker started its own: 4 root and 4 nobody red-team farms, for 1 and 1.
+FARM_MODULES = {"test_reward_hacking", "test_swe", "test_code", "test_validate",
+                "test_swebench", "test_confinement", "test_harness", "test_agent",
+                "test_trainer", "test_tokens"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
@@ -41,6 +47,8 @@ def pytest_collection_modifyitems(config, items):
         if groups:
             item.add_marker(pytest.mark.xdist_group(groups.pop()))
             item.add_marker(pytest.mark.slow)
+        elif item.module.__name__.rsplit(".", 1)[-1] in FARM_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     # The longest work first, so that no worker starts it last: the parts' groups (minutes
     # each on one worker), then the slow tests, then the rest; in file order within each.
     items.sort(key=lambda item: 0 if item.get_closest_marker("xdist_group") else

@@ -94,9 +94,10 @@ def test_weight_labels_the_farm_reads():
 N = 300  # tokens a turn: long enough that turns are mid-way when the update comes (the
 #         update is asked for once 20 are generating, and pauses them within a step)
 JOBS = 32  # of which at least 20 are generating when the update comes
-# On vLLM's CPU build, as many as before (1,500): its sampler failed once ("CPU Generator does
-# not use offset", a seeded request's token discarded) with 600 on a loaded machine.
-N_VLLM = 1500
+# On vLLM's CPU build, unseeded: its sampler failed once with seeded requests ("CPU Generator
+# does not use offset", a seeded request's token discarded) on a loaded machine; what is
+# checked (each token's logprob under the weights that sampled it) needs no seed.
+N_VLLM = 600
 
 
 @pytest.mark.slow
@@ -122,7 +123,7 @@ def test_an_update_in_place_on_real_vllm(tmp_path, tmp_path_factory, redis_serve
     url, stop = start_vllm(model, tmp_path_factory.mktemp("vllm-inplace"), 4096)
     try:
         _update_in_place_mid_turn(url, model, tmp_path, tmp_path_factory, redis_server,
-                                  lambda: _running_on_vllm(url) >= 20, N_VLLM)
+                                  lambda: _running_on_vllm(url) >= 20, N_VLLM, seed=None)
     finally:
         stop()
 
@@ -136,7 +137,7 @@ def _running_on_vllm(url: str) -> float:
 
 
 def _update_in_place_mid_turn(url, model_dir, tmp_path, tmp_path_factory, redis_server,
-                              generating, N: int = N) -> None:  # noqa: N803
+                              generating, N: int = N, seed: int | None = 3) -> None:  # noqa: N803
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -158,7 +159,8 @@ def _update_in_place_mid_turn(url, model_dir, tmp_path, tmp_path_factory, redis_
                                    tokenizer=str(model_dir), capacity=64, policy_version=7)
         sub = client.post("/v1/jobs", json={"handler": "chat", "n": JOBS, "instances": [
             {"messages": [{"role": "user", "content": "Count."}]}],
-            "sampling": {"max_tokens": N, "ignore_eos": True, "seed": 3}}).get_json()
+            "sampling": {"max_tokens": N, "ignore_eos": True,
+                         **({"seed": seed} if seed is not None else {})}}).get_json()
         wait_until(generating, 300, 0.02, "20 turns generating")
         t0 = time.monotonic()
         resp = client.post(f"/v1/backends/{backend}/weights", json={
