@@ -335,13 +335,26 @@ def main():
                                  if callable(v) or isinstance(v, (staticmethod, classmethod,
                                                                   property))}))
 
-    keep(builtins, vars(builtins))
-    for module in guarded.values():
+    def keep_module(module):
         keep(module, vars(module))
         for value in list(vars(module).values()):
             if isinstance(value, type) and getattr(value, "__module__", "") == \
                     module.__name__:
                 keep(value, dict(vars(value)))
+
+    keep(builtins, vars(builtins))
+    for module in guarded.values():
+        keep_module(module)
+
+    def keep_late():
+        """The guarded modules imported since (plugins pytest loads when it configures:
+        pytester, which pytest rewrites, cannot be imported before), kept as they are now,
+        before any of the repository's test modules (and so the candidate's code) is
+        imported."""
+        for name, module in list(sys.modules.items()):
+            if name.startswith(guarded_prefixes) and name not in guarded:
+                guarded[name] = module
+                keep_module(module)
 
     # What pytest's own legacypath plugin patches at configure time (with functions of its
     # own): a change there is pytest's if the new value is defined in pytest's package.
@@ -426,6 +439,10 @@ def main():
             os._exit(3)
 
     class Evidence:
+        @pytest.hookimpl(trylast=True)
+        def pytest_configure(self, config):
+            keep_late()
+
         @pytest.hookimpl(tryfirst=True)
         def pytest_collection_modifyitems(self, session, config, items):
             if every_test:  # SWE-bench runs the whole files; every test has its say
