@@ -43,7 +43,7 @@ FRAME_ATTRS = {"f_back", "f_locals", "f_globals", "f_builtins", "tb_frame", "gi_
                "__builtins__"}
 # Attributes flagged when read from a module (through whatever name it was imported as).
 MODULE_ATTRS = {("inspect", "stack"), ("inspect", "trace"), ("sys", "monitoring"),
-                ("os", "_exit"), ("posix", "_exit"), ("sys", "modules")}
+                ("os", "_exit"), ("posix", "_exit")}
 MODULES = {"gc", "ctypes", "signal", "importlib", "pytest", "_pytest", "pluggy", "builtins",
            "faulthandler"}
 DYNAMIC = {"exec", "eval", "compile", "__import__"}
@@ -91,7 +91,7 @@ def findings(source: str) -> Counter:
             if node.attr in FRAME_ATTRS:
                 found[("reaches the interpreter", node.attr)] += 1
             root = _root(node.value) if isinstance(node.value, ast.Name) else None
-            if (root, node.attr) in MODULE_ATTRS and node.attr != "modules":
+            if (root, node.attr) in MODULE_ATTRS:
                 found[("reaches the interpreter", f"{root}.{node.attr}")] += 1
             if isinstance(node.ctx, (ast.Store, ast.Del)):
                 if node.attr == "__class__":

@@ -69,7 +69,15 @@ def main():
     # The repository's own code: its Python files as they are now, before anything of it
     # runs, less what the candidate changed. Code from anywhere else (a file the run writes,
     # a string compiled under any name) is the candidate's as much as a changed file is.
-    original = {}  # path -> (size, mtime, inode): a file rewritten during the run is not
+    def stamp(path):
+        """(size, mtime, inode) of a file, or None if it is not there."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns, st.st_ino
+
+    original = {}  # path -> stamp: a file rewritten during the run is not the original
     bytecode = {}  # the same for the compiled files there at the start (an environment's)
     for root, dirs, names in os.walk(repo):
         dirs[:] = [d for d in dirs if d != ".git"]
@@ -77,9 +85,7 @@ def main():
             if n.endswith((".py", ".pyc")):
                 path = os.path.realpath(os.path.join(root, n))
                 if path not in changed:
-                    st = os.stat(path)
-                    (original if n.endswith(".py") else bytecode)[path] = (
-                        st.st_size, st.st_mtime_ns, st.st_ino)
+                    (original if n.endswith(".py") else bytecode)[path] = stamp(path)
 
     def emit(kind, **fields):
         os.write(fd, prefix + (json.dumps({"kind": kind, **fields}) + "\n").encode())
@@ -133,14 +139,8 @@ def main():
             os.path.realpath(os.path.join(repo, filename))
         if untrusted(path) or path.startswith("<frozen "):
             return None
-        if path in original:  # the file compiled must still be the one there at the start
-            try:
-                st = os.stat(path)
-                now = (st.st_size, st.st_mtime_ns, st.st_ino)
-            except OSError:
-                now = None
-            if now != original[path]:
-                return f"{path}, rewritten during the run"
+        if path in original and stamp(path) != original[path]:  # not the file of the start
+            return f"{path}, rewritten during the run"
         made_by = file_of(caller)
         # The import system, the environment's packages (pytest's assertion rewriting), and
         # ast.parse (a tree, not code) compile trusted files; nothing else does.
@@ -160,11 +160,7 @@ def main():
         path = os.path.realpath(path)
         if not path.startswith(repo + os.sep):
             return None
-        try:
-            st = os.stat(path)
-            now = (st.st_size, st.st_mtime_ns, st.st_ino)
-        except OSError:
-            now = None
+        now = stamp(path)
         if now is not None and bytecode.get(path) == now:
             return None
         return f"bytecode {path}, written during the run"
@@ -416,8 +412,7 @@ def main():
 
     def foreign_test(item):
         """The test's function, if untrusted code made or swapped it, or None."""
-        obj = getattr(item, "obj", None) if hasattr(item, "function") or \
-            hasattr(item, "obj") else None
+        obj = getattr(item, "obj", None)
         path = code_file(obj) if obj is not None else None
         if path is not None and untrusted(path):
             return f"{item.nodeid}: its function comes from {path}"
@@ -430,7 +425,8 @@ def main():
         if why is None and item is not None and "runtest" in vars(item):
             why = f"{item.nodeid}: runtest overridden on the item"
         if why is None and item is not None:
-            why = foreign_test(item) or foreign_hooks(item.config)
+            why = foreign_test(item) or foreign_hooks(item.config) or \
+                foreign_fixtures(item.session)
         if why is None and session is not None:
             why = foreign_hooks(session.config) or foreign_fixtures(session) or next(
                 (w for w in map(foreign_test, session.items) if w), None)
@@ -462,11 +458,6 @@ def main():
         @pytest.hookimpl(hookwrapper=True)
         def pytest_runtest_call(self, item):
             check("before call", item)
-            if guard:
-                why = foreign_fixtures(item.session)
-                if why is not None:
-                    emit("suspicious", event="before call", detail=why)
-                    os._exit(3)
             outcome = yield
             returned[item.nodeid] = outcome.excinfo is None
 

@@ -224,6 +224,18 @@ def patched(base: dict[str, bytes], patch: str) -> dict[str, bytes] | None:
         return tree
 
 
+def protection(ctx: JobContext, base: dict[str, bytes], test_files: set[str]) -> dict:
+    """What the grader's spec says of protected files and scratch space: the rule's names,
+    suffixes and directories, the jail's /tmp, and (a policy's tree) the base contents of
+    the protected files, for the grader to put back after the setup commands."""
+    spec = {"protected_names": sorted(PROTECTED_NAMES),
+            "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
+            "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 1024)}
+    if ctx.mode != "reference":
+        spec["protected_base"] = protected_base(base, test_files)
+    return spec
+
+
 def screened(base: dict[str, bytes], tree: dict[str, bytes] | None, patch: str,
              test_files: set[str], guard: bool = True) -> str | None:
     """Why the candidate's change is flagged before any test runs (``graders/screen.py``),
@@ -349,11 +361,7 @@ class SweHandler(ToolAgentHandler):
                    {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)})
         spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"],
                 "changed": sorted(changed - test_files), "test_files": sorted(test_files),
-                "timeout_s": inst["test_timeout_s"], "protected_names": sorted(PROTECTED_NAMES),
-                "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
-                "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 1024)}
-        if ctx.mode != "reference":
-            spec["protected_base"] = protected_base(base, test_files)
+                "timeout_s": inst["test_timeout_s"], **protection(ctx, base, test_files)}
         files.update({f"repo/{p}": data for p, data in tree.items()})
         files.update({"grader/spec.json": json.dumps(spec), "grader/test.patch":
                       inst["test_patch"], "grader/swe_harness.py": source("swe_harness.py"),
@@ -424,12 +432,8 @@ class SweHandler(ToolAgentHandler):
                     "diff": diff[:MAX_DIFF], "discarded": discarded,
                     "environment": os.path.basename(prep.env.path),
                     "verdict": f"the change was screened out: {flagged}"}
-        spec = grading_spec(inst, prep, changed, test_paths, {
-            "protected_names": sorted(PROTECTED_NAMES),
-            "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
-            "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 1024)})
-        if ctx.mode != "reference":
-            spec["protected_base"] = protected_base(base, test_paths)
+        spec = grading_spec(inst, prep, changed, test_paths,
+                            protection(ctx, base, test_paths))
         files.update(tree)
         files.update({f"{GRADER_DIR}/spec.json": json.dumps(spec),
                       f"{GRADER_DIR}/test.patch": inst["test_patch"],
