@@ -633,6 +633,29 @@ def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, ru
         assert verdict["jail"] == ("bwrap" if jail else "none"), verdict
 
 
+def test_a_time_limit_is_cpu_time_with_a_wall_clock_backstop(grading_sandbox):
+    """A time limit is CPU time, so a machine too busy to give a right program its share
+    fails nothing: a program that waits 1.5 s within a 0.5 s limit passes (it stands for
+    one that a loaded machine runs slowly). One that computes without end, in a child
+    process of its own too, is stopped at its CPU limit; one that waits for ever, at the
+    wall-clock backstop (10 times the limit)."""
+    quick = {"time_limit_s": 0.5}
+    late = "import time\ntime.sleep(1.5)\n"
+    burn = ("import subprocess, sys\n"
+            "subprocess.run([sys.executable, '-c', 'while True: pass'])\n")
+    for program, tests, passed, why in [
+            (late + DOUBLE, {**STDIO, **quick}, 2, "ok"),
+            (ADD + late, {**CALL, **quick}, 1, "ok"),
+            (burn + DOUBLE, {**STDIO, **quick}, 0, "time limit"),
+            ("def add(a, b):\n" + "".join("    " + line + "\n" for line in burn.splitlines())
+             + "    return a + b\n", {**CALL, **quick}, 0, "time limit"),
+            ("import time\ntime.sleep(1000)\n", {**STDIO, "tests": STDIO["tests"][:1],
+                                                  **quick}, 0, "time limit (wall clock)")]:
+        verdict = _harness(grading_sandbox, program, tests, True)
+        assert verdict["passed"] == passed, (program, verdict)
+        assert {r["why"] for r in verdict["results"]} == {why}, (program, verdict)
+
+
 def test_a_jail_that_cannot_run_the_program_is_an_error_not_a_zero(grading_sandbox):
     from prorl_farm.graders import source
 

@@ -166,6 +166,28 @@ def test_a_requeued_job_starts_a_clean_attempt(settings, r):
     assert doc["timings"]["init"]["queue_wait_s"] >= 0
 
 
+def test_a_leaving_pool_hands_back_only_jobs_of_its_own_queue(settings, r):
+    """A leaving run pool reads which jobs wait on its queue, then their tokens: in between,
+    one may have been handed back (by the pool's own delivered-while-leaving path) and gone
+    through INIT onto another node. With that token it is still not this pool's: the job
+    stays where it is. (A Slurm scancel once moved such a job off the node that took it.)"""
+    store, [job] = make(settings, r)
+    store.claim(job.job_id, "init", job.token, "w")
+    token = store.advance(job.job_id, "init", job.token, "run", "run.a", "a", "hstate", "{}")
+    store.handed_off([(job.job_id, token)])
+    outcome, token = store.reap(job.job_id, "leave", float("inf"), token, "run.a", "a left")
+    assert outcome == "requeue"
+    store.claim(job.job_id, "init", token, "w")
+    token = store.advance(job.job_id, "init", token, "run", "run.b", "b", "hstate", "{}")
+    store.handed_off([(job.job_id, token)])
+    assert store.reap(job.job_id, "leave", float("inf"), token, "run.a", "a left")[0] == "moved"
+    raw = store.get_raw(job.job_id)
+    assert raw["node"] == "b" and raw["token"] == token and raw["phase"] == "waiting"
+    # Its own node's pool may still hand it back.
+    assert store.reap(job.job_id, "leave", float("inf"), token, "run.b", "b left")[0] == \
+        "requeue"
+
+
 def test_overlapping_sweeps_reap_one_death_once(settings, r):
     """Many reap calls racing on the same dead attempt: one re-queue, no failure."""
     store, jobs = make(settings, r, n=20)

@@ -16,7 +16,10 @@ is a plain child, and the tests are still out of its reach; the verdict says whi
 (``jail``).
 
 - stdio tests: per test, the program runs with that test's input on its stdin under time,
-  memory and file-size limits; this process compares the output it captured. The program
+  memory and file-size limits; this process compares the output it captured. The time
+  limit is CPU time of all the program's processes (read from ``/proc`` as it runs), so a
+  busy machine does not fail a right program; a wall-clock backstop (``wall_s``, by default
+  ``WALL_FACTOR`` times the limit) stops one that only waits. The program
   never sees another test's input or any expected output.
 - call tests (HumanEval/MBPP style): the program is loaded in the jail by a small server
   that answers calls over a pipe, arguments and results as Python literals only. The test
@@ -61,6 +64,7 @@ PR_SET_DUMPABLE = 4
 SOLUTION = "solution.py"
 MAX_LINE = 4 * 1024 * 1024  # one line from the program (a result, its names), at most
 PARSER_MB = 1024  # the literal reader's address space
+WALL_FACTOR = 10  # a test's wall-clock backstop, in times its CPU time limit (unless given)
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
 # Modules whose import only defines names: test code may use these from a program's imports.
 PURE_MODULES = frozenset({
@@ -202,7 +206,7 @@ def normalise(text):
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-def run_stdio(jail, where, test, time_s, memory_mb):
+def run_stdio(jail, where, test, time_s, wall_s, memory_mb):
     """One test: the program with the test's input on its stdin; its output read here up to
     a bound (four times the expected output, at least 1 MiB): a program that floods its
     stdout is stopped, not buffered."""
@@ -212,7 +216,7 @@ def run_stdio(jail, where, test, time_s, memory_mb):
                       close_fds=True, preexec_fn=limits(memory_mb), env=CHILD_ENV)
     why = "not run"
     try:
-        out, why = collect(proc, test["input"].encode(), bound, time.monotonic() + time_s)
+        out, why = collect(proc, test["input"].encode(), bound, Clock(proc.pid, time_s, wall_s))
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -229,9 +233,9 @@ def run_stdio(jail, where, test, time_s, memory_mb):
     return ok, "ok" if ok else "wrong output"
 
 
-def collect(proc, data, bound, deadline):
+def collect(proc, data, bound, clock):
     """Feed ``data`` to the program's stdin and read its stdout until it closes; returns
-    (output, None) or (b"", why) past the deadline or the bound."""
+    (output, None) or (b"", why) past the ``clock``'s limits or the bound."""
     out, view = [], memoryview(data)
     size = 0
     stdin, stdout = proc.stdin.fileno(), proc.stdout.fileno()
@@ -240,10 +244,10 @@ def collect(proc, data, bound, deadline):
     if not data:
         proc.stdin.close()
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return b"", "time limit"
-        readable, writable, _ = select.select([stdout], writing, [], left)
+        why = clock.over()
+        if why is not None:
+            return b"", why
+        readable, writable, _ = select.select([stdout], writing, [], clock.wait_s())
         if writable:
             try:
                 view = view[os.write(stdin, view[:65536]):]
@@ -260,12 +264,66 @@ def collect(proc, data, bound, deadline):
             if size > bound:
                 return b"", "output limit"
             out.append(chunk)
-    left = deadline - time.monotonic()
-    try:
-        proc.wait(timeout=max(0.0, left))
-    except subprocess.TimeoutExpired:
-        return b"", "time limit"
-    return b"".join(out), None
+    while True:  # its stdout is closed: it may still run
+        try:
+            proc.wait(timeout=clock.wait_s())
+            return b"".join(out), None
+        except subprocess.TimeoutExpired:
+            why = clock.over()
+            if why is not None:
+                return b"", why
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+POLL_S = 0.1  # how often a running test's CPU time is read
+
+
+def tree_cpu_s(root):
+    """CPU seconds (user and system) of process ``root`` and of every process below it, with
+    what they have reaped: all that a test's program spent, in however many processes."""
+    stats, below = {}, {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rest = data[data.rindex(b")") + 2:].split()
+        pid, ppid = int(name), int(rest[1])
+        stats[pid] = sum(int(x) for x in rest[11:15])  # utime stime cutime cstime
+        below.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid]
+            todo.extend(below.get(pid, ()))
+    return total / TICKS
+
+
+class Clock:
+    """A test's limits: ``cpu_s`` of CPU time for the program's processes (what a time limit
+    means: a right program is not failed because the machine is busy), and ``wall_s`` of
+    wall clock, a backstop for a program that waits rather than computes."""
+
+    def __init__(self, root, cpu_s, wall_s):
+        self.root, self.cpu_s = root, cpu_s
+        self.spent = tree_cpu_s(root)
+        self.deadline = time.monotonic() + wall_s
+
+    def wait_s(self):
+        """How long to wait for the program before the limits are read again."""
+        return max(0.0, min(POLL_S, self.deadline - time.monotonic()))
+
+    def over(self):
+        """Why the program is stopped ("time limit"), or None while it is within both."""
+        if tree_cpu_s(self.root) - self.spent > self.cpu_s:
+            return "time limit"
+        if time.monotonic() >= self.deadline:
+            return "time limit (wall clock)"
+        return None
 
 
 # The server in the jail: loads the program, says what its top-level names are, then answers
@@ -311,8 +369,8 @@ for line in sys.stdin:
 class Program:
     """The program, loaded in the jail; its functions are called through a pipe."""
 
-    def __init__(self, jail, where, entry_point, time_s, memory_mb):
-        self.time_s = time_s
+    def __init__(self, jail, where, entry_point, time_s, wall_s, memory_mb):
+        self.time_s, self.wall_s = time_s, wall_s
         r, w = os.pipe()
         self.jail = jail
         self.proc = jail.popen(
@@ -351,9 +409,12 @@ class Program:
             raise
 
     def _read(self):
-        ready, _, _ = select.select([self.results], [], [], self.time_s)
-        if not ready:
-            raise TimeoutError("time limit")
+        """The program's next line, within the limits of one call (or of its loading)."""
+        clock = Clock(self.proc.pid, self.time_s, self.wall_s)
+        while not select.select([self.results], [], [], clock.wait_s())[0]:
+            why = clock.over()
+            if why is not None:
+                raise TimeoutError(why)
         line = self.results.readline(MAX_LINE)
         if not line:
             raise RuntimeError("the program exited")
@@ -422,7 +483,7 @@ def _text(error):
         return "(no message)"
 
 
-def run_calls(jail, where, spec, time_s, memory_mb):
+def run_calls(jail, where, spec, time_s, wall_s, memory_mb):
     """Per case: the test code (trusted) runs here, with the program behind a pipe."""
     results = []
     entry = spec["entry_point"]
@@ -430,7 +491,8 @@ def run_calls(jail, where, spec, time_s, memory_mb):
     for code in spec["cases"]:
         program = None
         try:
-            program = jail.retrying(lambda: Program(jail, where, entry, time_s, memory_mb))
+            program = jail.retrying(lambda: Program(jail, where, entry, time_s, wall_s,
+                                                           memory_mb))
             ns = {"__name__": "__tests__"}
             exec(compile(setup, "setup", "exec"), ns)
             candidate = program.function(entry)
@@ -446,8 +508,8 @@ def run_calls(jail, where, spec, time_s, memory_mb):
             raise
         except AssertionError:
             results.append((False, "assertion failed"))
-        except TimeoutError:
-            results.append((False, "time limit"))
+        except TimeoutError as e:
+            results.append((False, str(e) or "time limit"))
         except BaseException as e:  # noqa: BLE001 - whatever the program causes fails the test
             results.append((False, f"{type(e).__name__}: {_text(e)}"))
         finally:
@@ -465,6 +527,7 @@ def main():
     os.dup2(devnull, 0)  # nothing of the tests is left to read on fd 0
     nonce = spec["nonce"]
     time_s, memory_mb = spec.get("time_s", 5.0), spec.get("memory_mb", 512)
+    wall_s = spec.get("wall_s", WALL_FACTOR * time_s)
     # Jail is from jail.py, included when the harness is shipped.
     jail = Jail(tmp_mb=int(spec.get("tmp_mb", 256)), enabled=spec.get("jail", True))  # noqa: F821
     # The program's own directory: a private copy, so the jail binds it alone.
@@ -476,10 +539,10 @@ def main():
             results = []
             for test in spec["tests"]:
                 results.append(jail.retrying(lambda t=test: run_stdio(jail, where, t, time_s,
-                                                                      memory_mb)))
+                                                                      wall_s, memory_mb)))
                 kill_others()
         else:
-            results = run_calls(jail, where, spec, time_s, memory_mb)
+            results = run_calls(jail, where, spec, time_s, wall_s, memory_mb)
     except JailError as e:  # noqa: F821 - the environment's fault: an error, not a zero
         verdict(nonce, error=str(e))
         return

@@ -21,6 +21,7 @@ from marshmallow import RAISE, Schema, ValidationError, fields, validate, valida
 
 from prorl_farm.errors import InvalidInstance
 from prorl_farm.graders import source
+from prorl_farm.graders.code_harness import WALL_FACTOR
 from prorl_farm.handlers.agentic import (
     AGENT_OPTIONS,
     AgentOptions,
@@ -84,7 +85,11 @@ def final_program(result: dict) -> str | None:
 
 
 def tests_spec(inst: dict) -> dict:
-    spec = {"time_s": inst["time_limit_s"], "memory_mb": inst["memory_mb"]}
+    """What the harness needs of an instance's tests. ``time_limit_s`` is the program's CPU
+    time per test (per call in the call style), however busy the machine; a program that
+    waits rather than computes is stopped at ``WALL_FACTOR`` times it of wall clock."""
+    spec = {"time_s": inst["time_limit_s"], "wall_s": WALL_FACTOR * inst["time_limit_s"],
+            "memory_mb": inst["memory_mb"]}
     if inst.get("tests"):
         return {**spec, "style": "stdio", "tests": inst["tests"]}
     cases = inst.get("test_list") or [inst["test_code"]]
@@ -99,9 +104,10 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
     spec = {**tests_spec(inst), "nonce": nonce,
             "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 256)}
     n = len(spec.get("tests") or spec.get("cases"))
+    # Each test within its wall-clock backstop, and the harness's own start and jail.
     files = {"solution.py": program, "code_harness.py": source("code_harness.py")}
     out = run_isolated(ctx, files, ["python3", "-I", "-S", "code_harness.py"],
-                       timeout_s=n * (inst["time_limit_s"] + 2) + 10, stdin=json.dumps(spec))
+                       timeout_s=n * (spec["wall_s"] + 5) + 60, stdin=json.dumps(spec))
     verdict = required_verdict(out, nonce, "code harness")
     fraction = verdict["passed"] / verdict["total"] if verdict["total"] else 0.0
     return {"reward": 1.0 if verdict["passed"] == verdict["total"] > 0 else 0.0,

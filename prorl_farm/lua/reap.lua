@@ -9,8 +9,9 @@
 --   (its message was reserved by a dead worker), 'lost' (its message left the queue
 --   unclaimed), 'leave' (its node is being stopped: re-queued at once, whatever its phase,
 --   without counting against max_requeues: the job did nothing wrong). cutoff: epoch s, a
---   heartbeat older than this is dead. queue: '' for 'active'. message: the new INIT
---   message for new_token ('' = the caller publishes it, then calls handed_off).
+--   heartbeat older than this is dead. queue: '' for 'active'; for 'leave', the leaving
+--   pool's. message: the new INIT message for new_token ('' = the caller publishes it,
+--   then calls handed_off).
 -- returns: 'alive' | 'gone' | 'moved' | 'requeue' | 'failed'
 
 local id, mode, cutoff, expect, queue = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
@@ -30,7 +31,9 @@ if beat and tonumber(beat) >= cutoff then return 'alive' end
 if mode == 'active' then
   if not beat then return 'moved' end
 elseif mode == 'leave' then
-  if j[2] == 'end' then return 'moved' end
+  -- Only a job of the leaving pool's own queue: one that has gone on to another node's
+  -- (its token read a moment before this call) is not this pool's to hand back.
+  if j[2] == 'end' or j[3] ~= queue then return 'moved' end
 elseif j[2] ~= 'waiting' or (mode ~= 'orphan' and j[3] ~= queue) then
   return 'moved'
 end

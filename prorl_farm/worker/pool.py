@@ -89,7 +89,7 @@ class WorkerFarm:
     def hand_back(self, job_id: str, token: str) -> bool:
         """Re-queue one job at INIT for another node (this one is leaving)."""
         outcome, _ = self.store.reap(
-            job_id, "leave", float("inf"), token, "",
+            job_id, "leave", float("inf"), token, queue_for(self.stage, self.settings.node),
             f"node {self.settings.node} left: its {self.stage} pool was stopped",
             self.messages)
         return outcome is Reap.REQUEUE
@@ -204,22 +204,35 @@ def _on_child(**_):
 
 
 _shutdown_requested = False
+_leaving: threading.Thread | None = None
+LEAVE_WAIT_S = 30  # how long a stopping pool waits, at its end, for its hand-back to finish
 
 
 @worker_shutting_down.connect
 def _on_shutdown(**_):
-    global _shutdown_requested
+    """SIGTERM (or SIGINT/SIGQUIT): Celery sends this from its signal handler, in the main
+    thread, which may hold any lock at that moment (a Redis connection pool's, the
+    liveness's, logging's). So the leave runs in a thread of its own (a second signal starts
+    nothing), and the pool waits for it before it exits (:func:`worker_main`). A leave
+    done in the handler itself once never finished (no hand-back logged, the process
+    killed at Slurm's kill wait): its jobs waited out the stale time and spent a re-queue."""
+    global _shutdown_requested, _leaving
     _shutdown_requested = True
-    if _farm is not None:
-        leaving = _farm.settings.requeue_on_stop and os.getpid() == _main_pid
-        if leaving:
-            try:
-                _farm.leave()
-            except Exception:
-                log.exception("could not re-queue this pool's jobs; the reaper will")
-        _farm.liveness.stop()
-        if leaving:  # gone at once for /readyz, the dashboard and the reaper
-            _farm.store.r.zrem(keys.POOLS, f"{_farm.stage}:{_farm.settings.node}")
+    if _farm is not None and _leaving is None:
+        _leaving = threading.Thread(target=_leave, args=(_farm,), name="leave", daemon=True)
+        _leaving.start()
+
+
+def _leave(farm: WorkerFarm) -> None:
+    leaving = farm.settings.requeue_on_stop and os.getpid() == _main_pid
+    if leaving:
+        try:
+            farm.leave()
+        except Exception:
+            log.exception("could not re-queue this pool's jobs; the reaper will")
+    farm.liveness.stop()
+    if leaving:  # gone at once for /readyz, the dashboard and the reaper
+        farm.store.r.zrem(keys.POOLS, f"{farm.stage}:{farm.settings.node}")
 
 
 def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
@@ -262,6 +275,8 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if _leaving is not None:
+        _leaving.join(LEAVE_WAIT_S)
     if code == 0 and not _shutdown_requested:
         # Celery gave up by itself (e.g. "Unrecoverable error" while reconnecting after a
         # Redis restart) and would exit 0: a supervisor that restarts on failure (systemd,
