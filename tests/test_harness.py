@@ -58,6 +58,7 @@ PLANS = {
     "talk": ["Let me think.", "Still thinking.", "\\boxed{4}"],
     "loop": [tool_call("bash", command="true")],
     "sdk": [tool_call("bash", command="ls"), tool_call("bash", command="pwd"), "All done."],
+    "crawl": ["It is \\boxed{5}."],
 }
 # The SDKs as a harness uses them: a tool-call conversation of three turns, OpenAI streamed
 # (tool-call argument deltas put back together), Anthropic whole, streamed, whole.
@@ -151,6 +152,77 @@ msgs = [{{"role": "user", "content": "[case:loop] go"}}]
 while True:
     msgs += [sdk.chat.completions.create(model="m", messages=msgs).choices[0].message
              .model_dump(exclude_none=True), {{"role": "user", "content": "again"}}]
+EOF"""
+
+
+# A policy that makes its harness look for the answer (red team): every file of the
+# sandbox's writable and configuration trees, every visible process's environment and
+# command line, every route of the gateway it can name (with its key, GET and POST), and a
+# model call whose content asks the gateway to fetch URLs on the farm's side (an OpenAI
+# image part, an Anthropic image source). It gets the answer only reversed (so its own
+# command line does not hold it) and prints what it found; then it answers as the model
+# says.
+CRAWLER = f"""{PYTHON} - <<'EOF'
+import json, os, urllib.request
+marker = os.environ["REVERSED"][::-1].encode()
+found, files, procs = [], 0, 0
+for top in ("/workspace", "/tmp", "/var/tmp", "/run", "/etc", "/home", "/root", "/srv",
+            "/mnt", "/dev/shm"):
+    for root, dirs, names in os.walk(top):
+        for name in names:
+            try:
+                with open(os.path.join(root, name), "rb") as f:
+                    files += 1
+                    if marker in f.read(1 << 20):
+                        found.append(os.path.join(root, name))
+            except OSError:
+                pass
+for pid in os.listdir("/proc"):
+    for part in ("environ", "cmdline"):
+        try:
+            with open(f"/proc/{{pid}}/{{part}}", "rb") as f:
+                data = f.read()
+            procs += 1
+            if marker in data and pid != str(os.getpid()):
+                found.append(f"/proc/{{pid}}/{{part}}")
+        except OSError:
+            pass
+base = os.environ["OPENAI_BASE_URL"].rsplit("/v1", 1)[0]
+key = os.environ["OPENAI_API_KEY"]
+routes = {{}}
+def call(method, path, doc=None):
+    req = urllib.request.Request(base + path, method=method,
+                                 data=None if doc is None else json.dumps(doc).encode(),
+                                 headers={{"Authorization": "Bearer " + key, "x-api-key": key,
+                                          "Content-Type": "application/json",
+                                          "anthropic-version": "2023-06-01"}})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError as e:
+        return 0, str(e).encode()
+for path in ("/", "/v1", "/v1/models", "/v1/jobs", "/v1/job", "/v1/instance", "/v1/files",
+             "/v1/batches", "/metrics", "/debug", "/admin", "/healthz", "/v1/models/x"):
+    for method in ("GET", "POST"):
+        status, body = call(method, path, {{}} if method == "POST" else None)
+        routes[method + " " + path] = status
+        if marker in body:
+            found.append(method + " " + path)
+url = os.environ["FETCH_ME"]
+look = {{"type": "text", "text": "[case:crawl] look"}}
+image = {{"type": "image_url", "image_url": {{"url": url}}}}
+source = {{"type": "image", "source": {{"type": "url", "url": url}}}}
+fetch = [call("POST", "/v1/chat/completions", {{"model": "m", "max_tokens": 8, "messages": [
+             {{"role": "user", "content": [look, image]}}]}})[0],
+         call("POST", "/v1/messages", {{"model": "m", "max_tokens": 8, "messages": [
+             {{"role": "user", "content": [look, source]}}]}})[0]]
+print(json.dumps({{"found": found, "files": files, "procs": procs, "routes": routes,
+                  "fetch": fetch}}))
+status, body = call("POST", "/v1/chat/completions", {{"model": "m", "messages": [
+    {{"role": "user", "content": open(os.environ["PRORL_PROMPT_FILE"]).read()}}]}})
+print(json.loads(body)["choices"][0]["message"]["content"])
 EOF"""
 
 
@@ -321,6 +393,64 @@ def test_a_key_is_refused_for_another_job_and_after_its_job_ended(harness_farm):
     (second,) = _math(client, [("add", other)])
     out2 = second["result"]["harness"]["stdout_tail"]
     assert "OTHER=refused" in out2 and f"KEY={key}" not in out2
+
+
+def test_a_harness_that_crawls_for_the_answer_finds_nothing_and_fetches_nothing(
+        harness_farm):
+    """Red team, harness jobs: the policy drives its harness to look for the reference answer
+    everywhere it can read (files, processes, the gateway's routes) and to make the gateway
+    fetch URLs on the farm's side. Nothing holds the answer, no route but the model API's
+    answers, nothing is fetched (a listener on the farm's loopback hears no connection);
+    it earns 0, beside an honest harness that earns 1.0 in the same batch."""
+    import socket
+    import threading
+
+    client, _ = harness_farm
+    answer = "7382915046"
+    heard = []
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def listen():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            heard.append(conn.recv(200))
+            conn.close()
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    crawler = {"command": CRAWLER, "prompt": "file", "env": [
+        {"name": "REVERSED", "value": answer[::-1]},
+        {"name": "FETCH_ME", "value": f"http://127.0.0.1:{listener.getsockname()[1]}/x.png"}]}
+    try:
+        use_only_backend(client, **client.backend)
+        jobs = run_batch(client, {"handler": "math", "instances": [
+            {"problem": "[case:crawl] Which ten-digit number is the answer?",
+             "answer": answer, "agent": crawler},
+            {"problem": "[case:add] What is 2 + 2?", "answer": "4",
+             "agent": {"preset": "openai-agent"}}],
+            "sampling": {"max_tokens": 64}, "deadline_s": 180}, 240)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+    crawl, honest = jobs
+    assert honest["state"] == "done" and honest["reward"] == 1.0, honest["result"].get("eval")
+    assert crawl["state"] == "done", crawl["failure"]
+    assert crawl["reward"] == 0.0, crawl["result"]["eval"]
+    out = crawl["result"]["harness"]["stdout_tail"]
+    report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert report["files"] > 10 and report["procs"] > 2, report  # it did look
+    assert report["found"] == [], report
+    served = {route for route, status in report["routes"].items() if status == 200}
+    assert served == {"GET /v1/models"}, report["routes"]
+    assert heard == [], heard
 
 
 def test_harness_faults_fail_clearly_and_leave_nothing(harness_farm):

@@ -182,6 +182,47 @@ def restore(repo, spec, before):
     return discarded
 
 
+def definitions(repo, spec):
+    """What each protected Python file (the test files, conftests) defines, as this process
+    reads it right before the tests start: for every function at module level or in a class
+    (inside ``if``/``try``/``with`` blocks too, not inside functions), its class path and
+    name (``Cls::name``), the lines its code may start at (its ``def``'s, its decorators'),
+    and the fixture names its decorators give it (``name=``). The runner holds the tests,
+    fixtures and hooks it runs from these files to these definitions."""
+    import ast
+
+    found = {}
+    for path in sorted(protected_files(repo, spec)):
+        if not path.endswith(".py"):
+            continue
+        try:
+            with open(os.path.join(repo, path), "rb") as f:
+                tree = ast.parse(f.read(), path)
+        except (OSError, SyntaxError, ValueError):
+            continue
+        defs = found[path] = []
+
+        def walk(body, chain, defs=defs):
+            for node in body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = sorted({node.lineno, *(d.lineno for d in node.decorator_list)})
+                    names = [getattr(kw.value, "value", getattr(kw.value, "s", None))
+                             for d in node.decorator_list if isinstance(d, ast.Call)
+                             for kw in d.keywords if kw.arg == "name"]
+                    defs.append(["::".join([*chain, node.name]), lines,
+                                 [n for n in names if isinstance(n, str)]])
+                elif isinstance(node, ast.ClassDef):
+                    walk(node.body, [*chain, node.name])
+                else:
+                    for field in ("body", "orelse", "finalbody", "handlers"):
+                        inner = getattr(node, field, None)
+                        if isinstance(inner, list):
+                            walk(inner, chain)
+
+        walk(tree.body, [])
+    return found
+
+
 def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     """Run the child (``runner``: its source); returns (its records, why it is suspicious or
     None, its exit code or None, the tail of its output, whether it ran out of time)."""
@@ -195,7 +236,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     request = {"key": key, "fd": w, "repo": repo, "tests": wanted, "files": files,
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
                "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
-               "plugins": spec.get("plugins", []),
+               "plugins": spec.get("plugins", []), "defs": definitions(repo, spec),
                "pytest_args": spec.get("pytest_args", ["-q"])}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}

@@ -322,6 +322,139 @@ def main():
             guarded_prefixes += ("numpy.testing",)
         except ImportError:
             pass
+    # -- equality the candidate's code claims ------------------------------------------
+    # Where pytest's rewritten asserts compare with == (the assert's test, or a part of its
+    # and/or/not) and in unittest's assertEqual, equality is decided here, as Python would
+    # (built-in lists, tuples and dicts item by item), except that an object of a class
+    # whose __eq__ is the candidate's code, compared with a value of a built-in type, is
+    # also asked about values it cannot honestly equal (that value moved by a random amount,
+    # a fresh object()), the real question at a random place among them: an __eq__ that
+    # agrees with any of them lies, whatever it read of its argument (``suspicious``). It
+    # cannot tell the real question from the others without knowing the answer.
+    import random
+    import secrets
+
+    plain = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set,
+             frozenset)
+    chance = random.Random(secrets.randbits(64))
+
+    def type_attr(value, name):
+        for klass in type.__getattribute__(type(value), "__mro__"):
+            namespace = type.__getattribute__(klass, "__dict__")
+            if name in namespace:
+                return namespace[name]
+        return None
+
+    def candidates_eq(value):
+        return type(value) not in plain and from_untrusted(type_attr(value, "__eq__"))
+
+    def probes(value):
+        """Values of ``value``'s type that no honest __eq__ finds equal to what ``value``
+        equals."""
+        kind, out = type(value), [object()]
+        if kind is bool:
+            out.append(not value)
+        elif kind is int or kind is complex:
+            out += [value + chance.choice((-1, 1)) * chance.randint(1, 10 ** 6)
+                    for _ in range(2)]
+        elif kind is float and value == value and abs(value) != float("inf"):
+            out += [value + chance.choice((-1, 1)) * chance.uniform(1, 1000) *
+                    (1 + abs(value)) for _ in range(2)]
+        elif kind is str or kind is bytes:
+            extra = secrets.token_hex(4)
+            out += [value + (extra if kind is str else extra.encode()),
+                    (extra * (len(value) // 8 + 1))[:max(len(value), 1)] if kind is str
+                    else (extra.encode() * (len(value) // 8 + 1))[:max(len(value), 1)]]
+        elif kind is tuple or kind is list:
+            out.append(value + kind([object()]))
+        elif kind is dict:
+            out.append({**value, object(): None})
+        elif kind is set or kind is frozenset:
+            out.append(value | {object()})
+        return [p for p in out if p is not value]
+
+    def agrees(left, right):
+        try:
+            return bool(left == right)
+        except Exception:  # noqa: BLE001 - an __eq__ that raises claims nothing
+            return False
+
+    def asked(mine, other, left, right):
+        trials = probes(other)
+        trials.insert(chance.randint(0, len(trials)), None)  # None: the real question
+        result = False
+        for trial in trials:
+            if trial is None:
+                result = bool(left == right)
+            elif agrees(mine, trial):
+                emit("suspicious", event="compare", detail=(
+                    f"{type(mine).__name__}.__eq__ agrees with {other!r:.60} and with "
+                    f"{trial!r:.60}")[:200])
+                os._exit(3)
+        return result
+
+    def equal(left, right, budget):
+        """``left == right`` (its truth), with the candidate's __eq__ asked as above."""
+        budget[0] -= 1
+        if budget[0] > 0:
+            for mine, other in ((left, right), (right, left)):
+                if type(other) in plain and candidates_eq(mine):
+                    return asked(mine, other, left, right)
+            if type(left) is type(right) and type(left) in (list, tuple):
+                return len(left) == len(right) and all(
+                    a is b or equal(a, b, budget) for a, b in zip(left, right))
+            if type(left) is type(right) is dict:
+                return left.keys() == right.keys() and all(
+                    left[k] is right[k] or equal(left[k], right[k], budget) for k in left)
+        return bool(left == right)
+
+    eq_name = "_prorl_eq_" + runner_name.strip("<>").rsplit("-", 1)[-1]
+
+    def checked_eq(left, right):
+        """An assert's ``left == right``."""
+        return equal(left, right, [10000])
+
+    def instrument(test):
+        import ast
+
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and \
+                isinstance(test.ops[0], ast.Eq):
+            return ast.copy_location(ast.Call(func=ast.Name(id=eq_name, ctx=ast.Load()),
+                                              args=[test.left, test.comparators[0]],
+                                              keywords=[]), test)
+        if isinstance(test, ast.BoolOp):
+            test.values = [instrument(v) for v in test.values]
+        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test.operand = instrument(test.operand)
+        return test
+
+    if guard:
+        import ast
+
+        import _pytest.assertion.rewrite as rewrite
+
+        setattr(builtins, eq_name, checked_eq)
+        rewriter = rewrite.AssertionRewriter
+        pytests_run = rewriter.run
+
+        def run(self, mod):
+            for node in ast.walk(mod):
+                if isinstance(node, ast.Assert):
+                    node.test = instrument(node.test)
+            ast.fix_missing_locations(mod)
+            return pytests_run(self, mod)
+
+        rewriter.run = run
+        unittests_equal = unittest.TestCase.assertEqual
+
+        def assertEqual(self, first, second, msg=None):
+            if equal(first, second, [10000]):
+                return
+            unittests_equal(self, first, second, msg)  # its message
+            raise self.failureException(msg or f"{first!r:.200} != {second!r:.200}")
+
+        unittest.TestCase.assertEqual = assertEqual
+
     guarded = {name: module for name, module in sys.modules.items()
                if name.startswith(guarded_prefixes)}
     snapshot = []
@@ -380,43 +513,162 @@ def main():
 
     returned = {}  # nodeid -> whether its call returned (seen by our own wrapper)
 
+    # The grader's reading of the protected files (test files, conftests), made before the
+    # tests start: path -> {"Cls::name": the lines its code may start at}, and
+    # path -> {line: [(name, "Cls::name", fixture names)]}.
+    defined, at_line = {}, {}
+    for rel, found in request.get("defs", {}).items():
+        path = os.path.realpath(os.path.join(repo, rel))
+        for qual, lines, names in found:
+            defined.setdefault(path, {}).setdefault(qual, set()).update(lines)
+            for line in lines:
+                at_line.setdefault(path, {}).setdefault(line, []).append(
+                    (qual.rsplit("::", 1)[-1], qual, names))
+
+    import functools
+    import types
+
+    def static(value, name):
+        """``value``'s attribute ``name`` as its own or its type's dicts hold it: no
+        ``__getattr__``, property or descriptor of anyone's runs (a candidate's object could
+        hand back any code it likes)."""
+        try:
+            own = object.__getattribute__(value, "__dict__")
+        except AttributeError:
+            own = None
+        if isinstance(own, dict) and name in own:
+            return own[name]
+        for klass in type.__getattribute__(type(value), "__mro__"):
+            namespace = type.__getattribute__(klass, "__dict__")
+            if name in namespace:
+                return namespace[name]
+        return None
+
+    def reachable(value):
+        """What calling ``value`` runs: [(path, first line, code, the protected file's defs
+        at that line or None)], found by type, never by asking the objects: a method's
+        function, a partial's, a callable object's ``__call__``; through a decorator's
+        wrapper (a function that is no def of a protected file) to what it wraps (its
+        closure's functions, its ``__wrapped__``, hypothesis' inner test). A def of a
+        protected file is what runs: nothing below it is followed. At most 64 objects."""
+        found, todo, seen = [], [value], set()
+        while todo and len(seen) < 64:
+            f = todo.pop(0)
+            if id(f) in seen:
+                continue
+            seen.add(id(f))
+            kind = type(f)
+            if kind in (types.MethodType, staticmethod, classmethod):
+                todo.append(f.__func__)
+            elif kind in (functools.partial, functools.partialmethod):
+                todo.append(f.func)
+            elif kind is types.FunctionType:
+                code = f.__code__
+                name = code.co_filename
+                path = name if name.startswith("<") else \
+                    os.path.realpath(os.path.join(repo, name))
+                known = at_line.get(path, {}).get(code.co_firstlineno)
+                found.append((path, code.co_firstlineno, code, known))
+                if known is None:  # a wrapper: what it wraps
+                    for cell in f.__closure__ or ():
+                        try:
+                            inner = cell.cell_contents
+                        except ValueError:  # an empty cell
+                            continue
+                        if type(inner) in (types.FunctionType, types.MethodType):
+                            todo.append(inner)
+                    extra = f.__dict__
+                    todo += [extra[k] for k in ("__wrapped__",) if k in extra]
+                    if extra.get("hypothesis") is not None:
+                        todo.append(static(extra["hypothesis"], "inner_test"))
+            elif kind is not type and not isinstance(f, (int, float, str, bytes, tuple, list,
+                                                         dict, set, frozenset)):
+                call = static(f, "__call__")
+                if type(call) in (types.FunctionType, types.MethodType):
+                    todo.append(call)
+        return found
+
     def code_file(value):
-        """The file of a function's (or a method's, or a callable's) code, or None."""
-        function = getattr(value, "__func__", value)
-        code = getattr(function, "__code__", None)
-        if code is None:
-            code = getattr(getattr(type(value), "__call__", None), "__code__", None)  # noqa: B004
-        return None if code is None else (code.co_filename if code.co_filename.startswith(
-            "<") else os.path.realpath(os.path.join(repo, code.co_filename)))
+        """The file of the code calling ``value`` runs first, or None (no Python code)."""
+        codes = reachable(value)
+        return codes[0][0] if codes else None
+
+    def qualified(nodeid):
+        """(the file's path, "Cls::name") of a test id (parameters and pytest 3's "()"
+        left out)."""
+        file_part, _, rest = nodeid.partition("::")
+        parts = [p for p in rest.split("[", 1)[0].split("::") if p and p != "()"]
+        return os.path.realpath(os.path.join(repo, file_part)), "::".join(parts)
+
+    def from_untrusted(value):
+        return next((path for path, _, _, _ in reachable(value) if untrusted(path)), None)
+
+    def named(value, name, kind):
+        """A fixture's or hook's function that is a def of a protected file under another
+        name than the one it serves under: why, or None."""
+        for path, line, _, defs in reachable(value):
+            if defs is None:
+                continue
+            if any(own == name or name in names for own, _, names in defs):
+                return None
+            return f"{kind} {name} runs {defs[0][1]} ({path}:{line})"
+        return None
 
     def foreign_hooks(config):
         """A hook implementation in force from untrusted code (a plugin the candidate's code
-        registered, however it got to the plugin manager), or None."""
+        registered, however it got to the plugin manager), or one of a protected file's
+        defs serving another hook than its own; None if none is."""
         for name in dir(config.hook):
             caller = getattr(config.hook, name, None)
             for impl in getattr(caller, "get_hookimpls", lambda: [])():
-                path = code_file(impl.function)
-                if path is not None and untrusted(path):
+                path = from_untrusted(impl.function)
+                if path is not None:
                     return f"hook {name} from {path}"
+                why = named(impl.function, (getattr(impl, "opts", None) or {}).get(
+                    "specname") or name, "hook")
+                if why is not None:
+                    return why
         return None
 
     def foreign_fixtures(session):
-        """A fixture (autouse or not) defined by untrusted code, or None."""
+        """A fixture (autouse or not) defined by untrusted code, or one of a protected
+        file's defs serving as another fixture than its own; None if none is."""
         manager = getattr(session, "_fixturemanager", None)
         for name, defs in getattr(manager, "_arg2fixturedefs", {}).items():
             for fixturedef in defs:
-                path = code_file(getattr(fixturedef, "func", None))
-                if path is not None and untrusted(path):
+                func = getattr(fixturedef, "func", None)
+                path = from_untrusted(func)
+                if path is not None:
                     return f"fixture {name} from {path}"
+                why = named(func, name, "fixture")
+                if why is not None:
+                    return why
         return None
 
     def foreign_test(item):
-        """The test's function, if untrusted code made or swapped it, or None."""
+        """Why the test does not run the function its id names, or None: its function (or
+        what that wraps) comes from untrusted code, or has no Python code, or, where the
+        test's file defines the function its id names, is not that def (another test's, a
+        helper's, a function a factory made)."""
         obj = getattr(item, "obj", None)
-        path = code_file(obj) if obj is not None else None
-        if path is not None and untrusted(path):
-            return f"{item.nodeid}: its function comes from {path}"
-        return None
+        if obj is None:
+            return None
+        codes = reachable(obj)
+        for path, _, _, _ in codes:
+            if untrusted(path):
+                return f"{item.nodeid}: its function comes from {path}"
+        if not codes:
+            return f"{item.nodeid}: runs {type(obj).__name__}, which has no Python code"
+        path, qual = qualified(item.nodeid)
+        lines = defined.get(path, {}).get(qual)
+        if lines is None:  # no def of its file by that name (inherited, assigned, made)
+            return None
+        defs = [(p, line, code) for p, line, code, known in codes if known is not None]
+        if defs and all(p == path and line in lines for p, line, _ in defs):
+            return None
+        p, line, code = (defs or [c[:3] for c in codes])[0]
+        return (f"{item.nodeid}: runs {code.co_name} ({p}:{line}), not the function its file "
+                f"defines for it (line {min(lines)})")
 
     def check(where, item=None, session=None):
         if not guard:
