@@ -180,6 +180,10 @@ class Settings:
         512, "size of each memory-backed scratch directory of a sandbox (`/tmp`, `/var/tmp`, "
         "`/run`, `/dev/shm`; bwrap and docker): writing past it fails inside", lo=1,
         hi=1 << 20)
+    sandbox_workspace_mb: int = setting(
+        4096, "size of a sandbox's workspace as a whole (on the node's disk; RUN's and "
+        "graders'): the tool server measures it and kills what writes past it",
+        lo=16, hi=1 << 24)
     grade_scratch_mb: int = setting(
         1024, "size of the `/tmp` and of the `/dev/shm` of a grader's jail (`swe`, `code`): "
         "writing past it fails inside", lo=16, hi=1 << 20)

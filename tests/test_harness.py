@@ -7,7 +7,8 @@ history starts a new segment; a job's key is refused by another job and after it
 ended; a harness that hangs fails ``timeout`` with nothing left running; one that exits
 non-zero or never calls the model fails ``harness_error``; a limit ends the episode and
 EVAL still grades it; the tiny model behind the farm: sampled ids as returned, teacher-
-forced logprobs within 1e-3.
+forced logprobs within 1e-3. Red team: a harness that crawls its sandbox and the gateway for
+the answer, and asks the gateway to fetch URLs, finds and fetches nothing.
 """
 
 from __future__ import annotations

@@ -269,6 +269,34 @@ def test_scratch_space_is_bounded_and_a_write_past_it_fails_inside(manager_for):
         manager.stop(sb)
 
 
+def test_the_workspace_as_a_whole_is_bounded_and_what_writes_past_it_is_stopped(manager_for):
+    """The workspace is on the node's disk: the tool server holds it as a whole to
+    PRORL_SANDBOX_WORKSPACE_MB. A command that writes 1 GiB in files of 8 MiB (each within
+    the file-size limit) into a 64 MiB workspace, in the background and in the foreground,
+    is killed well before it is done; the call says ``workspace_full``, and so does every
+    call while the workspace stays over; once files are removed, the sandbox goes on."""
+    from prorl_farm.toolserver.quota import disk_usage
+
+    manager = manager_for("bwrap", workspace_mb=64)
+    sb = manager.start(SandboxSpec(limits=Limits(processes=64)))
+    c = ToolConnection(sb.socket)
+    try:
+        out = c.bash("(for i in $(seq 128); do head -c 8M /dev/zero > bg$i; done; "
+                     "echo > bg-done) & for i in $(seq 128); do head -c 8M /dev/zero > f$i; "
+                     "done; echo wrote-it-all", timeout_s=300)
+        assert "wrote-it-all" not in out["output"], out
+        assert out["workspace_full"]["limit_mb"] == 64, out
+        used_mb = disk_usage(sb.workspace) / 2**20
+        assert 64 < used_mb < 512, used_mb  # 2 GiB without the bound
+        assert not (Path(sb.workspace) / "bg-done").exists()  # the background too
+        assert c.bash("echo still")["workspace_full"]["used_mb"] > 64
+        done = c.bash("rm -f f* bg*; echo alive")
+        assert done["output"] == "alive\n" and "workspace_full" not in done, done
+    finally:
+        c.close()
+        manager.stop(sb)
+
+
 def test_bwrap_as_a_non_root_user(tmp_path, redis_server):
     if not shutil.which("bwrap") or not shutil.which("runuser"):
         pytest.skip("needs bwrap and runuser")

@@ -67,6 +67,15 @@ def _str(args: dict, key: str, required: bool = True) -> str | None:
     return value
 
 
+def _full(out: dict) -> str:
+    """What the agent is told when its workspace is past its size limit."""
+    full = out.get("workspace_full")
+    if not full:
+        return ""
+    return (f"\n[the workspace is over its limit of {full['limit_mb']} MiB "
+            f"({full['used_mb']} MiB): what wrote was stopped; remove files]")
+
+
 @dataclass
 class ToolRunner:
     """Runs calls of the offered tools through a sandbox's ToolConnection."""
@@ -89,7 +98,8 @@ class ToolRunner:
                     text += f"\n[timed out after {timeout:g} s]"
                 if out.get("session_restarted"):
                     text += "\n[the shell died and was restarted]"
-                return text + f"\n[exit code {out['exit_code']}]", out["exit_code"] == 0
+                text += f"\n[exit code {out['exit_code']}]"
+                return text + _full(out), out["exit_code"] == 0 and "workspace_full" not in out
             if name == "python":
                 out = self.client.call("ipython", abort_hook=abort_hook,
                                        code=_str(args, "code"), timeout_s=timeout)
@@ -99,7 +109,8 @@ class ToolRunner:
                     parts.append(str(out["error"]))
                 if out.get("timed_out"):
                     parts.append(f"[timed out after {timeout:g} s]")
-                return "\n".join(p for p in parts if p), not out.get("error")
+                return ("\n".join(p for p in parts if p) + _full(out),
+                        not out.get("error") and "workspace_full" not in out)
             if name == "str_replace_editor":
                 return self._edit(args, abort_hook), True
         except ToolRejected as e:

@@ -23,7 +23,14 @@ gets reward 0.
 When collection ends and before each test's call, a fixture, a hook implementation or a
 test's function whose code is untrusted (an autouse fixture set on the test module from the
 package, a plugin named by ``pytest_plugins`` set there, a test function swapped through the
-module's class) is ``suspicious`` too.
+module's class) is ``suspicious`` too; so is a test whose file defines the function its id
+names (the harness parsed the protected files before the tests started) and that runs
+anything else (another test of the file, a helper, a callable without code), and a
+fixture or hook of a protected file that serves under another name than its own. In
+pytest's rewritten asserts (``==``) and unittest's ``assertEqual``, an object whose class's
+``__eq__`` is untrusted, found equal to a value of a built-in type, is asked about values it
+cannot honestly equal, the real question at a random place among them: agreeing with any
+is ``suspicious``.
 
 Before each named test runs, and at each of its reports, the functions and classes of
 pytest, pluggy, unittest, numpy.testing (where installed) and the builtins are checked
@@ -105,13 +112,17 @@ def main():
 
     known = {}
 
-    def file_of(frame):
-        name = frame.f_code.co_filename
+    def path_of(code):
+        """The resolved path of a code object's file (or its ``<...>`` name)."""
+        name = code.co_filename
         path = known.get(name)
         if path is None:
             path = name if name.startswith("<") else os.path.realpath(os.path.join(repo, name))
             known[name] = path
         return path
+
+    def file_of(frame):
+        return path_of(frame.f_code)
 
     def is_stdlib(path):
         return (path.startswith("<frozen ") or path.startswith(stdlib)) and \
@@ -339,6 +350,8 @@ def main():
     chance = random.Random(secrets.randbits(64))
 
     def type_attr(value, name):
+        """``value``'s attribute ``name`` as its type's dicts hold it (how Python finds
+        ``__eq__`` and ``__call__``), with no code of anyone's run to find it."""
         for klass in type.__getattribute__(type(value), "__mro__"):
             namespace = type.__getattribute__(klass, "__dict__")
             if name in namespace:
@@ -538,11 +551,7 @@ def main():
             own = None
         if isinstance(own, dict) and name in own:
             return own[name]
-        for klass in type.__getattribute__(type(value), "__mro__"):
-            namespace = type.__getattribute__(klass, "__dict__")
-            if name in namespace:
-                return namespace[name]
-        return None
+        return type_attr(value, name)
 
     def reachable(value):
         """What calling ``value`` runs: [(path, first line, code, the protected file's defs
@@ -564,9 +573,7 @@ def main():
                 todo.append(f.func)
             elif kind is types.FunctionType:
                 code = f.__code__
-                name = code.co_filename
-                path = name if name.startswith("<") else \
-                    os.path.realpath(os.path.join(repo, name))
+                path = path_of(code)
                 known = at_line.get(path, {}).get(code.co_firstlineno)
                 found.append((path, code.co_firstlineno, code, known))
                 if known is None:  # a wrapper: what it wraps
@@ -603,15 +610,16 @@ def main():
     def from_untrusted(value):
         return next((path for path, _, _, _ in reachable(value) if untrusted(path)), None)
 
-    def named(value, name, kind):
-        """A fixture's or hook's function that is a def of a protected file under another
-        name than the one it serves under: why, or None."""
+    def serving(value, name, kind):
+        """Why a fixture's or hook's function may not serve as ``name``, or None: its code
+        (or what it wraps) is untrusted, or it is a def of a protected file under another
+        name than the one it serves under."""
         for path, line, _, defs in reachable(value):
-            if defs is None:
-                continue
-            if any(own == name or name in names for own, _, names in defs):
-                return None
-            return f"{kind} {name} runs {defs[0][1]} ({path}:{line})"
+            if untrusted(path):
+                return f"{kind} {name} from {path}"
+            if defs is not None and not any(own == name or name in names
+                                            for own, _, names in defs):
+                return f"{kind} {name} runs {defs[0][1]} ({path}:{line})"
         return None
 
     def foreign_hooks(config):
@@ -621,10 +629,7 @@ def main():
         for name in dir(config.hook):
             caller = getattr(config.hook, name, None)
             for impl in getattr(caller, "get_hookimpls", lambda: [])():
-                path = from_untrusted(impl.function)
-                if path is not None:
-                    return f"hook {name} from {path}"
-                why = named(impl.function, (getattr(impl, "opts", None) or {}).get(
+                why = serving(impl.function, (getattr(impl, "opts", None) or {}).get(
                     "specname") or name, "hook")
                 if why is not None:
                     return why
@@ -636,11 +641,7 @@ def main():
         manager = getattr(session, "_fixturemanager", None)
         for name, defs in getattr(manager, "_arg2fixturedefs", {}).items():
             for fixturedef in defs:
-                func = getattr(fixturedef, "func", None)
-                path = from_untrusted(func)
-                if path is not None:
-                    return f"fixture {name} from {path}"
-                why = named(func, name, "fixture")
+                why = serving(getattr(fixturedef, "func", None), name, "fixture")
                 if why is not None:
                     return why
         return None

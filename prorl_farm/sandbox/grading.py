@@ -63,6 +63,10 @@ def required_verdict(out: dict, nonce: str, grader: str) -> dict:
     verdict = tagged_verdict(out["stdout"], nonce)
     if verdict is None:
         why = "timed out" if out["timed_out"] else f"exit status {out['exit_code']}"
+        if out.get("workspace_full"):
+            full = out["workspace_full"]
+            why = (f"the code under test filled the workspace past its limit of "
+                   f"{full['limit_mb']} MiB ({full['used_mb']} MiB): it was stopped")
         raise GradingError(f"the {grader} gave no verdict ({why}): {out['stderr'][-1500:]}")
     if "error" in verdict:
         raise GradingError(f"the {grader} could not grade: {verdict['error']}")

@@ -131,10 +131,13 @@ class SandboxManager:
                  root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64,
                  user: str = "auto", python: str = "", ro_paths: str = "",
                  mount_roots: str = "", allow_network: bool = True, image: str = "",
-                 trusted_roots: tuple[str, ...] = (), scratch_mb: int | None = None):
+                 trusted_roots: tuple[str, ...] = (), scratch_mb: int | None = None,
+                 workspace_mb: int | None = None):
         self.r = r
         # The size of every memory-backed scratch directory of this node's sandboxes.
         self.scratch_bytes = scratch_mb << 20 if scratch_mb else None
+        # And of their workspaces, each as a whole (the tool server holds it to this).
+        self.workspace_bytes = workspace_mb << 20 if workspace_mb else None
         self.allow_network = allow_network
         self.node = node
         self.root = Path(root)
@@ -203,9 +206,12 @@ class SandboxManager:
                 gw = gateway_dir(workspace)
                 gw.mkdir()
                 os.chmod(gw, 0o777)  # the RUN pool puts its socket here
-            if self.scratch_bytes is not None:
-                spec = dataclasses.replace(spec, limits=dataclasses.replace(
-                    spec.limits, scratch_bytes=self.scratch_bytes))
+            node = {k: v for k, v in (("scratch_bytes", self.scratch_bytes),
+                                      ("workspace_bytes", self.workspace_bytes))
+                    if v is not None}
+            if node:
+                spec = dataclasses.replace(spec, limits=dataclasses.replace(spec.limits,
+                                                                            **node))
             if spec.ro_paths:
                 spec = dataclasses.replace(spec, ro_paths=check_ro_paths(
                     spec.ro_paths, self.mount_roots + self.trusted_roots))

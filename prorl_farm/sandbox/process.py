@@ -38,6 +38,13 @@ class Limits:
     # this much: writing past it fails with ENOSPC inside, and the node's memory stays as it
     # was (PRORL_SANDBOX_SCRATCH_MB sets it for every sandbox of a node).
     scratch_bytes: int = 512 * 1024**2
+    # The workspace as a whole (a directory on the node's disk): the tool server measures it
+    # and kills what writes past this (PRORL_SANDBOX_WORKSPACE_MB; toolserver/quota.py).
+    workspace_bytes: int = 4 * 1024**3
+
+    @property
+    def workspace_mb(self) -> int:
+        return self.workspace_bytes >> 20
 
 
 def parent_death_signal(sig: int) -> None:

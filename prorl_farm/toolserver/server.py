@@ -33,12 +33,13 @@ from prorl_farm.toolserver.protocol import (
     ProtocolError,
     send_frame,
 )
+from prorl_farm.toolserver.quota import WorkspaceGuard
 
 log = logging.getLogger("prorl_farm.toolserver.server")
 
 
 class Tools:
-    def __init__(self, workspace: str, runtime_dir: str):
+    def __init__(self, workspace: str, runtime_dir: str, workspace_mb: int | None = None):
         self.workspace = workspace
         self.bash = BashSession(workspace)
         self.bash.start()
@@ -48,8 +49,26 @@ class Tools:
         self.ipython = IPythonSession(workspace, runtime_dir, env={"PYTHONPATH": sites})
         self.files = FileEditor(workspace)
         self._locks = {name: threading.Lock() for name in ("bash", "ipython", "files")}
+        self.guard = None
+        if workspace_mb:
+            self.guard = WorkspaceGuard(workspace, workspace_mb << 20, groups=self.children)
+            self.guard.start()
 
     def call(self, tool: str, args: dict):
+        """A tool's result; with ``workspace_full`` (the limit and the use, in MiB) where the
+        workspace was past its limit during the call or is after it (what wrote was
+        killed)."""
+        if self.guard is None or tool == "ping":
+            return self._call(tool, args)
+        kills = self.guard.kills
+        result = self._call(tool, args)
+        if self.guard.due() or self.guard.over:  # over: to see it cleaned up at once
+            self.guard.check()
+        if isinstance(result, dict) and (self.guard.kills > kills or self.guard.over):
+            result = {**result, "workspace_full": self.guard.report()}
+        return result
+
+    def _call(self, tool: str, args: dict):
         if tool == "ping":
             return {"pong": True, "pid": os.getpid(), "ip": os.environ.get(IP_ENV)}
         if tool == "bash":
@@ -76,6 +95,8 @@ class Tools:
         return pids
 
     def close(self) -> None:
+        if self.guard is not None:
+            self.guard.stop()
         self.ipython.close()
         self.bash.close()
 
@@ -206,6 +227,8 @@ def main(argv=None) -> int:
                     "gateway's Unix socket")
     ap.add_argument("--workspace", required=True)
     ap.add_argument("--runtime-dir", default=None)
+    ap.add_argument("--workspace-mb", type=int, default=None,
+                    help="hold the workspace as a whole to this many MiB (toolserver/quota.py)")
     ap.add_argument("--nproc", type=int, default=None,
                     help="cap the tasks of this sandbox's user namespace (RLIMIT_NPROC)")
     args = ap.parse_args(argv)
@@ -225,7 +248,8 @@ def main(argv=None) -> int:
 
         port, _, path = args.gateway.partition(":")
         serve_relay(os.environ.get(IP_ENV) or "127.0.0.1", int(port), path)
-    tools = Tools(args.workspace, args.runtime_dir or os.path.join(args.workspace, ".prorl"))
+    tools = Tools(args.workspace, args.runtime_dir or os.path.join(args.workspace, ".prorl"),
+                  args.workspace_mb)
     if args.socket_fd is not None:
         server = make_server(None, tools, socket_fd=args.socket_fd)
     else:

@@ -108,7 +108,8 @@ def _sandbox_manager(r, settings: Settings):
                               allow_network=settings.sandbox_network,
                               image=settings.sandbox_image,
                               trusted_roots=(settings.swe_env_dir,),
-                              scratch_mb=settings.sandbox_scratch_mb)
+                              scratch_mb=settings.sandbox_scratch_mb,
+                              workspace_mb=settings.sandbox_workspace_mb)
     except Exception:
         log.exception("sandboxes are unavailable on this node")
         return None

@@ -170,7 +170,8 @@ class BwrapRuntime(Runtime):
                                                ready_fd=ready_fd,
                                                pythonpath=self.python.pythonpath,
                                                nproc=None if cgroup else spec.limits.processes,
-                                               gateway=gateway)
+                                               gateway=gateway,
+                                               workspace_mb=spec.limits.workspace_mb)
 
         # Without a pids cgroup, the cap is set inside the sandbox's own user namespace (a
         # cap per sandbox), not on the host uid that every sandbox shares.

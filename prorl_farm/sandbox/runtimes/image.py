@@ -40,7 +40,7 @@ def inside_server(spec: SandboxSpec, python: str, ready_fd: int | str | None = N
                                 f"{INSIDE_RUN}/jupyter", python=python, ready_fd=ready_fd,
                                 pythonpath=sandbox_python().pythonpath,
                                 gateway=gateway_relay() if spec.gateway else None,
-                                lifeline=lifeline)]
+                                lifeline=lifeline, workspace_mb=spec.limits.workspace_mb)]
 
 
 class ImageRuntime(Runtime):

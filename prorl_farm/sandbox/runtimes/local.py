@@ -20,7 +20,8 @@ class LocalRuntime(Runtime):
         runtime_dir = str(socket_path.parent / "jupyter")
 
         def argv(sock, ready_fd):
-            return server_argv(sock, str(workspace), runtime_dir, ready_fd=ready_fd)
+            return server_argv(sock, str(workspace), runtime_dir, ready_fd=ready_fd,
+                               workspace_mb=spec.limits.workspace_mb)
 
         return self._launch(argv, env, spec, sandbox_id, workspace, socket_path, ip, cgroup,
                             str(workspace), cwd=str(workspace))
