@@ -164,18 +164,21 @@ EOF"""
 # command line does not hold it) and prints what it found; then it answers as the model
 # says.
 CRAWLER = f"""{PYTHON} - <<'EOF'
-import json, os, urllib.request
+import json, os, stat, urllib.request
 marker = os.environ["REVERSED"][::-1].encode()
 found, files, procs = [], 0, 0
 for top in ("/workspace", "/tmp", "/var/tmp", "/run", "/etc", "/home", "/root", "/srv",
             "/mnt", "/dev/shm"):
     for root, dirs, names in os.walk(top):
         for name in names:
+            path = os.path.join(root, name)
             try:
-                with open(os.path.join(root, name), "rb") as f:
+                if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would never answer
+                    continue
+                with open(path, "rb") as f:
                     files += 1
                     if marker in f.read(1 << 20):
-                        found.append(os.path.join(root, name))
+                        found.append(path)
             except OSError:
                 pass
 for pid in os.listdir("/proc"):
@@ -443,7 +446,8 @@ def test_a_harness_that_crawls_for_the_answer_finds_nothing_and_fetches_nothing(
         listener.close()
     crawl, honest = jobs
     assert honest["state"] == "done" and honest["reward"] == 1.0, honest["result"].get("eval")
-    assert crawl["state"] == "done", crawl["failure"]
+    assert crawl["state"] == "done", (crawl["failure"],
+                                      (crawl.get("result") or {}).get("harness"))
     assert crawl["reward"] == 0.0, crawl["result"]["eval"]
     out = crawl["result"]["harness"]["stdout_tail"]
     report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
