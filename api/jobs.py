@@ -12,6 +12,7 @@ from api.errors import ApiError, validation_error
 from api.schemas import ID_RE, SubmitSchema
 from api.services import json_body, services
 from prorl_farm.errors import InvalidInstance, NotFound
+from prorl_farm.gateway.harness import context_refusal, needed_context
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 from prorl_farm.jobs.store import new_id
@@ -44,7 +45,7 @@ def _validated_submit(body: dict) -> dict:
         raise validation_error({"handler": [f"{e}; known: {svc.registry.names()}"]},
                                "unknown_handler") from e
     instances = req.pop("instances", None) or [req.pop("instance")]
-    errors, normalised = {}, []
+    errors, normalised, served = {}, [], None
     for i, instance in enumerate(instances):
         try:
             normalised.append(handler.validate_instance(instance))
@@ -52,6 +53,10 @@ def _validated_submit(body: dict) -> dict:
             errors[i] = e.details or {"_schema": [str(e)]}
             continue
         refused = handler.refusals(normalised[-1], svc.settings)
+        if not refused and needed_context(normalised[-1].get("agent")):
+            if served is None:
+                served = [b.get("max_model_len") for b in svc.backends.list()]
+            refused = context_refusal(normalised[-1], req.get("sampling") or {}, served)
         if refused:
             errors[i] = refused
     if errors:

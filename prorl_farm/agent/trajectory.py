@@ -44,6 +44,18 @@ class ChatTokens:
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                             add_generation_prompt=add_generation_prompt)
 
+    def accepts_mid_system(self) -> bool:
+        """Whether the template renders a system message after the conversation began (Qwen
+        templates raise on one; some drop it silently)."""
+        marker = "\u2063mid-system\u2063"
+        try:
+            text = self._render([{"role": "user", "content": "a"},
+                                 {"role": "system", "content": marker},
+                                 {"role": "user", "content": "b"}], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - jinja's raise_exception, or any template error
+            return False
+        return marker in text
+
     def encode_text(self, text: str) -> list[int]:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids

@@ -14,6 +14,15 @@ the policy sampled exactly:
   tools, or edited a reply) starts a new segment rendered afresh from its messages; the
   capture stats say where it diverged from the context so far (the first differing token).
 
+A system message after the first (Anthropic's mid-conversation ``system``, an OpenAI
+``developer`` message later on) is rendered as a system message where the model's chat
+template takes one there; where it does not (Qwen's templates refuse a system message that
+is not the first), as a user message holding its text in ``<system-reminder>`` tags, the
+form coding harnesses give such instructions in a user turn.
+
+A call the backend could not sample (``rollback``) leaves the capture as it was, so the
+client's retry of the same conversation extends the segment as the call would have.
+
 ``result()`` gives the segments in the trajectory format of docs/trajectory.md (a trainer
 takes one sample per segment) and the stats: calls, merged, segments, splits.
 """
@@ -97,13 +106,48 @@ class Capture:
     splits: list[dict] = field(default_factory=list)
     _seen: list[dict] = field(default_factory=list)  # the conversation so far, normalised
     _tools: list | None = None
+    _mid_system: bool | None = None  # does the template take a system message later on?
+    _undo: tuple | None = None
+
+    def placed(self, messages: list[dict]) -> list[dict]:
+        """The conversation normalised, its later system messages placed as the template
+        allows."""
+        conversation = [normalise(m) for m in messages]
+        if self._mid_system is None:
+            self._mid_system = self.chat.accepts_mid_system()
+        if self._mid_system:
+            return conversation
+        return [m if m["role"] != "system" or i == 0 else
+                {"role": "user", "content": f"<system-reminder>\n{m['content']}\n"
+                                            "</system-reminder>"}
+                for i, m in enumerate(conversation)]
+
+    def count(self, messages: list[dict], tools: list[dict] | None = None) -> int:
+        """The length of a conversation's prompt, rendered afresh (nothing kept)."""
+        return len(self.chat.prompt_ids(self.placed(messages), tools or None))
+
+    def rollback(self) -> None:
+        """Forget the last :meth:`prompt` (its call was not sampled)."""
+        if self._undo is None:
+            return
+        segments, current, sizes, self._seen, self._tools, splits, self.merged = self._undo
+        self.segments[:] = segments
+        if current is not None:
+            n_resp, n_msgs = sizes
+            del current.response_ids[n_resp:], current.response_mask[n_resp:]
+            del current.response_logprobs[n_resp:], current.messages[n_msgs:]
+        del self.splits[splits:]
+        self._undo = None
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a call: the current segment extended, or a new segment."""
-        conversation = [normalise(m) for m in messages]
+        conversation = self.placed(messages)
         tools = tools or None
         current = self.segments[-1] if self.segments else None
         self.calls += 1
+        self._undo = (list(self.segments), current,
+                      (len(current.response_ids), len(current.messages)) if current else None,
+                      self._seen, self._tools, len(self.splits), self.merged)
         if (current is not None and tools == self._tools
                 and len(conversation) > len(self._seen)
                 and conversation[:len(self._seen)] == self._seen
@@ -136,6 +180,7 @@ class Capture:
                logprobs_mode: str, versions: list[tuple[int, int]] | None = None) -> Reply:
         """Keep what the backend sampled for ``sent`` (the ids :meth:`prompt` gave) and
         return the reply as the API answers it."""
+        self._undo = None
         current = self.segments[-1]
         current.add_generation(sent, token_ids, logprobs, finish_reason, backend,
                                policy_version, logprobs_mode, versions)

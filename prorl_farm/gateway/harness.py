@@ -19,25 +19,32 @@ command run with ``bash -c`` in the workspace. RUN then
    what was captured), or when the job is cancelled. The key dies with the gateway, and
    the harness's processes with its session.
 
-The result is the last segment of the capture as the trajectory (what EVAL grades: its
-final answer), earlier segments in ``segments``, the capture stats, and the harness's exit
-status and output tails. A harness that exits non-zero, or without a sampled call, fails
-the job ``harness_error`` (never a zero reward).
+The result is the last segment of the capture as the trajectory, earlier segments in
+``segments``, the capture stats, the harness's exit status and output tails, and its
+``answer``: what EVAL grades for an answer task, taken by the preset's rule (:data:`ANSWER_
+RULES`) and saying which rule gave it. A harness that exits non-zero, or without a sampled
+call, fails the job ``harness_error`` (never a zero reward); one that finishes with no
+answer earns 0, with the reason.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
 
-from prorl_farm.agent.loop import AgentLimits
+from prorl_farm.agent.loop import CONTEXT_LENGTH, AgentLimits
 from prorl_farm.agent.parsers import get_parser
 from prorl_farm.agent.trajectory import load_chat_tokens
 from prorl_farm.context import JobContext
@@ -56,9 +63,32 @@ from prorl_farm.sandbox.connection import ToolConnection
 PROMPT_FILE = "/tmp/prorl-prompt.txt"
 # What a harness is told besides the SDKs' own variables: the model's name, the prompt file.
 MODEL_ENV, PROMPT_FILE_ENV = "PRORL_MODEL", "PRORL_PROMPT_FILE"
-TAIL_CHARS = 4000  # of the harness's stdout and stderr, kept in the result
+TAIL_CHARS = 64 * 1024  # of the harness's stdout and stderr, kept with the job
 EXEC_NAME = "harness"
 ROOT = Path(__file__).resolve().parents[2]
+NPM_REGISTRY = "https://registry.npmjs.org"
+# How a harness's answer is taken for an answer task (math, stem, code): the rule names.
+ANSWER_RULES = {
+    "last_text": "the last assistant message, if it called no tool",
+    "final_answer_tool": "the argument of a final_answer-style tool call (final_answer, "
+                         "submit_answer, answer) that ends the conversation",
+    "harness_json": "the `result` of the JSON the harness prints last (claude -p "
+                    "--output-format json), when it reports no error",
+    "output_file": "the text of the file the harness writes its answer to (answer_file)",
+}
+FINAL_ANSWER_TOOLS = ("final_answer", "submit_answer", "answer")
+
+
+@dataclass(frozen=True)
+class NpmBinary:
+    """A program from a package on the npm registry: pinned by version and integrity, the
+    tarball kept in a download cache, one file of it put in the preset's environment."""
+
+    package: str
+    version: str
+    integrity: str  # "sha512-..." as the registry publishes it
+    member: str  # the file in the tarball
+    dest: str  # where it goes, relative to the environment
 
 
 @dataclass(frozen=True)
@@ -66,12 +96,16 @@ class Preset:
     """A harness the farm knows how to install and run."""
 
     env: str  # its environment under PRORL_HARNESS_DIR
-    argv: tuple[str, ...]  # {env} {prompt} {prompt_file} {model} filled in
+    argv: tuple[str, ...]  # {env} {prompt} {prompt_file} {model} {max_turns} filled in
     prompt: str  # how the prompt is handed over: argument, file or stdin
     packages: tuple[str, ...]  # what `prorl-farm harness install` puts in the environment
-    variables: dict[str, str] = field(default_factory=dict)
+    variables: dict[str, str] = field(default_factory=dict)  # {key} {model} filled in
     files: dict[str, str] = field(default_factory=dict)  # env-relative -> checkout-relative
     about: str = ""
+    binaries: tuple[NpmBinary, ...] = ()
+    answer: tuple[str, ...] = ("last_text", "final_answer_tool")  # rules, tried in order
+    answer_file: str = ""  # the output_file rule's file
+    context: int = 0  # the context (tokens) the harness needs: its prompt and some turns
 
 
 PRESETS: dict[str, Preset] = {
@@ -93,6 +127,23 @@ PRESETS: dict[str, Preset] = {
         about="examples/harnesses/openai_agent.py: a tool-calling loop on the openai SDK "
               "(bash and python tools, a final answer without a call); its environment has "
               "the anthropic SDK too, for commands of your own"),
+    "claude-code": Preset(
+        "claude-code",
+        ("{env}/bin/claude", "-p", "{prompt}", "--output-format", "json",
+         "--dangerously-skip-permissions", "--max-turns", "{max_turns}"),
+        "argument", (),
+        {"ANTHROPIC_AUTH_TOKEN": "{key}", "ANTHROPIC_MODEL": "{model}",
+         "ANTHROPIC_DEFAULT_HAIKU_MODEL": "{model}", "ANTHROPIC_SMALL_FAST_MODEL": "{model}",
+         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+         "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "IS_SANDBOX": "1"},
+        binaries=(NpmBinary(
+            "@anthropic-ai/claude-code-linux-x64", "2.1.332",
+            "sha512-f4JWhzwYutJIHScC7/dYOPX6s28tt7ZADhsOi8zwOHq5fFPEuUeChh2NMfinSg0GrUckYxaeeb"
+            "C4h0DqiKzLcw==", "package/claude", "bin/claude"),),
+        answer=("harness_json",), context=65_536,
+        about="Claude Code (npm @anthropic-ai/claude-code 2.1.332, its linux-x64 binary): "
+              "claude -p, JSON output, permissions skipped, through the Messages endpoint; "
+              "its first prompt is about 33k tokens"),
 }
 
 _ENV_NAME = validate.Regexp(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -115,6 +166,9 @@ class HarnessOptions(Schema):
     preset = fields.String(validate=validate.OneOf(sorted(PRESETS)))
     command = fields.String(validate=validate.Length(min=1, max=20_000))
     prompt = fields.String(validate=validate.OneOf(["argument", "file", "stdin"]))
+    # How the answer is taken (answer tasks): the preset's rules by default.
+    answer = fields.String(validate=validate.OneOf(sorted(ANSWER_RULES)))
+    answer_file = fields.String(validate=validate.Regexp(r"^/[^\0]{1,1000}$"))
     time_limit_s = fields.Float(load_default=1800.0, validate=validate.Range(min=1,
                                                                              max=86_400))
     # More environment variables for the harness: [{"name": ..., "value": ...}] (the
@@ -133,6 +187,8 @@ class HarnessOptions(Schema):
                 "preset": {"type": "string", "enum": sorted(PRESETS)},
                 "command": {"type": "string", "minLength": 1, "maxLength": 20_000},
                 "prompt": {"type": "string", "enum": ["argument", "file", "stdin"]},
+                "answer": {"type": "string", "enum": sorted(ANSWER_RULES)},
+                "answer_file": {"type": "string", "pattern": "^/", "maxLength": 1001},
                 "time_limit_s": {"type": "number", "minimum": 1, "maximum": 86_400,
                                  "default": 1800},
                 "env": {"type": "array", "maxItems": 100, "items": {
@@ -148,6 +204,44 @@ class HarnessOptions(Schema):
         if ("preset" in data) == ("command" in data):
             raise ValidationError("name a 'preset' or give a 'command' (one of them)",
                                   "preset")
+        if data.get("answer") == "output_file" and not (
+                data.get("answer_file") or PRESETS.get(data.get("preset", "")) and
+                PRESETS[data["preset"]].answer_file):
+            raise ValidationError("the output_file rule needs the file: 'answer_file'",
+                                  "answer_file")
+
+
+def needed_context(options: dict | None) -> int:
+    """The context (tokens) a harness needs: its preset's (0: none stated)."""
+    preset = PRESETS.get((options or {}).get("preset") or "")
+    return preset.context if preset else 0
+
+
+def context_refusal(instance: dict, sampling: dict, served: list[int | None]
+                    ) -> dict[str, list[str]]:
+    """Why a harness job cannot have the context its preset needs, by field ({}: it can):
+    the job's own ``context_length`` (the instance's over the request's) is smaller, or
+    every backend registered serves a smaller one (``max_model_len``; none registered, or
+    one whose length is unknown: not refused)."""
+    options = instance.get("agent") or {}
+    need = needed_context(options)
+    if not need:
+        return {}
+    name = options["preset"]
+    for where, source in (("context_length", instance), ("sampling.context_length",
+                                                         sampling)):
+        asked = source.get("context_length")
+        if asked is not None:
+            if asked < need:
+                return {where: [f"the {name} harness needs a context of {need} tokens (its "
+                                f"first prompt alone is long); this job asks for {asked}"]}
+            break
+    if served and all(length and length < need for length in served):
+        return {"agent": {"preset": [
+            f"the {name} harness needs a context of {need} tokens; the backends registered "
+            f"serve at most {max(served)} (their max_model_len): serve the model with a "
+            "longer context"]}}
+    return {}
 
 
 # -- installing presets -----------------------------------------------------------------
@@ -169,13 +263,16 @@ def install(name: str, into: str, python: str = "") -> Path:
     base = python or (SYSTEM_PYTHON if os.path.exists(SYSTEM_PYTHON) else sys.executable)
     lock = ROOT / "locks" / f"harness-{name}.txt"
     pins = lock.read_text() if lock.exists() else ""
-    want = "\n".join((base, *preset.packages, *sorted(preset.files), pins))
+    want = "\n".join((base, *preset.packages, *sorted(preset.files), pins,
+                      *(f"{b.package}@{b.version} {b.integrity}" for b in preset.binaries)))
     if not (stamp.exists() and stamp.read_text() == want):
         if env.exists():
             shutil.rmtree(env)
         constraints = ["-c", str(lock)] if pins else []
         uv = uv_binary()
-        if uv:  # copies, not links into uv's cache (which a sandbox's uid may not read);
+        if not preset.packages:  # a program of its own: no Python environment
+            env.mkdir(parents=True)
+        elif uv:  # copies, not links into uv's cache (which a sandbox's uid may not read);
             # compiled, as pip does: read-only in a sandbox, it could not be compiled there
             subprocess.run([uv, "venv", "--quiet", "--python", base, str(env)], check=True)
             subprocess.run([uv, "pip", "install", "--quiet", "--link-mode", "copy",
@@ -187,12 +284,57 @@ def install(name: str, into: str, python: str = "") -> Path:
             subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
                             "--disable-pip-version-check", *constraints, *preset.packages],
                            check=True)
+        for binary in preset.binaries:
+            _npm_binary(binary, env)
         for inside, source in preset.files.items():
             (env / inside).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(ROOT / source, env / inside)
         stamp.write_text(want)
     subprocess.run(["chmod", "-R", "a+rX", str(Path(into))], check=True)
     return env
+
+
+def npm_cache() -> Path:
+    """Where downloaded npm tarballs are kept: ``PRORL_NPM_CACHE``, else the user's cache."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prorl-farm"
+    return Path(os.environ.get("PRORL_NPM_CACHE") or default / "npm")
+
+
+def _npm_binary(binary: NpmBinary, env: Path) -> None:
+    """Put ``binary`` in ``env``: its tarball from the cache, or downloaded from the registry
+    into it; either way checked against the pinned integrity first."""
+    algo, _, digest = binary.integrity.partition("-")
+    name = binary.package.rsplit("/", 1)[-1]
+    cache = npm_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    tarball = cache / f"{binary.package.replace('/', '+')}-{binary.version}.tgz"
+
+    def intact() -> bool:
+        h = hashlib.new(algo)
+        with open(tarball, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return base64.b64encode(h.digest()).decode() == digest
+
+    if not (tarball.exists() and intact()):
+        url = f"{NPM_REGISTRY}/{binary.package}/-/{name}-{binary.version}.tgz"
+        part = tarball.with_suffix(f".part{os.getpid()}")
+        with urllib.request.urlopen(url, timeout=600) as r, open(part, "wb") as f:
+            shutil.copyfileobj(r, f, 1 << 20)
+        os.replace(part, tarball)
+        if not intact():
+            tarball.unlink()
+            raise RuntimeError(f"{binary.package}@{binary.version}: the download does not "
+                               f"match its pinned integrity {binary.integrity}")
+    dest = env / binary.dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarball) as tar:
+        src = tar.extractfile(binary.member)
+        if src is None:
+            raise RuntimeError(f"{binary.package}@{binary.version} has no {binary.member}")
+        with src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+    dest.chmod(0o755)
 
 
 def uv_binary() -> str | None:
@@ -210,14 +352,14 @@ def _tail(text: str) -> str:
     return text if len(text) <= TAIL_CHARS else text[-TAIL_CHARS:]
 
 
-def command_line(options: dict, prompt: str, model: str) -> tuple[list[str], str | None,
-                                                                    str | None]:
+def command_line(options: dict, prompt: str, model: str, max_turns: int = 100
+                 ) -> tuple[list[str], str | None, str | None]:
     """(argv, stdin, prompt file text) for a harness with these options."""
     preset = PRESETS.get(options.get("preset") or "")
     mode = options.get("prompt") or (preset.prompt if preset else "stdin")
     if preset is not None:
         values = {"env": f"{INSIDE_HARNESSES}/{preset.env}", "model": model,
-                  "prompt": prompt, "prompt_file": PROMPT_FILE}
+                  "prompt": prompt, "prompt_file": PROMPT_FILE, "max_turns": max_turns}
         argv = [a.format(**values) for a in preset.argv]
     else:  # the prompt is $1 of the command
         argv = ["bash", "-c", options["command"], "harness"]
@@ -230,7 +372,9 @@ def command_line(options: dict, prompt: str, model: str) -> tuple[list[str], str
 def harness_env(options: dict, sandbox: dict, key: str, model: str) -> dict[str, str]:
     preset = PRESETS.get(options.get("preset") or "")
     gateway = gateway_env(sandbox["ip"])
-    env = {"HOME": "/tmp", "TERM": "dumb", **(preset.variables if preset else {}),
+    own = {k: v.format(key=key, model=model) for k, v in (preset.variables if preset
+                                                           else {}).items()}
+    env = {"HOME": "/tmp", "TERM": "dumb", **own,
            **{v["name"]: v["value"] for v in options.get("env", [])}}
     env.update(gateway, OPENAI_API_BASE=gateway["OPENAI_BASE_URL"], OPENAI_API_KEY=key,
                ANTHROPIC_API_KEY=key, **{MODEL_ENV: model, PROMPT_FILE_ENV: PROMPT_FILE})
@@ -264,7 +408,8 @@ def run_harness(ctx: JobContext, options: dict, prompt: str) -> dict:
     sandbox = ctx.state.get("sandbox")
     if not sandbox:
         raise HarnessFailed("the job has no sandbox to run its harness in")
-    limits = AgentLimits.from_job(inst, ctx.sampling)
+    limits = AgentLimits.from_job(inst, ctx.sampling, context_length=max(
+        CONTEXT_LENGTH, needed_context(options)))
     session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
                              request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
     stopper = _Stopper(sandbox["socket"])
@@ -292,7 +437,8 @@ def run_harness(ctx: JobContext, options: dict, prompt: str) -> dict:
         t0 = time.monotonic()
         out: dict | None = None
         try:
-            out = _execute(ctx, options, sandbox, key, first.model, prompt)
+            out = _execute(ctx, options, sandbox, key, first.model, prompt,
+                           limits.max_turns or 100)
         finally:
             server.close_job(key)
             server.stop()
@@ -304,8 +450,8 @@ def run_harness(ctx: JobContext, options: dict, prompt: str) -> dict:
 
 
 def _execute(ctx: JobContext, options: dict, sandbox: dict, key: str, model: str,
-             prompt: str) -> dict:
-    argv, stdin, prompt_file = command_line(options, prompt, model)
+             prompt: str, max_turns: int) -> dict:
+    argv, stdin, prompt_file = command_line(options, prompt, model, max_turns)
     conn = ToolConnection(sandbox["socket"])
     try:
         if prompt_file is not None:
@@ -317,10 +463,88 @@ def _execute(ctx: JobContext, options: dict, sandbox: dict, key: str, model: str
         out = conn.call("exec", abort_hook=ctx.on_abort, timeout_s=limit, argv=argv,
                         stdin=stdin, env=harness_env(options, sandbox, key, model),
                         name=EXEC_NAME)
+        path = answer_file(options)
+        if path and "output_file" in answer_rules(options) and not out["timed_out"]:
+            got = conn.call("exec", abort_hook=ctx.on_abort, timeout_s=30,
+                            argv=["head", "-c", str(MAX_ANSWER_FILE), "--", path])
+            out["answer_file"] = got["stdout"] if got["exit_code"] == 0 else None
     finally:
         conn.close()
     out["limit_s"] = limit
     return out
+
+
+MAX_ANSWER_FILE = 1 << 20
+
+
+def answer_rules(options: dict) -> tuple[str, ...]:
+    """The rules that take a harness's answer, in order: the instance's, else its preset's,
+    else the last assistant text or a final_answer-style call."""
+    if options.get("answer"):
+        return (options["answer"],)
+    preset = PRESETS.get(options.get("preset") or "")
+    return preset.answer if preset else ("last_text", "final_answer_tool")
+
+
+def answer_file(options: dict) -> str:
+    preset = PRESETS.get(options.get("preset") or "")
+    return options.get("answer_file") or (preset.answer_file if preset else "")
+
+
+def _harness_json(stdout: str) -> tuple[str | None, str]:
+    """(the answer, or None and why) from the JSON result a harness printed last."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and doc.get("type") == "result":
+            if doc.get("is_error") or doc.get("subtype") not in (None, "success"):
+                return None, (f"the harness reported an error ({doc.get('subtype')}): "
+                              f"{str(doc.get('result'))[:300]}")
+            if not isinstance(doc.get("result"), str):
+                return None, "the harness's JSON result has no text result"
+            return doc["result"], ""
+    return None, "the harness printed no JSON result"
+
+
+def take_answer(rules: tuple[str, ...], replied: dict, parser, out: dict) -> dict:
+    """The harness's answer by the first rule that gives one: {rule, text}; none gives one:
+    {rule: None, text: "", reason}."""
+    content = replied.get("content", "") if replied.get("role") == "assistant" else None
+    parsed = parser.parse(content) if content is not None else None
+    why = []
+    for rule in rules:
+        text = None
+        if rule == "last_text":
+            if content is None:
+                why.append("last_text: the conversation does not end with a model reply")
+            elif parsed.any:
+                why.append("last_text: the last reply calls a tool")
+            else:
+                text = content
+        elif rule == "final_answer_tool":
+            final = [c for c in (parsed.calls if parsed else [])
+                     if c.name in FINAL_ANSWER_TOOLS]
+            if not final:
+                why.append("final_answer_tool: the last reply calls no "
+                           + "/".join(FINAL_ANSWER_TOOLS))
+            else:
+                args = final[-1].arguments
+                value = args.get("answer", next(iter(args.values())) if len(args) == 1
+                                 else json.dumps(args))
+                text = value if isinstance(value, str) else json.dumps(value)
+        elif rule == "harness_json":
+            text, reason = _harness_json(out.get("stdout", ""))
+            if text is None:
+                why.append(f"harness_json: {reason}")
+        elif rule == "output_file":
+            text = out.get("answer_file")
+            if text is None:
+                why.append("output_file: the harness left no answer file")
+        if text is not None:
+            return {"rule": rule, "text": text}
+    return {"rule": None, "text": "", "reason": "; ".join(why) or "no rule"}
 
 
 def _result(ctx: JobContext, options: dict, job: JobGateway, stopper: _Stopper, out: dict,
@@ -329,12 +553,16 @@ def _result(ctx: JobContext, options: dict, job: JobGateway, stopper: _Stopper, 
     segments = captured["segments"]
     last = segments[-1] if segments else {}
     replied = last.get("messages", [{}])[-1] if last else {}
-    answered = (out["exit_code"] == 0 and not stopper.reason and replied.get("role") ==
-                "assistant" and not job.capture.parser.parse(replied.get("content", "")).any)
-    end_reason = stopper.reason or ("answered" if answered else "exited")
+    if out["exit_code"] != 0 or stopper.reason or out["timed_out"]:
+        ended = "timeout" if out["timed_out"] else (stopper.reason or
+                                                    f"exit status {out['exit_code']}")
+        answer = {"rule": None, "text": "", "reason": f"the harness did not finish: {ended}"}
+    else:
+        answer = take_answer(answer_rules(options), replied, job.capture.parser, out)
+    end_reason = stopper.reason or ("answered" if answer["rule"] else "exited")
     if out["timed_out"]:
         end_reason = "timeout"
-    result = {**last, "capture": captured["capture"],
+    result = {**last, "capture": captured["capture"], "answer": answer,
               "stats": {"end_reason": end_reason, "turns": job.sampled,
                         "generated_tokens": job.generated, "harness_s": round(duration_s, 3)},
               "harness": {"preset": options.get("preset"), "exit_code": out["exit_code"],

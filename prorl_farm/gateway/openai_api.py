@@ -26,9 +26,11 @@ class GatewayError(FarmError, ValueError):
     """A call refused: its HTTP status, OpenAI error type and code, and the parameter."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.param, self.kind, self.code = status, param, kind, code
+        self.retry_after = retry_after  # seconds, for a 429/529: the Retry-After header
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param,
@@ -45,6 +47,8 @@ class ChatRequest:
     include_usage: bool
     sampling: dict = field(default_factory=dict)  # what the harness asked, farm names
     stop: list[str] = field(default_factory=list)
+    thinking: bool = False  # Anthropic: answer the reasoning as a thinking block
+    show_thinking: bool = True  # its text too (not with ``display: omitted``)
 
 
 def checked_number(body: dict, name: str, lo: float, hi: float):

@@ -1,7 +1,9 @@
 """The gateway's HTTP side: one server per pool process, one key per job.
 
 ``GatewayServer`` serves ``GET /v1/models``, ``POST /v1/chat/completions`` and
-``POST /v1/responses`` (OpenAI) and ``POST /v1/messages`` (Anthropic) to whoever
+``POST /v1/responses`` (OpenAI) and ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic; any query, such as ``?beta=true``, and any
+``anthropic-beta`` header are let be) to whoever
 holds a job's key (``Authorization: Bearer <key>``, or ``x-api-key``); a key is the job's
 own, and dead once :meth:`GatewayServer.close_job` ran (401, in OpenAI's error shape).
 Each call of a job is turned into prompt ids by its :class:`~prorl_farm.gateway.capture.
@@ -25,10 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prorl_farm.errors import BackendUnavailable
 from prorl_farm.gateway.anthropic_api import (
     error_body,
     messages_response,
     messages_stream,
+    parse_count,
     parse_messages,
 )
 from prorl_farm.gateway.capture import Capture, ContextFull
@@ -67,6 +71,8 @@ class Sampled:
 MAX_PENDING_CALLS = 8
 # Responses a job keeps for ``previous_response_id`` (the newest).
 KEPT_RESPONSES = 64
+# What a call refused for want of capacity (429, 529) tells the client to wait, seconds.
+RETRY_AFTER_S = 2
 
 
 @dataclass
@@ -107,8 +113,15 @@ class JobGateway:
         req = parse_messages(body)
         reply, prompt_len = self._call(req)
         if req.stream:
-            return None, messages_stream(reply, prompt_len, self.model)
-        return messages_response(reply, prompt_len, self.model), None
+            return None, messages_stream(reply, prompt_len, self.model, req)
+        return messages_response(reply, prompt_len, self.model, req), None
+
+    def count_tokens(self, body) -> tuple[dict, None]:
+        """Anthropic ``count_tokens``: the prompt's length as this job's template renders
+        it (nothing sampled, nothing captured)."""
+        req = parse_count(body)
+        with self.lock:
+            return {"input_tokens": self.capture.count(req.messages, req.tools)}, None
 
     def responses(self, body) -> tuple[dict | None, object]:
         """OpenAI Responses: (JSON answer, or None and an event stream)."""
@@ -140,7 +153,8 @@ class JobGateway:
         if not self._pending.acquire(blocking=False):
             raise GatewayError(429, f"more than {MAX_PENDING_CALLS} calls of this job at once"
                                "; a job's calls are one conversation, served one at a time",
-                               kind="rate_limit_error", code="rate_limit_exceeded")
+                               kind="rate_limit_error", code="rate_limit_exceeded",
+                               retry_after=RETRY_AFTER_S)
         try:
             with self.lock:
                 return self._sample(req)
@@ -167,8 +181,17 @@ class JobGateway:
         if self.capture.context_length:
             budget = min(budget, self.capture.context_length - len(prompt))
         sampling, overridden = merge_sampling(self.sampling, req.sampling, budget)
+        try:
+            out = self.sampler(prompt, sampling)
+        except BackendUnavailable as e:  # saturated: the client may come back for it
+            self.capture.rollback()
+            raise GatewayError(529, f"the policy's backends are saturated: {e}",
+                               kind="overloaded_error", code="overloaded",
+                               retry_after=RETRY_AFTER_S) from e
+        except BaseException:
+            self.capture.rollback()
+            raise
         self.overrides += overridden
-        out = self.sampler(prompt, sampling)
         gen = out.generation
         reply = self.capture.record(prompt, gen.token_ids, gen.logprobs, gen.finish_reason,
                                     out.backend, out.policy_version, out.logprobs_mode,
@@ -205,11 +228,13 @@ class _Handler(BaseHTTPRequestHandler):
                                code="invalid_api_key")
         return job
 
-    def _send(self, status: int, doc: dict) -> None:
+    def _send(self, status: int, doc: dict, headers: dict | None = None) -> None:
         data = json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -242,7 +267,8 @@ class _Handler(BaseHTTPRequestHandler):
                     "id": job.model, "object": "model", "created": 0, "owned_by": "prorl-farm"}]})
                 return
             calls = {"/v1/chat/completions": job.chat, "/v1/messages": job.messages,
-                     "/v1/responses": job.responses}
+                     "/v1/responses": job.responses,
+                     "/v1/messages/count_tokens": job.count_tokens}
             if method == "POST" and path in calls:
                 call = calls[path]
                 doc, events = call(self._body())
@@ -256,10 +282,13 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(e, GatewayError):
                 log.warning("gateway call failed: %s", e, exc_info=True)
                 e = GatewayError(500, f"{type(e).__name__}: {e}", kind="server_error")
-            if path == "/v1/messages":
-                self._send(e.status, error_body(e))
+            headers = {} if e.retry_after is None else {"retry-after": str(e.retry_after)}
+            if path.startswith("/v1/messages"):
+                request_id = f"req_{uuid.uuid4().hex[:24]}"
+                self._send(e.status, error_body(e, request_id),
+                           {**headers, "request-id": request_id})
             else:  # Anthropic's "overloaded" is OpenAI's 503
-                self._send(503 if e.status == 529 else e.status, e.body())
+                self._send(503 if e.status == 529 else e.status, e.body(), headers)
 
     def do_GET(self):  # noqa: N802 - http.server's names
         self._serve("GET")

@@ -114,8 +114,19 @@ def _harnesses_run(settings) -> bool:
 
 
 def final_answer(result: dict) -> str:
-    """The policy's final message, if the episode ended with an answer (else "")."""
+    """The policy's final answer: a harness's as its rule took it (``answer``), else the
+    final message, if the episode ended with an answer (else "")."""
+    if isinstance((result or {}).get("answer"), dict):
+        return result["answer"].get("text") or ""
     if (result or {}).get("stats", {}).get("end_reason") != "answered":
         return ""
     return next((m["content"] for m in reversed(result.get("messages", []))
                  if m["role"] == "assistant"), "")
+
+
+def no_answer(result: dict, verdict: str) -> str:
+    """``verdict``, with why a harness gave no answer where it gave none."""
+    answer = (result or {}).get("answer")
+    if isinstance(answer, dict) and not answer.get("rule") and answer.get("reason"):
+        return f"no answer ({answer['reason']}): {verdict}"
+    return verdict

@@ -27,6 +27,7 @@ from prorl_farm.handlers.agentic import (
     AgentOptions,
     ToolAgentHandler,
     final_answer,
+    no_answer,
 )
 from prorl_farm.handlers.base import JobContext
 from prorl_farm.sandbox.grading import required_verdict, run_isolated
@@ -146,5 +147,6 @@ class CodeHandler(ToolAgentHandler):
             ctx.sandboxes.stop(ctx.state["sandbox"])  # its slot is free for the grader's
         program = final_program(ctx.result or {})
         if program is None:
-            return {"reward": 0.0, "pass_fraction": 0.0, "verdict": "no program"}
+            return {"reward": 0.0, "pass_fraction": 0.0,
+                    "verdict": no_answer(ctx.result, "no program")}
         return grade_program(ctx, program, ctx.instance)

@@ -14,11 +14,19 @@ from __future__ import annotations
 from marshmallow import fields, validate
 
 from prorl_farm.graders import answers
-from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler, final_answer
+from prorl_farm.handlers.agentic import (
+    AGENT_OPTIONS,
+    AgentOptions,
+    ToolAgentHandler,
+    final_answer,
+    no_answer,
+)
 from prorl_farm.handlers.base import JobContext
 
 DEFAULT_PROMPT = ("Solve the problem. You may run Python with the python tool. Put the final "
                   "answer in \\boxed{{}}.\n\n{problem}")
+# What an agent harness gets: no word of the built-in loop's tools (it has its own).
+HARNESS_PROMPT = "Solve the problem. Put the final answer in \\boxed{{}}.\n\n{problem}"
 
 
 class MathInstance(AgentOptions):
@@ -40,11 +48,14 @@ class MathHandler(ToolAgentHandler):
 
     def run(self, ctx: JobContext) -> dict:
         inst = ctx.instance
-        return self.episode(ctx, inst["prompt_template"].format(problem=inst["problem"]))
+        template = inst["prompt_template"]
+        return self.episode(ctx, template.format(problem=inst["problem"]),
+                            (HARNESS_PROMPT if template == DEFAULT_PROMPT else template)
+                            .format(problem=inst["problem"]))
 
     def eval(self, ctx: JobContext) -> dict:
         inst = ctx.instance
         reward, why = answers.grade_for(ctx, {
             "kind": "math", "text": final_answer(ctx.result), "reference": inst["answer"],
             "max_chars": inst["max_answer_chars"]})
-        return {"reward": reward, "verdict": why}
+        return {"reward": reward, "verdict": no_answer(ctx.result, why)}

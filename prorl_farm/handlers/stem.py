@@ -13,7 +13,13 @@ from __future__ import annotations
 from marshmallow import fields, validate
 
 from prorl_farm.graders import answers
-from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler, final_answer
+from prorl_farm.handlers.agentic import (
+    AGENT_OPTIONS,
+    AgentOptions,
+    ToolAgentHandler,
+    final_answer,
+    no_answer,
+)
 from prorl_farm.handlers.base import JobContext
 
 CHOICE_PROMPT = ("Answer the question. Give the letter of the correct choice as \\boxed{{X}}."
@@ -54,4 +60,4 @@ class StemHandler(ToolAgentHandler):
         else:
             request.update(kind="math", max_chars=inst["max_answer_chars"])
         reward, why = answers.grade_for(ctx, request)
-        return {"reward": reward, "verdict": why}
+        return {"reward": reward, "verdict": no_answer(ctx.result, why)}
