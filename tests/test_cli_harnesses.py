@@ -1,11 +1,13 @@
-"""The coding CLIs people run, unchanged, as the agent of a job: Claude Code (the npm
-registry's build, pinned) in a bwrap sandbox through the job's gateway, on a scripted
-policy. A ``math`` job it answers right earns 1 and a wrong one 0 (its answer taken from
-its own JSON result), a ``swe`` job it fixes is resolved; every call is captured token-exact
-(one segment, the sampled ids as the policy returned them). Under ``strace``, the only
-connection it makes is to the sandbox's gateway door. A harness that ends by calling its
-own ``final_answer`` tool (as smolagents does) is graded on that answer: 1 right, 0 wrong,
-and a harness that finishes with no answer gets 0 with the reason.
+"""The coding CLIs people run, unchanged, as the agent of a job: Claude Code and Codex (the
+npm registry's builds, pinned) in bwrap sandboxes through the job's gateway, on a scripted
+policy. A ``math`` job each answers right earns 1 and a wrong one 0 (the answer taken from
+Claude Code's JSON result, from Codex's last-message file), a ``swe`` job each fixes is
+resolved (Codex's fix an ``apply_patch`` custom tool call, its output sent back); every
+call is captured token-exact (one segment, the sampled ids the policy's turns). With
+connections audited (strace), the only connection either makes is to the sandbox's gateway
+door. A harness that ends by calling its own ``final_answer`` tool (as smolagents does) is
+graded on that answer: 1 right, 0 wrong, and a harness that finishes with no answer gets 0
+with the reason. A preset's job is refused a context smaller than the preset needs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from tests.test_swe import build_repos
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not shutil.which("bwrap") or not shutil.which("git"), reason="needs bubblewrap and git")]
 FIX = "sed -i 's/result += b/result += a/' calc/__init__.py"
+PATCH = ("*** Begin Patch\n*** Update File: calc/__init__.py\n@@\n-        result += b\n"
+         "+        result += a\n*** End Patch")
 PLANS = {
     "cc-add": [tool_call("Bash", command="echo $((2 + 2))", description="add"),
                "It is \\boxed{4}."],
@@ -36,17 +40,10 @@ PLANS = {
     "final-right": [tool_call("final_answer", answer="\\boxed{4}")],
     "final-wrong": [tool_call("final_answer", answer="5")],
     "silent": [tool_call("bash", command="true")],
+    "cx-add": [tool_call("exec_command", cmd="echo $((2 + 2))"), "It is \\boxed{4}."],
+    "cx-wrong": ["It is \\boxed{5}."],
+    "cx-fix": [tool_call("apply_patch", input=PATCH), "Fixed."],
 }
-CLAUDE = f"{INSIDE_HARNESSES}/claude-code/bin/claude"
-# Claude Code as its preset runs it, under strace: every connect() it (and whatever it
-# starts) makes goes to stderr after it, its JSON result stays the last line of stdout.
-TRACED_CLAUDE = (
-    "export ANTHROPIC_AUTH_TOKEN=$ANTHROPIC_API_KEY ANTHROPIC_MODEL=$PRORL_MODEL "
-    "ANTHROPIC_DEFAULT_HAIKU_MODEL=$PRORL_MODEL CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 "
-    "DISABLE_AUTOUPDATER=1 DISABLE_TELEMETRY=1 DISABLE_ERROR_REPORTING=1 IS_SANDBOX=1\n"
-    "strace -f -qq -e trace=connect -o /tmp/connects.txt "
-    f"{CLAUDE} -p \"$1\" --output-format json --dangerously-skip-permissions --max-turns 5\n"
-    "status=$?\nsed 's/^/TRACE /' /tmp/connects.txt >&2\nexit $status")
 # A smolagents-style harness: it asks once, and the model's final_answer call is its end.
 FINAL_ANSWER = f"""{INSIDE_HARNESSES}/openai-agent/bin/python - "$1" <<'EOF'
 import openai, sys
@@ -62,7 +59,7 @@ EOF"""
 @pytest.fixture(scope="module")
 def cli_farm(redis_server, tmp_path_factory, tiny_model):
     path = load_settings(farm_env("redis://unused")).harness_path
-    for name in ("claude-code", "openai-agent"):
+    for name in ("claude-code", "codex", "openai-agent"):
         install(name, path)
     repos = Path(tempfile.mkdtemp(prefix="prs-cli-repos-"))
     repos.chmod(0o755)
@@ -94,44 +91,47 @@ def _one_exact_segment(job: dict, tiny_model, plan: list[str]) -> None:
     assert sampled_ids(result) == _ids(tiny_model, *plan)
 
 
-def test_claude_code_answers_math_and_makes_no_connection_but_the_gateway(cli_farm,
-                                                                            tiny_model):
+@pytest.mark.parametrize("cli,rule,prefix", [("claude-code", "harness_json", "cc"),
+                                             ("codex", "output_file", "cx")])
+def test_a_cli_answers_math_and_connects_to_nothing_but_the_gateway(cli_farm, tiny_model,
+                                                                    cli, rule, prefix):
     client, _, _ = cli_farm
-    traced = {"command": TRACED_CLAUDE, "prompt": "argument", "answer": "harness_json"}
-    right, wrong, preset = _math(client, [("cc-add", traced), ("cc-wrong", traced),
-                                          ("cc-add", {"preset": "claude-code"})])
-    for job in (right, wrong, preset):
-        assert job["state"] == "done", (job["failure"], job.get("result", {}).get("harness"))
-    assert right["reward"] == 1.0 and preset["reward"] == 1.0, right["result"]["eval"]
-    assert wrong["reward"] == 0.0, wrong["result"]["eval"]
-    for job in (right, preset):
-        result = job["result"]
-        assert result["answer"] == {"rule": "harness_json", "text": "It is \\boxed{4}."}
-        assert result["stats"]["end_reason"] == "answered" and result["stats"]["turns"] == 2
-        assert result["harness"]["exit_code"] == 0
-        _one_exact_segment(job, tiny_model, PLANS["cc-add"])
-        # The task reached it without the built-in loop's tool instructions.
-        assert "python tool" not in job["result"]["messages"][1]["content"]
-    # Every connection attempt, of Claude Code and of what it ran: the gateway's door only.
+    audited = {"preset": cli, "audit_connections": True}
+    right, wrong = _math(client, [(f"{prefix}-add", audited), (f"{prefix}-wrong", audited)])
     for job in (right, wrong):
-        trace = [line for line in job["result"]["harness"]["stderr_tail"].splitlines()
-                 if line.startswith("TRACE ") and "connect(" in line]
-        inet = [line for line in trace if "AF_INET" in line]
-        assert inet and all("htons(8009)" in line for line in inet), trace
-        assert not [line for line in trace if "AF_INET" not in line
-                    and "AF_UNIX" not in line], trace
+        assert job["state"] == "done", (job["failure"], job.get("result", {}).get("harness"))
+        assert job["result"]["harness"]["exit_code"] == 0, job["result"]["harness"]
+    assert right["reward"] == 1.0, right["result"]["eval"]
+    assert wrong["reward"] == 0.0, wrong["result"]["eval"]
+    result = right["result"]
+    assert result["answer"]["rule"] == rule and \
+        result["answer"]["text"].strip() == "It is \\boxed{4}.", result["answer"]
+    assert result["stats"]["end_reason"] == "answered" and result["stats"]["turns"] == 2
+    _one_exact_segment(right, tiny_model, PLANS[f"{prefix}-add"])
+    # The task reached it without the built-in loop's tool instructions.
+    assert "[case:" in str(result["messages"]) and "python tool" not in str(
+        result["messages"])
+    # Every connection attempt, of the CLI and of all it ran: the gateway's door only.
+    for job in (right, wrong):
+        seen = job["result"]["harness"]["connections"]
+        assert seen["audited"] and seen["gateway"] >= 1 and seen["outside"] == [], seen
 
 
-def test_claude_code_resolves_the_sample_swe_instance(cli_farm, tiny_model):
+@pytest.mark.parametrize("cli,prefix", [("claude-code", "cc"), ("codex", "cx")])
+def test_a_cli_resolves_the_sample_swe_instance(cli_farm, tiny_model, cli, prefix):
     client, _, instances = cli_farm
-    case = {**instances[0], "agent": {"preset": "claude-code"}, "test_timeout_s": 60,
-            "problem_statement": f"[case:cc-fix] {instances[0]['problem_statement']}"}
+    case = {**instances[0], "agent": {"preset": cli}, "test_timeout_s": 60,
+            "problem_statement": f"[case:{prefix}-fix] {instances[0]['problem_statement']}"}
     (job,) = run_batch(client, {"handler": "swe", "instances": [case],
                                 "sampling": {"max_tokens": 512}, "deadline_s": 300}, 360)
     assert job["state"] == "done", (job["failure"], job.get("result", {}).get("harness"))
     assert job["reward"] == 1.0 and job["result"]["eval"]["resolved"], job["result"]["eval"]
-    assert job["result"]["answer"]["text"] == "Fixed."
-    _one_exact_segment(job, tiny_model, PLANS["cc-fix"])
+    assert "+        result += a\n" in job["result"]["eval"]["diff"]
+    assert job["result"]["answer"]["text"].strip() == "Fixed."
+    _one_exact_segment(job, tiny_model, PLANS[f"{prefix}-fix"])
+    if cli == "codex":  # apply_patch's call went out as a custom tool call, and came back
+        replies = [m for m in job["result"]["messages"] if m["role"] == "assistant"]
+        assert '"name": "apply_patch"' in replies[0]["content"]
 
 
 def test_a_final_answer_tool_call_is_the_answer_and_no_answer_is_0_with_the_reason(cli_farm):

@@ -60,3 +60,70 @@ def test_function_calls_round_trip_through_the_responses_api(gateway, tiny_model
     assert out["capture"]["calls"] == 3 and out["capture"]["merged"] == 2, out["capture"]
     (seg,) = out["segments"]
     assert sampled_ids(seg) == [t for g in returned for t in g.token_ids]
+
+
+def test_what_codex_sends_round_trips_custom_tools_and_reasoning(gateway, tiny_model):  # noqa: F811
+    """Codex's request shape: developer messages, a custom tool (apply_patch, with its
+    grammar), a namespace of functions, a web search tool (not served: not offered),
+    ``store: false`` with the whole history resent, reasoning items echoed back with their
+    ``encrypted_content``; the stream ends each item with output_item.done and the response
+    with usage; all of it one segment of the ids the policy sampled."""
+    import json
+    import urllib.request
+
+    patch = "*** Begin Patch\n*** Update File: a.py\n@@\n-x\n+y\n*** End Patch"
+    think = "<think>\nfix a.py\n</think>\n\n"
+    policy, returned, key, sdk = scripted_job(gateway, tiny_model, {
+        "cx": [think + '<tool_call>\n{"name": "apply_patch", "arguments": {"input": '
+               + json.dumps(patch) + "}}\n</tool_call>", "Patched."]})
+    sdk.close()
+    gateway.jobs[key].max_tokens = 512  # the patch is longer than the fixture's 64
+    tools = [{"type": "custom", "name": "apply_patch", "description": "edit files",
+              "format": {"type": "grammar", "syntax": "lark", "definition": "start: x"}},
+             {"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [
+                 {"type": "function", "name": "spawn_agent", "parameters": {
+                     "type": "object", "properties": {}}}]},
+             {"type": "web_search", "external_web_access": True}]
+    items: list = [{"type": "message", "role": "developer", "content": [
+        {"type": "input_text", "text": "You are Codex."}]},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "[case:cx] fix a.py"}]}]
+
+    def call(body) -> list[dict]:
+        req = urllib.request.Request(gateway.url + "/v1/responses", json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {key}",
+                                              "content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                    if line.startswith("data: ")]
+
+    try:
+        body = {"model": "tiny", "stream": True, "store": False, "tools": tools,
+                "include": ["reasoning.encrypted_content"], "reasoning": {"summary": "auto"},
+                "parallel_tool_calls": True, "tool_choice": "auto", "input": items}
+        events = call(body)
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert [i["type"] for i in done] == ["reasoning", "custom_tool_call"], done
+        assert done[0]["encrypted_content"].startswith("prorl:")
+        assert done[1]["name"] == "apply_patch" and done[1]["input"] == patch
+        assert "response.custom_tool_call_input.done" in kinds
+        assert events[-1]["response"]["usage"]["output_tokens"] == len(returned[0].token_ids)
+        items += done + [{"type": "custom_tool_call_output", "call_id": done[1]["call_id"],
+                          "output": "Done!"}]
+        last = call({**body, "input": items})
+        (message,) = [e["item"] for e in last if e["type"] == "response.output_item.done"]
+        assert message["content"][0]["text"] == "Patched."
+    finally:
+        policy.kill()
+    out = gateway.close_job(key).result()
+    assert out["capture"] == {**out["capture"], "calls": 2, "merged": 1, "segments": 1}
+    (seg,) = out["segments"]
+    assert sampled_ids(seg) == [t for g in returned for t in g.token_ids]
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(str(tiny_model), local_files_only=True).decode(
+        seg["prompt_ids"])
+    assert '"name": "apply_patch"' in prompt and "start: x" in prompt
+    assert '"name": "spawn_agent"' in prompt and "web_search" not in prompt

@@ -117,6 +117,11 @@ class Capture:
             self._mid_system = self.chat.accepts_mid_system()
         if self._mid_system:
             return conversation
+        lead = next((i for i, m in enumerate(conversation) if m["role"] != "system"),
+                    len(conversation))
+        if lead > 1:  # a leading run of system messages (Codex's developer messages): one
+            conversation = [{"role": "system", "content": "\n\n".join(
+                m["content"] for m in conversation[:lead])}] + conversation[lead:]
         return [m if m["role"] != "system" or i == 0 else
                 {"role": "user", "content": f"<system-reminder>\n{m['content']}\n"
                                             "</system-reminder>"}

@@ -33,12 +33,14 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,7 @@ from prorl_farm.gateway.capture import Capture
 from prorl_farm.gateway.server import JobGateway, Sampled, UnixGatewayServer
 from prorl_farm.llm.session import BackendSession, turn_seed
 from prorl_farm.sandbox.abstract import (
+    GATEWAY_PORT,
     GATEWAY_SOCKET,
     INSIDE_HARNESSES,
     gateway_dir,
@@ -106,6 +109,55 @@ class Preset:
     answer: tuple[str, ...] = ("last_text", "final_answer_tool")  # rules, tried in order
     answer_file: str = ""  # the output_file rule's file
     context: int = 0  # the context (tokens) the harness needs: its prompt and some turns
+    # Files written in the sandbox before it runs (its configuration), from the run's
+    # values: the model's name, the gateway's base URL, the job's context.
+    setup: Callable[[dict], dict[str, str]] | None = None
+
+
+CODEX_HOME = "/tmp/codex"
+CODEX_LAST_MESSAGE = f"{CODEX_HOME}/last-message.txt"
+CODEX_CONFIG = """model = {model}
+model_provider = "prorl"
+model_catalog_json = "{home}/catalog.json"
+model_context_window = {context}
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+web_search = "disabled"
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[features]
+plugins = false
+apps = false
+
+[agents]
+enabled = false
+
+[model_providers.prorl]
+name = "prorl-farm"
+base_url = {base_url}
+env_key = "OPENAI_API_KEY"
+wire_api = "responses"
+request_max_retries = 4
+stream_max_retries = 0
+"""
+
+
+def _codex_setup(values: dict) -> dict[str, str]:
+    """Codex's configuration for a run: a provider at the job's gateway (Responses API),
+    analytics, plugins, apps, sub-agents and web search off, and a model catalog entry for
+    the served model's name (Codex keeps apply_patch, its custom tool, only for a model it
+    knows: the entry is its own GPT-5.5 entry under that name)."""
+    entry = json.loads((Path(__file__).with_name("codex_model.json")).read_text())
+    entry.update(slug=values["model"], display_name=values["model"],
+                 context_window=values["context"], max_context_window=values["context"])
+    config = CODEX_CONFIG.format(model=json.dumps(values["model"]), home=CODEX_HOME,
+                                 context=values["context"],
+                                 base_url=json.dumps(values["base_url"]))
+    return {f"{CODEX_HOME}/config.toml": config,
+            f"{CODEX_HOME}/catalog.json": json.dumps({"models": [entry]})}
 
 
 PRESETS: dict[str, Preset] = {
@@ -144,6 +196,23 @@ PRESETS: dict[str, Preset] = {
         about="Claude Code (npm @anthropic-ai/claude-code 2.1.332, its linux-x64 binary): "
               "claude -p, JSON output, permissions skipped, through the Messages endpoint; "
               "its first prompt is about 33k tokens"),
+    "codex": Preset(
+        "codex",
+        ("{env}/bin/codex", "exec", "--skip-git-repo-check",
+         "--dangerously-bypass-approvals-and-sandbox", "--json", "-o", CODEX_LAST_MESSAGE,
+         "{prompt}"),
+        "argument", (), {"CODEX_HOME": CODEX_HOME},
+        binaries=(NpmBinary(
+            "@openai/codex", "0.171.0-linux-x64",
+            "sha512-l66NZkQgdk2C3pbcfULDz42yEUB581MVA6I+Y43Wp4OIqEy73HCdmZ0GTjeAHY2ycuH4N00d9V"
+            "sLrwT1jxshTw==", "package/vendor/x86_64-unknown-linux-musl/bin/codex",
+            "bin/codex"),),
+        answer=("output_file",), answer_file=CODEX_LAST_MESSAGE, context=32_768,
+        setup=_codex_setup,
+        about="Codex CLI (npm @openai/codex 0.171.0, its static linux-x64 binary): codex "
+              "exec, JSON events, approvals and its own sandbox off (the farm's is the "
+              "sandbox), through the Responses endpoint; its last message (-o) is the "
+              "answer"),
 }
 
 _ENV_NAME = validate.Regexp(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -169,6 +238,9 @@ class HarnessOptions(Schema):
     # How the answer is taken (answer tasks): the preset's rules by default.
     answer = fields.String(validate=validate.OneOf(sorted(ANSWER_RULES)))
     answer_file = fields.String(validate=validate.Regexp(r"^/[^\0]{1,1000}$"))
+    # Run the harness under strace and report every connect() it and its children made
+    # (``harness.connections``): what it tried to reach besides the gateway.
+    audit_connections = fields.Boolean(load_default=False)
     time_limit_s = fields.Float(load_default=1800.0, validate=validate.Range(min=1,
                                                                              max=86_400))
     # More environment variables for the harness: [{"name": ..., "value": ...}] (the
@@ -189,6 +261,7 @@ class HarnessOptions(Schema):
                 "prompt": {"type": "string", "enum": ["argument", "file", "stdin"]},
                 "answer": {"type": "string", "enum": sorted(ANSWER_RULES)},
                 "answer_file": {"type": "string", "pattern": "^/", "maxLength": 1001},
+                "audit_connections": {"type": "boolean", "default": False},
                 "time_limit_s": {"type": "number", "minimum": 1, "maximum": 86_400,
                                  "default": 1800},
                 "env": {"type": "array", "maxItems": 100, "items": {
@@ -317,7 +390,7 @@ def _npm_binary(binary: NpmBinary, env: Path) -> None:
         return base64.b64encode(h.digest()).decode() == digest
 
     if not (tarball.exists() and intact()):
-        url = f"{NPM_REGISTRY}/{binary.package}/-/{name}-{binary.version}.tgz"
+        url = f"{NPM_REGISTRY}/{binary.package}/-/{name}-{binary.version}.tgz"  # as npm's
         part = tarball.with_suffix(f".part{os.getpid()}")
         with urllib.request.urlopen(url, timeout=600) as r, open(part, "wb") as f:
             shutil.copyfileobj(r, f, 1 << 20)
@@ -438,7 +511,7 @@ def run_harness(ctx: JobContext, options: dict, prompt: str) -> dict:
         out: dict | None = None
         try:
             out = _execute(ctx, options, sandbox, key, first.model, prompt,
-                           limits.max_turns or 100)
+                           limits.max_turns or 100, capture.context_length or CONTEXT_LENGTH)
         finally:
             server.close_job(key)
             server.stop()
@@ -449,20 +522,39 @@ def run_harness(ctx: JobContext, options: dict, prompt: str) -> dict:
         return _result(ctx, options, job, stopper, out, time.monotonic() - t0)
 
 
+def _setup_files(options: dict, sandbox: dict, model: str, context: int) -> dict[str, str]:
+    preset = PRESETS.get(options.get("preset") or "")
+    if preset is None or preset.setup is None:
+        return {}
+    base_url = gateway_env(sandbox["ip"])["OPENAI_BASE_URL"]
+    return preset.setup({"model": model, "base_url": base_url, "context": context})
+
+
 def _execute(ctx: JobContext, options: dict, sandbox: dict, key: str, model: str,
-             prompt: str, max_turns: int) -> dict:
+             prompt: str, max_turns: int, context: int) -> dict:
     argv, stdin, prompt_file = command_line(options, prompt, model, max_turns)
+    if options.get("audit_connections"):
+        argv = ["strace", "-f", "-qq", "-e", "trace=connect", "-o", CONNECTS_FILE, *argv]
     conn = ToolConnection(sandbox["socket"])
     try:
+        files = dict(_setup_files(options, sandbox, model, context))
         if prompt_file is not None:
+            files[PROMPT_FILE] = prompt_file
+        for path, text in files.items():
             wrote = conn.call("exec", abort_hook=ctx.on_abort, timeout_s=30,
-                              argv=["sh", "-c", f"cat > {PROMPT_FILE}"], stdin=prompt_file)
+                              argv=["sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1"',
+                                    "sh", path], stdin=text)
             if wrote["exit_code"] != 0:
-                raise HarnessFailed(f"could not write the prompt file: {wrote['stderr']}")
+                raise HarnessFailed(f"could not write {path}: {wrote['stderr']}")
         limit = min(options.get("time_limit_s", 1800.0), max(0.1, ctx.remaining_s))
         out = conn.call("exec", abort_hook=ctx.on_abort, timeout_s=limit, argv=argv,
                         stdin=stdin, env=harness_env(options, sandbox, key, model),
                         name=EXEC_NAME)
+        if options.get("audit_connections"):
+            got = conn.call("exec", abort_hook=ctx.on_abort, timeout_s=30,
+                            argv=["cat", CONNECTS_FILE])
+            out["connections"] = connections(got["stdout"] if got["exit_code"] == 0
+                                             else None, sandbox["ip"])
         path = answer_file(options)
         if path and "output_file" in answer_rules(options) and not out["timed_out"]:
             got = conn.call("exec", abort_hook=ctx.on_abort, timeout_s=30,
@@ -475,6 +567,30 @@ def _execute(ctx: JobContext, options: dict, sandbox: dict, key: str, model: str
 
 
 MAX_ANSWER_FILE = 1 << 20
+CONNECTS_FILE = "/tmp/prorl-connects.txt"
+_CONNECT = re.compile(r"connect\(\d+, \{sa_family=(\w+)(.*?)\}, \d+\)")
+
+
+def connections(trace: str | None, ip: str) -> dict:
+    """The connect() calls of a strace log, sorted: to the gateway's door (the sandbox's
+    address, its port), to other internet addresses (``outside``: each call as strace wrote
+    it), to local sockets (Unix, netlink)."""
+    if trace is None:
+        return {"audited": False, "reason": "no strace log (is strace in the sandbox?)"}
+    door = f'sin_port=htons({GATEWAY_PORT}), sin_addr=inet_addr("{ip}")'
+    gateway, outside, local = 0, [], 0
+    for line in trace.splitlines():
+        match = _CONNECT.search(line)
+        if match is None:
+            continue
+        family, rest = match.groups()
+        if family not in ("AF_INET", "AF_INET6"):
+            local += 1
+        elif door in rest:
+            gateway += 1
+        else:
+            outside.append(line.strip()[:300])
+    return {"audited": True, "gateway": gateway, "outside": outside, "local": local}
 
 
 def answer_rules(options: dict) -> tuple[str, ...]:
@@ -569,6 +685,8 @@ def _result(ctx: JobContext, options: dict, job: JobGateway, stopper: _Stopper, 
                           "signal": out["signal"], "timed_out": out["timed_out"],
                           "stdout_tail": _tail(out["stdout"]),
                           "stderr_tail": _tail(out["stderr"])}}
+    if "connections" in out:
+        result["harness"]["connections"] = out["connections"]
     if len(segments) > 1:
         result["segments"] = segments[:-1]
     partial = result if segments else None

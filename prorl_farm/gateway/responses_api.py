@@ -1,13 +1,20 @@
-"""OpenAI Responses as the gateway speaks it (what Codex-style CLIs call): ``input`` as a
-string or items (messages with text parts, ``function_call`` and ``function_call_output``),
-``instructions``, function ``tools``, ``previous_response_id`` (the job's earlier responses
-are kept), ``max_output_tokens``, ``temperature``, ``top_p``; the answer whole or as its
-server-sent events (``response.created`` ... ``response.completed``, text and function-call
-argument deltas). The request becomes a chat conversation, so capture and merging are the
-Chat Completions path's."""
+"""OpenAI Responses as the gateway speaks it (what Codex calls): ``input`` as a string or
+items (messages with text parts, ``developer`` ones included; ``function_call`` /
+``function_call_output``; ``custom_tool_call`` / ``custom_tool_call_output``; ``reasoning``
+items, which are the model's own and skipped: the capture keeps its sampled ids),
+``instructions``, ``function`` and ``custom`` tools (a custom tool, such as Codex's
+``apply_patch`` with its grammar, is offered to the model as a function of one string
+``input``; ``namespace`` tools are offered as their functions), ``previous_response_id`` or
+``store: false`` with the whole history resent, ``max_output_tokens``, ``temperature``,
+``top_p``; the answer whole or as its server-sent events (``response.created`` ...
+``response.output_item.done`` for each item ... ``response.completed`` with ``usage``).
+A reply that opens with a ``<think>`` block gives a ``reasoning`` item whose
+``encrypted_content`` is the farm's handle to the exact ids sampled. The request becomes a
+chat conversation, so capture and merging are the Chat Completions path's."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -22,12 +29,19 @@ REQUEST_SAMPLING = {"temperature": ("temperature", 0, 2), "top_p": ("top_p", 0, 
 ROLES = ("system", "developer", "user", "assistant")
 
 
+# Server-side tools (web search, file search, ...) the gateway does not serve: dropped from
+# what the model is offered, as a server without them would.
+SERVER_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview",
+                "code_interpreter", "image_generation", "local_shell", "mcp")
+
+
 @dataclass
 class ResponsesRequest:
     model: str
     messages: list[dict]  # the conversation as chat messages (earlier responses' included)
     tools: list[dict] | None  # as Chat Completions tools
     raw_tools: list
+    custom: set[str]  # the names of custom tools (their calls are custom_tool_call items)
     stream: bool
     previous_response_id: str | None
     instructions: str | None
@@ -74,9 +88,18 @@ def input_messages(items: list) -> list[dict]:
             out[-1].setdefault("tool_calls", []).append({
                 "id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}})
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("input"), str):
+                raise GatewayError(400, f"input[{i}]: a custom_tool_call needs 'name' and "
+                                   "'input'", f"input[{i}]")
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append({
+                "id": item.get("call_id"), "type": "function",
+                "function": {"name": item["name"], "arguments": {"input": item["input"]}}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(item.get("call_id"), str):
-                raise GatewayError(400, f"input[{i}]: a function_call_output needs 'call_id'",
+                raise GatewayError(400, f"input[{i}]: a {kind} needs 'call_id'",
                                    f"input[{i}].call_id")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
@@ -85,9 +108,48 @@ def input_messages(items: list) -> list[dict]:
                         json.dumps(output)})
         elif kind != "reasoning":
             raise GatewayError(400, f"input[{i}]: items of type {kind!r} are not served "
-                               "(message, function_call, function_call_output)",
+                               "(message, function_call, function_call_output, "
+                               "custom_tool_call, custom_tool_call_output, reasoning)",
                                f"input[{i}].type")
     return out
+
+
+def _functions(raw_tools) -> tuple[list[dict], set[str]]:
+    """The tools the model is offered, as Chat Completions functions, and the names of the
+    custom ones."""
+    if not isinstance(raw_tools, list):
+        raise GatewayError(400, "'tools' must be an array", "tools")
+    functions, custom = [], set()
+    for i, t in enumerate(raw_tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind in SERVER_TOOLS:
+            continue
+        if kind == "namespace" and isinstance(t.get("tools"), list):
+            inner, names = _functions(t["tools"])
+            functions += inner
+            custom |= names
+            continue
+        if kind not in ("function", "custom") or not isinstance(t.get("name"), str) \
+                or not t["name"]:
+            raise GatewayError(400, f"tools[{i}]: a tool is a function, custom or namespace "
+                               f"tool with a name (type {kind!r} is not served)",
+                               f"tools[{i}]")
+        if kind == "custom":
+            custom.add(t["name"])
+            about = t.get("description") or ""
+            fmt = t.get("format") or {}
+            if fmt.get("type") == "grammar" and fmt.get("definition"):
+                about += (f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n"
+                          f"{fmt['definition']}")
+            params = {"type": "object", "properties": {"input": {
+                "type": "string", "description": "the tool's input, as free text"}},
+                "required": ["input"]}
+        else:
+            about = t.get("description") or ""
+            params = t.get("parameters") or {"type": "object", "properties": {}}
+        functions.append({"type": "function", "function": {
+            "name": t["name"], "description": about, "parameters": params}})
+    return functions, custom
 
 
 def parse_responses(body, history: dict[str, list[dict]]) -> ResponsesRequest:
@@ -96,15 +158,8 @@ def parse_responses(body, history: dict[str, list[dict]]) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
     raw_tools = body.get("tools") or []
-    if not isinstance(raw_tools, list) or any(
-            not isinstance(t, dict) or t.get("type") != "function" or not t.get("name")
-            for t in raw_tools):
-        raise GatewayError(400, "'tools' must be an array of {type: function, name, "
-                           "parameters} (other tool types are not served)", "tools")
-    tools = [{"type": "function", "function": {
-        "name": t["name"], "description": t.get("description") or "",
-        "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
-        for t in raw_tools] or None
+    functions, custom = _functions(raw_tools)
+    tools = functions or None
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise GatewayError(400, "'instructions' must be a string", "instructions")
@@ -124,18 +179,35 @@ def parse_responses(body, history: dict[str, list[dict]]) -> ResponsesRequest:
         if value is not None:
             sampling[farm_name] = value
     return ResponsesRequest(model=str(body.get("model") or ""), messages=messages,
-                            tools=tools, raw_tools=raw_tools, stream=bool(body.get("stream")),
+                            tools=tools, raw_tools=raw_tools, custom=custom,
+                            stream=bool(body.get("stream")),
                             previous_response_id=previous, instructions=instructions,
                             sampling=sampling, body=body)
 
 
-def _output(reply: Reply) -> list[dict]:
+def reasoning_handle(reply: Reply) -> str:
+    """A reasoning item's ``encrypted_content``: the farm's handle to the ids sampled."""
+    return "prorl:" + hashlib.sha256(json.dumps(reply.token_ids).encode()).hexdigest()[:32]
+
+
+def _output(reply: Reply, custom: set[str] | frozenset = frozenset()) -> list[dict]:
     items: list[dict] = []
+    if reply.reasoning:
+        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                      "encrypted_content": reasoning_handle(reply)})
     if reply.content or not reply.tool_calls:
         items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status":
                       "completed", "role": "assistant", "content": [
                           {"type": "output_text", "text": reply.content, "annotations": []}]})
     for call in reply.tool_calls:
+        name, args = call["function"]["name"], call["function"]["arguments"]
+        if name in custom:
+            text = args.get("input") if isinstance(args.get("input"), str) else \
+                next((v for v in args.values() if isinstance(v, str)), json.dumps(args))
+            items.append({"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex}",
+                          "call_id": f"call_{uuid.uuid4().hex[:24]}", "status": "completed",
+                          "name": name, "input": text})
+            continue
         items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
                       "call_id": f"call_{uuid.uuid4().hex[:24]}", "status": "completed",
                       "name": call["function"]["name"],
@@ -148,7 +220,7 @@ def response_object(req: ResponsesRequest, reply: Reply, prompt_tokens: int, mod
     incomplete = reply.finish_reason == "length"
     return {"id": response_id, "object": "response", "created_at": int(time.time()),
             "status": "incomplete" if incomplete else "completed", "model": model,
-            "output": _output(reply), "error": None,
+            "output": _output(reply, req.custom), "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": req.instructions, "metadata": req.body.get("metadata") or {},
             "parallel_tool_calls": bool(req.body.get("parallel_tool_calls", True)),
@@ -192,6 +264,16 @@ def responses_stream(response: dict) -> Iterator[bytes]:
                         logprobs=[])
             yield event("response.content_part.done", **ids, content_index=0,
                         part={**part, "text": text})
+        elif item["type"] == "reasoning":
+            yield event("response.output_item.added", output_index=index, item=item)
+        elif item["type"] == "custom_tool_call":
+            text = item["input"]
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "input": ""})
+            for i in range(0, len(text), 64):
+                yield event("response.custom_tool_call_input.delta", **ids,
+                            delta=text[i:i + 64])
+            yield event("response.custom_tool_call_input.done", **ids, input=text)
         else:
             args = item["arguments"]
             yield event("response.output_item.added", output_index=index,
@@ -210,7 +292,11 @@ def reply_messages(response: dict) -> list[dict]:
     for item in response["output"]:
         if item["type"] == "message":
             message["content"] = item["content"][0]["text"]
-        else:
+        elif item["type"] == "custom_tool_call":
+            message.setdefault("tool_calls", []).append({
+                "id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": {"input": item["input"]}}})
+        elif item["type"] == "function_call":
             message.setdefault("tool_calls", []).append({
                 "id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]}})
