@@ -68,7 +68,7 @@ bootstrap: system $(STAMP)
 # Debian packages: deploy/base-image.sh; the tests run the engine themselves).
 system:
 	@missing=""; \
-	for c in redis-server:redis-server bwrap:bubblewrap tmux:tmux chromium:chromium git:git; do \
+	for c in redis-server:redis-server bwrap:bubblewrap tmux:tmux chromium:chromium git:git strace:strace; do \
 		command -v $${c%%:*} >/dev/null || missing="$$missing $${c#*:}"; done; \
 	/usr/bin/python3 -c 'import pytest, ensurepip' 2>/dev/null \
 		|| missing="$$missing python3-pytest python3-venv"; \
@@ -123,9 +123,10 @@ $(VERL_STAMP): $(UV) locks/verl.txt
 	$(SYNC) --python $(VERL_VENV)/bin/python locks/verl.txt
 	touch $@
 
-# The agent harness presets' environments (mini-SWE-agent, the openai-SDK example) under
-# .prorl/harnesses (PRORL_HARNESS_DIR), read-only in the sandboxes that run a harness; their
-# packages pinned by locks/harness-*.txt.
+# The agent harness presets' environments (mini-SWE-agent, the openai-SDK example, Claude
+# Code, Codex) under .prorl/harnesses (PRORL_HARNESS_DIR), read-only in the sandboxes that
+# run a harness; their packages pinned by locks/harness-*.txt, the CLIs' npm tarballs by
+# version and integrity (downloaded once into PRORL_NPM_CACHE).
 harnesses: $(STAMP)
 	@$(VENV)/bin/prorl-farm harness install >/dev/null
 

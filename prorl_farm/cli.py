@@ -236,11 +236,12 @@ def _cmd_harness(args) -> int:
         for name, preset in PRESETS.items():
             print(f"{name}\t{preset.about}")
         return 0
-    into = args.dir or load_settings().harness_path
+    settings = load_settings()
+    into = args.dir or settings.harness_path
     for name in args.names or list(PRESETS):
         if name not in PRESETS:
             raise ConfigError(f"no harness preset {name!r}; presets: {', '.join(PRESETS)}")
-        print(f"{name}: {install(name, into)}")
+        print(f"{name}: {install(name, into, cache=settings.npm_cache)}")
     return 0
 
 

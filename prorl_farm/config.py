@@ -207,6 +207,10 @@ class Settings:
     harness_dir: str = setting(
         "", "agent harness environments (`prorl-farm harness install`), read-only at "
         "/opt/harnesses in a sandbox that runs a harness", shown="`$PRORL_HOME/harnesses`")
+    npm_cache: str = setting(
+        "", "where `prorl-farm harness install` keeps the npm tarballs of the CLI presets "
+        "(Claude Code, Codex; checked against their pinned integrity before use)",
+        shown="`~/.cache/prorl-farm/npm`")
     sandbox_network: bool = setting(
         False, "whether an instance may ask for a sandbox with the outside network")
     handlers: str = setting("", "extra handlers without packaging, `name=module:Class,...`")

@@ -32,7 +32,7 @@ SHARED_PARTS = {"docker": ("docker_engine",), "vllm": ("vllm_server",), "verl": 
 # workers, each worker started its own: 4 root and 4 nobody red-team farms, for 1 and 1.
 FARM_MODULES = {"test_reward_hacking", "test_swe", "test_code", "test_validate",
                 "test_swebench", "test_confinement", "test_harness", "test_agent",
-                "test_trainer", "test_tokens"}
+                "test_trainer", "test_tokens", "test_cli_harnesses"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
@@ -235,6 +235,9 @@ def require_vllm() -> str:
     return python
 
 
+VLLM_CONTEXT = 65_536
+
+
 def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
     """vLLM's CPU build serving ``model_dir`` in float32 (a real process group), or a skip
     (:func:`require_vllm`). Returns (url, stop)."""
@@ -286,16 +289,18 @@ def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
 
 @pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory):
-    """The tiny model vLLM serves (a copy: weight syncs point the engine elsewhere)."""
+    """The tiny model vLLM serves (a copy: weight syncs point the engine elsewhere), with
+    the 64k positions a Claude Code prompt needs."""
     from prorl_farm.dev.tiny import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("vllm-model"))
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model"), max_positions=VLLM_CONTEXT)
 
 
 @pytest.fixture(scope="session")
 def vllm_server(vllm_model, tmp_path_factory):
-    """Real vLLM (CPU build, float32) on the tiny untied model, 4096 tokens of context."""
-    url, stop = start_vllm(vllm_model, tmp_path_factory.mktemp("vllm"), 4096)
+    """Real vLLM (CPU build, float32) on the tiny untied model, 64k tokens of context (what
+    Claude Code needs; one engine for all the tests that share it)."""
+    url, stop = start_vllm(vllm_model, tmp_path_factory.mktemp("vllm"), VLLM_CONTEXT)
     yield url
     stop()
 

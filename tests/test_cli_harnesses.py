@@ -7,7 +7,10 @@ call is captured token-exact (one segment, the sampled ids the policy's turns). 
 connections audited (strace), the only connection either makes is to the sandbox's gateway
 door. A harness that ends by calling its own ``final_answer`` tool (as smolagents does) is
 graded on that answer: 1 right, 0 wrong, and a harness that finishes with no answer gets 0
-with the reason. A preset's job is refused a context smaller than the preset needs.
+with the reason. A preset's job is refused a context smaller than the preset needs. Claude
+Code on real vLLM (the tiny model served at 64k: its first prompt is ~20k of the tiny
+tokenizer's tokens): it finishes with no error, every call captured, the first turn's ids
+and logprobs what the engine gives again for the same request.
 """
 
 from __future__ import annotations
@@ -157,3 +160,45 @@ def test_a_harness_job_is_refused_a_context_smaller_than_its_preset_needs(cli_fa
     assert resp.status_code == 400, resp.get_json()
     details = resp.get_json()["error"]["details"]["instances"]["0"]
     assert f"needs a context of {need} tokens" in details["sampling.context_length"][0]
+
+
+def test_claude_code_on_real_vllm_at_64k_context(cli_farm, vllm_server, vllm_model,
+                                                 tiny_model):
+    import requests
+
+    from prorl_farm.llm.backends.abstract import SAMPLING_DEFAULTS
+    from tests.conftest import VLLM_CONTEXT
+
+    client, server, _ = cli_farm
+    use_only_backend(client, url=vllm_server, kind="vllm", model="tiny",
+                     tokenizer=str(vllm_model), capacity=4)
+    try:
+        # A random model rarely ends its turn: these stop ids end each reply in a few
+        # tokens, as a model's end of turn would (a reply cut at max_tokens Claude Code
+        # treats as an error). No seed: vLLM's CPU build fails a seeded request whose
+        # prompt is prefilled in chunks ("CPU Generator does not use offset").
+        sampling = {"max_tokens": 32, "temperature": 1.0, "max_turns": 4,
+                    "stop_token_ids": list(range(300, 700))}
+        (job,) = run_batch(client, {"handler": "math", "sampling": sampling,
+                                    "deadline_s": 400, "instances": [{
+                                        "problem": "What is 2 + 2?", "answer": "4",
+                                        "agent": {"preset": "claude-code"}}]}, 460)
+    finally:
+        use_only_backend(client, url=server.url, kind="vllm", model="tiny",
+                         tokenizer=str(tiny_model), capacity=64)
+    assert job["state"] == "done", (job["failure"], (job.get("result") or {}).get("harness"))
+    result = job["result"]
+    assert result["harness"]["exit_code"] == 0
+    assert result["answer"]["rule"] == "harness_json", result["answer"]
+    assert len(result["prompt_ids"]) > 10_000 and result["capture"]["segments"] == 1
+    assert len(result["prompt_ids"]) + len(result["response_ids"]) < VLLM_CONTEXT
+    # The engine itself, teacher-forced on the first turn: the logprobs of the sampled ids.
+    k = result["turns"][0]["generated"]
+    forced = requests.post(vllm_server + "/v1/completions", json={
+        "model": "tiny", "prompt": result["prompt_ids"] + result["response_ids"][:k],
+        "max_tokens": 1, "prompt_logprobs": 0, "return_token_ids": True,
+        **{f: v for f, v in SAMPLING_DEFAULTS.items() if f != "ignore_eos"}},
+        timeout=120).json()["choices"][0]["prompt_logprobs"][-k:]
+    got = [next(iter(d.values()))["logprob"] if len(d) == 1 else
+           d[str(t)]["logprob"] for d, t in zip(forced, result["response_ids"][:k])]
+    assert max(abs(a - b) for a, b in zip(got, result["response_logprobs"][:k])) < 1e-4

@@ -21,7 +21,7 @@ from api import create_app
 from prorl_farm.config import load_settings
 from prorl_farm.llm.backends.abstract import SAMPLING_DEFAULTS
 from prorl_farm.llm.session import turn_seed
-from tests.conftest import make_pools, start_vllm
+from tests.conftest import VLLM_CONTEXT, make_pools, start_vllm
 from tests.farm import farm_env, run_batch, scrape, use_only_backend, wait_until
 from tests.test_tokens import teacher_forced_logprobs
 from tests.test_weight_sync import _perturbed
@@ -73,7 +73,7 @@ def test_multi_turn_conversations_are_token_exact(farm, vllm_server, vllm_model)
     _, client = farm
     backend = _register(client, vllm_server, vllm_model, version=3)
     info = client.get(f"/v1/backends/{backend}").get_json()
-    assert info["max_model_len"] == 4096  # read from vLLM's /v1/models
+    assert info["max_model_len"] == VLLM_CONTEXT  # read from vLLM's /v1/models
     jobs = run_batch(client, {"handler": "chat", "instances": _chats(2), "n": 3, "sampling": {
         "temperature": 1.0, "top_p": 0.95, "max_tokens": 12, "seed": 5,
         "stop_token_ids": list(range(300, 500))}}, timeout_s=300)

@@ -132,12 +132,14 @@ def build_char_tokenizer(out_dir: Path):
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2000,
                      hidden_size: int | None = None, layers: int = 2, chars: bool = False,
-                     small: bool = False, tie_embeddings: bool = False) -> Path:
+                     small: bool = False, tie_embeddings: bool = False,
+                     max_positions: int = 8192) -> Path:
     """Write a tokenizer and a random Qwen2 model to ``out_dir``; returns the directory.
     ``chars``: the character-level tokenizer (the arith RL loop) instead of the BPE one.
     ``hidden_size``: 128 (4 heads of 32), or 64 with ``small`` (heads of 16: too small for
     vLLM's CPU attention). ``tie_embeddings``: share the output layer with the embeddings,
-    as small Qwen models do."""
+    as small Qwen models do. ``max_positions``: the context it may be served with (a harness
+    such as Claude Code needs 64k)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -150,7 +152,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, vocab_size: int = 2000,
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=8192, tie_word_embeddings=tie_embeddings,
+        max_position_embeddings=max_positions, tie_word_embeddings=tie_embeddings,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )

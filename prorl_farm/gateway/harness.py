@@ -323,7 +323,7 @@ def context_refusal(instance: dict, sampling: dict, served: list[int | None]
 SYSTEM_PYTHON = "/usr/bin/python3"
 
 
-def install(name: str, into: str, python: str = "") -> Path:
+def install(name: str, into: str, python: str = "", cache: str = "") -> Path:
     """Build preset ``name``'s environment under ``into``, idempotent; returns its
     directory. It is a venv of the system's Python (``/usr/bin/python3``, which a sandbox
     sees as /usr is bound in), not of the farm's own interpreter, which may live anywhere.
@@ -358,7 +358,7 @@ def install(name: str, into: str, python: str = "") -> Path:
                             "--disable-pip-version-check", *constraints, *preset.packages],
                            check=True)
         for binary in preset.binaries:
-            _npm_binary(binary, env)
+            _npm_binary(binary, env, npm_cache(cache))
         for inside, source in preset.files.items():
             (env / inside).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(ROOT / source, env / inside)
@@ -367,18 +367,18 @@ def install(name: str, into: str, python: str = "") -> Path:
     return env
 
 
-def npm_cache() -> Path:
-    """Where downloaded npm tarballs are kept: ``PRORL_NPM_CACHE``, else the user's cache."""
+def npm_cache(configured: str = "") -> Path:
+    """Where downloaded npm tarballs are kept: the setting (``PRORL_NPM_CACHE``), else the
+    user's cache directory."""
     default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prorl-farm"
-    return Path(os.environ.get("PRORL_NPM_CACHE") or default / "npm")
+    return Path(configured) if configured else default / "npm"
 
 
-def _npm_binary(binary: NpmBinary, env: Path) -> None:
+def _npm_binary(binary: NpmBinary, env: Path, cache: Path) -> None:
     """Put ``binary`` in ``env``: its tarball from the cache, or downloaded from the registry
     into it; either way checked against the pinned integrity first."""
     algo, _, digest = binary.integrity.partition("-")
     name = binary.package.rsplit("/", 1)[-1]
-    cache = npm_cache()
     cache.mkdir(parents=True, exist_ok=True)
     tarball = cache / f"{binary.package.replace('/', '+')}-{binary.version}.tgz"
 
