@@ -1,19 +1,24 @@
 """The model gateway's cost per call: a 20-turn tool-calling conversation through the
 gateway (the ``openai`` SDK as the client, the capture rendering and merging each call)
 against the same token-in calls straight to the backend, in one run, with a scripted
-zero-latency policy; then many harness episodes in flight at once through one gateway.
+zero-latency policy; then, at scale, 512 harness episodes in flight at once through one
+gateway (each a kept-alive connection in a load process of its own, a tool's time between
+its calls) against the same episodes' calls straight to the backend (token-in, the same
+prompt lengths), the most calls a second the gateway serves, and the capture's cost per call
+as a conversation grows to 64k tokens.
 
-    .venv/bin/python bench/gateway.py [--turns 20] [--episodes 200] [--record]
+    .venv/bin/python bench/gateway.py [--turns 20] [--episodes 512] [--think 0.5] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import date
 from pathlib import Path
@@ -30,7 +35,10 @@ from prorl_farm.dev.tiny import build_tokenizer  # noqa: E402
 from prorl_farm.gateway.capture import Capture  # noqa: E402
 from prorl_farm.gateway.server import GatewayServer, JobGateway, Sampled  # noqa: E402
 from prorl_farm.llm.backends.vllm import VLLMClient  # noqa: E402
+from tests.farm import free_port  # noqa: E402
 from tests.policy_server import PolicyServer, text_planner  # noqa: E402
+
+LOAD = str(Path(__file__).with_name("gateway_load.py"))
 
 CALL = "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": "echo hi"}}) + \
     "\n</tool_call>"
@@ -105,10 +113,94 @@ def direct(tok_dir: str, url: str, prompts: list[list[int]]) -> list[float]:
     return times
 
 
+def _reply_ids(tok_dir: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    return tok.encode(CALL, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def _load(port: int, keys: list[str], mode: str, calls: int, think: float,
+          lengths: list[int] | None = None) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(keys, f)
+    try:
+        out = subprocess.run([sys.executable, LOAD, "load", "--port", str(port), "--keys",
+                              f.name, "--mode", mode, "--calls", str(calls), "--think",
+                              str(think), "--lengths", json.dumps(lengths or [])],
+                             capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    return json.loads(out.stdout)
+
+
+def at_scale(tok_dir: str, episodes: int, calls: int, think: float) -> dict:
+    """Episodes in flight through one gateway against the same calls straight to a
+    zero-latency backend (a process of its own), and the gateway's most calls a second."""
+    port = free_port()
+    backend = subprocess.Popen([sys.executable, LOAD, "serve", "--port", str(port),
+                                "--reply", json.dumps(_reply_ids(tok_dir))],
+                               stdout=subprocess.PIPE, text=True)
+    gateway = GatewayServer()
+    try:
+        assert backend.stdout.readline().strip() == "ready"
+        url = f"http://127.0.0.1:{port}"
+        gw_port = gateway.server_address[1]
+
+        def keys(n: int) -> list[str]:
+            return [gateway.open_job(_job(tok_dir, url)) for _ in range(n)]
+
+        _load(gw_port, keys(8), "gateway", 3, 0.05)  # warm-up
+        via = _load(gw_port, keys(episodes), "gateway", calls, think)
+        straight = _load(port, ["-"] * episodes, "straight", calls, think, via["lengths"])
+        flat_out = _load(gw_port, keys(64), "gateway", 30, 0.0)
+    finally:
+        gateway.stop()
+        backend.kill()
+        backend.wait()
+    return {"via": via, "straight": straight, "flat_out": flat_out}
+
+
+def capture_cost(tok_dir: str, sizes=(1_000, 8_000, 32_000, 64_000)) -> dict[int, float]:
+    """The capture's own time per call (prompt: the conversation normalised, compared, the
+    new messages' glue rendered; record: the reply decoded and parsed) as a conversation of
+    tool calls with ~500-token outputs grows to each size; ms, the mean of 10 calls there."""
+    chat = load_chat_tokens(tok_dir)
+    reply = _reply_ids(tok_dir)
+    cap = Capture(chat, get_parser("hermes"))
+    messages = [{"role": "user", "content": "[case:loop] go"}]
+    output = " ".join(f"line {i}: ok" for i in range(120))
+    out: dict[int, float] = {}
+    pending = list(sizes)
+    times: list[float] = []
+    while pending:
+        t0 = time.perf_counter()
+        sent = cap.prompt(messages, TOOLS)
+        got = cap.record(sent, reply, [-0.5] * len(reply), "stop", "b0", 0, "raw_logprobs")
+        dt = time.perf_counter() - t0
+        length = len(sent)
+        if length >= pending[0]:
+            times.append(dt)
+            if len(times) == 10:
+                out[pending.pop(0)] = 1000 * statistics.mean(times)
+                times = []
+        messages.append({"role": "assistant", "content": got.content, "tool_calls": [
+            {"id": f"c{len(messages)}", "type": "function", "function": {
+                "name": c["function"]["name"],
+                "arguments": json.dumps(c["function"]["arguments"])}}
+            for c in got.tool_calls]})
+        messages.append({"role": "tool", "tool_call_id": f"c{len(messages)}",
+                         "content": output})
+    assert len(cap.segments) == 1, "the conversation split"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--episodes", type=int, default=200)
+    ap.add_argument("--episodes", type=int, default=512)
+    ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--think", type=float, default=0.5)
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,24 +214,11 @@ def main() -> None:
             prompts = [p for ps in policy.prompts.values() for p in ps]
             straight = direct(tmp, policy.url, prompts)
             bare = plain(gateway, tmp, policy.url, args.turns)
-            results, errors = [], []
-
-            def run_one():
-                try:
-                    results.append(episode(gateway, tmp, policy.url, 3)[1])
-                except Exception as e:  # noqa: BLE001 - counted
-                    errors.append(repr(e))
-
-            t0 = time.monotonic()
-            threads = [threading.Thread(target=run_one) for _ in range(args.episodes)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            many_s = time.monotonic() - t0
         finally:
             gateway.stop()
             policy.kill()
+        scale = at_scale(tmp, args.episodes, args.calls, args.think)
+        flat = capture_cost(tmp)
     p50_via, p50_direct = statistics.median(via), statistics.median(straight)
     lines = [
         f"### gateway — {date.today()} — {machine()}", "",
@@ -160,9 +239,33 @@ def main() -> None:
         "call, is most of that; against a real model's tens of ms per call both approach "
         f"1). Capture: {stats['calls']} calls, {stats['merged']} merged, "
         f"{stats['segments']} segment(s).", "",
-        f"{args.episodes} episodes of 3 calls in flight at once through one gateway: "
-        f"{len(results)} finished, {len(errors)} failed, in {many_s:.1f} s"
-        + (f" (first error: {errors[0]})" if errors else "") + ".", "",
+    ]
+    via, straight, flat_out = scale["via"], scale["straight"], scale["flat_out"]
+    n_calls = len(via["times"])
+    added = [1000 * (pct(via["times"], q) - pct(straight["times"], q)) for q in (50, 99)]
+    lines += [
+        f"**At scale**: {args.episodes} episodes in flight through one gateway, each a "
+        f"kept-alive connection making {args.calls} calls (the conversation resent whole, "
+        f"prompts up to {max(via['lengths'])} tokens) with a tool's time of "
+        f"{args.think} s (±50%) between them, from a load process of its own; the same "
+        "calls straight to the zero-latency backend (token-in, the same prompt lengths, "
+        "the same pacing). Offered: about "
+        f"{args.episodes / args.think:.0f} calls/s.", "",
+        "| path | calls | errors | calls/s | p50 ms | p99 ms |", "|---|---|---|---|---|---|",
+        f"| through the gateway | {n_calls} | {len(via['errors'])} | "
+        f"{n_calls / via['wall_s']:.0f} | {1000 * pct(via['times'], 50):.2f} | "
+        f"{1000 * pct(via['times'], 99):.2f} |",
+        f"| straight to the backend | {len(straight['times'])} | {len(straight['errors'])} | "
+        f"{len(straight['times']) / straight['wall_s']:.0f} | "
+        f"{1000 * pct(straight['times'], 50):.2f} | {1000 * pct(straight['times'], 99):.2f} |",
+        "", f"Added by the gateway: **{added[0]:.2f} ms at p50, {added[1]:.2f} ms at p99**.",
+        "",
+        f"Flat out (64 episodes of 30 calls, no time between calls): "
+        f"**{len(flat_out['times']) / flat_out['wall_s']:.0f} gateway calls/s** "
+        f"({len(flat_out['errors'])} errors; p50 {1000 * pct(flat_out['times'], 50):.2f} ms).",
+        "", "The capture's own cost per call as the conversation grows (ms, in process): "
+        + ", ".join(f"{size // 1000}k tokens {ms:.2f}" for size, ms in flat.items()) + ".",
+        "",
     ]
     report(lines, args.record)
 

@@ -108,15 +108,35 @@ class Capture:
     _tools: list | None = None
     _mid_system: bool | None = None  # does the template take a system message later on?
     _undo: tuple | None = None
+    # The last call's messages as sent, and as placed.
+    _last_placed: tuple[list, list] = field(default_factory=lambda: ([], []))
 
     def placed(self, messages: list[dict]) -> list[dict]:
         """The conversation normalised, its later system messages placed as the template
-        allows."""
-        conversation = [normalise(m) for m in messages]
+        allows. A harness resends its whole history each call: where the messages begin
+        with the very ones of the last call (compared as sent, which costs little), only
+        the rest is normalised, so a call's cost does not grow with the conversation."""
+        raw, done = self._last_placed
+        n = len(raw)
+        if n and len(messages) > n and messages[:n] == raw and \
+                any(m["role"] != "system" for m in done):
+            out = done + self._place([normalise(m) for m in messages[n:]], first=False)
+        else:
+            out = self._place([normalise(m) for m in messages], first=True)
+        self._last_placed = (list(messages), out)
+        return list(out)
+
+    def _place(self, conversation: list[dict], first: bool) -> list[dict]:
+        """Later system messages placed as the template allows (``first``: the conversation
+        from its beginning)."""
         if self._mid_system is None:
             self._mid_system = self.chat.accepts_mid_system()
         if self._mid_system:
             return conversation
+        if not first:
+            return [m if m["role"] != "system" else
+                    {"role": "user", "content": f"<system-reminder>\n{m['content']}\n"
+                                                "</system-reminder>"} for m in conversation]
         lead = next((i for i, m in enumerate(conversation) if m["role"] != "system"),
                     len(conversation))
         if lead > 1:  # a leading run of system messages (Codex's developer messages): one
