@@ -266,22 +266,16 @@ def responses_stream(response: dict) -> Iterator[bytes]:
                         part={**part, "text": text})
         elif item["type"] == "reasoning":
             yield event("response.output_item.added", output_index=index, item=item)
-        elif item["type"] == "custom_tool_call":
-            text = item["input"]
+        else:  # a call: its input (custom) or arguments (function) in deltas
+            field, kind = (("input", "custom_tool_call_input")
+                           if item["type"] == "custom_tool_call" else
+                           ("arguments", "function_call_arguments"))
+            text = item[field]
             yield event("response.output_item.added", output_index=index,
-                        item={**item, "status": "in_progress", "input": ""})
-            for i in range(0, len(text), 64):
-                yield event("response.custom_tool_call_input.delta", **ids,
-                            delta=text[i:i + 64])
-            yield event("response.custom_tool_call_input.done", **ids, input=text)
-        else:
-            args = item["arguments"]
-            yield event("response.output_item.added", output_index=index,
-                        item={**item, "status": "in_progress", "arguments": ""})
-            for i in range(0, len(args), 16):
-                yield event("response.function_call_arguments.delta", **ids,
-                            delta=args[i:i + 16])
-            yield event("response.function_call_arguments.done", **ids, arguments=args)
+                        item={**item, "status": "in_progress", field: ""})
+            for i in range(0, len(text), 16):
+                yield event(f"response.{kind}.delta", **ids, delta=text[i:i + 16])
+            yield event(f"response.{kind}.done", **ids, **{field: text})
         yield event("response.output_item.done", output_index=index, item=item)
     yield event("response.completed", response=response)
 
