@@ -237,7 +237,8 @@ class HarnessOptions(Schema):
     prompt = fields.String(validate=validate.OneOf(["argument", "file", "stdin"]))
     # How the answer is taken (answer tasks): the preset's rules by default.
     answer = fields.String(validate=validate.OneOf(sorted(ANSWER_RULES)))
-    answer_file = fields.String(validate=validate.Regexp(r"^/[^\0]{1,1000}$"))
+    answer_file = fields.String(validate=[validate.Regexp(r"^/[^\x00]*\Z"),
+                                          validate.Length(max=1001)])
     # Run the harness under strace and report every connect() it and its children made
     # (``harness.connections``): what it tried to reach besides the gateway.
     audit_connections = fields.Boolean(load_default=False)
@@ -260,7 +261,8 @@ class HarnessOptions(Schema):
                 "command": {"type": "string", "minLength": 1, "maxLength": 20_000},
                 "prompt": {"type": "string", "enum": ["argument", "file", "stdin"]},
                 "answer": {"type": "string", "enum": sorted(ANSWER_RULES)},
-                "answer_file": {"type": "string", "pattern": "^/", "maxLength": 1001},
+                "answer_file": {"type": "string", "pattern": "^/[^\\u0000]*$",
+                                "maxLength": 1001},
                 "audit_connections": {"type": "boolean", "default": False},
                 "time_limit_s": {"type": "number", "minimum": 1, "maximum": 86_400,
                                  "default": 1800},
@@ -270,7 +272,13 @@ class HarnessOptions(Schema):
                         "name": {"type": "string", "pattern": _ENV_NAME.regex.pattern},
                         "value": {"type": "string", "maxLength": 100_000}}}}},
             "oneOf": [{"required": ["preset"], "not": {"required": ["command"]}},
-                      {"required": ["command"], "not": {"required": ["preset"]}}]}
+                      {"required": ["command"], "not": {"required": ["preset"]}}],
+            # The output_file rule needs a file: the instance's, or its preset's.
+            "anyOf": [{"not": {"required": ["answer"],
+                               "properties": {"answer": {"enum": ["output_file"]}}}},
+                      {"required": ["answer_file"]},
+                      {"required": ["preset"], "properties": {"preset": {"enum": sorted(
+                          n for n, p in PRESETS.items() if p.answer_file)}}}]}
 
     @validates_schema
     def _one(self, data, **_):
