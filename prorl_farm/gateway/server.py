@@ -15,7 +15,6 @@ ids. Calls of one job run one at a time (a harness's calls are one conversation)
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prorl_farm import fastjson
 from prorl_farm.errors import BackendUnavailable
 from prorl_farm.gateway.anthropic_api import (
     error_body,
@@ -241,7 +241,7 @@ class _Handler(BaseHTTPRequestHandler):
         return job
 
     def _send(self, status: int, doc: dict, headers: dict | None = None) -> None:
-        data = json.dumps(doc).encode()
+        data = fastjson.dumps(doc)
         extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         if self.close_connection:
             extra += "Connection: close\r\n"
@@ -313,7 +313,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         self._body_read = True
         try:
-            return json.loads(raw or b"null")
+            return fastjson.loads(raw or b"null")
         except ValueError as e:
             raise GatewayError(400, f"the request body is not JSON: {e}") from e
 

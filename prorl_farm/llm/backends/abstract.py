@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from prorl_farm import fastjson
 from prorl_farm.errors import BackendError, BackendRequestError, FarmError, JobAborted
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class LLMClient(ABC):
         return cls(self.host, self.port, timeout=self.timeout_s), False
 
     def _post_once(self, path: str, body: dict, abort_hook) -> dict:
-        data = json.dumps(body).encode()
+        data = fastjson.dumps(body)
         conn, reused = self._connection()
         if reused:
             try:
@@ -183,7 +184,7 @@ class LLMClient(ABC):
         if resp.status == 404:  # a route this server does not have: asking again won't help
             raise BackendRequestError(f"HTTP 404: {payload[:300]!r}")
         try:
-            doc = json.loads(payload)
+            doc = fastjson.loads(payload)
         except ValueError as e:
             raise BackendError(f"HTTP {resp.status}: not JSON: {payload[:200]!r}") from e
         if resp.status >= 400:
