@@ -45,7 +45,7 @@ def _validated_submit(body: dict) -> dict:
         raise validation_error({"handler": [f"{e}; known: {svc.registry.names()}"]},
                                "unknown_handler") from e
     instances = req.pop("instances", None) or [req.pop("instance")]
-    errors, normalised, served = {}, [], None
+    errors, short, normalised, served = {}, {}, [], None
     for i, instance in enumerate(instances):
         try:
             normalised.append(handler.validate_instance(instance))
@@ -53,14 +53,18 @@ def _validated_submit(body: dict) -> dict:
             errors[i] = e.details or {"_schema": [str(e)]}
             continue
         refused = handler.refusals(normalised[-1], svc.settings)
-        if not refused and needed_context(normalised[-1].get("agent")):
+        if refused:
+            errors[i] = refused
+        elif needed_context(normalised[-1].get("agent")):
             if served is None:
                 served = [b.get("max_model_len") for b in svc.backends.list()]
             refused = context_refusal(normalised[-1], req.get("sampling") or {}, served)
-        if refused:
-            errors[i] = refused
+            if refused:
+                short[i] = refused
     if errors:
         raise validation_error({"instances": errors}, "invalid_instance")
+    if short:  # well formed, but the harness cannot run in the context it would get
+        raise validation_error({"instances": short}, "insufficient_context")
     req["instances"] = normalised
     return req
 

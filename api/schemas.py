@@ -35,7 +35,10 @@ class SamplingSchema(Schema):
     context_length = fields.Integer(strict=True, validate=validate.Range(min=16,
                                                                          max=10_000_000),
                                     metadata={"description": "the model's context: a turn "
-                                              "that would not fit ends the episode"})
+                                              "that would not fit ends the episode; a job "
+                                              "whose agent harness preset needs more (or "
+                                              "whose backends all serve less) is refused, "
+                                              "400 insufficient_context"})
     seed = fields.Integer(strict=True)
     stop_token_ids = fields.List(fields.Integer(strict=True, validate=validate.Range(min=0)))
     repetition_penalty = fields.Float(validate=validate.Range(min=0, min_inclusive=False))

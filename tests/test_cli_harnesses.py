@@ -158,6 +158,7 @@ def test_a_harness_job_is_refused_a_context_smaller_than_its_preset_needs(cli_fa
     resp = client.post("/v1/jobs", json={"handler": "math", "instances": [inst],
                                          "sampling": {"context_length": 32_768}})
     assert resp.status_code == 400, resp.get_json()
+    assert resp.get_json()["error"]["code"] == "insufficient_context"
     details = resp.get_json()["error"]["details"]["instances"]["0"]
     assert f"needs a context of {need} tokens" in details["sampling.context_length"][0]
 
