@@ -62,8 +62,11 @@ def test_valid_per_spec_is_never_rejected(app, r):
         status = response.status_code
         if case.formatted_path == "/readyz" and status == 503:
             return None  # declared: no pool runs in this test
-        if status == 400 and response.get_json()["error"]["code"] == "too_many_jobs":
-            return None  # instances x n over the operator's limit: stated in the spec
+        if status == 400 and response.get_json()["error"]["code"] in (
+                "too_many_jobs", "insufficient_context"):
+            # Over the operator's limit; a context smaller than a harness preset needs:
+            # both stated in the spec, neither a shape a schema can say.
+            return None
         if status >= 500 or (400 <= status < 500 and status not in ALLOWED_4XX):
             return "valid per the spec but rejected"
         return None
