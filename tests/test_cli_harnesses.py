@@ -74,6 +74,8 @@ def cli_farm(redis_server, tmp_path_factory, tiny_model):
             use_only_backend(client, url=server.url, kind="vllm", model="tiny",
                              tokenizer=str(tiny_model), capacity=64)
             yield client, server, instances
+            for b in client.get("/v1/backends").get_json()["backends"]:  # none left behind
+                client.delete(f"/v1/backends/{b['id']}")
     finally:
         shutil.rmtree(repos, ignore_errors=True)
 

@@ -46,8 +46,16 @@ def processed_server(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def verl_farm(redis_server, tmp_path_factory, tiny_model, processed_server):
     """Pools, the API under gunicorn and the processed-logprobs backend; yields its URL."""
-    from prorl_farm.trainer import FarmClient
+    import redis
 
+    from prorl_farm.trainer import FarmClient
+    from tests.conftest import _clear
+
+    # Backends an earlier module of this worker registered in the shared Redis (its engine
+    # gone, another tokenizer): a job pinned to one would fail over to ours and be refused.
+    left = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    _clear(left)
+    left.close()
     with http_farm(redis_server.url, tmp_path_factory.mktemp("verl-farm"), "verl") as (url, _):
         farm = FarmClient(url)
         try:
