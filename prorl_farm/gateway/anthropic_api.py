@@ -15,7 +15,6 @@ as Anthropic's tool search has it)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -152,16 +151,10 @@ def parse_count(body) -> ChatRequest:
     return parse_messages(body)
 
 
-def signature(reply: Reply) -> str:
-    """A thinking block's signature: the farm's handle to the exact ids sampled (the
-    capture keeps them; a client sends the block back unchanged, and it is not read)."""
-    return "prorl:" + hashlib.sha256(json.dumps(reply.token_ids).encode()).hexdigest()[:32]
-
-
 def _content(reply: Reply, req: ChatRequest | None = None) -> list[dict]:
     blocks = []
     if req is not None and req.thinking and reply.reasoning:
-        blocks.append({"type": "thinking", "signature": signature(reply),
+        blocks.append({"type": "thinking", "signature": reply.handle(),
                        "thinking": reply.reasoning if req.show_thinking else ""})
     if reply.content or not reply.tool_calls and not blocks:
         blocks.append({"type": "text", "text": reply.content})

@@ -29,6 +29,7 @@ takes one sample per segment) and the stats: calls, merged, segments, splits.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -92,6 +93,11 @@ class Reply:
     logprobs: list[float]
     reasoning: str = ""  # a leading <think> block's text (not part of ``content``)
 
+    def handle(self) -> str:
+        """The farm's handle to the exact ids sampled: what a thinking block's signature
+        (Anthropic) or a reasoning item's ``encrypted_content`` (Responses) carries back."""
+        return "prorl:" + hashlib.sha256(json.dumps(self.token_ids).encode()).hexdigest()[:32]
+
 
 @dataclass
 class Capture:
@@ -133,16 +139,13 @@ class Capture:
             self._mid_system = self.chat.accepts_mid_system()
         if self._mid_system:
             return conversation
-        if not first:
-            return [m if m["role"] != "system" else
-                    {"role": "user", "content": f"<system-reminder>\n{m['content']}\n"
-                                                "</system-reminder>"} for m in conversation]
-        lead = next((i for i, m in enumerate(conversation) if m["role"] != "system"),
-                    len(conversation))
-        if lead > 1:  # a leading run of system messages (Codex's developer messages): one
-            conversation = [{"role": "system", "content": "\n\n".join(
-                m["content"] for m in conversation[:lead])}] + conversation[lead:]
-        return [m if m["role"] != "system" or i == 0 else
+        if first:
+            lead = next((i for i, m in enumerate(conversation) if m["role"] != "system"),
+                        len(conversation))
+            if lead:  # a leading run of system messages (Codex's developer messages): one
+                conversation = [{"role": "system", "content": "\n\n".join(
+                    m["content"] for m in conversation[:lead])}] + conversation[lead:]
+        return [m if m["role"] != "system" or (first and i == 0) else
                 {"role": "user", "content": f"<system-reminder>\n{m['content']}\n"
                                             "</system-reminder>"}
                 for i, m in enumerate(conversation)]

@@ -14,7 +14,6 @@ chat conversation, so capture and merging are the Chat Completions path's."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
@@ -185,16 +184,11 @@ def parse_responses(body, history: dict[str, list[dict]]) -> ResponsesRequest:
                             sampling=sampling, body=body)
 
 
-def reasoning_handle(reply: Reply) -> str:
-    """A reasoning item's ``encrypted_content``: the farm's handle to the ids sampled."""
-    return "prorl:" + hashlib.sha256(json.dumps(reply.token_ids).encode()).hexdigest()[:32]
-
-
 def _output(reply: Reply, custom: set[str] | frozenset = frozenset()) -> list[dict]:
     items: list[dict] = []
     if reply.reasoning:
         items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                      "encrypted_content": reasoning_handle(reply)})
+                      "encrypted_content": reply.handle()})
     if reply.content or not reply.tool_calls:
         items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status":
                       "completed", "role": "assistant", "content": [
