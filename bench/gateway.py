@@ -1,13 +1,15 @@
 """The model gateway's cost per call: a 20-turn tool-calling conversation through the
 gateway (the ``openai`` SDK as the client, the capture rendering and merging each call)
 against the same token-in calls straight to the backend, in one run, with a scripted
-zero-latency policy; then, at scale, 512 harness episodes in flight at once through one
-gateway (each a kept-alive connection in a load process of its own, a tool's time between
-its calls) against the same episodes' calls straight to the backend (token-in, the same
-prompt lengths), the most calls a second the gateway serves, and the capture's cost per call
-as a conversation grows to 64k tokens.
+zero-latency policy; then, at scale, 512 harness episodes in flight at once through the
+gateways of one and of two RUN pool processes (each episode a kept-alive connection in a
+load process of its own, a tool's time between its calls: 0.5, 1 and 2 s) against the same
+episodes' calls straight to the backend (token-in, the same prompt lengths), the most calls
+a second the gateways serve, and the capture's cost per call as a conversation grows to 64k
+tokens.
 
-    .venv/bin/python bench/gateway.py [--turns 20] [--episodes 512] [--think 0.5] [--record]
+    .venv/bin/python bench/gateway.py [--turns 20] [--episodes 512] [--think 0.5 1 2]
+                                      [--processes 1 2] [--record]
 """
 
 from __future__ import annotations
@@ -120,45 +122,73 @@ def _reply_ids(tok_dir: str) -> list[int]:
     return tok.encode(CALL, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
 
 
-def _load(port: int, keys: list[str], mode: str, calls: int, think: float,
+def _load(keys: list, mode: str, calls: int, think: float,
           lengths: list[int] | None = None) -> dict:
+    """Episodes from a load process of their own: one per ``[port, key]`` of ``keys``."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(keys, f)
     try:
-        out = subprocess.run([sys.executable, LOAD, "load", "--port", str(port), "--keys",
-                              f.name, "--mode", mode, "--calls", str(calls), "--think",
-                              str(think), "--lengths", json.dumps(lengths or [])],
+        out = subprocess.run([sys.executable, LOAD, "load", "--keys", f.name, "--mode", mode,
+                              "--calls", str(calls), "--think", str(think),
+                              "--lengths", json.dumps(lengths or [])],
                              capture_output=True, text=True, check=True)
     finally:
         os.unlink(f.name)
     return json.loads(out.stdout)
 
 
-def at_scale(tok_dir: str, episodes: int, calls: int, think: float) -> dict:
-    """Episodes in flight through one gateway against the same calls straight to a
-    zero-latency backend (a process of its own), and the gateway's most calls a second."""
+def serve_gateway(tok_dir: str, url: str, jobs: int) -> None:
+    """A gateway process, as a RUN pool process serves its jobs' gateways: ``jobs`` jobs
+    opened, their port and keys printed, served until stdin closes."""
+    load_chat_tokens(tok_dir)  # the pool process's tokenizer, loaded (and frozen) once
+    gateway = GatewayServer()
+    keys = [gateway.open_job(_job(tok_dir, url)) for _ in range(jobs)]
+    print(json.dumps({"port": gateway.server_address[1], "keys": keys}), flush=True)
+    sys.stdin.read()
+    gateway.stop()
+
+
+def at_scale(tok_dir: str, episodes: int, calls: int, thinks: list[float],
+             processes: int) -> dict:
+    """Episodes in flight through the gateways of ``processes`` pool processes (each its
+    share of the jobs), for each tool time of ``thinks``, against the same calls straight
+    to a zero-latency backend (a process of its own); and the most gateway calls a second."""
     port = free_port()
     backend = subprocess.Popen([sys.executable, LOAD, "serve", "--port", str(port),
                                 "--reply", json.dumps(_reply_ids(tok_dir))],
                                stdout=subprocess.PIPE, text=True)
-    gateway = GatewayServer()
+    gateways = []
+    out: dict = {"via": {}, "straight": {}}
     try:
         assert backend.stdout.readline().strip() == "ready"
         url = f"http://127.0.0.1:{port}"
-        gw_port = gateway.server_address[1]
-
-        def keys(n: int) -> list[str]:
-            return [gateway.open_job(_job(tok_dir, url)) for _ in range(n)]
-
-        _load(gw_port, keys(8), "gateway", 3, 0.05)  # warm-up
-        via = _load(gw_port, keys(episodes), "gateway", calls, think)
-        straight = _load(port, ["-"] * episodes, "straight", calls, think, via["lengths"])
-        flat_out = _load(gw_port, keys(64), "gateway", 30, 0.0)
+        warm, flat = 8, 64
+        need = {"warm": warm, "flat": flat, **{think: episodes for think in thinks}}
+        keys: dict = {name: [] for name in need}
+        for i in range(processes):
+            mine = {name: n // processes + (i < n % processes) for name, n in need.items()}
+            gw = subprocess.Popen([sys.executable, __file__, "--serve-gateway", tok_dir, url,
+                                   str(sum(mine.values()))],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            gateways.append(gw)
+            doc = json.loads(gw.stdout.readline())
+            opened = [[doc["port"], k] for k in doc["keys"]]
+            for name, n in mine.items():
+                keys[name] += opened[:n]
+                del opened[:n]
+        _load(keys["warm"], "gateway", 3, 0.05)
+        for think in thinks:
+            via = out["via"][think] = _load(keys[think], "gateway", calls, think)
+            out["straight"][think] = _load([[port, "-"]] * episodes, "straight", calls,
+                                           think, via["lengths"])
+        out["flat_out"] = _load(keys["flat"], "gateway", 30, 0.0)
     finally:
-        gateway.stop()
+        for gw in gateways:
+            gw.stdin.close()
+            gw.wait(timeout=30)
         backend.kill()
         backend.wait()
-    return {"via": via, "straight": straight, "flat_out": flat_out}
+    return out
 
 
 def capture_cost(tok_dir: str, sizes=(1_000, 8_000, 32_000, 64_000)) -> dict[int, float]:
@@ -200,9 +230,18 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--episodes", type=int, default=512)
     ap.add_argument("--calls", type=int, default=6)
-    ap.add_argument("--think", type=float, default=0.5)
+    ap.add_argument("--think", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+                    help="tool times between an episode's calls, seconds (one run each)")
+    ap.add_argument("--processes", type=int, nargs="+", default=[1, 2],
+                    help="pool processes serving the episodes' gateways (one run each)")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--serve-gateway", nargs=3, metavar=("TOKENIZER", "BACKEND", "JOBS"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_gateway:
+        tok_dir, url, jobs = args.serve_gateway
+        serve_gateway(tok_dir, url, int(jobs))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         build_tokenizer(Path(tmp), corpus_bytes=300_000)
         policy = PolicyServer(planner=text_planner(tmp, {"loop": [CALL]}))
@@ -217,7 +256,8 @@ def main() -> None:
         finally:
             gateway.stop()
             policy.kill()
-        scale = at_scale(tmp, args.episodes, args.calls, args.think)
+        scales = {n: at_scale(tmp, args.episodes, args.calls, args.think, n)
+                  for n in args.processes}
         flat = capture_cost(tmp)
     p50_via, p50_direct = statistics.median(via), statistics.median(straight)
     lines = [
@@ -240,29 +280,35 @@ def main() -> None:
         f"1). Capture: {stats['calls']} calls, {stats['merged']} merged, "
         f"{stats['segments']} segment(s).", "",
     ]
-    via, straight, flat_out = scale["via"], scale["straight"], scale["flat_out"]
-    n_calls = len(via["times"])
-    added = [1000 * (pct(via["times"], q) - pct(straight["times"], q)) for q in (50, 99)]
+    longest = max(max(sc["via"][t]["lengths"]) for sc in scales.values() for t in args.think)
     lines += [
-        f"**At scale**: {args.episodes} episodes in flight through one gateway, each a "
-        f"kept-alive connection making {args.calls} calls (the conversation resent whole, "
-        f"prompts up to {max(via['lengths'])} tokens) with a tool's time of "
-        f"{args.think} s (±50%) between them, from a load process of its own; the same "
-        "calls straight to the zero-latency backend (token-in, the same prompt lengths, "
-        "the same pacing). Offered: about "
-        f"{args.episodes / args.think:.0f} calls/s.", "",
-        "| path | calls | errors | calls/s | p50 ms | p99 ms |", "|---|---|---|---|---|---|",
-        f"| through the gateway | {n_calls} | {len(via['errors'])} | "
-        f"{n_calls / via['wall_s']:.0f} | {1000 * pct(via['times'], 50):.2f} | "
-        f"{1000 * pct(via['times'], 99):.2f} |",
-        f"| straight to the backend | {len(straight['times'])} | {len(straight['errors'])} | "
-        f"{len(straight['times']) / straight['wall_s']:.0f} | "
-        f"{1000 * pct(straight['times'], 50):.2f} | {1000 * pct(straight['times'], 99):.2f} |",
-        "", f"Added by the gateway: **{added[0]:.2f} ms at p50, {added[1]:.2f} ms at p99**.",
-        "",
-        f"Flat out (64 episodes of 30 calls, no time between calls): "
-        f"**{len(flat_out['times']) / flat_out['wall_s']:.0f} gateway calls/s** "
-        f"({len(flat_out['errors'])} errors; p50 {1000 * pct(flat_out['times'], 50):.2f} ms).",
+        f"**At scale**: {args.episodes} episodes in flight, each a kept-alive connection "
+        f"making {args.calls} calls (the conversation resent whole, prompts up to {longest} "
+        "tokens) with a tool's time between them (±50%), from a load process of its own, "
+        "through the gateways of one or more RUN pool processes (`PRORL_RUN_PROCESSES`; each "
+        "serves its share of the jobs); against the same calls straight to the "
+        "zero-latency backend (token-in, the same prompt lengths, the same pacing). Load, "
+        "backend and gateways share the machine's cores.", "",
+        "| RUN processes | tool time s | offered calls/s | gateway calls/s | errors | "
+        "gateway p50 / p99 ms | straight p50 / p99 ms | **added p50 / p99 ms** |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, sc in scales.items():
+        for think in args.think:
+            via, straight = sc["via"][think], sc["straight"][think]
+            q = {name: [1000 * pct(r["times"], p) for p in (50, 99)]
+                 for name, r in (("via", via), ("straight", straight))}
+            lines.append(
+                f"| {n} | {think:g} | {args.episodes / think:.0f} | "
+                f"{len(via['times']) / via['wall_s']:.0f} | "
+                f"{len(via['errors']) + len(straight['errors'])} | "
+                f"{q['via'][0]:.2f} / {q['via'][1]:.2f} | "
+                f"{q['straight'][0]:.2f} / {q['straight'][1]:.2f} | "
+                f"**{q['via'][0] - q['straight'][0]:.2f} / {q['via'][1] - q['straight'][1]:.2f}** |")
+    lines += ["", "Flat out (64 episodes of 30 calls, no time between calls): " + ", ".join(
+        f"**{len(sc['flat_out']['times']) / sc['flat_out']['wall_s']:.0f} gateway calls/s** "
+        f"with {n} RUN process{'es' if n > 1 else ''} ({len(sc['flat_out']['errors'])} errors)"
+        for n, sc in scales.items()) + ".",
         "", "The capture's own cost per call as the conversation grows (ms, in process): "
         + ", ".join(f"{size // 1000}k tokens {ms:.2f}" for size, ms in flat.items()) + ".",
         "",

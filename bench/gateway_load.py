@@ -42,7 +42,9 @@ def _request(path: str, doc: dict, key: str) -> bytes:
 
 
 async def episode(host: str, port: int, key: str, args, times: list, lengths: list,
-                  errors: list) -> None:
+                  errors: list, order: list) -> None:
+    """One episode on its own connection to ``port`` (a gateway process's, or the
+    backend's), as the job of ``key``."""
     await asyncio.sleep(random.uniform(0, args.think))  # arrivals spread over a tool's time
     reader, writer = await asyncio.open_connection(host, port)
     messages = [{"role": "user", "content": "[case:loop] go"}]
@@ -60,6 +62,7 @@ async def episode(host: str, port: int, key: str, args, times: list, lengths: li
             t0 = time.perf_counter()
             status, body = await _exchange(reader, writer, req)
             times.append(time.perf_counter() - t0)
+            order.append(k)
             if status != 200:
                 errors.append(f"{status}: {body[:200]!r}")
                 return
@@ -80,19 +83,20 @@ async def episode(host: str, port: int, key: str, args, times: list, lengths: li
 
 
 async def load(args) -> dict:
-    keys = json.loads(open(args.keys).read())
-    host, port = args.host, args.port
+    keys = json.loads(open(args.keys).read())  # [port, key] per episode
+    host = args.host
     times: list[float] = []
     lengths: list = []
     errors: list[str] = []
+    order: list[int] = []
     t0 = time.perf_counter()
-    await asyncio.gather(*(episode(host, port, key, args, times, lengths, errors)
-                           for key in keys))
+    await asyncio.gather(*(episode(host, port, key, args, times, lengths, errors, order)
+                           for port, key in keys))
     wall = time.perf_counter() - t0
     by_call: dict[int, list[int]] = {}
     for k, n in lengths:
         by_call.setdefault(k, []).append(n)
-    return {"times": times, "wall_s": wall, "errors": errors,
+    return {"times": times, "call": order, "wall_s": wall, "errors": errors,
             "lengths": [max(by_call[k]) for k in sorted(by_call)]}
 
 
@@ -135,7 +139,6 @@ def main() -> None:
     sub = ap.add_subparsers(dest="what", required=True)
     lo = sub.add_parser("load")
     lo.add_argument("--host", default="127.0.0.1")
-    lo.add_argument("--port", type=int, required=True)
     lo.add_argument("--keys", required=True)
     lo.add_argument("--mode", choices=["gateway", "straight"], required=True)
     lo.add_argument("--calls", type=int, default=3)

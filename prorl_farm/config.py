@@ -67,6 +67,11 @@ class PoolSettings:
                                        hi=1000, env="PREFETCH")
     timeout_s: float = setting(600.0, "stage time limits (enforced by the farm)", lo=1,
                                hi=30 * DAY_S, env="TIMEOUT_S")
+    processes: int = setting(
+        1, "pool processes of each stage on a node (`up`, the Slurm worker script): a RUN "
+        "process serves its harness jobs' model gateways in one Python process, so a node "
+        "with many harness jobs in flight runs several to use its cores", lo=1, hi=256,
+        env="PROCESSES")
 
 
 STAGE_DEFAULTS = {

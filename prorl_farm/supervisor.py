@@ -180,8 +180,13 @@ class Supervisor:
     def _plan(self, redis_url: str) -> None:
         s = self.settings
         cli = self._python("-m", "prorl_farm.cli")
-        self.children = [Child(f"worker-{st}", cli + ["worker", st], self.logs / f"{st}.log")
-                         for st in STAGES]
+        self.children = []
+        for st in STAGES:
+            n = s.pool(st).processes
+            self.children += [Child(f"worker-{st}" + (f"-{i}" if n > 1 else ""),
+                                    cli + ["worker", st],
+                                    self.logs / (f"{st}-{i}.log" if n > 1 else f"{st}.log"))
+                              for i in range(n)]
         self.children.append(Child("api", cli + ["api"], self.logs / "api.log"))
         # Flower's control API (revoke, shut down workers, resize pools) is unauthenticated
         # only on loopback; elsewhere Flower, API included, is behind basic auth.

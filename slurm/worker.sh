@@ -7,8 +7,8 @@
 # recovers its jobs.
 #
 # Environment: PRORL_NODE (default: <host>-j<job id>, one per array task), pool sizes
-# (PRORL_INIT_CONCURRENCY, PRORL_RUN_CONCURRENCY, PRORL_EVAL_CONCURRENCY) and any PRORL_*
-# setting of the pools.
+# (PRORL_INIT_CONCURRENCY, PRORL_RUN_CONCURRENCY, PRORL_EVAL_CONCURRENCY), pool processes
+# per stage (PRORL_RUN_PROCESSES, ...; default 1) and any PRORL_* setting of the pools.
 here=$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")
 source "$here/common.sh"
 
@@ -27,7 +27,15 @@ export PRORL_SANDBOX_DIR=${PRORL_SANDBOX_DIR:-/tmp/prs-$PRORL_NODE}
 export PRORL_HOME=${PRORL_HOME:-/tmp/prorl-$PRORL_NODE}
 
 for stage in init run eval; do
-  start_child "$stage pool" "$LOG_DIR/$PRORL_NODE.$stage.log" "$PY" -m prorl_farm.cli worker "$stage"
+  processes_var="PRORL_${stage^^}_PROCESSES"  # pool processes of the stage on this node
+  processes=${!processes_var:-1}
+  if [ "$processes" = 1 ]; then
+    start_child "$stage pool" "$LOG_DIR/$PRORL_NODE.$stage.log" "$PY" -m prorl_farm.cli worker "$stage"
+  else
+    for i in $(seq 0 "$((processes - 1))"); do
+      start_child "$stage pool $i" "$LOG_DIR/$PRORL_NODE.$stage-$i.log" "$PY" -m prorl_farm.cli worker "$stage"
+    done
+  fi
 done
 say "worker node $PRORL_NODE: pools started, head $PRORL_URL"
 # A pool's own processes (its prefork children) can outlive it by a moment and make its

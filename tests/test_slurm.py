@@ -134,9 +134,10 @@ def test_slurm_head_workers_scale_out_scancel_and_nothing_left(cluster, tmp_path
 
 
 def test_slurm_one_allocation_farm(cluster, tmp_path):
-    """farm.sbatch: head and a worker node as srun steps of one job."""
+    """farm.sbatch: head and a worker node as srun steps of one job; the node runs two RUN
+    pool processes (PRORL_RUN_PROCESSES), both serving."""
     shared = tmp_path / "shared"
-    env = _submit_env(shared)
+    env = _submit_env(shared, run_processes="2")
     job = cluster.sbatch(ROOT / "slurm" / "farm.sbatch", "--nodes=1", "--chdir", str(tmp_path),
                          "--cpus-per-task=1", "--mem=100M", env=env)
     try:
@@ -145,6 +146,8 @@ def test_slurm_one_allocation_farm(cluster, tmp_path):
         head_env = _head_env(shared)
         farm = FarmClient(head_env["PRORL_URL"], token=head_env["PRORL_API_TOKEN"])
         wait_until(farm.ready, 90, 0.3, "the pools")
+        runs = [p for p in _farm_processes(shared) if p.endswith("prorl_farm.cli worker run")]
+        assert len(runs) == 2, _farm_processes(shared)
         sub = farm.submit("synthetic", [{"run_s": 0.05}, {"fail_stage": "eval"}], n=3)
         jobs = list(farm.iter_results(sub["batch_id"], timeout_s=60))
         assert sorted(j["state"] for j in jobs) == ["done"] * 3 + ["failed"] * 3

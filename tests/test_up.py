@@ -130,14 +130,14 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
 
 def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_path, tiny_model):
     """`prorl-farm up --dev-model`: token-exact chat jobs, then the tiny random model runs
-    100 `math` episodes with tools through the pools: every job terminal, each end reason
+    100 `math` episodes with tools through the pools (two RUN processes): every job terminal, each end reason
     recorded, every trajectory prefix-exact (checked turn by turn by the farm), no sandbox
     left; SIGTERM then leaves no process."""
     api_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
                PRORL_FLOWER_PORT=str(free_port()), PRORL_LOG_LEVEL="WARNING",
-               PRORL_SANDBOX_DIR=SANDBOX_DIR)
+               PRORL_SANDBOX_DIR=SANDBOX_DIR, PRORL_RUN_PROCESSES="2")
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up", "--dev-model",
                              str(tiny_model)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -195,6 +195,10 @@ def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_pa
         wait_until(lambda: farm.backends()[0]["in_flight"] == 0, 30, 0.2, "slots freed")
         everything = _descendants(proc.pid)
         assert any("serve-model" in _cmd(p) for p in everything)
+        # Two RUN pool processes (PRORL_RUN_PROCESSES), each with its log.
+        assert sum(_cmd(p).endswith("cli worker run") for p in everything) == 2
+        assert {"run-0.log", "run-1.log"} <= {f.name for f in (tmp_path / "farm" / "logs")
+                                               .iterdir()}
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out

@@ -13,6 +13,7 @@ puts after the placeholder; that works for any chat template, not one model fami
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class ChatTokens:
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
+        self._mid_system: bool | None = None
         self._backend = self._direct_backend(tokenizer)
         ended = self._render(PROBE_HISTORY + [{"role": "assistant", "content": PLACEHOLDER}])
         if PLACEHOLDER not in ended:
@@ -47,14 +49,17 @@ class ChatTokens:
     def accepts_mid_system(self) -> bool:
         """Whether the template renders a system message after the conversation began (Qwen
         templates raise on one; some drop it silently)."""
-        marker = "\u2063mid-system\u2063"
-        try:
-            text = self._render([{"role": "user", "content": "a"},
-                                 {"role": "system", "content": marker},
-                                 {"role": "user", "content": "b"}], add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - jinja's raise_exception, or any template error
-            return False
-        return marker in text
+        if self._mid_system is None:  # probed once per tokenizer, not once per job
+            marker = "\u2063mid-system\u2063"
+            try:
+                text = self._render([{"role": "user", "content": "a"},
+                                     {"role": "system", "content": marker},
+                                     {"role": "user", "content": "b"}],
+                                    add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 - jinja's raise_exception, any template error
+                text = ""
+            self._mid_system = marker in text
+        return self._mid_system
 
     def encode_text(self, text: str) -> list[int]:
         if self._backend is not None:
@@ -116,6 +121,10 @@ def load_chat_tokens(path: str) -> ChatTokens:
     """Load a tokenizer from a local path (never a hub), once per process.
 
     Under a lock: transformers' lazy imports are not safe to race from many pool threads.
+    What is alive once it is loaded (transformers, torch, the tokenizer: millions of objects
+    that live as long as the process) is moved out of the garbage collector's sight
+    (``gc.freeze``): else each full collection walks all of it again, a pause of a tenth of
+    a second or more for every thread of the process (every gateway call in flight).
     """
     with _tokenizers_lock:
         if path not in _tokenizers:
@@ -123,6 +132,7 @@ def load_chat_tokens(path: str) -> ChatTokens:
 
             _tokenizers[path] = ChatTokens(AutoTokenizer.from_pretrained(path,
                                                                          local_files_only=True))
+            gc.freeze()
         return _tokenizers[path]
 
 

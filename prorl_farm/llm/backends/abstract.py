@@ -117,8 +117,9 @@ class LLMClient(ABC):
             return conn, True
         if conn is not None:
             conn.close()
-        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        return cls(self.host, self.port, timeout=self.timeout_s), False
+        if self.scheme == "https":
+            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s), False
+        return PlainConnection(self.host, self.port, timeout=self.timeout_s), False
 
     def _post_once(self, path: str, body: dict, abort_hook) -> dict:
         data = fastjson.dumps(body)
@@ -234,7 +235,7 @@ class _IdleConnections:
         conn.close()
 
     def take(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection | None:
-        key = ("HTTPSConnection" if scheme == "https" else "HTTPConnection", host, port)
+        key = ("HTTPSConnection" if scheme == "https" else "PlainConnection", host, port)
         with self._lock:
             idle = self._mine().get(key, [])
             now = time.monotonic()
@@ -255,6 +256,117 @@ class _IdleConnections:
 
 _IDLE = _IdleConnections()
 atexit.register(_IDLE.close_all)
+
+
+class _Response:
+    """What :meth:`PlainConnection.getresponse` answers: as much of ``http.client``'s
+    response as the client reads."""
+
+    __slots__ = ("status", "will_close", "_body")
+
+    def __init__(self, status: int, will_close: bool, body: bytes):
+        self.status, self.will_close, self._body = status, will_close, body
+
+    def read(self) -> bytes:
+        return self._body
+
+
+class PlainConnection:
+    """A kept-alive HTTP/1.1 connection to a backend, without ``http.client``'s header
+    parsing (the standard library's e-mail parser, most of a short request's cost in a busy
+    gateway process): the request goes out in one write; the answer is read by its status
+    line, its headers (at most 100), and its body by ``Content-Length``, chunks, or up to
+    the close. Raises what ``http.client`` raises for the same faults (``RemoteDisconnected``
+    when nothing was answered, ``IncompleteRead``, ``LineTooLong``, ``BadStatusLine``), so
+    the client's handling of a dropped connection is one for both."""
+
+    MAX_LINE, MAX_HEADERS = 65536, 100
+
+    def __init__(self, host: str, port: int, timeout: float | None = None):
+        self.host, self.port, self.timeout = host, port, timeout
+        self.sock: socket.socket | None = None
+        self._rfile = None
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self.host, self.port), self.timeout)
+        self._rfile = self.sock.makefile("rb")
+
+    def close(self) -> None:
+        sock, rfile, self.sock, self._rfile = self.sock, self._rfile, None, None
+        if rfile is not None:
+            rfile.close()
+        if sock is not None:
+            sock.close()
+
+    def request(self, method: str, url: str, body: bytes, headers: dict) -> None:
+        if self.sock is None:
+            self.connect()
+        host = self.host if self.port == 80 else f"{self.host}:{self.port}"
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.sock.sendall(f"{method} {url} HTTP/1.1\r\nHost: {host}\r\n{head}"
+                          f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body)
+
+    def _line(self) -> bytes:
+        line = self._rfile.readline(self.MAX_LINE + 1)
+        if len(line) > self.MAX_LINE:
+            raise http.client.LineTooLong("header line")
+        return line
+
+    def getresponse(self) -> _Response:
+        while True:
+            line = self._line()
+            if not line:
+                raise http.client.RemoteDisconnected("Remote end closed connection without "
+                                                     "response")
+            parts = line.split(None, 2)
+            if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+                raise http.client.BadStatusLine(repr(line))
+            status = int(parts[1])
+            headers: dict[bytes, bytes] = {}
+            for _ in range(self.MAX_HEADERS + 1):
+                raw = self._line()
+                if raw in (b"\r\n", b"\n", b""):
+                    break
+                name, _, value = raw.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+            else:
+                raise http.client.HTTPException(f"more than {self.MAX_HEADERS} headers")
+            if status >= 200:
+                break  # a 1xx (100 Continue) is followed by the answer
+        will_close = headers.get(b"connection", b"").lower() == b"close" or \
+            parts[0] == b"HTTP/1.0" and headers.get(b"connection", b"").lower() != b"keep-alive"
+        if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+            return _Response(status, will_close, self._chunks())
+        length = headers.get(b"content-length")
+        if length is None:
+            if status in (204, 304):
+                return _Response(status, will_close, b"")
+            return _Response(status, True, self._rfile.read())
+        try:
+            n = int(length)
+        except ValueError:
+            raise http.client.HTTPException(f"Content-Length: {length!r}") from None
+        body = self._rfile.read(n)
+        if len(body) < n:
+            raise http.client.IncompleteRead(body, n - len(body))
+        return _Response(status, will_close, body)
+
+    def _chunks(self) -> bytes:
+        out = []
+        while True:
+            line = self._line()
+            try:
+                size = int(line.split(b";", 1)[0], 16)
+            except ValueError:
+                raise http.client.IncompleteRead(b"".join(out)) from None
+            if size == 0:
+                while self._line() not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return b"".join(out)
+            chunk = self._rfile.read(size + 2)
+            if len(chunk) < size + 2:
+                raise http.client.IncompleteRead(b"".join(out) + chunk[:size], size)
+            out.append(chunk[:size])
 
 
 class _StaleConnection(FarmError):
