@@ -304,7 +304,8 @@ def main() -> None:
                 f"{len(via['errors']) + len(straight['errors'])} | "
                 f"{q['via'][0]:.2f} / {q['via'][1]:.2f} | "
                 f"{q['straight'][0]:.2f} / {q['straight'][1]:.2f} | "
-                f"**{q['via'][0] - q['straight'][0]:.2f} / {q['via'][1] - q['straight'][1]:.2f}** |")
+                f"**{q['via'][0] - q['straight'][0]:.2f} / "
+                f"{q['via'][1] - q['straight'][1]:.2f}** |")
     lines += ["", "Flat out (64 episodes of 30 calls, no time between calls): " + ", ".join(
         f"**{len(sc['flat_out']['times']) / sc['flat_out']['wall_s']:.0f} gateway calls/s** "
         f"with {n} RUN process{'es' if n > 1 else ''} ({len(sc['flat_out']['errors'])} errors)"

@@ -130,9 +130,9 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
 
 def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_path, tiny_model):
     """`prorl-farm up --dev-model`: token-exact chat jobs, then the tiny random model runs
-    100 `math` episodes with tools through the pools (two RUN processes): every job terminal, each end reason
-    recorded, every trajectory prefix-exact (checked turn by turn by the farm), no sandbox
-    left; SIGTERM then leaves no process."""
+    100 `math` episodes with tools through the pools (two RUN processes): every job
+    terminal, each end reason recorded, every trajectory prefix-exact (checked turn by turn
+    by the farm), no sandbox left; SIGTERM then leaves no process."""
     api_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
