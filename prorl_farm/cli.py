@@ -84,6 +84,35 @@ def _cmd_api(args) -> int:
     return 0  # not reached
 
 
+def _cmd_gym(args) -> int:
+    """The NeMo Gym agent server (gym/server.py), in the foreground until SIGTERM."""
+    import asyncio
+    import signal
+
+    from prorl_farm.gym.server import serve
+    from prorl_farm.worker import logs
+
+    s = load_settings()
+    logs.install(s.log_level)
+    port = args.port if args.port is not None else s.gym_port
+    if not port:
+        print("no port: PRORL_GYM_PORT is 0 (give --port)", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        await serve(args.host or s.api_host, port, args.farm or s.url, s.api_token)
+
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        pass
+    return 0
+
+
 def _cmd_check_pool(args) -> int:
     """Exit 0 if this node's pool of the stage heartbeats (container and Slurm health
     checks), else 1 with the reason."""
@@ -278,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(func=_cmd_check_pool)
     a = sub.add_parser("api", help="serve the HTTP API with gunicorn")
     a.set_defaults(func=_cmd_api)
+    g = sub.add_parser("gym", help="serve the farm as a NeMo Gym agent server (/run, "
+                       "/aggregate_metrics, /v1/responses, sessions): each row a farm job, "
+                       "through the farm's API (docs/trainers.md)")
+    g.add_argument("--host", help="listen address (default: PRORL_API_HOST)")
+    g.add_argument("--port", type=int, help="port (default: PRORL_GYM_PORT)")
+    g.add_argument("--farm", help="the farm's API (default: PRORL_URL); PRORL_API_TOKEN is "
+                   "sent where set")
+    g.set_defaults(func=_cmd_gym)
     sm = sub.add_parser("serve-model", help="serve a local causal LM on the CPU: the farm's "
                         "dev server (vLLM and SGLang routes) or vLLM's CPU build")
     sm.add_argument("--model", required=True, metavar="DIR")

@@ -106,6 +106,9 @@ class Settings:
     api_workers: int = setting(2, "gunicorn worker processes of the API", lo=1, hi=256)
     api_threads: int = setting(16, "threads per API worker process", lo=1, hi=4096)
     flower_port: int = setting(5555, "Flower's port under `prorl-farm up`", lo=1, hi=65535)
+    gym_port: int = setting(
+        8010, "the NeMo Gym agent server's port (`prorl-farm gym`; `up` starts it on the "
+        "API's host; 0: `up` does not)", lo=0, hi=65535)
     url: str = setting("http://127.0.0.1:8000",
                        "the farm the CLI's `submit`, `watch`, `export`, `validate` talk to")
     log_level: str = setting("INFO", "log level of every farm process", choices=LOG_LEVELS)

@@ -188,6 +188,12 @@ class Supervisor:
                                     self.logs / (f"{st}-{i}.log" if n > 1 else f"{st}.log"))
                               for i in range(n)]
         self.children.append(Child("api", cli + ["api"], self.logs / "api.log"))
+        if s.gym_port:
+            host = "127.0.0.1" if s.api_host in ("0.0.0.0", "::") else s.api_host
+            self.children.append(Child(
+                "gym", cli + ["gym", "--port", str(s.gym_port), "--farm",
+                              f"http://{host}:{s.api_port}"],
+                self.logs / "gym.log", after_ready=True))
         # Flower's control API (revoke, shut down workers, resize pools) is unauthenticated
         # only on loopback; elsewhere Flower, API included, is behind basic auth.
         flower_env = ({"FLOWER_BASIC_AUTH": s.flower_basic_auth} if s.flower_basic_auth
@@ -249,12 +255,14 @@ class Supervisor:
     def _check_ports(self) -> None:
         s = self.settings
         busy = [f"{name} port {port} ({var})" for name, port, var in (
-            ("API", s.api_port, "PRORL_API_PORT"), ("Flower", s.flower_port, "PRORL_FLOWER_PORT"))
-            if not port_free(s.api_host, port)]
+            ("API", s.api_port, "PRORL_API_PORT"), ("Flower", s.flower_port, "PRORL_FLOWER_PORT"),
+            ("Gym", s.gym_port, "PRORL_GYM_PORT"))
+            if port and not port_free(s.api_host, port)]
         if busy:
             raise StartupError(
                 f"{' and '.join(busy)} on {s.api_host} already in use: is another farm up? "
-                "Stop it, or choose other ports, e.g. PRORL_API_PORT=8001 PRORL_FLOWER_PORT=5556")
+                "Stop it, or choose other ports, e.g. PRORL_API_PORT=8001 PRORL_FLOWER_PORT=5556 "
+                "PRORL_GYM_PORT=8011")
 
     def _wait_ready(self) -> None:
         """Wait until the API answers /readyz (Redis reachable, a live pool per stage)."""
@@ -361,6 +369,8 @@ class Supervisor:
             f"  API     http://{s.api_host}:{s.api_port}   (dashboard at /; /metrics, "
             "/openapi.json)",
             f"  Flower  http://{s.api_host}:{s.flower_port}",
+            *([f"  Gym     http://{s.api_host}:{s.gym_port}   (NeMo Gym agent server: /run)"]
+              if s.gym_port else []),
             f"  Redis   {url}" + ("   (private)" if self.redis else ""),
             "  pools   " + ", ".join(f"{st}: {s.pool(st).pool} x{s.pool(st).concurrency}"
                                       for st in STAGES),

@@ -63,6 +63,7 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
                PRORL_FLOWER_PORT=str(flower_port), PRORL_NODE="upnode",
+               PRORL_GYM_PORT=str(free_port()),
                PRORL_SANDBOX_DIR=SANDBOX_DIR,
                PRORL_HEARTBEAT_STALE_S="5", PRORL_LOG_LEVEL="WARNING")
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up", "--auth"], env=env,
@@ -137,6 +138,7 @@ def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
                PRORL_FLOWER_PORT=str(free_port()), PRORL_LOG_LEVEL="WARNING",
+               PRORL_GYM_PORT=str(free_port()),
                PRORL_SANDBOX_DIR=SANDBOX_DIR, PRORL_RUN_PROCESSES="2")
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up", "--dev-model",
                              str(tiny_model)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -258,6 +260,7 @@ def test_up_keeps_results_and_queued_jobs_across_a_restart(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
                PRORL_FLOWER_PORT=str(flower_port), PRORL_NODE="upnode",
+               PRORL_GYM_PORT=str(free_port()),
                PRORL_SANDBOX_DIR=SANDBOX_DIR, PRORL_HEARTBEAT_STALE_S="5",
                PRORL_INIT_CONCURRENCY="1", PRORL_LOG_LEVEL="WARNING",
                PRORL_REDIS_APPENDFSYNC="always")

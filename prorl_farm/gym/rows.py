@@ -1,0 +1,368 @@
+"""NeMo Gym's rows as farm jobs, and farm jobs as Gym's ``/run`` answers.
+
+A Gym data row (what ``ng_collect_rollouts`` and NeMo RL's ``NemoGym`` environment POST to
+an agent's ``/run``) holds ``responses_create_params`` (an OpenAI Responses create body:
+``input`` required, no key Gym's ``NeMoGymResponseCreateParamsNonStreaming`` lacks) and any
+dataset fields, ``agent_ref`` and Gym's ``_ng_*`` / ``_rowidx`` metadata. The farm task a
+row becomes (docs/trainers.md, "NeMo Gym"):
+
+- ``prorl: {"handler": NAME, "instance": {...}, "deadline_s": S}``: that farm task, as
+  given (any handler: ``math``, ``swe``, ``code``, an ``agent`` harness...);
+- else ``expected_answer`` (Gym's math datasets): ``math``, the row's last user message
+  the problem as written (``prompt_template: "{problem}"``), its ``developer``/``system``
+  messages and ``instructions`` the system prompt, the farm's ``python`` tool offered, the
+  final ``\\boxed{}`` graded by math-verify against ``expected_answer``; with
+  ``prorl_grader: "contains"``, ``chat`` instead: the row's messages as given, no tools,
+  reward 1 when the final answer contains ``expected_answer``;
+- else the row is refused (422): the farm grades nothing it has no grader for.
+
+Sampling comes from ``responses_create_params``: ``temperature``, ``top_p``,
+``max_output_tokens`` (per model call: the farm's ``max_tokens``), ``max_tool_calls``
+(``max_turns`` = calls + 1). ``prorl_sampling`` adds any other farm sampling field.
+
+The answer is the row, plus ``response`` (a Responses object whose ``output`` is the
+episode: per model call its items, the last carrying ``prompt_token_ids``,
+``generation_token_ids`` and ``generation_log_probs`` exactly as the farm stored them;
+tool results as ``function_call_output`` items), ``reward``, and for a failed job
+``mask_sample: true`` with ``failure_kind``/``failure_reason`` and ``reward: null``: a
+failure is never a zero reward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from prorl_farm.agent.parsers import get_parser, split_reasoning
+
+# NeMoGymResponseCreateParamsNonStreaming's fields (nemo-gym 0.7.0; it forbids others).
+CREATE_PARAMS = frozenset({
+    "background", "context_management", "conversation", "include", "input", "instructions",
+    "max_output_tokens", "max_tool_calls", "metadata", "model", "moderation",
+    "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key",
+    "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "store",
+    "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
+    "top_logprobs", "top_p", "truncation", "user"})
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+GRADERS = ("math", "contains")
+# The farm's failure kinds as Gym's (nemo_gym/failure_kinds.py).
+FAILURE_KINDS = {
+    "timeout": "agent_timeout", "cancelled": "cancelled",
+    "backend_unavailable": "provider_unavailable", "backend_error": "provider_unavailable",
+    "sandbox_error": "session_lost", "grading_error": "verifier_error",
+    "harness_error": "agent_run_error", "lost": "kill_shaped", "requeue_limit": "kill_shaped",
+}
+
+
+class RowError(ValueError):
+    """A row the farm cannot take: ``errors`` are (location, message) pairs, the location
+    a path into the row as Gym's FastAPI validation writes it."""
+
+    def __init__(self, errors: list[tuple[tuple, str]]):
+        super().__init__("; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in errors))
+        self.errors = errors
+
+    def detail(self) -> list[dict]:
+        """FastAPI's 422 ``detail``: what Gym's own servers answer a bad body with."""
+        return [{"type": "value_error", "loc": ["body", *loc], "msg": msg}
+                for loc, msg in self.errors]
+
+
+@dataclass
+class Submission:
+    """A row's farm job: ``key`` groups rows one POST /v1/jobs may carry together."""
+
+    handler: str
+    instance: dict
+    sampling: dict
+    deadline_s: float | None = None
+    parser: str = "hermes"
+    where: tuple = ("responses_create_params",)  # what the farm's refusal of it points at
+    key: str = field(init=False)
+
+    def __post_init__(self):
+        self.key = json.dumps([self.handler, self.sampling, self.deadline_s], sort_keys=True)
+
+
+def _text(content, loc: tuple) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in (
+                    "input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+                raise RowError([((*loc, i), "only text parts are taken (input_text, "
+                                            "output_text)")])
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RowError([(loc, "content must be a string or a list of text parts")])
+
+
+def messages_of(params: dict) -> list[dict]:
+    """The row's input as chat messages (``developer`` as ``system``); text only."""
+    loc = ("responses_create_params", "input")
+    raw = params.get("input")
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not items:
+        raise RowError([(loc, "a string or a non-empty list of messages")])
+    out = []
+    if isinstance(params.get("instructions"), str) and params["instructions"]:
+        out.append({"role": "system", "content": params["instructions"]})
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("type", "message") != "message" or \
+                item.get("role") not in ROLES:
+            raise RowError([((*loc, i), "the farm takes messages (role user, system, developer "
+                                        "or assistant) as a row's input")])
+        out.append({"role": ROLES[item["role"]], "content": _text(item.get("content"),
+                                                                   (*loc, i, "content"))})
+    return out
+
+
+def _sampling(row: dict, params: dict) -> dict:
+    loc = ("responses_create_params",)
+    out = {}
+    for name, key in (("temperature", "temperature"), ("top_p", "top_p"),
+                      ("max_output_tokens", "max_tokens")):
+        value = params.get(name)
+        if value is None:
+            continue
+        ok = isinstance(value, int) if key == "max_tokens" else \
+            isinstance(value, (int, float)) and math.isfinite(value)
+        if not ok or isinstance(value, bool):
+            raise RowError([((*loc, name), "a number" if key != "max_tokens" else
+                             "an integer")])
+        out[key] = value
+    calls = params.get("max_tool_calls")
+    if calls is not None:
+        if not isinstance(calls, int) or isinstance(calls, bool) or calls < 0:
+            raise RowError([((*loc, "max_tool_calls"), "a non-negative integer")])
+        out["max_turns"] = calls + 1
+    extra = row.get("prorl_sampling")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise RowError([(("prorl_sampling",), "an object of farm sampling fields")])
+        out.update(extra)
+    return out
+
+
+def to_submission(row) -> Submission:
+    """The farm job of a Gym row, or :class:`RowError` naming what is wrong."""
+    if not isinstance(row, dict):
+        raise RowError([((), "a JSON object")])
+    params = row.get("responses_create_params")
+    if not isinstance(params, dict):
+        raise RowError([(("responses_create_params",), "required: an object (the Responses "
+                                                       "create body)")])
+    unknown = sorted(set(params) - CREATE_PARAMS)
+    if unknown:
+        raise RowError([(("responses_create_params", k), "extra inputs are not permitted")
+                        for k in unknown])
+    if "input" not in params:
+        raise RowError([(("responses_create_params", "input"), "required")])
+    if params.get("stream"):
+        raise RowError([(("responses_create_params", "stream"), "/run answers whole: "
+                                                               "stream must be false")])
+    sampling = _sampling(row, params)
+    explicit = row.get("prorl")
+    if explicit is not None:
+        if not isinstance(explicit, dict) or not isinstance(explicit.get("handler"), str) or \
+                not isinstance(explicit.get("instance"), dict):
+            raise RowError([(("prorl",), "an object with 'handler' (a farm task type) and "
+                                         "'instance' (its instance)")])
+        deadline = explicit.get("deadline_s")
+        if deadline is not None and (not isinstance(deadline, (int, float)) or deadline <= 0):
+            raise RowError([(("prorl", "deadline_s"), "a positive number of seconds")])
+        return Submission(explicit["handler"], explicit["instance"], sampling, deadline,
+                          explicit["instance"].get("parser") or "hermes",
+                          ("prorl", "instance"))
+    if "expected_answer" not in row:
+        raise RowError([(("expected_answer",), "the farm grades a row by its expected_answer "
+                                               "(math-verify, or 'contains' with prorl_grader)"
+                                               " or runs the farm task its 'prorl' names; this "
+                                               "row has neither")])
+    answer = row["expected_answer"]
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise RowError([(("expected_answer",), "a non-empty string (or a number)")])
+    grader = row.get("prorl_grader", "math")
+    if grader not in GRADERS:
+        raise RowError([(("prorl_grader",), f"one of {', '.join(GRADERS)}")])
+    messages = messages_of(params)
+    if params.get("tools"):
+        raise RowError([(("responses_create_params", "tools"), "the farm runs its own tools "
+                                                              "(math: python); a row's tools "
+                                                              "have nothing to run them: "
+                                                              "leave tools out")])
+    if grader == "contains":
+        return Submission("chat", {"messages": messages, "answer": answer}, sampling)
+    if messages[-1]["role"] != "user":
+        raise RowError([(("responses_create_params", "input"), "a math row ends with the "
+                                                              "user's problem")])
+    system = "\n\n".join(m["content"] for m in messages[:-1] if m["role"] == "system")
+    if any(m["role"] == "assistant" for m in messages[:-1]) or \
+            sum(m["role"] == "user" for m in messages) != 1:
+        raise RowError([(("responses_create_params", "input"), "a math row holds one user "
+                                                              "message (and system or developer"
+                                                              " ones)")])
+    instance = {"problem": messages[-1]["content"], "answer": answer,
+                "prompt_template": "{problem}"}
+    if system:
+        instance["system"] = system
+    return Submission("math", instance, sampling)
+
+
+# -- the answer --------------------------------------------------------------------------
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _turn_items(text: str, parser, ids: dict) -> tuple[list[dict], list[str]]:
+    """One model call's output items (reasoning, message, function calls) and the call ids
+    its tool results answer, in order; the token ids go on the last item."""
+    reasoning, rest = split_reasoning(text)
+    parsed = parser.parse(rest)
+    items: list[dict] = []
+    if reasoning:
+        items.append({"type": "reasoning", "id": _id("rs"),
+                      "summary": [{"type": "summary_text", "text": reasoning}]})
+    said = parser.without_calls(rest) if parsed.calls or parsed.errors else rest
+    call_ids = []
+    if said or not parsed.calls:
+        items.append({"type": "message", "id": _id("msg"), "role": "assistant",
+                      "status": "completed", "content": [
+                          {"type": "output_text", "text": said, "annotations": []}]})
+    for call in parsed.calls:
+        call_id = _id("call")
+        call_ids.append(call_id)
+        items.append({"type": "function_call", "id": _id("fc"), "call_id": call_id,
+                      "name": call.name, "arguments": json.dumps(call.arguments),
+                      "status": "completed"})
+    items[-1].update(ids)
+    return items, call_ids
+
+
+def output_items(result: dict, parser_name: str = "hermes") -> list[dict]:
+    """The episode as Responses output items: each model call's items, its prompt (all the
+    tokens before it) and its sampled ids and logprobs on the last of them; each tool
+    result as a ``function_call_output`` answering the call before it (a result no call
+    asked for, such as the error of a malformed call, answers a call id of its own).
+
+    A harness job whose conversation split (``segments``: its history rewritten between
+    calls) is given by its last segment: NeMo RL takes only one chain of prompts each
+    extending the last; :func:`run_answer` says how many were left out."""
+    turns = result.get("turns")
+    if not isinstance(turns, list) or not turns or "prompt_ids" not in result:
+        return []  # no model call (a task without one)
+    parser = get_parser(parser_name)
+    prompt, response = result["prompt_ids"], result["response_ids"]
+    logprobs = result["response_logprobs"]
+    messages = result.get("messages") or []
+    assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    out: list[dict] = []
+    if len(assistants) != len(turns):  # ids without the texts (a fabricated trajectory)
+        for turn in turns:
+            lo, hi = turn["offset"], turn["offset"] + turn["generated"]
+            out.append({"type": "message", "id": _id("msg"), "role": "assistant",
+                        "status": "completed", "content": [
+                            {"type": "output_text", "text": "", "annotations": []}],
+                        "prompt_token_ids": prompt + response[:lo],
+                        "generation_token_ids": response[lo:hi],
+                        "generation_log_probs": logprobs[lo:hi]})
+        return out
+    bounds = assistants[1:] + [len(messages)]
+    for turn, at, end in zip(turns, assistants, bounds):
+        lo, hi = turn["offset"], turn["offset"] + turn["generated"]
+        items, call_ids = _turn_items(messages[at]["content"], parser, {
+            "prompt_token_ids": prompt + response[:lo],
+            "generation_token_ids": response[lo:hi],
+            "generation_log_probs": logprobs[lo:hi]})
+        out += items
+        for k, m in enumerate(messages[at + 1:end]):
+            if m["role"] == "tool":
+                call_id = call_ids[k] if k < len(call_ids) else _id("call")
+                out.append({"type": "function_call_output", "call_id": call_id,
+                            "output": m["content"]})
+            else:
+                out.append({"type": "message", "role": m["role"], "content": [
+                    {"type": "input_text", "text": m["content"]}]})
+    return out
+
+
+def response_object(row: dict, job: dict, parser: str = "hermes") -> dict:
+    """The Responses object of a finished job (``output`` empty for a failed one)."""
+    params = row.get("responses_create_params") or {}
+    result = job.get("result") if job.get("state") == "done" else None
+    output = output_items(result, parser) if result else []
+    turns = (result or {}).get("turns")
+    generated = sum(t["generated"] for t in turns) if isinstance(turns, list) else 0
+    return {
+        "id": f"resp_{job['id']}", "object": "response",
+        "created_at": float(job.get("created_at") or time.time()),
+        "model": params.get("model") or "prorl-farm", "output": output,
+        "status": "completed" if result else "failed",
+        "parallel_tool_calls": bool(params.get("parallel_tool_calls", True)),
+        "tool_choice": params.get("tool_choice") or "auto",
+        "tools": list(params.get("tools") or []),
+        "temperature": (job.get("sampling") or {}).get("temperature"),
+        "top_p": (job.get("sampling") or {}).get("top_p"),
+        "usage": {"input_tokens": len((result or {}).get("prompt_ids") or []),
+                  "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": generated,
+                  "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": len((result or {}).get("prompt_ids") or []) + generated},
+    }
+
+
+def run_answer(row: dict, job: dict, parser: str = "hermes") -> dict:
+    """``/run``'s answer: the row, the ``response``, the ``reward`` (null and masked, with
+    the failure, when the job failed), and the farm's job id."""
+    out = dict(row)
+    out["response"] = response_object(row, job, parser)
+    out["prorl_job_id"] = job["id"]
+    dropped = len(((job.get("result") or {}).get("segments")) or [])
+    if dropped:
+        out["prorl_segments_left_out"] = dropped
+    if job.get("state") == "done":
+        out["reward"] = float(job["reward"])
+        out["mask_sample"] = False
+        return out
+    failure = job.get("failure") or {"kind": job.get("state") or "failed", "message": ""}
+    out["reward"] = None
+    out["mask_sample"] = True
+    out["failure_kind"] = FAILURE_KINDS.get(failure["kind"], "agent_run_error")
+    out["failure_reason"] = f"{failure['kind']}: {failure.get('message', '')}"[:2000]
+    return out
+
+
+def aggregate(verify_responses: list[dict]) -> dict:
+    """``/aggregate_metrics``: Gym's ``AggregateMetrics`` (reward mean, max, min, median and
+    standard deviation per task and over all rollouts), masked rollouts counted apart and
+    left out of every reward figure."""
+    scored = [r for r in verify_responses if not r.get("mask_sample")
+              and isinstance(r.get("reward"), (int, float))]
+
+    def stats(rewards: list[float]) -> dict:
+        if not rewards:
+            return {}
+        return {"mean/reward": statistics.fmean(rewards), "max/reward": max(rewards),
+                "min/reward": min(rewards), "median/reward": statistics.median(rewards),
+                "std/reward": statistics.pstdev(rewards)}
+
+    by_task: dict = {}
+    for r in scored:
+        by_task.setdefault(r.get("_ng_task_index", r.get("_rowidx")), []).append(
+            float(r["reward"]))
+    groups = [{"_ng_task_index": k, **stats(v)} for k, v in by_task.items()]
+    agent = stats([float(r["reward"]) for r in scored])
+    agent.update({"rollouts": len(verify_responses), "scored": len(scored),
+                  "masked": len(verify_responses) - len(scored)})
+    return {"group_level_metrics": groups, "agent_metrics": agent,
+            "key_metrics": {k: agent[k] for k in ("mean/reward",) if k in agent}}

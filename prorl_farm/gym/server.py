@@ -1,0 +1,393 @@
+"""The farm as a NeMo Gym agent server (``prorl-farm gym``; ``prorl-farm up`` starts it).
+
+Gym's rollout collection (``ng_collect_rollouts``, NeMo RL's ``NemoGym`` environment)
+POSTs each data row to an agent server's ``/run`` and waits for the row back with its
+``response`` and ``reward``. This server answers ``/run`` by running the row as a farm job
+(gym/rows.py says which), through the farm's own HTTP API: rows that arrive together with
+the same task type and sampling go out in one ``POST /v1/jobs``; every row in flight waits
+on one shared long-poll of ``POST /v1/batches/results``. A row waiting holds no thread
+and no worker, only its open request (tornado, one event loop).
+
+Routes: ``POST /run``, ``POST /aggregate_metrics``, ``POST /v1/responses`` (the episode
+of a Responses create body, as a ``chat`` job: its response, no reward),
+``POST /v1/agent_sessions`` and ``POST /v1/agent_sessions/close`` (Gym's session protocol:
+sessions are remembered, the farm needs none), ``GET /healthz``. A row the farm cannot take
+is answered 422 with FastAPI's ``{"detail": [{"loc", "msg", "type"}]}`` (what Gym's own
+servers answer), and nothing is enqueued for it; a failed job comes back 200, masked, with
+its failure (gym/rows.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterable
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+from tornado.httpserver import HTTPServer
+from tornado.web import Application, HTTPError, RequestHandler
+
+from prorl_farm.gym.rows import (
+    RowError,
+    Submission,
+    aggregate,
+    response_object,
+    run_answer,
+    to_submission,
+)
+
+log = logging.getLogger(__name__)
+
+BATCH_WINDOW_S = 0.002  # rows arriving this close together go out in one submit
+MAX_BATCH = 512  # rows per submit, at most
+POLL_WAIT_S = 1.0  # the results long-poll's wait
+MAX_POLLS = 4  # long-polls in flight at once (each holds an API thread while it waits)
+RETRY_S = (0.2, 0.5, 1, 2, 5)  # pauses after a failed call to the farm's API
+SESSION_KEEP_S = 300.0  # closed sessions remembered (Gym's retry window)
+
+
+class FarmUnavailable(RuntimeError):
+    """The farm's API refused or could not be reached (the row is answered 502)."""
+
+
+def _cursor_key(cursor: str) -> tuple[int, int]:
+    ms, _, seq = cursor.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _locs(details, prefix: tuple) -> list[tuple[tuple, str]]:
+    """A farm 400's ``details`` ({field: [messages]} nested) as (location, message)."""
+    if isinstance(details, dict):
+        out = []
+        for k, v in details.items():
+            out += _locs(v, prefix if k == "_schema" else (*prefix, k))
+        return out
+    if isinstance(details, list) and all(isinstance(m, str) for m in details):
+        return [(prefix, " ".join(details))]
+    if isinstance(details, list):
+        return [x for m in details for x in _locs(m, prefix)]
+    return [(prefix, str(details))]
+
+
+class Farm:
+    """The farm's API, from the event loop: coalesced submits, one shared results poll."""
+
+    def __init__(self, url: str, token: str = ""):
+        self.url = url.rstrip("/")
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self.http = AsyncHTTPClient(max_clients=MAX_POLLS + 32)
+        self._groups: dict[str, list[tuple[Submission, asyncio.Future]]] = {}
+        self._waiting: dict[str, dict[str, asyncio.Future]] = {}  # batch -> job -> future
+        self._cursors: dict[str, str] = {}
+        self._polls = 0
+
+    async def call(self, method: str, path: str, body=None, timeout_s: float = 60) -> dict:
+        """One API call: its JSON, or HTTPClientError (4xx/5xx) / OSError."""
+        resp = await self.http.fetch(
+            self.url + path, method=method, headers=self.headers,
+            body=None if body is None else json.dumps(body), request_timeout=timeout_s,
+            connect_timeout=10)
+        return json.loads(resp.body or b"{}")
+
+    # -- submits ---------------------------------------------------------------------
+
+    async def submit(self, sub: Submission) -> tuple[str, str]:
+        """(batch id, job id) of ``sub``'s job: submitted with the rows of the same task
+        type and sampling that arrive within ``BATCH_WINDOW_S``."""
+        future = asyncio.get_running_loop().create_future()
+        group = self._groups.setdefault(sub.key, [])
+        group.append((sub, future))
+        if len(group) == 1:
+            asyncio.get_running_loop().call_later(BATCH_WINDOW_S, self._flush, sub.key)
+        elif len(group) >= MAX_BATCH:
+            self._flush(sub.key)
+        return await future
+
+    def _flush(self, key: str) -> None:
+        group = self._groups.pop(key, None)
+        if group:
+            asyncio.ensure_future(self._submit(group))
+
+    async def _submit(self, group: list[tuple[Submission, asyncio.Future]]) -> None:
+        first = group[0][0]
+        body = {"handler": first.handler, "instances": [s.instance for s, _ in group],
+                "sampling": first.sampling}
+        if first.deadline_s is not None:
+            body["deadline_s"] = first.deadline_s
+        try:
+            doc = await self.call("POST", "/v1/jobs", body)
+        except HTTPClientError as e:
+            err = _error(e)
+            if e.code == 400 and err.get("code") in ("invalid_instance",
+                                                     "insufficient_context"):
+                bad = {int(i): v for i, v in (err.get("details") or {}).get(
+                    "instances", {}).items()}
+                for i, (sub, future) in enumerate(group):
+                    if i in bad and not future.done():
+                        future.set_exception(RowError(_locs(bad[i], sub.where)))
+                rest = [g for i, g in enumerate(group) if i not in bad]
+                if rest and bad:
+                    await self._submit(rest)
+                    return
+            if e.code in (400, 404, 409, 413, 422):
+                row_error = RowError(_request_locs(err))
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(row_error)
+                return
+            self._fail(group, FarmUnavailable(f"POST /v1/jobs: HTTP {e.code}: "
+                                              f"{err.get('message') or e}"))
+            return
+        except (OSError, asyncio.TimeoutError) as e:
+            self._fail(group, FarmUnavailable(f"POST /v1/jobs: {e}"))
+            return
+        batch = doc["batch_id"]
+        waiting = self._waiting.setdefault(batch, {})
+        self._cursors.setdefault(batch, "0-0")
+        for (_, future), job_id in zip(group, doc["job_ids"]):
+            waiting[job_id] = asyncio.get_running_loop().create_future()
+            if not future.done():
+                future.set_result((batch, job_id))
+        self._kick()
+
+    @staticmethod
+    def _fail(group: Iterable, error: Exception) -> None:
+        for _, future in group:
+            if not future.done():
+                future.set_exception(error)
+
+    # -- results ---------------------------------------------------------------------
+
+    async def result(self, batch: str, job_id: str) -> dict:
+        """The job's document once it ended (state done, failed or cancelled)."""
+        return await asyncio.shield(self._waiting[batch][job_id])
+
+    def forget(self, batch: str, job_id: str) -> None:
+        """Stop waiting for a job (its row's client went away)."""
+        waiting = self._waiting.get(batch)
+        if waiting is not None:
+            waiting.pop(job_id, None)
+            if not waiting:
+                self._waiting.pop(batch, None)
+                self._cursors.pop(batch, None)
+
+    def _kick(self) -> None:
+        if self._polls < MAX_POLLS:
+            self._polls += 1
+            asyncio.ensure_future(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        failures = 0
+        try:
+            while self._waiting:
+                cursors = {b: self._cursors[b] for b in list(self._waiting)[:1000]}
+                try:
+                    doc = await self.call("POST", "/v1/batches/results", {
+                        "cursors": cursors, "limit": 1000, "wait": POLL_WAIT_S},
+                        timeout_s=POLL_WAIT_S + 60)
+                    failures = 0
+                except (HTTPClientError, OSError, asyncio.TimeoutError) as e:
+                    pause = RETRY_S[min(failures, len(RETRY_S) - 1)]
+                    failures += 1
+                    log.warning("gym: reading results failed (%s); again in %g s", e, pause)
+                    await asyncio.sleep(pause)
+                    continue
+                self._deliver(doc["batches"])
+        finally:
+            self._polls -= 1
+
+    def _deliver(self, batches: dict) -> None:
+        for batch, page in batches.items():
+            waiting = self._waiting.get(batch)
+            if waiting is None:
+                continue
+            if not page.get("found"):
+                for future in waiting.values():
+                    if not future.done():
+                        future.set_exception(FarmUnavailable(
+                            f"batch {batch} is no longer stored by the farm"))
+                self._waiting.pop(batch, None)
+                self._cursors.pop(batch, None)
+                continue
+            for job in page["results"]:
+                future = waiting.pop(job["id"], None)
+                if future is not None and not future.done():
+                    future.set_result(job)
+            if _cursor_key(page["cursor"]) > _cursor_key(self._cursors.get(batch, "0-0")):
+                self._cursors[batch] = page["cursor"]
+            if not waiting:
+                self._waiting.pop(batch, None)
+                self._cursors.pop(batch, None)
+
+    async def cancel(self, job_id: str) -> None:
+        try:
+            await self.call("POST", f"/v1/jobs/{job_id}/cancel", {})
+        except (HTTPClientError, OSError, asyncio.TimeoutError) as e:
+            log.warning("gym: cancelling job %s failed: %s", job_id, e)
+
+
+def _error(e: HTTPClientError) -> dict:
+    try:
+        return json.loads(e.response.body)["error"]
+    except Exception:  # noqa: BLE001 - not the farm's error shape
+        return {}
+
+
+def _request_locs(err: dict) -> list[tuple[tuple, str]]:
+    details = err.get("details") or {}
+    out = []
+    for name, value in details.items():
+        where = {"sampling": ("responses_create_params",), "handler": ("prorl", "handler"),
+                 "deadline_s": ("prorl", "deadline_s")}.get(name, (name,))
+        out += _locs(value, where)
+    return out or [((), err.get("message") or "refused by the farm")]
+
+
+# -- HTTP ------------------------------------------------------------------------------
+
+
+class _Base(RequestHandler):
+    farm: Farm
+
+    def initialize(self, farm: Farm, sessions: dict):
+        self.farm, self.sessions = farm, sessions
+
+    def _json(self):
+        try:
+            return json.loads(self.request.body or b"null")
+        except ValueError as e:
+            raise HTTPError(400, f"the body is not JSON: {e}") from e
+
+    def write_error(self, status_code: int, **kwargs) -> None:
+        exc = kwargs.get("exc_info", (None, None))[1]
+        detail = exc.log_message if isinstance(exc, HTTPError) and exc.log_message else \
+            self._reason
+        self.finish({"detail": detail})
+
+    def reply(self, status: int, doc) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(doc))
+
+
+class RunHandler(_Base):
+    """``POST /run``: the row's farm job, its answer when it ends."""
+
+    async def post(self):
+        row = self._json()
+        try:
+            sub = to_submission(row)
+            batch, job_id = await self.farm.submit(sub)
+        except RowError as e:
+            return self.reply(422, {"detail": e.detail()})
+        except FarmUnavailable as e:
+            return self.reply(502, {"detail": str(e)})
+        self._job = (batch, job_id)
+        try:
+            job = await self.farm.result(batch, job_id)
+        except FarmUnavailable as e:
+            return self.reply(502, {"detail": str(e)})
+        self._job = None
+        self.reply(200, self.answer(row, job, sub))
+
+    def answer(self, row: dict, job: dict, sub: Submission) -> dict:
+        return run_answer(row, job, sub.parser)
+
+    def on_connection_close(self) -> None:
+        job = getattr(self, "_job", None)
+        if job is not None:  # the client went away: its job is not wanted any more
+            self.farm.forget(*job)
+            asyncio.ensure_future(self.farm.cancel(job[1]))
+
+
+class ResponsesHandler(RunHandler):
+    """``POST /v1/responses``: a Responses create body's episode (``chat``), no reward."""
+
+    async def post(self):
+        body = self._json()
+        if not isinstance(body, dict):
+            return self.reply(422, {"detail": RowError([((), "a JSON object")]).detail()})
+        row = {"responses_create_params": body, "expected_answer": "\u2063",
+               "prorl_grader": "contains"}
+        self.request.body = json.dumps(row).encode()
+        await super().post()
+
+    def answer(self, row: dict, job: dict, sub: Submission) -> dict:
+        if job.get("state") != "done":
+            failure = job.get("failure") or {}
+            return {"error": {"code": failure.get("kind"), "message": failure.get("message")},
+                    **response_object(row, job, sub.parser)}
+        return response_object(row, job, sub.parser)
+
+
+class AggregateHandler(_Base):
+    async def post(self):
+        body = self._json()
+        rows = body.get("verify_responses") if isinstance(body, dict) else None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            return self.reply(422, {"detail": [{"type": "value_error",
+                                                "loc": ["body", "verify_responses"],
+                                                "msg": "a list of objects"}]})
+        self.reply(200, aggregate(rows))
+
+
+class SessionHandler(_Base):
+    """Gym's agent sessions: seeding is idempotent per id; closing returns nothing the
+    farm observed (its jobs carry their own record)."""
+
+    async def post(self, close: str | None = None):
+        body = self._json()
+        sid = body.get("agent_session_id") if isinstance(body, dict) else None
+        if not isinstance(sid, str) or not sid:
+            return self.reply(422, {"detail": [{"type": "value_error",
+                                                "loc": ["body", "agent_session_id"],
+                                                "msg": "a non-empty string"}]})
+        now = time.monotonic()
+        for old in [k for k, (_, closed) in self.sessions.items()
+                    if closed and now - closed > SESSION_KEEP_S]:
+            del self.sessions[old]
+        if close:
+            episode = self.sessions.get(sid, (body.get("episode_id"), None))[0]
+            self.sessions[sid] = (episode, now)
+            return self.reply(200, {"agent_session_id": sid, "agent_observations": None,
+                                    "resources_cookies": None})
+        known = self.sessions.get(sid)
+        if known is not None and known[1] is not None:
+            return self.reply(409, {"detail": f"agent session {sid} was closed"})
+        self.sessions[sid] = (body.get("episode_id"), None)
+        self.reply(200, {"agent_session_id": sid})
+
+
+class HealthHandler(_Base):
+    async def get(self):
+        self.reply(200, {"status": "ok"})
+
+
+def make_app(farm_url: str, token: str = "") -> Application:
+    shared = {"farm": Farm(farm_url, token), "sessions": {}}
+    return Application([
+        (r"/run", RunHandler, shared),
+        (r"/aggregate_metrics", AggregateHandler, shared),
+        (r"/v1/responses", ResponsesHandler, shared),
+        (r"/v1/agent_sessions(/close)?", SessionHandler, shared),
+        (r"/(?:healthz|readyz|livez)?", HealthHandler, shared),
+    ], max_body_size=64 << 20)
+
+
+async def serve(host: str, port: int, farm_url: str, token: str = "",
+                ready=None) -> None:
+    """Serve until cancelled."""
+    server = HTTPServer(make_app(farm_url, token), max_body_size=64 << 20,
+                        idle_connection_timeout=3600)
+    server.listen(port, host, backlog=1024)
+    log.info("gym agent server on http://%s:%d, the farm at %s", host, port, farm_url)
+    if ready is not None:
+        ready()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        server.stop()
