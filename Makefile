@@ -24,6 +24,14 @@ VLLM_STAMP   := $(VLLM_VENV)/.installed
 # runs the farm's batches through its trainer-side code there.
 VERL_VENV    := .venv-verl
 VERL_STAMP   := $(VERL_VENV)/.installed
+# NeMo Gym (locks/gym.in; about 1.4 GB), in an environment of its own: tests/test_gym.py runs
+# Gym's own rollout collection against the farm's agent server. Gym 0.7.0 asks for Python
+# >= 3.13.14; pyenv's 3.13 stands for it (uv's --python-version: the lock is resolved and
+# installed as for 3.13.14).
+GYM_VENV     := .venv-gym
+GYM_STAMP    := $(GYM_VENV)/.installed
+GYM_PYTHON   ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) \
+	$(shell command -v python3.13 2>/dev/null))
 # Workers of the parallel part of the suite (tests/suite.py); the tests marked `serial` run
 # after it, alone.
 TEST_WORKERS ?= 4
@@ -32,7 +40,8 @@ TEST_WORKERS ?= 4
 # its wheels (two versions, which cannot share an environment), imported from the files.
 SWEBENCH_WHEELS := .prorl/swebench/.fetched
 
-.PHONY: up test check installs bootstrap system lint bench grpo vllm verl harnesses lock clean swebench
+.PHONY: up test check installs bootstrap system lint bench grpo vllm verl gym harnesses lock clean \
+	swebench
 
 up: bootstrap
 	$(VENV)/bin/prorl-farm up $(UP_ARGS)
@@ -47,6 +56,7 @@ test:
 	@start=$$(date +%s.%N); $(MAKE) --no-print-directory -j5 installs && \
 	REQUIRE_VLLM=$$(test -f $(VLLM_STAMP) && echo 1 || echo 0) \
 	REQUIRE_VERL=$$(test -f $(VERL_STAMP) && echo 1 || echo 0) \
+	REQUIRE_GYM=$$(test -f $(GYM_STAMP) && echo 1 || echo 0) \
 	REQUIRE_DOCKER=$$([ "$$(id -u)" = 0 ] && command -v dockerd >/dev/null && echo 1 || echo 0) \
 	$(PY) tests/suite.py --installs-since $$start --workers $(TEST_WORKERS) -- $(PYTEST_ARGS)
 
@@ -55,8 +65,8 @@ check: bootstrap
 	@$(PY) tests/suite.py --check --workers $(TEST_WORKERS) -- $(PYTEST_ARGS)
 
 # What `make test` needs, built side by side (make -j): the system's packages, the main
-# environment, vLLM's, VeRL's and the harnesses'.
-installs: system $(STAMP) vllm verl harnesses swebench
+# environment, vLLM's, VeRL's, NeMo Gym's and the harnesses'.
+installs: system $(STAMP) vllm verl gym harnesses swebench
 
 bootstrap: system $(STAMP)
 
@@ -123,6 +133,18 @@ $(VERL_STAMP): $(UV) locks/verl.txt
 	$(SYNC) --python $(VERL_VENV)/bin/python locks/verl.txt
 	touch $@
 
+gym: $(GYM_STAMP)
+
+$(GYM_STAMP): $(UV) locks/gym.txt
+	@if [ -z "$(GYM_PYTHON)" ]; then \
+		echo "no Python 3.13 here: NeMo Gym cannot be installed (its tests will skip)"; \
+	else \
+		(test -x $(GYM_VENV)/bin/python || \
+			$(UV) venv --quiet --python $(GYM_PYTHON) $(GYM_VENV)) && \
+		$(UV) pip sync --quiet --python $(GYM_VENV)/bin/python --python-version 3.13.14 \
+			locks/gym.txt && touch $@; \
+	fi
+
 # The agent harness presets' environments (mini-SWE-agent, the openai-SDK example, Claude
 # Code, Codex) under .prorl/harnesses (PRORL_HARNESS_DIR), read-only in the sandboxes that
 # run a harness; their packages pinned by locks/harness-*.txt, the CLIs' npm tarballs by
@@ -139,6 +161,8 @@ lock: $(UV) $(STAMP)
 		--no-emit-package torchcodec locks/vllm.in -o locks/vllm.txt
 	$(UV) pip compile --quiet --no-header --python-version 3.11 $(TORCH_FROM) \
 		locks/verl.in -o locks/verl.txt
+	$(UV) pip compile --quiet --no-header --python-version 3.13.14 locks/gym.in \
+		-o locks/gym.txt
 	for name in $$($(PY) -c 'from prorl_farm.gateway.harness import PRESETS; print(*PRESETS)'); do \
 		$(PY) -c "from prorl_farm.gateway.harness import PRESETS; \
 			print(*PRESETS['$$name'].packages, sep='\n')" | \
@@ -168,4 +192,4 @@ grpo: bootstrap
 	$(PY) examples/grpo_cpu.py $(GRPO_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) .uv .prorl .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) $(GYM_VENV) .uv .prorl .pytest_cache

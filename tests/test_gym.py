@@ -8,14 +8,25 @@ holds. A failed job is masked with its failure, reward null (never 0). Bad rows 
 FastAPI's shape with the field named, and nothing is enqueued. Many rows at once are
 coalesced into few submits and waited on by one long-poll. ``/aggregate_metrics`` and
 Gym's session routes answer in Gym's shapes.
+
+Then NeMo Gym's own code (0.7.0, in .venv-gym: `make gym`; skipped where it is not
+installed, failed where REQUIRE_GYM=1 as `make test` sets): Gym's head server serves a
+config with the farm behind both the agent and its ``legacy_agent`` environment server;
+``ng_collect_rollouts`` runs 64 rows of two task types (exit 0, no failure, every row valid
+as Gym's ``BaseVerifyResponse``, equal to its farm job); rows as NeMo RL sends them through
+Gym's ``RolloutCollectionHelper.run_examples`` and NeMo RL's postprocess layout give the
+tokens, loss mask and logprobs the farm's VeRL adapter gives for the same jobs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -29,7 +40,10 @@ pytestmark = pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblew
 PLANS = {
     "sq": [tool_call("python", code="print(7 * 7)"), "So it is \\boxed{49}."],
     "sq-wrong": ["It is \\boxed{48}."],
+    "hi": ["The answer is 42."],
 }
+GYM_PYTHON = ROOT / ".venv-gym" / "bin" / "python"
+GYM_SIDE = str(ROOT / "tests" / "gym_side.py")
 
 
 def math_row(case: str, answer: str = "49", **extra) -> dict:
@@ -45,6 +59,15 @@ def math_row(case: str, answer: str = "49", **extra) -> dict:
 @pytest.fixture(scope="module")
 def gym_farm(redis_server, tiny_model, tmp_path_factory):
     """(gym server URL, farm client, policy server)."""
+    import redis
+
+    from tests.conftest import _clear
+
+    # Backends an earlier module of this worker left in the shared Redis: a job pinned to
+    # one would fail over to ours and be refused (another tokenizer).
+    left = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    _clear(left)
+    left.close()
     log_dir = tmp_path_factory.mktemp("gym")
     server = PolicyServer(planner=text_planner(str(tiny_model), PLANS))
     try:
@@ -196,3 +219,173 @@ def test_aggregate_metrics_and_sessions_in_gyms_shapes(gym_farm):
         "agent_session_id": "s1", "episode_id": seed["episode_id"]})
     assert closed.json()["agent_session_id"] == "s1"
     assert requests.post(base + "/v1/agent_sessions", json=seed).status_code == 409
+
+
+# -- NeMo Gym's own code ----------------------------------------------------------------
+
+
+def require_gym() -> str:
+    if not GYM_PYTHON.exists():
+        why = f"NeMo Gym's environment is not installed ({GYM_PYTHON}; `make gym` makes it)"
+        if os.environ.get("REQUIRE_GYM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return str(GYM_PYTHON)
+
+
+@pytest.fixture(scope="module")
+def gym_head(gym_farm, tmp_path_factory):
+    """Gym's head server (its own HeadServer, no Ray) serving a config with the farm behind
+    both entries an agent needs: the agent server and its legacy_agent environment server.
+    Yields (host, port, config path)."""
+    python = require_gym()
+    base, _, _ = gym_farm
+    farm_port = int(base.rsplit(":", 1)[1])
+    tmp = tmp_path_factory.mktemp("gym-head")
+    port = free_port()
+    config = tmp / "farm.yaml"
+    config.write_text(f"""head_server:
+  host: 127.0.0.1
+  port: {port}
+prorl_farm_agent:
+  responses_api_agents:
+    prorl_farm:
+      host: 127.0.0.1
+      port: {farm_port}
+prorl_farm_environment_server:
+  environment_servers:
+    legacy_agent:
+      host: 127.0.0.1
+      port: {farm_port}
+      agent_server:
+        type: responses_api_agents
+        name: prorl_farm_agent
+      max_concurrent_episodes: null
+      queue_timeout_seconds: null
+      default_episode_timeout_seconds: 21600
+      cleanup_timeout_seconds: 180
+""")
+    log = open(tmp / "head.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen([python, GYM_SIDE, "head", f"+config_paths=[{config}]"],
+                            cwd=tmp, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_until(lambda: _up(f"http://127.0.0.1:{port}"), 60, 0.2, "Gym's head server")
+        yield "127.0.0.1", port, config
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def _two_task_types(n: int) -> list[dict]:
+    """Gym rows of two task types: ``math`` (a python tool call, then the answer; right
+    or wrong) and ``chat`` graded by ``contains`` (one turn)."""
+    rows = []
+    for i in range(n):
+        if i % 2 == 0:
+            row = math_row("sq" if i % 4 == 0 else "sq-wrong")
+        else:
+            row = {"responses_create_params": {
+                "input": [{"role": "user", "content": "[case:hi] What is the answer?"}],
+                "temperature": 1.0, "top_p": 1.0, "max_output_tokens": 32},
+                "expected_answer": "42", "prorl_grader": "contains"}
+        for key in ("agent_ref", "_ng_task_index", "_ng_rollout_index"):
+            row.pop(key, None)
+        rows.append(row)
+    return rows
+
+
+def _check_against_the_farm(farm: FarmClient, out: dict) -> dict:
+    """The row's ids, logprobs and reward are what the farm stored for its job, and each
+    turn's prompt extends everything before it (NeMo RL's rule)."""
+    job = farm.job(out["prorl_job_id"])
+    assert job["state"] == "done" and out["reward"] == job["reward"]
+    t = job["result"]
+    trained = [i for i in out["response"]["output"] if i.get("generation_token_ids")]
+    assert len(trained) == len(t["turns"])
+    seen: list[int] = []
+    for item, turn in zip(trained, t["turns"]):
+        lo, hi = turn["offset"], turn["offset"] + turn["generated"]
+        assert item["prompt_token_ids"] == t["prompt_ids"] + t["response_ids"][:lo]
+        assert item["generation_token_ids"] == t["response_ids"][lo:hi]
+        assert item["generation_log_probs"] == t["response_logprobs"][lo:hi]
+        assert item["prompt_token_ids"][:len(seen)] == seen
+        seen = item["prompt_token_ids"] + item["generation_token_ids"]
+    return job
+
+
+def test_ng_collect_rollouts_runs_64_rows_through_the_farm(gym_farm, gym_head, tmp_path):
+    """`ng_collect_rollouts` (Gym's CLI) over 64 rows of two task types: exit 0, no
+    failures, one output row per input, each valid as Gym's ``BaseVerifyResponse`` (the
+    items with ids as its ``*ForTraining`` models), each equal to its farm job."""
+    _, farm, _ = gym_farm
+    _, _, config = gym_head
+    rows = _two_task_types(64)
+    inp, out = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    collect = Path(require_gym()).parent / "ng_collect_rollouts"
+    run = subprocess.run([str(collect), f"+config_paths=[{config}]",
+                          "+agent_name=prorl_farm_agent", f"+input_jsonl_fpath={inp}",
+                          f"+output_jsonl_fpath={out}", "+num_samples_in_parallel=32"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    failures = tmp_path / "rollouts_failures.jsonl"
+    assert not failures.exists() or not failures.read_text().strip()
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == len(rows)
+    checked = subprocess.run([require_gym(), GYM_SIDE, "validate", str(out)],
+                             capture_output=True, text=True, timeout=120, check=True)
+    valid = [json.loads(line) for line in checked.stdout.splitlines()]
+    assert len(valid) == len(rows)
+    for v in valid:
+        trained = [c for c in v["items"] if c.endswith("ForTraining")]
+        assert trained and v["items"][-1].endswith("ForTraining"), v
+    handlers, rewards = set(), []
+    for res in results:
+        job = _check_against_the_farm(farm, res)
+        handlers.add(job["handler"])
+        rewards.append(res["reward"])
+    assert handlers == {"math", "chat"}
+    assert sorted(set(rewards)) == [0.0, 1.0]
+    metrics = json.loads((tmp_path / "rollouts_aggregate_metrics.json").read_text())
+    assert metrics, "no aggregate metrics written"
+
+
+def test_nemo_rl_call_path_gives_the_verl_adapters_tensors(gym_farm, gym_head, tmp_path):
+    """Rows as NeMo RL's ``NemoGym.run_rollouts`` sends them (``agent_ref``, ``_rowidx``)
+    through Gym's ``RolloutCollectionHelper.run_examples``, each result laid out as NeMo
+    RL's postprocess does (tests/gym_side.py): the same tokens, loss mask and logprobs as
+    the farm's VeRL adapter gives for the same job, up to the last sampled token (where
+    NeMo RL's message log ends)."""
+    from prorl_farm.trainer.adapters import to_verl
+
+    _, farm, _ = gym_farm
+    host, port, _ = gym_head
+    rows = _two_task_types(8)
+    for i, row in enumerate(rows):
+        row["agent_ref"] = {"type": "responses_api_agents", "name": "prorl_farm_agent"}
+        row["_rowidx"] = i
+    inp = tmp_path / "rows.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = subprocess.run([require_gym(), GYM_SIDE, "nemo_rl", host, str(port), str(inp)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    laid = sorted((json.loads(line) for line in run.stdout.splitlines()),
+                  key=lambda x: x["rowidx"])
+    assert [x["rowidx"] for x in laid] == list(range(len(rows)))
+    jobs = [farm.job(x["job_id"]) for x in laid]
+    verl = to_verl([jobs], pad_token_id=0, logprobs_mode=None)["batch"]
+    for i, (x, job) in enumerate(zip(laid, jobs)):
+        assert x["reward"] == job["reward"] and x["mask_sample"] is False
+        prompt = job["result"]["prompt_ids"]
+        n_resp = len(x["token_ids"]) - len(prompt)
+        p_len = verl["prompts"].shape[1]
+        attn = verl["attention_mask"][i]
+        ids = verl["input_ids"][i][attn == 1].tolist()
+        assert x["token_ids"] == ids[:len(x["token_ids"])]
+        assert x["token_loss_mask"][len(prompt):] == verl["response_mask"][i][:n_resp].tolist()
+        assert x["generation_logprobs"][len(prompt):] == pytest.approx(
+            verl["rollout_log_probs"][i][:n_resp].tolist(), abs=0)
+        assert not any(x["token_loss_mask"][:len(prompt)])
+        assert verl["response_mask"][i][n_resp:].sum() == 0  # nothing sampled after it
+        assert attn[:p_len].sum() == len(prompt)

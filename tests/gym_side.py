@@ -1,0 +1,101 @@
+"""NeMo Gym's side of tests/test_gym.py, run in Gym's own environment (.venv-gym, Python
+3.13, nemo-gym 0.7.0); nothing of the farm is imported here.
+
+    python tests/gym_side.py head +config_paths=[CFG]       Gym's head server serving the
+                                                            config (Gym's own HeadServer)
+    python tests/gym_side.py validate OUT.jsonl             every row through Gym's
+                                                            BaseVerifyResponse; one JSON
+                                                            line per row: reward, item classes
+    python tests/gym_side.py nemo_rl HOST PORT ROWS.jsonl   the rows through Gym's
+                                                            RolloutCollectionHelper.run_examples
+                                                            as NeMo RL's NemoGym.run_rollouts
+                                                            calls it, each result laid out as
+                                                            NeMo RL's postprocess does
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+
+def head() -> None:
+    from nemo_gym.global_config import get_global_config_dict
+    from nemo_gym.server_utils import HeadServer
+
+    get_global_config_dict()  # from the command line, as Gym's CLIs read it
+    _, thread, server = HeadServer.run_webserver()
+    server.mark_ready()
+    print("ready", flush=True)
+    thread.join()
+
+
+def validate(path: str) -> None:
+    from nemo_gym.base_resources_server import BaseVerifyResponse
+
+    for line in open(path):
+        row = BaseVerifyResponse.model_validate(json.loads(line))
+        print(json.dumps({"reward": row.reward,
+                          "items": [type(o).__name__ for o in row.response.output]}))
+
+
+def postprocess(row: dict, result: dict) -> dict:
+    """The token layout of NeMo RL's ``NemoGym._postprocess_nemo_gym_to_nemo_rl_result``
+    (nemo_rl/environments/nemo_gym.py, NVIDIA-NeMo/RL at 7ea279ab), re-implemented without
+    torch: for each output item with non-empty ``generation_token_ids`` (its
+    ``_is_trainable_output_item``), assert the item's ``prompt_token_ids`` begin with every
+    token seen so far ("Non-contiguous messages found!"), then a ``user`` message of the
+    new prompt tokens and an ``assistant`` message of the generated tokens with their
+    ``generation_logprobs``. Flattened as its ``batched_message_log_to_flat_message`` does
+    (nemo_rl/data/llm_message_utils.py): ``token_ids`` concatenated, generation logprobs 0
+    on non-assistant tokens, the loss mask 1 on assistant tokens (GRPO's
+    ``add_grpo_token_loss_masks_and_generation_logprobs``)."""
+    seen: list[int] = []
+    message_log = []
+    for item in result["response"]["output"]:
+        if not item.get("generation_token_ids"):
+            continue
+        prompt = item["prompt_token_ids"]
+        assert seen == prompt[:len(seen)], "Non-contiguous messages found!"
+        new = prompt[len(seen):]
+        message_log.append({"role": "user", "token_ids": new})
+        message_log.append({"role": "assistant", "token_ids": item["generation_token_ids"],
+                            "generation_logprobs": item["generation_log_probs"]})
+        seen += new + item["generation_token_ids"]
+    if not message_log:
+        raise ValueError("NeMo Gym returned a result with no generation data.")
+    flat = {"token_ids": [], "generation_logprobs": [], "token_loss_mask": []}
+    for m in message_log:
+        n = len(m["token_ids"])
+        flat["token_ids"] += m["token_ids"]
+        flat["generation_logprobs"] += m.get("generation_logprobs") or [0.0] * n
+        flat["token_loss_mask"] += [1 if m["role"] == "assistant" else 0] * n
+    return {"rowidx": row["_rowidx"], "job_id": result["prorl_job_id"],
+            "reward": result["reward"], "mask_sample": result.get("mask_sample", False),
+            **flat}
+
+
+def nemo_rl(host: str, port: str, rows_path: str) -> None:
+    from nemo_gym.rollout_collection import RolloutCollectionHelper
+    from nemo_gym.server_utils import BaseServerConfig
+
+    rows = [json.loads(line) for line in open(rows_path)]
+
+    async def run() -> None:
+        helper = RolloutCollectionHelper()
+        for task in helper.run_examples(
+                examples=rows, head_server_config=BaseServerConfig(host=host, port=int(port))):
+            row, result = await task
+            print(json.dumps(postprocess(row, result)), flush=True)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    what, *args = sys.argv[1:]
+    if what == "head":
+        sys.argv = [sys.argv[0], *args]
+        head()
+    else:
+        {"validate": validate, "nemo_rl": nemo_rl}[what](*args)
