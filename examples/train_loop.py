@@ -10,8 +10,9 @@ Each step:
 1. ``DynamicSampler.next_batch(version)``: ``--groups`` prompt groups of ``--n`` rollouts
    whose rewards vary (DAPO's filter), replenished while the step waits; finished and
    in-flight groups within the staleness bound carry over to the next step.
-2. An adapter turns the groups into your framework's layout (``--layout verl`` or
-   ``nemo_rl``): token IDs, loss mask, the rollout's logprobs, rewards, group ids.
+2. An adapter turns the groups into your framework's layout (here VeRL's, ``to_verl``):
+   token IDs, loss mask, the rollout's logprobs, rewards, group ids. (NeMo RL takes the
+   farm's rollouts through NeMo Gym: the farm is a Gym agent server, docs/trainers.md.)
    (A model may answer every prompt of a group alike, e.g. a random one on ``--task
    arith``: a step whose budget of groups finds none that qualifies trains on nothing and
    keeps the version.)
@@ -41,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prorl_farm.trainer import FarmClient  # noqa: E402
-from prorl_farm.trainer.adapters import to_nemo_rl, to_verl  # noqa: E402
+from prorl_farm.trainer.adapters import to_verl  # noqa: E402
 from prorl_farm.trainer.dapo import DynamicSampler  # noqa: E402
 
 LETTERS = "etaoinsrhl"
@@ -65,14 +66,11 @@ def prompts(task: str, seed: int, operands: int = 10):
                    "answer": letter}
 
 
-def train_step(layout: dict, name: str, backend: dict) -> str:
+def train_step(layout: dict, backend: dict) -> str:
     """Stand-in for the framework's update: check the batch, return the weights to load."""
-    if name == "verl":
-        b = layout["batch"]
-        assert b["response_mask"].shape == b["rollout_log_probs"].shape == b["responses"].shape
-        assert len(layout["non_tensor_batch"]["uid"]) == b["input_ids"].shape[0]
-    else:
-        assert len(layout["message_log"]) == layout["flat"]["total_reward"].shape[0]
+    b = layout["batch"]
+    assert b["response_mask"].shape == b["rollout_log_probs"].shape == b["responses"].shape
+    assert len(layout["non_tensor_batch"]["uid"]) == b["input_ids"].shape[0]
     return backend["tokenizer"]  # the dev server's model directory: its weights, unchanged
 
 
@@ -83,8 +81,7 @@ def sync_weights(farm: FarmClient, backend: dict, weights: str, version: int) ->
 
 
 def shapes(layout: dict) -> dict:
-    tensors = layout["batch"] if "batch" in layout else layout["flat"]
-    return {k: list(v.shape) for k, v in tensors.items()}
+    return {k: list(v.shape) for k, v in layout["batch"].items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--layout", choices=["verl", "nemo_rl"], default="verl")
     ap.add_argument("--task", choices=["letter", "arith"], default="letter")
     ap.add_argument("--operands", type=int, default=10, help="a and b drawn from 0..N-1")
     ap.add_argument("--seed", type=int, default=0)
@@ -107,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                          "healthy (start it with `make up UP_ARGS=\"--model DIR\"`)")
     backend = backends[0]
     version = int(backend["policy_version"] or 0)
-    adapt = to_verl if args.layout == "verl" else to_nemo_rl
     handler = "arith" if args.task == "arith" else "chat"
     sampler = DynamicSampler(farm, prompts(args.task, args.seed, args.operands),
                              handler=handler, n=args.n, batch_groups=args.groups, carry=True,
@@ -123,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
                 continue
             stale += sum(1 for g in batch if g.policy_version < version - sampler.staleness)
-            layout = adapt(batch.groups)
-            weights = train_step(layout, args.layout, backend)
+            layout = to_verl(batch.groups)
+            weights = train_step(layout, backend)
             sync_weights(farm, backend, weights, version + 1)
             print(json.dumps(dict(row, layout=shapes(layout))), flush=True)
             version += 1

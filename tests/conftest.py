@@ -32,7 +32,7 @@ SHARED_PARTS = {"docker": ("docker_engine",), "vllm": ("vllm_server",), "verl": 
 # workers, each worker started its own: 4 root and 4 nobody red-team farms, for 1 and 1.
 FARM_MODULES = {"test_reward_hacking", "test_swe", "test_code", "test_validate",
                 "test_swebench", "test_confinement", "test_harness", "test_agent",
-                "test_trainer", "test_tokens", "test_cli_harnesses"}
+                "test_trainer", "test_tokens", "test_cli_harnesses", "test_gym"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks

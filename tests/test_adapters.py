@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prorl_farm.trainer.adapters import to_nemo_rl, to_verl
+from prorl_farm.trainer.adapters import to_verl
 
 
 def _job(prompt, response, mask, reward, state="done", version=3):
@@ -50,23 +50,6 @@ def test_verl_layout_lines_up_tokens_masks_logprobs_and_scores():
         assert pos.tolist() == list(range(len(real)))
     assert out["non_tensor_batch"]["uid"].tolist() == ["0", "0", "1"]
     assert out["non_tensor_batch"]["policy_version"].tolist() == [3, 3, 3]
-
-
-def test_nemo_rl_layout_keeps_message_boundaries_and_flat_alignment():
-    out = to_nemo_rl(GROUPS)
-    log = out["message_log"][0]
-    assert [m["role"] for m in log] == ["user", "assistant", "environment", "assistant"]
-    assert [m["token_ids"].tolist() for m in log] == [[5, 6, 7], [10, 11], [90, 91], [12]]
-    assert log[1]["generation_logprobs"].tolist() == pytest.approx([-0.1, -0.2])
-    flat = out["flat"]
-    assert flat["input_lengths"].tolist() == [8, 4, 8]
-    assert flat["input_ids"][0].tolist() == [5, 6, 7, 10, 11, 90, 91, 12]
-    assert flat["token_mask"][0].tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
-    assert flat["generation_logprobs"][0].tolist() == pytest.approx(
-        [0, 0, 0, -0.1, -0.2, 0, 0, -0.5])
-    assert flat["input_ids"][1].tolist() == [5, 6, 7, 13, 0, 0, 0, 0]
-    assert flat["total_reward"].tolist() == [1.0, 0.0, 0.5]
-    assert flat["idx"].tolist() == [0, 0, 1]
 
 
 def test_torch_tensors_where_torch_is_importable():
@@ -132,12 +115,6 @@ def test_versions_per_token_reach_both_layouts():
     assert vers[1].tolist() == [3, -1, -1, -1, -1, -1]  # padding: -1
     nt = out["non_tensor_batch"]
     assert nt["min_version"].tolist() == [3, 3] and nt["max_version"].tolist() == [4, 3]
-    nemo = to_nemo_rl([[crossed, plain]])
-    log = nemo["message_log"][0]
-    assert [m["generation_versions"].tolist() for m in log] == [
-        [-1, -1], [3, 3], [-1], [3, 4, 4]]
-    assert nemo["flat"]["generation_versions"][0].tolist() == [-1, -1, 3, 3, -1, 3, 4, 4]
-    assert nemo["min_version"] == [3, 3] and nemo["max_version"] == [4, 3]
 
 
 def test_a_step_reports_staleness_by_token_and_queue_time_apart_from_running():

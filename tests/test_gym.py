@@ -35,7 +35,8 @@ from prorl_farm.trainer import FarmClient
 from tests.farm import ROOT, free_port, http_farm, stop_process, wait_until
 from tests.policy_server import PolicyServer, text_planner, tool_call
 
-pytestmark = pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap")]
 
 PLANS = {
     "sq": [tool_call("python", code="print(7 * 7)"), "So it is \\boxed{49}."],

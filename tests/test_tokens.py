@@ -232,13 +232,12 @@ def test_farm_trajectories_are_token_exact(chat_farm, dev_server, tiny_model, r)
     assert max(turns) == 3 and finishes == {"stop", "length"}
     # The trainer layouts, on these real trajectories: log-probs sit where teacher forcing
     # the padded rows' real tokens puts them, masks on exactly the sampled tokens.
-    from prorl_farm.trainer.adapters import to_nemo_rl, to_verl
+    from prorl_farm.trainer.adapters import to_verl
 
     groups = [[j for j in jobs if j["instance_index"] == i] for i in range(2)]
     # (These backends return raw logprobs and the sampling has top_p 0.95: a trainer computing
     # raw logprobs, as this check does, says so; VeRL's default would be refused.)
     verl = to_verl(groups, pad_token_id=0, logprobs_mode="raw_logprobs")["batch"]
-    nemo = to_nemo_rl(groups, pad_token_id=0)["flat"]
     width = verl["prompts"].shape[1]
     for row, job in enumerate(groups[0] + groups[1]):
         t = job["result"]
@@ -250,10 +249,3 @@ def test_farm_trajectories_are_token_exact(chat_farm, dev_server, tiny_model, r)
         for j in range(len(t["response_ids"])):
             if mask[j]:
                 assert abs(forced[j] - verl["rollout_log_probs"][row, j]) < 1e-4
-        n = int(nemo["input_lengths"][row])
-        assert nemo["input_ids"][row, :n].tolist() == real
-        flat_forced = teacher_forced_logprobs(tiny_model, real)
-        for p in range(n):
-            if nemo["token_mask"][row, p]:
-                assert abs(flat_forced[p] - nemo["generation_logprobs"][row, p]) < 1e-4
-        assert nemo["token_mask"][row, :len(t["prompt_ids"])].sum() == 0

@@ -10,8 +10,9 @@ where the mask is 0), exactly as the farm recorded them: nothing is re-tokenised
 - :func:`to_verl`: the tensors of VeRL's ``DataProto`` after rollout and reward, as its
   PPO/GRPO trainer reads them (``DataProto.from_dict(tensors=out["batch"],
   non_tensors=out["non_tensor_batch"])``).
-- :func:`to_nemo_rl`: NeMo RL's per-sample ``message_log`` and the flat training dict its
-  GRPO loop builds with ``batched_message_log_to_flat_message``.
+
+NeMo RL takes the farm's rollouts through NeMo Gym instead: the farm is a Gym agent server
+(prorl_farm/gym/, docs/trainers.md).
 
 docs/trainers.md names the files of each framework these layouts were matched against.
 """
@@ -181,57 +182,3 @@ def mask_runs(mask) -> list[tuple[int, int, int]]:
     starts = np.flatnonzero(np.diff(mask)) + 1
     edges = [0, *starts.tolist(), len(mask)]
     return [(a, b, int(mask[a])) for a, b in zip(edges, edges[1:])]
-
-
-def to_nemo_rl(groups, pad_token_id: int = 0, as_torch: bool = False) -> dict:
-    """NeMo RL: ``message_log`` per sample (the prompt as one ``user`` message; then each
-    run of sampled tokens as an ``assistant`` message with its ``generation_logprobs`` and
-    ``token_loss_mask`` 1, each run of other tokens, observations and template glue, as an
-    ``environment`` message with mask 0; ``token_ids`` in every message;
-    ``generation_versions``, the policy version that sampled each token, -1 where none
-    did), and the flat dict of its GRPO step: ``input_ids`` right-padded,
-    ``input_lengths``, ``token_mask``, ``generation_logprobs``, ``generation_versions``,
-    ``sample_mask``, ``total_reward`` and ``idx`` (the group); ``min_version`` and
-    ``max_version`` per sample beside them."""
-    groups = list(groups)
-    samples = _samples(groups)
-    logs = []
-    for _, job in samples:
-        res = job["result"]
-        response, mask = res["response_ids"], res["response_mask"]
-        vers = token_versions(res, job.get("policy_version"))
-        log = [{"role": "user", "token_ids": np.array(res["prompt_ids"], dtype=np.int64),
-                "token_loss_mask": np.zeros(len(res["prompt_ids"]), dtype=np.int64),
-                "generation_logprobs": np.zeros(len(res["prompt_ids"]), dtype=np.float32),
-                "generation_versions": np.full(len(res["prompt_ids"]), -1, dtype=np.int64)}]
-        for start, end, value in mask_runs(mask):
-            log.append({"role": "assistant" if value else "environment",
-                        "token_ids": np.array(response[start:end], dtype=np.int64),
-                        "token_loss_mask": np.full(end - start, value, dtype=np.int64),
-                        "generation_logprobs": np.array(res["response_logprobs"][start:end],
-                                                        dtype=np.float32),
-                        "generation_versions": vers[start:end].copy()})
-        logs.append(log)
-    lengths = np.array([sum(len(m["token_ids"]) for m in log) for log in logs], dtype=np.int64)
-    width = int(lengths.max())
-    input_ids = np.full((len(logs), width), pad_token_id, dtype=np.int64)
-    token_mask = np.zeros((len(logs), width), dtype=np.int64)
-    gen_logprobs = np.zeros((len(logs), width), dtype=np.float32)
-    gen_versions = np.full((len(logs), width), -1, dtype=np.int64)
-    for i, log in enumerate(logs):
-        at = 0
-        for m in log:
-            n = len(m["token_ids"])
-            input_ids[i, at:at + n] = m["token_ids"]
-            token_mask[i, at:at + n] = m["token_loss_mask"]
-            gen_logprobs[i, at:at + n] = m["generation_logprobs"]
-            gen_versions[i, at:at + n] = m["generation_versions"]
-            at += n
-    flat = {"input_ids": input_ids, "input_lengths": lengths, "token_mask": token_mask,
-            "generation_logprobs": gen_logprobs, "generation_versions": gen_versions,
-            "sample_mask": np.ones(len(logs), dtype=np.float32),
-            "total_reward": np.array([job["reward"] for _, job in samples], dtype=np.float32),
-            "idx": np.array([g for g, _ in samples], dtype=np.int64)}
-    oldest, newest = version_range(gen_versions)
-    return {"message_log": logs, "flat": _torch(flat, as_torch),
-            "min_version": oldest, "max_version": newest}
