@@ -5,9 +5,9 @@ the row with Gym's ``response`` (per model call its items, the last with the exa
 ``prompt_token_ids``/``generation_token_ids``/``generation_log_probs`` the farm stored,
 tool results as ``function_call_output``) and the farm's reward; NeMo RL's prefix rule
 holds. A failed job is masked with its failure, reward null (never 0). Bad rows are 422 in
-FastAPI's shape with the field named, and nothing is enqueued. Many rows at once are
-coalesced into few submits and waited on by one long-poll. ``/aggregate_metrics`` and
-Gym's session routes answer in Gym's shapes.
+FastAPI's shape with the field named, and nothing is enqueued. Many rows at once go into
+the server's one farm batch, waited on by one long-poll. ``/aggregate_metrics`` and Gym's
+session routes answer in Gym's shapes.
 
 Then NeMo Gym's own code (0.7.0, in .venv-gym: `make gym`; skipped where it is not
 installed, failed where REQUIRE_GYM=1 as `make test` sets): Gym's head server serves a
@@ -101,8 +101,9 @@ def _up(base: str) -> bool:
         return False
 
 
-def _batches(farm: FarmClient) -> int:
-    return len(farm._call("GET", "/v1/batches?limit=1000")["batches"])
+def _jobs(farm: FarmClient) -> int:
+    """Jobs the farm holds, over every batch."""
+    return sum(b["total"] for b in farm._call("GET", "/v1/batches?limit=1000")["batches"])
 
 
 def test_math_rows_come_back_token_exact_with_the_farms_reward(gym_farm):
@@ -165,11 +166,11 @@ def test_a_failed_job_is_masked_never_a_zero_reward(gym_farm):
 ])
 def test_a_bad_row_is_a_422_naming_the_field_and_nothing_is_enqueued(gym_farm, row, loc):
     base, farm, _ = gym_farm
-    before = _batches(farm)
+    before = _jobs(farm)
     resp = requests.post(base + "/run", json=row, timeout=30)
     assert resp.status_code == 422, resp.text
     assert loc in [d["loc"] for d in resp.json()["detail"]], resp.json()
-    assert _batches(farm) == before
+    assert _jobs(farm) == before
 
 
 def test_a_bad_row_among_good_ones_fails_alone(gym_farm):
@@ -188,17 +189,19 @@ def test_a_bad_row_among_good_ones_fails_alone(gym_farm):
                for a in answers[1::2] for d in a.json()["detail"])
 
 
-def test_many_rows_at_once_are_few_submits(gym_farm):
+def test_many_rows_at_once_share_the_servers_batch(gym_farm):
+    """128 rows at once: 128 jobs, all in the server's current farm batch (whose one results
+    stream every row in flight waits on)."""
     base, farm, _ = gym_farm
-    before = _batches(farm)
     row = {"responses_create_params": {"input": "x"},
            "prorl": {"handler": "synthetic", "instance": {"reward": 1.0}}}
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         answers = list(pool.map(lambda _: requests.post(base + "/run", json=row, timeout=120),
                                 range(128)))
     assert all(a.status_code == 200 and a.json()["reward"] == 1.0 for a in answers)
-    assert len({a.json()["prorl_job_id"] for a in answers}) == 128
-    assert _batches(farm) - before < 64  # coalesced: rows that came together, one submit
+    jobs = [farm.job(a.json()["prorl_job_id"]) for a in answers]
+    assert len({j["id"] for j in jobs}) == 128
+    assert len({j["batch_id"] for j in jobs}) == 1
 
 
 def test_aggregate_metrics_and_sessions_in_gyms_shapes(gym_farm):
