@@ -259,7 +259,8 @@ class LocalFarm:
         # Short (a sandbox's socket path must fit 107 bytes); removed with the farm.
         self.sandbox_dir = Path(f"/tmp/prs-grpo-{self.api_port}")
         env.update(PRORL_HOME=str(home), PRORL_API_PORT=str(self.api_port),
-                   PRORL_FLOWER_PORT=str(free_port()), PRORL_LOG_LEVEL="WARNING",
+                   PRORL_FLOWER_PORT=str(free_port()), PRORL_GYM_PORT="0",
+                   PRORL_LOG_LEVEL="WARNING",
                    PRORL_SANDBOX_DIR=str(self.sandbox_dir),
                    PRORL_TASK_EVENTS="0", PYTHONPATH=str(ROOT))
         home.mkdir(parents=True, exist_ok=True)

@@ -550,3 +550,18 @@ class ServedUrl(str):
     """A model server's URL, with its process (``proc``: a test may kill it)."""
 
     proc: subprocess.Popen
+
+
+def require_venv(python: Path, what: str, target: str, flag: str) -> str:
+    """The interpreter of a tool's own environment (``make TARGET`` builds it); skips the
+    test where it is not installed, or fails it where ``FLAG=1`` (as `make test` sets once
+    it installed it)."""
+    import pytest
+
+    if not python.exists():
+        why = f"{what}'s environment is not installed ({python}; `make {target}` makes it)"
+        if os.environ.get(flag) == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return str(python)
+

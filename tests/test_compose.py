@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not shutil.which("docker-compose"),
     reason="Debian's docker-compose is not installed (make test installs it)")]
 
-SERVICES = ("redis", "api", "init", "run", "eval", "flower", "dev-model")
+SERVICES = ("redis", "api", "init", "run", "eval", "flower", "gym", "dev-model")
 TOKEN = "compose-test-token"
 STALE_S = 15  # pools' heartbeats: how long a restarting pool has to come back
 
@@ -39,7 +39,8 @@ class Compose:
     def __init__(self, engine, work: Path):
         self.engine = engine
         self.project = f"prorlc{os.getpid()}"
-        self.ports = {name: free_port() for name in ("redis", "api", "flower", "model")}
+        self.ports = {name: free_port() for name in ("redis", "api", "flower", "gym",
+                                                     "model")}
         self.env = {**engine.env, "PRORL_API_TOKEN": TOKEN,
                     "PRORL_FLOWER_BASIC_AUTH": "ops:compose-test",
                     "PRORL_REDIS_IMAGE": REDIS, "PRORL_HEARTBEAT_STALE_S": str(STALE_S),
@@ -78,6 +79,11 @@ class Compose:
                                    "--address=127.0.0.1"],
                        "healthcheck": health("curl", "-fsS",
                                              f"http://127.0.0.1:{p['flower']}/healthcheck")},
+            "gym": {"environment": farm_env,
+                    "command": ["prorl-farm", "gym", "--host", "127.0.0.1", "--port",
+                                str(p["gym"]), "--farm", f"http://127.0.0.1:{p['api']}"],
+                    "healthcheck": health("curl", "-fsS",
+                                          f"http://127.0.0.1:{p['gym']}/healthz")},
             "dev-model": {"command": ["sh", "-c", "prorl-farm tiny-model /models/tiny && exec "
                                       "prorl-farm serve-model --model /models/tiny --host "
                                       f"127.0.0.1 --port {p['model']}"],
@@ -177,6 +183,12 @@ def test_compose_up_serves_recovers_and_goes_down(compose, docker_engine, tmp_pa
                                 for i in range(4)], n=2, deadline_s=240,
                        sampling={"max_tokens": 8, "temperature": 1.0, "max_turns": 2})
     ended = {}
+    # A NeMo Gym row through the gym service's /run: a farm job, answered in Gym's shape.
+    row = {"responses_create_params": {"input": "x"},
+           "prorl": {"handler": "synthetic", "instance": {"reward": 0.5}}}
+    out = requests.post(f"http://127.0.0.1:{c.ports['gym']}/run", json=row, timeout=120)
+    assert out.status_code == 200 and out.json()["reward"] == 0.5, out.text
+    assert farm.job(out.json()["prorl_job_id"])["state"] == "done"
     for sub in (synthetic, shell, math):
         jobs = list(farm.iter_results(sub["batch_id"], timeout_s=240))
         assert sorted(j["id"] for j in jobs) == sorted(sub["job_ids"])

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import pytest
 import requests
 
 from prorl_farm.trainer import FarmClient
-from tests.farm import ROOT, free_port, http_farm, stop_process, wait_until
+from tests.farm import ROOT, free_port, http_farm, require_venv, stop_process, wait_until
 from tests.policy_server import PolicyServer, text_planner, tool_call
 
 pytestmark = [pytest.mark.slow,
@@ -106,6 +105,25 @@ def _jobs(farm: FarmClient) -> int:
     return sum(b["total"] for b in farm._call("GET", "/v1/batches?limit=1000")["batches"])
 
 
+def _check_against_the_farm(farm: FarmClient, out: dict) -> dict:
+    """The row's ids, logprobs and reward are what the farm stored for its job, and each
+    turn's prompt extends everything before it (NeMo RL's rule)."""
+    job = farm.job(out["prorl_job_id"])
+    assert job["state"] == "done" and out["reward"] == job["reward"]
+    t = job["result"]
+    trained = [i for i in out["response"]["output"] if i.get("generation_token_ids")]
+    assert len(trained) == len(t["turns"])
+    seen: list[int] = []
+    for item, turn in zip(trained, t["turns"]):
+        lo, hi = turn["offset"], turn["offset"] + turn["generated"]
+        assert item["prompt_token_ids"] == t["prompt_ids"] + t["response_ids"][:lo]
+        assert item["generation_token_ids"] == t["response_ids"][lo:hi]
+        assert item["generation_log_probs"] == t["response_logprobs"][lo:hi]
+        assert item["prompt_token_ids"][:len(seen)] == seen
+        seen = item["prompt_token_ids"] + item["generation_token_ids"]
+    return job
+
+
 def test_math_rows_come_back_token_exact_with_the_farms_reward(gym_farm):
     base, farm, _ = gym_farm
     rows = [math_row("sq"), math_row("sq-wrong")]
@@ -118,20 +136,7 @@ def test_math_rows_come_back_token_exact_with_the_farms_reward(gym_farm):
     for row, out in zip(rows, (right, wrong)):
         assert {k: out[k] for k in row} == row  # the row comes back as sent
         assert out["mask_sample"] is False
-        job = farm.job(out["prorl_job_id"])
-        assert job["reward"] == out["reward"]
-        t = job["result"]
-        trained = [i for i in out["response"]["output"] if i.get("generation_token_ids")]
-        assert len(trained) == len(t["turns"])
-        seen: list[int] = []
-        for item, turn in zip(trained, t["turns"]):
-            lo, hi = turn["offset"], turn["offset"] + turn["generated"]
-            assert item["prompt_token_ids"] == t["prompt_ids"] + t["response_ids"][:lo]
-            assert item["generation_token_ids"] == t["response_ids"][lo:hi]
-            assert item["generation_log_probs"] == t["response_logprobs"][lo:hi]
-            # NeMo RL's rule: each turn's prompt begins with every token seen before it.
-            assert item["prompt_token_ids"][:len(seen)] == seen
-            seen = item["prompt_token_ids"] + item["generation_token_ids"]
+        _check_against_the_farm(farm, out)
     types = [i["type"] for i in right["response"]["output"]]
     assert types == ["function_call", "function_call_output", "message"], types
     call, result, answer = right["response"]["output"]
@@ -204,6 +209,21 @@ def test_many_rows_at_once_share_the_servers_batch(gym_farm):
     assert len({j["batch_id"] for j in jobs}) == 1
 
 
+def test_a_client_that_goes_away_cancels_its_rows_job(gym_farm):
+    base, farm, _ = gym_farm
+
+    def cancelled() -> int:
+        return sum(b["counts"]["cancelled"] for b in
+                   farm._call("GET", "/v1/batches?limit=1000")["batches"])
+
+    before = cancelled()
+    row = {"responses_create_params": {"input": "x"},
+           "prorl": {"handler": "synthetic", "instance": {"run_s": 60}}}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(base + "/run", json=row, timeout=2)  # gives up, closes
+    wait_until(lambda: cancelled() == before + 1, 30, 0.2, "the row's job cancelled")
+
+
 def test_aggregate_metrics_and_sessions_in_gyms_shapes(gym_farm):
     base, _, _ = gym_farm
     rows = [{"_ng_task_index": 0, "reward": 1.0}, {"_ng_task_index": 0, "reward": 0.0},
@@ -229,12 +249,7 @@ def test_aggregate_metrics_and_sessions_in_gyms_shapes(gym_farm):
 
 
 def require_gym() -> str:
-    if not GYM_PYTHON.exists():
-        why = f"NeMo Gym's environment is not installed ({GYM_PYTHON}; `make gym` makes it)"
-        if os.environ.get("REQUIRE_GYM") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return str(GYM_PYTHON)
+    return require_venv(GYM_PYTHON, "NeMo Gym", "gym", "REQUIRE_GYM")
 
 
 @pytest.fixture(scope="module")
@@ -297,25 +312,6 @@ def _two_task_types(n: int) -> list[dict]:
             row.pop(key, None)
         rows.append(row)
     return rows
-
-
-def _check_against_the_farm(farm: FarmClient, out: dict) -> dict:
-    """The row's ids, logprobs and reward are what the farm stored for its job, and each
-    turn's prompt extends everything before it (NeMo RL's rule)."""
-    job = farm.job(out["prorl_job_id"])
-    assert job["state"] == "done" and out["reward"] == job["reward"]
-    t = job["result"]
-    trained = [i for i in out["response"]["output"] if i.get("generation_token_ids")]
-    assert len(trained) == len(t["turns"])
-    seen: list[int] = []
-    for item, turn in zip(trained, t["turns"]):
-        lo, hi = turn["offset"], turn["offset"] + turn["generated"]
-        assert item["prompt_token_ids"] == t["prompt_ids"] + t["response_ids"][:lo]
-        assert item["generation_token_ids"] == t["response_ids"][lo:hi]
-        assert item["generation_log_probs"] == t["response_logprobs"][lo:hi]
-        assert item["prompt_token_ids"][:len(seen)] == seen
-        seen = item["prompt_token_ids"] + item["generation_token_ids"]
-    return job
 
 
 def test_ng_collect_rollouts_runs_64_rows_through_the_farm(gym_farm, gym_head, tmp_path):

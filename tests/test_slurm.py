@@ -10,6 +10,7 @@ import sys
 
 import psutil
 import pytest
+import requests
 
 from prorl_farm.trainer import FarmClient
 from tests.farm import ROOT, free_port, wait_until
@@ -50,6 +51,7 @@ def _farm_processes(shared) -> list[str]:
         try:
             cmd = " ".join(p.info["cmdline"] or [])
             if str(shared) in cmd or "prorl_farm.cli worker" in cmd or \
+                    "prorl_farm.cli gym" in cmd or \
                     "prorl_farm.celery_app" in cmd or "api.wsgi:app" in cmd:
                 out.append(f"{p.pid} {cmd[:120]}")
         except psutil.Error:
@@ -63,6 +65,7 @@ def _submit_env(shared, **settings) -> dict:
     env.update(PRORL_SHARED=str(shared), PRORL_FARM_DIR=str(ROOT), PRORL_PYTHON=sys.executable,
                PRORL_HEAD_HOST="127.0.0.1", PRORL_REDIS_PORT=str(free_port()),
                PRORL_API_PORT=str(free_port()), PRORL_FLOWER_PORT=str(free_port()),
+               PRORL_GYM_PORT=str(free_port()),
                PRORL_LOG_LEVEL="WARNING", **{f"PRORL_{k.upper()}": v for k, v in
                                               settings.items()})
     return env
@@ -82,6 +85,9 @@ def test_slurm_head_workers_scale_out_scancel_and_nothing_left(cluster, tmp_path
         farm = FarmClient(head_env["PRORL_URL"], token=head_env["PRORL_API_TOKEN"])
         wait_until(farm.ready, 90, 0.3, "the first worker node's pools")
         assert FarmClient(head_env["PRORL_URL"], token="").backends() == []  # reads open
+        # The head's NeMo Gym agent server, published beside the API.
+        assert requests.get(head_env["PRORL_GYM_URL"] + "/healthz", timeout=10).json() == \
+            {"status": "ok"}
         sub = farm.submit("synthetic", [{"run_s": 0.05}], n=8)
         jobs = list(farm.iter_results(sub["batch_id"], timeout_s=60))
         assert [j["state"] for j in jobs] == ["done"] * 8

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.farm import ROOT, http_farm, serve_model, wait_until
+from tests.farm import ROOT, http_farm, require_venv, serve_model, wait_until
 
 pytestmark = pytest.mark.slow
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
@@ -27,12 +27,7 @@ STOPS = list(range(300, 500))
 
 
 def require_verl() -> str:
-    if not VERL_PYTHON.exists():
-        why = f"VeRL's environment is not installed ({VERL_PYTHON}; `make verl` makes it)"
-        if os.environ.get("REQUIRE_VERL") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return str(VERL_PYTHON)
+    return require_venv(VERL_PYTHON, "VeRL", "verl", "REQUIRE_VERL")
 
 
 @pytest.fixture(scope="module")

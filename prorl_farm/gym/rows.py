@@ -38,6 +38,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from prorl_farm.agent.parsers import get_parser, split_reasoning
+from prorl_farm.errors import FarmError
 
 # NeMoGymResponseCreateParamsNonStreaming's fields (nemo-gym 0.7.0; it forbids others).
 CREATE_PARAMS = frozenset({
@@ -58,7 +59,7 @@ FAILURE_KINDS = {
 }
 
 
-class RowError(ValueError):
+class RowError(FarmError, ValueError):
     """A row the farm cannot take: ``errors`` are (location, message) pairs, the location
     a path into the row as Gym's FastAPI validation writes it."""
 

@@ -33,6 +33,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 from tornado.httpserver import HTTPServer
 from tornado.web import Application, HTTPError, RequestHandler
 
+from prorl_farm.errors import FarmError
 from prorl_farm.gym.rows import (
     RowError,
     Submission,
@@ -54,7 +55,7 @@ RETRY_S = (0.2, 0.5, 1, 2, 5)  # pauses after a failed call to the farm's API
 SESSION_KEEP_S = 300.0  # closed sessions remembered (Gym's retry window)
 
 
-class FarmUnavailable(RuntimeError):
+class FarmUnavailable(FarmError, RuntimeError):
     """The farm's API refused or could not be reached (the row is answered 502)."""
 
 
@@ -307,11 +308,16 @@ class RunHandler(_Base):
             return self.reply(422, {"detail": e.detail()})
         except FarmUnavailable as e:
             return self.reply(502, {"detail": str(e)})
-        self._job = (batch, job_id)
+        self._job, self._ended = (batch, job_id), ended
+        if getattr(self, "_gone", False):  # the client left while the row was submitted
+            self.on_connection_close()
+            return
         try:
             job = await ended
         except FarmUnavailable as e:
             return self.reply(502, {"detail": str(e)})
+        except asyncio.CancelledError:  # the client went away (on_connection_close)
+            return
         self._job = None
         self.reply(200, self.answer(row, job, sub))
 
@@ -319,9 +325,11 @@ class RunHandler(_Base):
         return run_answer(row, job, sub.parser)
 
     def on_connection_close(self) -> None:
-        job = getattr(self, "_job", None)
+        self._gone = True
+        job, self._job = getattr(self, "_job", None), None
         if job is not None:  # the client went away: its job is not wanted any more
             self.farm.forget(*job)
+            self._ended.cancel()
             asyncio.ensure_future(self.farm.cancel(job[1]))
 
 
