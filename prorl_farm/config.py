@@ -263,6 +263,8 @@ class Settings:
 DEPLOY_ENV = {
     "PRORL_API_PUBLISH": "compose: the host port the API is published on (8000)",
     "PRORL_FLOWER_PUBLISH": "compose: the host port Flower is published on (5555)",
+    "PRORL_GYM_PUBLISH": "compose: the host port the NeMo Gym agent server is published on "
+                         "(8010)",
     "PRORL_BASE_IMAGE": "compose: the base the farm's images build on "
                         "(python:3.11-slim-bookworm; deploy/base-image.sh makes one)",
     "PRORL_REDIS_IMAGE": "compose: the Redis image (redis:7-bookworm; deploy/base-image.sh "
@@ -278,6 +280,7 @@ DEPLOY_ENV = {
     "PRORL_REDIS_DIR": "Slurm: the head's Redis data (default: $PRORL_SHARED/redis)",
     "PRORL_REDIS_PASSWORD": "Slurm: the head's Redis password, in head.env",
     "PRORL_FLOWER_URL": "Slurm: Flower's address, in head.env",
+    "PRORL_GYM_URL": "Slurm: the NeMo Gym agent server's address, in head.env (empty: none)",
 }
 
 

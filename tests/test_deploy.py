@@ -18,7 +18,7 @@ from tests.farm import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
-SERVICES = {"redis", "api", "init", "run", "eval", "flower", "dev-model"}
+SERVICES = {"redis", "api", "init", "run", "eval", "flower", "gym", "dev-model"}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,8 @@ def test_every_prorl_name_is_a_setting(compose):
     text = COMPOSE.read_text()
     used = set(re.findall(r"\bPRORL_[A-Z_]+", text))
     # Names read by compose itself: host ports, images.
-    compose_only = {"PRORL_API_PUBLISH", "PRORL_FLOWER_PUBLISH", "PRORL_BASE_IMAGE",
-                    "PRORL_REDIS_IMAGE"}
+    compose_only = {"PRORL_API_PUBLISH", "PRORL_FLOWER_PUBLISH", "PRORL_GYM_PUBLISH",
+                    "PRORL_BASE_IMAGE", "PRORL_REDIS_IMAGE"}
     assert used - known - compose_only == set(), "not settings: " + str(used - known)
     assert used & compose_only <= {n for n in compose_only if f"${{{n}:-" in text}
     for svc in compose["services"].values():
