@@ -351,6 +351,31 @@ def test_ng_collect_rollouts_runs_64_rows_through_the_farm(gym_farm, gym_head, t
     assert metrics, "no aggregate metrics written"
 
 
+def test_ng_collect_rollouts_keeps_a_failed_row_masked_not_zero(gym_farm, gym_head, tmp_path):
+    """A row whose job fails, among rows that succeed, through Gym's own collector: exit 0;
+    the failed row is kept masked with its failure kind and no reward (Gym counts it
+    apart: "an infrastructure failure is not a score of zero")."""
+    _, farm, _ = gym_farm
+    _, _, config = gym_head
+    failing = {"responses_create_params": {"input": "x"},
+               "prorl": {"handler": "synthetic", "instance": {"fail_stage": "eval"}}}
+    rows = _two_task_types(2) + [failing]
+    inp, out = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    collect = Path(require_gym()).parent / "ng_collect_rollouts"
+    run = subprocess.run([str(collect), f"+config_paths=[{config}]",
+                          "+agent_name=prorl_farm_agent", f"+input_jsonl_fpath={inp}",
+                          f"+output_jsonl_fpath={out}", "+num_samples_in_parallel=4"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == len(rows)
+    [failed] = [r for r in results if r.get("mask_sample")]
+    assert failed["reward"] is None and failed["failure_kind"] == "agent_run_error"
+    assert farm.job(failed["prorl_job_id"])["state"] == "failed"
+    assert sorted(r["reward"] for r in results if not r.get("mask_sample")) == [1.0, 1.0]
+
+
 def test_nemo_rl_call_path_gives_the_verl_adapters_tensors(gym_farm, gym_head, tmp_path):
     """Rows as NeMo RL's ``NemoGym.run_rollouts`` sends them (``agent_ref``, ``_rowidx``)
     through Gym's ``RolloutCollectionHelper.run_examples``, each result laid out as NeMo
