@@ -314,6 +314,22 @@ def _two_task_types(n: int) -> list[dict]:
     return rows
 
 
+def _collect(config: Path, rows: list[dict], tmp_path: Path, parallel: int) -> list[dict]:
+    """``ng_collect_rollouts`` (Gym's CLI) over ``rows``; its output rows (exit 0)."""
+    inp, out = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    collect = Path(require_gym()).parent / "ng_collect_rollouts"
+    run = subprocess.run([str(collect), f"+config_paths=[{config}]",
+                          "+agent_name=prorl_farm_agent", f"+input_jsonl_fpath={inp}",
+                          f"+output_jsonl_fpath={out}",
+                          f"+num_samples_in_parallel={parallel}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == len(rows)
+    return results
+
+
 def test_ng_collect_rollouts_runs_64_rows_through_the_farm(gym_farm, gym_head, tmp_path):
     """`ng_collect_rollouts` (Gym's CLI) over 64 rows of two task types: exit 0, no
     failures, one output row per input, each valid as Gym's ``BaseVerifyResponse`` (the
@@ -321,18 +337,10 @@ def test_ng_collect_rollouts_runs_64_rows_through_the_farm(gym_farm, gym_head, t
     _, farm, _ = gym_farm
     _, _, config = gym_head
     rows = _two_task_types(64)
-    inp, out = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
-    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    collect = Path(require_gym()).parent / "ng_collect_rollouts"
-    run = subprocess.run([str(collect), f"+config_paths=[{config}]",
-                          "+agent_name=prorl_farm_agent", f"+input_jsonl_fpath={inp}",
-                          f"+output_jsonl_fpath={out}", "+num_samples_in_parallel=32"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = _collect(config, rows, tmp_path, 32)
+    out = tmp_path / "rollouts.jsonl"
     failures = tmp_path / "rollouts_failures.jsonl"
     assert not failures.exists() or not failures.read_text().strip()
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) == len(rows)
     checked = subprocess.run([require_gym(), GYM_SIDE, "validate", str(out)],
                              capture_output=True, text=True, timeout=120, check=True)
     valid = [json.loads(line) for line in checked.stdout.splitlines()]
@@ -359,17 +367,7 @@ def test_ng_collect_rollouts_keeps_a_failed_row_masked_not_zero(gym_farm, gym_he
     _, _, config = gym_head
     failing = {"responses_create_params": {"input": "x"},
                "prorl": {"handler": "synthetic", "instance": {"fail_stage": "eval"}}}
-    rows = _two_task_types(2) + [failing]
-    inp, out = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
-    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    collect = Path(require_gym()).parent / "ng_collect_rollouts"
-    run = subprocess.run([str(collect), f"+config_paths=[{config}]",
-                          "+agent_name=prorl_farm_agent", f"+input_jsonl_fpath={inp}",
-                          f"+output_jsonl_fpath={out}", "+num_samples_in_parallel=4"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) == len(rows)
+    results = _collect(config, _two_task_types(2) + [failing], tmp_path, 4)
     [failed] = [r for r in results if r.get("mask_sample")]
     assert failed["reward"] is None and failed["failure_kind"] == "agent_run_error"
     assert farm.job(failed["prorl_job_id"])["state"] == "failed"
