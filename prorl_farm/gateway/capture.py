@@ -112,7 +112,6 @@ class Capture:
     splits: list[dict] = field(default_factory=list)
     _seen: list[dict] = field(default_factory=list)  # the conversation so far, normalised
     _tools: list | None = None
-    _mid_system: bool | None = None  # does the template take a system message later on?
     _undo: tuple | None = None
     # The last call's messages as sent, and as placed.
     _last_placed: tuple[list, list] = field(default_factory=lambda: ([], []))
@@ -135,9 +134,7 @@ class Capture:
     def _place(self, conversation: list[dict], first: bool) -> list[dict]:
         """Later system messages placed as the template allows (``first``: the conversation
         from its beginning)."""
-        if self._mid_system is None:
-            self._mid_system = self.chat.accepts_mid_system()
-        if self._mid_system:
+        if self.chat.accepts_mid_system():  # probed once per tokenizer
             return conversation
         if first:
             lead = next((i for i, m in enumerate(conversation) if m["role"] != "system"),

@@ -187,9 +187,14 @@ class Farm:
         waiting = self._waiting.get(batch)
         if waiting is not None:
             waiting.pop(job_id, None)
-            if not waiting and batch != self._batch:
-                self._waiting.pop(batch, None)
-                self._cursors.pop(batch, None)
+            self._drop_if_idle(batch)
+
+    def _drop_if_idle(self, batch: str) -> None:
+        """Stop reading a batch no row waits on, but for the current one (rows still join
+        it: its cursor stays)."""
+        if not self._waiting.get(batch) and batch != self._batch:
+            self._waiting.pop(batch, None)
+            self._cursors.pop(batch, None)
 
     def _kick(self) -> None:
         if self._polls < MAX_POLLS:
@@ -241,9 +246,7 @@ class Farm:
                     future.set_result(job)
             if _cursor_key(page["cursor"]) > _cursor_key(self._cursors.get(batch, "0-0")):
                 self._cursors[batch] = page["cursor"]
-            if not waiting and batch != self._batch:  # the current one: its cursor stays
-                self._waiting.pop(batch, None)
-                self._cursors.pop(batch, None)
+            self._drop_if_idle(batch)
 
     async def cancel(self, job_id: str) -> None:
         try:
