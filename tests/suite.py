@@ -3,8 +3,9 @@
 Phases: ruff; the tests that can run side by side, on ``--workers`` pytest-xdist workers
 (``--dist loadgroup``: the tests that share one real part, vLLM or the Docker engine, run
 on one worker, which starts it once); then the tests marked ``serial`` (they need the
-machine alone), on their own. At the end: the 15 slowest tests and the time of each phase,
-installs included when ``--installs-since`` says when they began (`make test`)::
+machine alone), on their own. At the end: the 15 slowest tests, the time of each phase
+(installs included when ``--installs-since`` says when they began: `make test`), and each
+failed test with its reason::
 
     tests/suite.py [--check] [--workers N] [--installs-since EPOCH] [-- PYTEST_ARGS...]
 
@@ -88,6 +89,23 @@ def hungriest(paths, n: int = 15) -> tuple[list[tuple[float, str]], float]:
     return sorted(times, reverse=True)[:n], sum(s for s, _ in times)
 
 
+def failures(paths, width: int = 2000) -> list[str]:
+    """Each failed or erroring test of these JUnit XML files with why: its message and the
+    last lines of its report (the ``E`` lines and where), cut to ``width`` characters, so that
+    the end of a long run's output says what failed even where its middle is cut."""
+    out = []
+    for path in paths:
+        for case in ET.parse(path).getroot().iter("testcase"):
+            for bad in (*case.iter("failure"), *case.iter("error")):
+                name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+                lines = (bad.text or "").rstrip().splitlines()
+                why = [line for line in lines if line.startswith("E ")][:12] or lines[-12:]
+                where = [line for line in lines[-3:] if ".py:" in line]
+                text = "\n".join([f"{bad.tag}: {name}", *why, *where])
+                out.append(text if len(text) <= width else text[:width] + " [...]")
+    return out
+
+
 def _report(phases: list[tuple[str, float, int]]) -> None:
     print("\n=== the 15 slowest tests (seconds, setup and teardown included)")
     for seconds, name in slowest(sorted(RESULTS.glob("*.xml"))):
@@ -103,6 +121,10 @@ def _report(phases: list[tuple[str, float, int]]) -> None:
         status = "" if rc in (0, NO_TESTS) else f"  (exit status {rc})"
         print(f"{seconds / 60:6.1f} min  {name}{status}")
     print(f"{sum(s for _, s, _ in phases) / 60:6.1f} min  in all", flush=True)
+    bad = failures(sorted(RESULTS.glob("*.xml")))
+    if bad:
+        print(f"\n=== {len(bad)} failed, and why (their whole reports are above)")
+        print("\n\n".join(bad), flush=True)
 
 
 if __name__ == "__main__":

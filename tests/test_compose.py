@@ -59,7 +59,7 @@ class Compose:
         redis_url = f"redis://127.0.0.1:{p['redis']}/0"
 
         def health(*test: str) -> dict:
-            return {"test": ["CMD", *test], "interval": "1s", "timeout": "5s",
+            return {"test": ["CMD", *test], "interval": "1s", "timeout": "15s",
                     "retries": 30, "start_period": "0s"}
 
         farm_env = {"PRORL_REDIS_URL": redis_url}
@@ -149,7 +149,8 @@ def _wait_healthy(c: Compose, timeout_s: float = 300) -> float:
     try:
         wait_until(c.healthy, timeout_s, 0.5, "every service healthy")
     except Exception:
-        raise AssertionError(f"{c.health()}\n{c.logs()}") from None
+        raise AssertionError(f"not every service healthy: {c.health()}\n{c.logs()}"
+                             ) from None
     return time.monotonic() - t
 
 
@@ -230,15 +231,15 @@ def test_compose_up_serves_recovers_and_goes_down(compose, docker_engine, tmp_pa
     queued = farm.submit("synthetic", [{"run_s": 1.0}], n=24)
     t = time.monotonic()
     docker_engine.run("restart", "-t", "5", c.container("redis"))
-    wait_until(farm.ready, 120, 0.5, "the API back on Redis")
-    jobs = list(farm.iter_results(queued["batch_id"], timeout_s=240))
+    wait_until(farm.ready, 240, 0.5, "the API back on Redis")
+    jobs = list(farm.iter_results(queued["batch_id"], timeout_s=420))
     figures["batch_done_after_redis_restart_s"] = time.monotonic() - t
     assert sorted(j["id"] for j in jobs) == sorted(queued["job_ids"])
     assert all(j["state"] == "done" for j in jobs), [j.get("failure") for j in jobs]
     assert {b["batch_id"] for b in before} <= {b["batch_id"] for b in farm.batches()}
     for batch_id, jobs in ended.items():
         assert farm.batch(batch_id)["counts"].get("done") == len(jobs)
-    _wait_healthy(c, 120)
+    _wait_healthy(c, 300)
 
     # down: nothing of the project is left (containers, networks, volumes, sandboxes).
     c("--profile", "dev", "down", "-v", "-t", "30")
