@@ -104,7 +104,8 @@ def _cmd_gym(args) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
-        await serve(args.host or s.api_host, port, args.farm or s.url, s.api_token)
+        await serve(args.host or s.api_host, port, args.farm or s.url, s.api_token,
+                    resources_server=args.resources_server or s.gym_resources_server)
 
     try:
         asyncio.run(main())
@@ -314,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, help="port (default: PRORL_GYM_PORT)")
     g.add_argument("--farm", help="the farm's API (default: PRORL_URL); PRORL_API_TOKEN is "
                    "sent where set")
+    g.add_argument("--resources-server", metavar="URL",
+                   help="a Gym resources server: rows naming no farm task run on it as `gym` "
+                   "jobs (default: PRORL_GYM_RESOURCES_SERVER)")
     g.set_defaults(func=_cmd_gym)
     sm = sub.add_parser("serve-model", help="serve a local causal LM on the CPU: the farm's "
                         "dev server (vLLM and SGLang routes) or vLLM's CPU build")

@@ -109,6 +109,10 @@ class Settings:
     gym_port: int = setting(
         8010, "the NeMo Gym agent server's port (`prorl-farm gym`; `up` starts it on the "
         "API's host; 0: `up` does not)", lo=0, hi=65535)
+    gym_resources_server: str = setting(
+        "", "a NeMo Gym resources server (URL) that the Gym agent server runs rows naming no "
+        "farm task on, as `gym` jobs (empty: such rows are graded by expected_answer)",
+        pattern=r"^(https?://\S+)?$")
     url: str = setting("http://127.0.0.1:8000",
                        "the farm the CLI's `submit`, `watch`, `export`, `validate` talk to")
     log_level: str = setting("INFO", "log level of every farm process", choices=LOG_LEVELS)
@@ -226,7 +230,8 @@ class Settings:
         "", "Bearer token for every mutating API call (clients send it too)", shown="unset")
     api_read_auth: bool = setting(False, "the token for every read too, but the probes")
     backend_allow: str = setting(
-        "", "hosts and CIDRs (besides loopback) whose URLs may be registered as LLM backends",
+        "", "hosts and CIDRs (besides loopback) whose URLs may be registered as LLM backends "
+        "or named as Gym resources servers (`gym` jobs)",
         shown="loopback only")
     requeue_on_stop: bool = setting(
         False, "on SIGTERM re-queue what the pool holds at once instead of finishing it (nodes "

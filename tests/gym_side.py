@@ -11,6 +11,11 @@
                                                             as NeMo RL's NemoGym.run_rollouts
                                                             calls it, each result laid out as
                                                             NeMo RL's postprocess does
+    python tests/gym_side.py counter PORT                   Gym's example_session_state_mgmt
+                                                            resources server (a counter per
+                                                            session), built as Gym's own
+                                                            tests build its servers, served
+                                                            by uvicorn with its access log
 """
 
 from __future__ import annotations
@@ -29,6 +34,23 @@ def head() -> None:
     server.mark_ready()
     print("ready", flush=True)
     thread.join()
+
+
+def counter(port: str) -> None:
+    from unittest.mock import MagicMock
+
+    import uvicorn
+    from nemo_gym.server_utils import ServerClient
+    from resources_servers.example_session_state_mgmt.app import (
+        StatefulCounterResourcesServer,
+        StatefulCounterResourcesServerConfig,
+    )
+
+    config = StatefulCounterResourcesServerConfig(host="127.0.0.1", port=int(port),
+                                                  entrypoint="", name="counter")
+    server = StatefulCounterResourcesServer(config=config,
+                                            server_client=MagicMock(spec=ServerClient))
+    uvicorn.run(server.setup_webserver(), host="127.0.0.1", port=int(port), log_level="info")
 
 
 def validate(path: str) -> None:
@@ -98,4 +120,4 @@ if __name__ == "__main__":
         sys.argv = [sys.argv[0], *args]
         head()
     else:
-        {"validate": validate, "nemo_rl": nemo_rl}[what](*args)
+        {"validate": validate, "nemo_rl": nemo_rl, "counter": counter}[what](*args)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,38 @@ PLANS = {
 }
 GYM_PYTHON = ROOT / ".venv-gym" / "bin" / "python"
 GYM_SIDE = str(ROOT / "tests" / "gym_side.py")
+
+
+COUNTER = re.compile(r"add (\d+) then add (\d+) then get the count")
+# What a policy that reaches for the grader tries (each a tool the row does not declare).
+FORGE = [tool_call("verify", expected_count=0), tool_call("seed_session", initial_count=99),
+         tool_call("../verify"), tool_call("increment_counter/../verify"),
+         tool_call("close_session"), tool_call("aggregate_metrics"), "It is done."]
+
+
+def planner(tokenizer_path: str):
+    """The [case:] plans (text_planner), and a policy for the rows of Gym's
+    example_session_state_mgmt dataset ("add A then add B then get the count"): it adds A,
+    adds B, reads the counter, answers; with [case:forge] it calls the grader's routes."""
+    from transformers import AutoTokenizer
+
+    cases = text_planner(tokenizer_path, {**PLANS, "forge": FORGE})
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def plan(prompt: list[int], max_tokens: int):
+        text = tok.decode(prompt, skip_special_tokens=False)
+        m = COUNTER.search(text)
+        if m is None or "[case:" in text:
+            return cases(prompt, max_tokens)
+        steps = [tool_call("increment_counter", count=int(m[1])),
+                 tool_call("increment_counter", count=int(m[2])),
+                 tool_call("get_counter_value"), "That is the count."]
+        turn = max(0, text.count("<|im_start|>assistant") - 1)
+        ids = [*tok.encode(steps[min(turn, len(steps) - 1)], add_special_tokens=False), end]
+        return (ids, "stop") if len(ids) <= max_tokens else (ids[:max_tokens], "length")
+
+    return plan
 
 
 def math_row(case: str, answer: str = "49", **extra) -> dict:
@@ -69,7 +102,7 @@ def gym_farm(redis_server, tiny_model, tmp_path_factory):
     _clear(left)
     left.close()
     log_dir = tmp_path_factory.mktemp("gym")
-    server = PolicyServer(planner=text_planner(str(tiny_model), PLANS))
+    server = PolicyServer(planner=planner(str(tiny_model)))
     try:
         with http_farm(redis_server.url, log_dir, "gym", run_concurrency=16) as (url, env):
             farm = FarmClient(url)
@@ -93,9 +126,9 @@ def gym_farm(redis_server, tiny_model, tmp_path_factory):
         server.kill()
 
 
-def _up(base: str) -> bool:
+def _up(base: str, path: str = "/healthz") -> bool:
     try:
-        return requests.get(base + "/healthz", timeout=1).status_code == 200
+        return requests.get(base + path, timeout=1).status_code == 200
     except OSError:
         return False
 
@@ -150,7 +183,7 @@ def test_a_failed_job_is_masked_never_a_zero_reward(gym_farm):
            "prorl": {"handler": "synthetic", "instance": {"fail_stage": "eval"}}}
     out = requests.post(base + "/run", json=row, timeout=60).json()
     assert out["mask_sample"] is True and out["reward"] is None
-    assert out["failure_kind"] == "agent_run_error" and out["failure_reason"]
+    assert out["failure_kind"] == "verifier_error" and out["failure_reason"]
     assert farm.job(out["prorl_job_id"])["state"] == "failed"
 
 
@@ -168,6 +201,28 @@ def test_a_failed_job_is_masked_never_a_zero_reward(gym_farm):
      ["body", "prorl", "instance", "answer"]),
     ({"responses_create_params": {"input": "x"},
       "prorl": {"handler": "nope", "instance": {}}}, ["body", "prorl", "handler"]),
+    # A Gym resources server's row: a tool named like one of the server's own routes would
+    # let the policy call the grader; a tool that is not a function has nothing to run it.
+    ({"responses_create_params": {"input": "x", "tools": [
+        {"type": "function", "name": "verify", "parameters": {}}]},
+      "prorl": {"resources_server": "http://127.0.0.1:9"}},
+     ["body", "responses_create_params", "tools"]),
+    ({"responses_create_params": {"input": "x", "tools": [
+        {"type": "function", "name": "../verify", "parameters": {}}]},
+      "prorl": {"resources_server": "http://127.0.0.1:9"}},
+     ["body", "responses_create_params", "tools"]),
+    ({"responses_create_params": {"input": "x", "tools": [{"type": "web_search"}]},
+      "prorl": {"resources_server": "http://127.0.0.1:9"}},
+     ["body", "responses_create_params", "tools"]),
+    ({"responses_create_params": {"input": "x", "tools": [
+        {"type": "function", "name": "f", "parameters": {}}]},
+      "prorl": {"resources_server": "file:///etc/passwd"}},
+     ["body", "prorl", "resources_server"]),
+    # ... and the farm's workers POST only where its backends may be (PRORL_BACKEND_ALLOW).
+    ({"responses_create_params": {"input": "x", "tools": [
+        {"type": "function", "name": "f", "parameters": {}}]},
+      "prorl": {"resources_server": "http://10.255.1.2:8080"}},
+     ["body", "prorl", "resources_server"]),
 ])
 def test_a_bad_row_is_a_422_naming_the_field_and_nothing_is_enqueued(gym_farm, row, loc):
     base, farm, _ = gym_farm
@@ -176,6 +231,20 @@ def test_a_bad_row_is_a_422_naming_the_field_and_nothing_is_enqueued(gym_farm, r
     assert resp.status_code == 422, resp.text
     assert loc in [d["loc"] for d in resp.json()["detail"]], resp.json()
     assert _jobs(farm) == before
+
+
+def test_an_unreachable_resources_server_masks_the_row_never_a_zero(gym_farm):
+    """A ``gym`` row whose resources server cannot be reached: the job fails at INIT (its
+    /seed_session), and the row comes back masked with the failure, reward null."""
+    base, farm, _ = gym_farm
+    row = {"responses_create_params": {"input": "[case:hi] count", "tools": [
+        {"type": "function", "name": "increment_counter", "parameters": {}}]},
+        "prorl": {"resources_server": f"http://127.0.0.1:{free_port()}"}, "expected_count": 1}
+    out = requests.post(base + "/run", json=row, timeout=60).json()
+    assert out["mask_sample"] is True and out["reward"] is None, out
+    assert out["failure_kind"] == "session_lost" and "seed_session" in out["failure_reason"]
+    job = farm.job(out["prorl_job_id"])
+    assert (job["handler"], job["state"]) == ("gym", "failed")
 
 
 def test_a_bad_row_among_good_ones_fails_alone(gym_farm):
@@ -253,7 +322,36 @@ def require_gym() -> str:
 
 
 @pytest.fixture(scope="module")
-def gym_head(gym_farm, tmp_path_factory):
+def counter_gym(gym_farm, tmp_path_factory):
+    """Gym's own example_session_state_mgmt resources server (tests/gym_side.py counter), and
+    a second `prorl-farm gym` whose rows all run on it (``--resources-server``). Yields
+    (that Gym server's URL, the resources server's access log)."""
+    python = require_gym()
+    _, farm, _ = gym_farm
+    tmp = tmp_path_factory.mktemp("counter")
+    port, gym_port = free_port(), free_port()
+    access = tmp / "counter.log"
+    procs = []
+    with open(access, "ab") as log:
+        procs.append(subprocess.Popen([python, GYM_SIDE, "counter", str(port)], cwd=tmp,
+                                      stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "prorl_farm.cli", "gym", "--port", str(gym_port), "--farm",
+             farm.base_url, "--resources-server", f"http://127.0.0.1:{port}"], cwd=ROOT,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    base = f"http://127.0.0.1:{gym_port}"
+    try:
+        wait_until(lambda: _up(base) and _up(f"http://127.0.0.1:{port}", "/docs"), 90, 0.2,
+                   "Gym's counter resources server and its Gym server")
+        yield base, access
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def gym_head(gym_farm, counter_gym, tmp_path_factory):
     """Gym's head server (its own HeadServer, no Ray) serving a config with the farm behind
     both entries an agent needs: the agent server and its legacy_agent environment server.
     Yields (host, port, config path)."""
@@ -279,6 +377,23 @@ prorl_farm_environment_server:
       agent_server:
         type: responses_api_agents
         name: prorl_farm_agent
+      max_concurrent_episodes: null
+      queue_timeout_seconds: null
+      default_episode_timeout_seconds: 21600
+      cleanup_timeout_seconds: 180
+prorl_farm_counter:
+  responses_api_agents:
+    prorl_farm:
+      host: 127.0.0.1
+      port: {counter_gym[0].rsplit(":", 1)[1]}
+prorl_farm_counter_environment_server:
+  environment_servers:
+    legacy_agent:
+      host: 127.0.0.1
+      port: {counter_gym[0].rsplit(":", 1)[1]}
+      agent_server:
+        type: responses_api_agents
+        name: prorl_farm_counter
       max_concurrent_episodes: null
       queue_timeout_seconds: null
       default_episode_timeout_seconds: 21600
@@ -314,13 +429,14 @@ def _two_task_types(n: int) -> list[dict]:
     return rows
 
 
-def _collect(config: Path, rows: list[dict], tmp_path: Path, parallel: int) -> list[dict]:
+def _collect(config: Path, rows: list[dict], tmp_path: Path, parallel: int,
+             agent: str = "prorl_farm_agent") -> list[dict]:
     """``ng_collect_rollouts`` (Gym's CLI) over ``rows``; its output rows (exit 0)."""
     inp, out = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     collect = Path(require_gym()).parent / "ng_collect_rollouts"
     run = subprocess.run([str(collect), f"+config_paths=[{config}]",
-                          "+agent_name=prorl_farm_agent", f"+input_jsonl_fpath={inp}",
+                          f"+agent_name={agent}", f"+input_jsonl_fpath={inp}",
                           f"+output_jsonl_fpath={out}",
                           f"+num_samples_in_parallel={parallel}"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -369,7 +485,7 @@ def test_ng_collect_rollouts_keeps_a_failed_row_masked_not_zero(gym_farm, gym_he
                "prorl": {"handler": "synthetic", "instance": {"fail_stage": "eval"}}}
     results = _collect(config, _two_task_types(2) + [failing], tmp_path, 4)
     [failed] = [r for r in results if r.get("mask_sample")]
-    assert failed["reward"] is None and failed["failure_kind"] == "agent_run_error"
+    assert failed["reward"] is None and failed["failure_kind"] == "verifier_error"
     assert farm.job(failed["prorl_job_id"])["state"] == "failed"
     assert sorted(r["reward"] for r in results if not r.get("mask_sample")) == [1.0, 1.0]
 
@@ -412,3 +528,72 @@ def test_nemo_rl_call_path_gives_the_verl_adapters_tensors(gym_farm, gym_head, t
         assert not any(x["token_loss_mask"][:len(prompt)])
         assert verl["response_mask"][i][n_resp:].sum() == 0  # nothing sampled after it
         assert attn[:p_len].sum() == len(prompt)
+
+
+COUNTER_ROWS = (Path(GYM_PYTHON).parent.parent / "lib" / "python3.13" / "site-packages" /
+                "resources_servers" / "example_session_state_mgmt" / "data" / "example.jsonl")
+COUNTER_ROUTES = {"/seed_session", "/increment_counter", "/get_counter_value", "/verify"}
+
+
+def _routes(access: Path) -> list[str]:
+    """The paths the resources server was asked for (uvicorn's access log), in order."""
+    return re.findall(r'"POST (\S+) HTTP', access.read_text())
+
+
+def test_gyms_own_resources_server_grades_rows_run_on_the_farm(gym_farm, gym_head, counter_gym,
+                                                               tmp_path):
+    """Gym's example_session_state_mgmt environment (its resources server, its dataset as
+    shipped) through ``ng_collect_rollouts`` and the farm: each row a ``gym`` job that seeds
+    the server's session (the row's ``initial_count``), calls its tools on that session
+    (the counter grows in the server), and takes its reward from the server's ``/verify``
+    (the counter against ``expected_count``). The same rows with a wrong ``expected_count``
+    earn 0: the reward is the server's verdict on the session's state. Every row is token-
+    exact against its farm job, and the tool outputs are the server's own."""
+    _, farm, _ = gym_farm
+    _, _, config = gym_head
+    _, access = counter_gym
+    shipped = [json.loads(line) for line in COUNTER_ROWS.read_text().splitlines()]
+    wrong = [{**r, "expected_count": r["expected_count"] + 1} for r in shipped]
+    before = len(_routes(access))
+    results = _collect(config, shipped + wrong, tmp_path, 8, agent="prorl_farm_counter")
+    assert sorted(r["reward"] for r in results) == [0.0] * len(wrong) + [1.0] * len(shipped)
+    for res in results:  # in the order they ended
+        job = _check_against_the_farm(farm, res)
+        assert job["handler"] == "gym"
+        m = COUNTER.search(res["responses_create_params"]["input"][0]["content"])
+        count = res["initial_count"] + int(m[1]) + int(m[2])
+        assert res["reward"] == float(res["expected_count"] == count)
+        calls = [i for i in res["response"]["output"] if i["type"] == "function_call"]
+        outs = [json.loads(i["output"]) for i in res["response"]["output"]
+                if i["type"] == "function_call_output"]
+        assert [c["name"] for c in calls] == ["increment_counter", "increment_counter",
+                                              "get_counter_value"]
+        assert outs == [{"success": True}, {"success": True}, {"count": count}]
+    routes = _routes(access)[before:]
+    assert set(routes) == COUNTER_ROUTES
+    assert routes.count("/seed_session") == routes.count("/verify") == len(results)
+
+
+def test_a_policy_reaches_the_resources_server_only_through_the_rows_tools(
+        gym_farm, counter_gym):
+    """The policy as an adversary: it calls the server's own routes as tools (``verify``,
+    ``seed_session`` to reset its count, ``close_session``, ``aggregate_metrics``) and
+    paths that climb out of a tool's (``../verify``, ``increment_counter/../verify``).
+    None leaves the farm: each is an unknown tool to the model, the server sees one
+    seed_session and one verify per job (the farm's own), and the reward stays 0."""
+    base, access = counter_gym
+    _, farm, _ = gym_farm
+    row = json.loads(COUNTER_ROWS.read_text().splitlines()[0])
+    row["responses_create_params"]["input"][0]["content"] += " [case:forge]"
+    before = len(_routes(access))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: requests.post(base + "/run", json=row, timeout=120),
+                                range(4)))
+    for a in answers:
+        out = a.json()
+        assert a.status_code == 200 and out["reward"] == 0.0 and not out["mask_sample"], out
+        job = farm.job(out["prorl_job_id"])
+        tool_msgs = [m["content"] for m in job["result"]["messages"] if m["role"] == "tool"]
+        assert len(tool_msgs) == 6 and all("unknown tool" in m for m in tool_msgs), tool_msgs
+    routes = _routes(access)[before:]
+    assert sorted(routes) == sorted(["/seed_session", "/verify"] * 4), routes

@@ -79,8 +79,11 @@ class Episode:
 
 
 def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser: ToolParser,
-                limits: AgentLimits, runner: ToolRunner | None) -> tuple[Trajectory, Episode]:
-    """Drive one episode; returns the trajectory and what happened. Raises on backend
+                limits: AgentLimits, runner: ToolRunner | None,
+                schemas: dict[str, dict] | None = None) -> tuple[Trajectory, Episode]:
+    """Drive one episode; returns the trajectory and what happened. ``tools`` are names of
+    the farm's own tools (``SCHEMAS``) or of ``schemas`` (a task's own, which ``runner``
+    runs). Raises on backend
     failure (BackendUnavailable) and cancellation. A passed deadline raises StageTimeout:
     the job fails ``timeout`` (a deadline is never graded as a zero reward), carrying the
     episode so far, end reason ``timeout``, when at least one turn was taken."""
@@ -89,8 +92,8 @@ def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser:
                              request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
     with session:
         first = session.backend()
-        schemas = [SCHEMAS[t] for t in tools] or None
-        traj = Trajectory.start(load_chat_tokens(first.tokenizer), messages, schemas)
+        offered = [(schemas or {}).get(t) or SCHEMAS[t] for t in tools] or None
+        traj = Trajectory.start(load_chat_tokens(first.tokenizer), messages, offered)
         ep = Episode()
         offered = set(tools)
         try:

@@ -8,6 +8,10 @@ row becomes (docs/trainers.md, "NeMo Gym"):
 
 - ``prorl: {"handler": NAME, "instance": {...}, "deadline_s": S}``: that farm task, as
   given (any handler: ``math``, ``swe``, ``code``, an ``agent`` harness...);
+- ``prorl: {"resources_server": URL, "deadline_s": S}``, or any row when the Gym server has
+  a ``--resources-server``: ``gym``, the environment of that Gym resources server
+  (handlers/gym.py: its ``/seed_session``, the row's function tools on it, its ``/verify``
+  for the reward), the row sent to it as Gym's own agent sends it;
 - else ``expected_answer`` (Gym's math datasets): ``math``, the row's last user message
   the problem as written (``prompt_template: "{problem}"``), its ``developer``/``system``
   messages and ``instructions`` the system prompt, the farm's ``python`` tool offered, the
@@ -55,6 +59,7 @@ FAILURE_KINDS = {
     "timeout": "agent_timeout", "cancelled": "cancelled",
     "backend_unavailable": "provider_unavailable", "backend_error": "provider_unavailable",
     "sandbox_error": "session_lost", "grading_error": "verifier_error",
+    "init_error": "session_lost", "eval_error": "verifier_error",
     "harness_error": "agent_run_error", "lost": "kill_shaped", "requeue_limit": "kill_shaped",
 }
 
@@ -83,6 +88,7 @@ class Submission:
     deadline_s: float | None = None
     parser: str = "hermes"
     where: tuple = ("responses_create_params",)  # what the farm's refusal of it points at
+    fields: dict = field(default_factory=dict)  # instance fields found elsewhere in the row
     key: str = field(init=False)
 
     def __post_init__(self):
@@ -151,8 +157,26 @@ def _sampling(row: dict, params: dict) -> dict:
     return out
 
 
-def to_submission(row) -> Submission:
-    """The farm job of a Gym row, or :class:`RowError` naming what is wrong."""
+def _gym(row: dict, params: dict, sampling: dict, server, deadline_s=None) -> Submission:
+    """A row for a Gym resources server: the farm's ``gym`` task (handlers/gym.py)."""
+    from prorl_farm.handlers.gym import _tool_errors
+
+    if not isinstance(server, str) or not server.startswith(("http://", "https://")):
+        raise RowError([(("prorl", "resources_server"), "the resources server's URL "
+                                                        "(http:// or https://)")])
+    messages_of(params)
+    errors = _tool_errors(params.get("tools"))
+    if errors:
+        raise RowError([(("responses_create_params", "tools"), "; ".join(errors))])
+    task = {k: v for k, v in row.items() if k not in ("prorl", "prorl_sampling")}
+    return Submission("gym", {"server": server, "row": task}, sampling, deadline_s,
+                      fields={"server": ("prorl", "resources_server"), "row": ()})
+
+
+def to_submission(row, resources_server: str | None = None) -> Submission:
+    """The farm job of a Gym row, or :class:`RowError` naming what is wrong.
+    ``resources_server``: where rows that name no farm task go (the Gym server's
+    ``--resources-server``)."""
     if not isinstance(row, dict):
         raise RowError([((), "a JSON object")])
     params = row.get("responses_create_params")
@@ -171,16 +195,23 @@ def to_submission(row) -> Submission:
     sampling = _sampling(row, params)
     explicit = row.get("prorl")
     if explicit is not None:
-        if not isinstance(explicit, dict) or not isinstance(explicit.get("handler"), str) or \
-                not isinstance(explicit.get("instance"), dict):
+        if not isinstance(explicit, dict) or not (
+                "resources_server" in explicit or isinstance(explicit.get("handler"), str)
+                and isinstance(explicit.get("instance"), dict)):
             raise RowError([(("prorl",), "an object with 'handler' (a farm task type) and "
-                                         "'instance' (its instance)")])
+                                         "'instance' (its instance), or with "
+                                         "'resources_server' (a Gym resources server's URL)")])
         deadline = explicit.get("deadline_s")
-        if deadline is not None and (not isinstance(deadline, (int, float)) or deadline <= 0):
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(
+                deadline, (int, float)) or not 0 < deadline < math.inf):
             raise RowError([(("prorl", "deadline_s"), "a positive number of seconds")])
+        if "resources_server" in explicit:
+            return _gym(row, params, sampling, explicit["resources_server"], deadline)
         return Submission(explicit["handler"], explicit["instance"], sampling, deadline,
                           explicit["instance"].get("parser") or "hermes",
                           ("prorl", "instance"))
+    if resources_server:
+        return _gym(row, params, sampling, resources_server)
     if "expected_answer" not in row:
         raise RowError([(("expected_answer",), "the farm grades a row by its expected_answer "
                                                "(math-verify, or 'contains' with prorl_grader)"

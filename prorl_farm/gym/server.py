@@ -78,6 +78,15 @@ def _locs(details, prefix: tuple) -> list[tuple[tuple, str]]:
     return [(prefix, str(details))]
 
 
+def _instance_locs(details, sub: Submission) -> list[tuple[tuple, str]]:
+    """The farm's refusal of ``sub``'s instance, each field where the row holds it."""
+    if not isinstance(details, dict):
+        return _locs(details, sub.where)
+    return [x for k, v in details.items()
+            for x in _locs({k: v}, sub.where) if k not in sub.fields] + \
+        [x for k, v in details.items() if k in sub.fields for x in _locs(v, sub.fields[k])]
+
+
 class Farm:
     """The farm's API, from the event loop: coalesced submits, one shared results poll."""
 
@@ -145,7 +154,7 @@ class Farm:
                     "instances", {}).items()}
                 for i, (sub, future) in enumerate(group):
                     if i in bad and not future.done():
-                        future.set_exception(RowError(_locs(bad[i], sub.where)))
+                        future.set_exception(RowError(_instance_locs(bad[i], sub)))
                 rest = [g for i, g in enumerate(group) if i not in bad]
                 if rest and bad:
                     await self._submit(rest)
@@ -278,8 +287,9 @@ def _request_locs(err: dict) -> list[tuple[tuple, str]]:
 class _Base(RequestHandler):
     farm: Farm
 
-    def initialize(self, farm: Farm, sessions: dict):
+    def initialize(self, farm: Farm, sessions: dict, resources_server: str = ""):
         self.farm, self.sessions = farm, sessions
+        self.resources_server = resources_server
 
     def _json(self):
         try:
@@ -305,7 +315,7 @@ class RunHandler(_Base):
     async def post(self):
         row = self._json()
         try:
-            sub = to_submission(row)
+            sub = to_submission(row, self.resources_server)
             batch, job_id, ended = await self.farm.submit(sub)
         except RowError as e:
             return self.reply(422, {"detail": e.detail()})
@@ -346,6 +356,7 @@ class ResponsesHandler(RunHandler):
         row = {"responses_create_params": body, "expected_answer": "\u2063",
                "prorl_grader": "contains"}
         self.request.body = json.dumps(row).encode()
+        self.resources_server = ""  # a bare Responses body is a chat episode
         await super().post()
 
     def answer(self, row: dict, job: dict, sub: Submission) -> dict:
@@ -399,8 +410,9 @@ class HealthHandler(_Base):
         self.reply(200, {"status": "ok"})
 
 
-def make_app(farm_url: str, token: str = "") -> Application:
-    shared = {"farm": Farm(farm_url, token), "sessions": {}}
+def make_app(farm_url: str, token: str = "", resources_server: str = "") -> Application:
+    shared = {"farm": Farm(farm_url, token), "sessions": {},
+              "resources_server": resources_server}
     return Application([
         (r"/run", RunHandler, shared),
         (r"/aggregate_metrics", AggregateHandler, shared),
@@ -411,12 +423,14 @@ def make_app(farm_url: str, token: str = "") -> Application:
 
 
 async def serve(host: str, port: int, farm_url: str, token: str = "",
-                ready=None) -> None:
-    """Serve until cancelled."""
-    server = HTTPServer(make_app(farm_url, token), max_body_size=64 << 20,
+                ready=None, resources_server: str = "") -> None:
+    """Serve until cancelled. ``resources_server``: the Gym resources server that rows
+    naming no farm task run on (rows.py)."""
+    server = HTTPServer(make_app(farm_url, token, resources_server), max_body_size=64 << 20,
                         idle_connection_timeout=3600)
     server.listen(port, host, backlog=1024)
-    log.info("gym agent server on http://%s:%d, the farm at %s", host, port, farm_url)
+    log.info("gym agent server on http://%s:%d, the farm at %s%s", host, port, farm_url,
+             f", rows to the resources server {resources_server}" if resources_server else "")
     if ready is not None:
         ready()
     try:

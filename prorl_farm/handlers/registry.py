@@ -21,6 +21,7 @@ BUILTIN = {
     "shell": "prorl_farm.handlers.shell:ShellHandler",
     "swe": "prorl_farm.handlers.swe:SweHandler",
     "arith": "prorl_farm.handlers.arith:ArithHandler",
+    "gym": "prorl_farm.handlers.gym:GymHandler",
 }
 
 

@@ -1,0 +1,227 @@
+"""``gym``: a NeMo Gym resources server's environment, run on the farm's queues.
+
+A Gym resources server (``nemo_gym.base_resources_server.SimpleResourcesServer``) holds an
+environment's tools and its verifier behind HTTP: ``POST /seed_session`` starts a rollout's
+state (a session cookie names it), ``POST /<tool>`` runs a tool call, ``POST /verify``
+grades the finished rollout. This handler speaks that protocol as Gym's own ``simple_agent``
+does, with the farm's token-in/token-out loop as the agent:
+
+- INIT seeds the session with the whole Gym row (its task fields too) and keeps the cookies;
+- RUN runs the agent loop on the row's messages with the row's function tools, each call a
+  ``POST {server}/{name}`` of its arguments with the session's cookies (an HTTP error's body
+  is the model's observation, as in Gym);
+- EVAL posts the row and the episode as Gym's ``response`` (the items ``/run`` answers
+  with, token ids included) to ``/verify``; its ``reward`` is the job's.
+
+The policy sees the row's ``responses_create_params`` only (the task fields, such as an
+expected answer, stay with INIT and EVAL). It reaches the server through the tools the row
+declares and nothing else: a tool named like one of the server's own routes (``verify``,
+``seed_session``...) is refused at submit, and a call of an undeclared name never leaves the
+farm. A server that cannot be reached, answers ``/seed_session`` or ``/verify`` with an
+error, gives no finite reward, or masks its own verdict (``mask_sample``) fails the job: a
+failure is never a zero reward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import requests
+from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
+
+from prorl_farm.agent.loop import AgentLimits, run_episode
+from prorl_farm.agent.parsers import PARSERS, get_parser
+from prorl_farm.agent.tools import truncate
+from prorl_farm.errors import GradingError, SandboxError
+from prorl_farm.handlers.base import AgentHandler, JobContext
+
+# The server's own routes (nemo_gym's RESERVED_MCP_TOOL_NAMES, and the routes beside them):
+# a tool of one of these names would let the policy call the grader.
+RESERVED = frozenset({"verify", "seed_session", "close_session", "aggregate_metrics", "mcp",
+                      "reverify_mode", "docs", "openapi.json", "redoc"})
+TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+# What EVAL keeps of /verify's answer beside the reward (the row and response it echoes are
+# the job's own already).
+ECHOED = frozenset({"responses_create_params", "response", "reward"})
+KEEP_CHARS = 16_000
+
+
+def _tool_errors(tools) -> list[str]:
+    if not isinstance(tools, list) or not tools:
+        return ["a non-empty list of function tools (the resources server's)"]
+    errors, seen = [], set()
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            errors.append(f"{i}: only function tools run on a resources server")
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            errors.append(f"{i}: name must match {TOOL_NAME.pattern}")
+        elif name in RESERVED:
+            errors.append(f"{i}: {name!r} is one of the resources server's own routes")
+        elif name in seen:
+            errors.append(f"{i}: {name!r} is declared twice")
+        seen.add(name)
+        if not isinstance(tool.get("parameters", {}), dict):
+            errors.append(f"{i}: parameters must be a JSON Schema object")
+    return errors
+
+
+class GymInstance(Schema):
+    class Meta:
+        unknown = RAISE
+
+    server = fields.Url(required=True, schemes={"http", "https"}, require_tld=False)
+    # The Gym data row: ``responses_create_params`` (input, function tools) and its task
+    # fields, as the resources server's seed_session and verify read them.
+    row = fields.Dict(required=True)
+    parser = fields.String(load_default="hermes", validate=validate.OneOf(sorted(PARSERS)))
+    max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
+                               validate=validate.Range(min=1, max=1000))
+    call_timeout_s = fields.Float(load_default=None, allow_none=True,
+                                  validate=validate.Range(min=0.1, max=3600))
+    observation_chars = fields.Integer(load_default=None, allow_none=True, strict=True,
+                                       validate=validate.Range(min=256, max=1_000_000))
+
+    @validates_schema
+    def _row(self, data, **kwargs):
+        from prorl_farm.gym.rows import RowError, messages_of
+
+        params = data["row"].get("responses_create_params")
+        if not isinstance(params, dict):
+            raise ValidationError({"row": {"responses_create_params": ["required: an object"]}})
+        try:
+            messages_of(params)
+        except RowError as e:
+            raise ValidationError({"row": [str(e)]}) from None
+        errors = _tool_errors(params.get("tools"))
+        if errors:
+            raise ValidationError({"row": {"responses_create_params": {"tools": errors}}})
+
+
+def _schemas(params: dict) -> dict[str, dict]:
+    """The row's Responses function tools as the chat template's tool schemas."""
+    return {t["name"]: {"type": "function", "function": {
+        "name": t["name"], "description": t.get("description") or "",
+        "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
+        for t in params["tools"]}
+
+
+def _cookies(response: requests.Response) -> dict:
+    return {c.name: c.value for c in response.cookies}
+
+
+class GymTools:
+    """Runs the row's tool calls on the resources server, the session's cookies carried from
+    call to call as Gym's agent carries them."""
+
+    def __init__(self, server: str, cookies: dict, timeout_s: float):
+        self.server, self.cookies, self.timeout_s = server.rstrip("/"), dict(cookies), timeout_s
+        self.http = requests.Session()
+
+    def run(self, name: str, args: dict, abort_hook=None, timeout_s: float | None = None
+            ) -> tuple[str, bool]:
+        # The loop runs only declared names, and those were checked at submit.
+        assert TOOL_NAME.match(name) and name not in RESERVED, name
+        try:
+            r = self.http.post(f"{self.server}/{name}", json=args, cookies=self.cookies,
+                               timeout=timeout_s or self.timeout_s)
+        except requests.Timeout:
+            return f"error: the tool took more than {timeout_s or self.timeout_s:g} s", False
+        except requests.RequestException as e:
+            raise SandboxError(f"the resources server {self.server} is unreachable: {e}"
+                               ) from e
+        self.cookies.update(_cookies(r))
+        return r.text, r.ok
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class GymHandler(AgentHandler):
+    name = "gym"
+    description = ("A NeMo Gym resources server's environment: seed_session, the row's tools "
+                   "over HTTP, verify for the reward.")
+    instance_schema = GymInstance
+
+    def refusals(self, instance: dict, settings) -> dict:
+        """The server is a URL every INIT, RUN and EVAL worker will POST to: it must pass
+        the allow-list backends pass (loopback, PRORL_BACKEND_ALLOW; never the farm's
+        Redis)."""
+        from prorl_farm.access import backend_url_refusal, parse_allow_list
+
+        why = backend_url_refusal(instance["server"], parse_allow_list(settings.backend_allow),
+                                  settings.redis_url)
+        return {"server": [why]} if why else {}
+
+    def visible_instance(self, instance: dict) -> dict:
+        """RUN gets the row's prompt and tools, never its task fields."""
+        out = {k: v for k, v in instance.items() if k != "row"}
+        out["responses_create_params"] = instance["row"]["responses_create_params"]
+        return out
+
+    def init(self, ctx: JobContext) -> dict:
+        inst = ctx.instance
+        r = _post(inst["server"], "seed_session", inst["row"], {}, _timeout(ctx), SandboxError)
+        return {"cookies": _cookies(r)}
+
+    def run(self, ctx: JobContext) -> dict:
+        from prorl_farm.gym.rows import messages_of
+
+        inst = ctx.instance
+        params = inst["responses_create_params"]
+        schemas = _schemas(params)
+        limits = AgentLimits.from_job(inst, ctx.sampling)
+        tools = GymTools(inst["server"], ctx.state.get("cookies") or {}, limits.call_timeout_s)
+        try:
+            traj, ep = run_episode(ctx, messages_of(params), list(schemas),
+                                   get_parser(inst["parser"]), limits, tools, schemas=schemas)
+        finally:
+            tools.close()
+        return {**traj.to_dict(), "stats": ep.stats(), "gym_cookies": tools.cookies}
+
+    def eval(self, ctx: JobContext) -> dict:
+        from prorl_farm.gym.rows import response_object
+
+        inst, result = ctx.instance, ctx.result or {}
+        job = {"id": ctx.job_id, "state": "done", "result": result, "sampling": ctx.sampling}
+        body = {**inst["row"], "response": response_object(inst["row"], job, inst["parser"])}
+        cookies = result.get("gym_cookies") or ctx.state.get("cookies") or {}
+        r = _post(inst["server"], "verify", body, cookies, _timeout(ctx), GradingError)
+        try:
+            verdict = r.json()
+        except ValueError:
+            raise GradingError(f"/verify answered no JSON: {r.text[:500]}") from None
+        reward = verdict.get("reward") if isinstance(verdict, dict) else None
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or \
+                not math.isfinite(reward):
+            raise GradingError(f"/verify gave no finite reward: {r.text[:500]}")
+        if verdict.get("mask_sample"):
+            raise GradingError(f"/verify masked its own verdict "
+                               f"({verdict.get('failure_kind')}): "
+                               f"{verdict.get('failure_reason') or ''}"[:2000])
+        kept = {k: v for k, v in verdict.items() if k not in ECHOED and k not in inst["row"]}
+        text = json.dumps(kept)
+        return {"reward": float(reward),
+                "verify": kept if len(text) <= KEEP_CHARS else truncate(text, KEEP_CHARS)}
+
+
+def _timeout(ctx: JobContext) -> float:
+    ctx.check()
+    wanted = ctx.instance.get("call_timeout_s") or 60.0
+    return max(0.1, min(wanted, ctx.remaining_s))
+
+
+def _post(server: str, route: str, body: dict, cookies: dict, timeout_s: float,
+          error: type[Exception]) -> requests.Response:
+    """POST one of the resources server's own routes; any failure raises ``error``."""
+    url = f"{server.rstrip('/')}/{route}"
+    try:
+        r = requests.post(url, json=body, cookies=cookies, timeout=timeout_s)
+    except requests.RequestException as e:
+        raise error(f"{url}: {e}") from e
+    if not r.ok:
+        raise error(f"{url} answered {r.status_code}: {r.text[:1000]}")
+    return r
