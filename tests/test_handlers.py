@@ -19,7 +19,7 @@ PLUGINS = "echo=tests.plugin_handlers:EchoHandler,broken=tests.plugin_handlers:B
 
 def test_registry_loads_env_plugins_and_skips_broken_ones():
     reg = HandlerRegistry(PLUGINS, use_entry_points=False)
-    assert reg.names() == ["arith", "chat", "code", "echo", "math", "shell", "stem", "swe",
+    assert reg.names() == ["arith", "chat", "code", "echo", "gym", "math", "shell", "stem", "swe",
                            "synthetic"]
     with pytest.raises(NotFound):
         reg.get("broken")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import time
 import uuid
@@ -62,6 +63,35 @@ FAILURE_KINDS = {
     "init_error": "session_lost", "eval_error": "verifier_error",
     "harness_error": "agent_run_error", "lost": "kill_shaped", "requeue_limit": "kill_shaped",
 }
+
+# The server's own routes (nemo_gym's RESERVED_MCP_TOOL_NAMES, and the routes beside them):
+# a tool of one of these names would let the policy call the grader.
+RESERVED = frozenset({"verify", "seed_session", "close_session", "aggregate_metrics", "mcp",
+                      "reverify_mode", "docs", "openapi.json", "redoc"})
+TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+
+
+def tool_errors(tools) -> list[str]:
+    """What is wrong with a resources server row's tools (function tools, each with a
+    name that is none of the server's own routes), or []."""
+    if not isinstance(tools, list) or not tools:
+        return ["a non-empty list of function tools (the resources server's)"]
+    errors, seen = [], set()
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            errors.append(f"{i}: only function tools run on a resources server")
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            errors.append(f"{i}: name must match {TOOL_NAME.pattern}")
+        elif name in RESERVED:
+            errors.append(f"{i}: {name!r} is one of the resources server's own routes")
+        elif name in seen:
+            errors.append(f"{i}: {name!r} is declared twice")
+        seen.add(name)
+        if not isinstance(tool.get("parameters", {}), dict):
+            errors.append(f"{i}: parameters must be a JSON Schema object")
+    return errors
 
 
 class RowError(FarmError, ValueError):
@@ -159,13 +189,11 @@ def _sampling(row: dict, params: dict) -> dict:
 
 def _gym(row: dict, params: dict, sampling: dict, server, deadline_s=None) -> Submission:
     """A row for a Gym resources server: the farm's ``gym`` task (handlers/gym.py)."""
-    from prorl_farm.handlers.gym import _tool_errors
-
     if not isinstance(server, str) or not server.startswith(("http://", "https://")):
         raise RowError([(("prorl", "resources_server"), "the resources server's URL "
                                                         "(http:// or https://)")])
     messages_of(params)
-    errors = _tool_errors(params.get("tools"))
+    errors = tool_errors(params.get("tools"))
     if errors:
         raise RowError([(("responses_create_params", "tools"), "; ".join(errors))])
     task = {k: v for k, v in row.items() if k not in ("prorl", "prorl_sampling")}

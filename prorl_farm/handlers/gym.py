@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import requests
 from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
@@ -35,38 +34,20 @@ from prorl_farm.agent.loop import AgentLimits, run_episode
 from prorl_farm.agent.parsers import PARSERS, get_parser
 from prorl_farm.agent.tools import truncate
 from prorl_farm.errors import GradingError, SandboxError
+from prorl_farm.gym.rows import (
+    RESERVED,
+    TOOL_NAME,
+    RowError,
+    messages_of,
+    response_object,
+    tool_errors,
+)
 from prorl_farm.handlers.base import AgentHandler, JobContext
 
-# The server's own routes (nemo_gym's RESERVED_MCP_TOOL_NAMES, and the routes beside them):
-# a tool of one of these names would let the policy call the grader.
-RESERVED = frozenset({"verify", "seed_session", "close_session", "aggregate_metrics", "mcp",
-                      "reverify_mode", "docs", "openapi.json", "redoc"})
-TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 # What EVAL keeps of /verify's answer beside the reward (the row and response it echoes are
 # the job's own already).
 ECHOED = frozenset({"responses_create_params", "response", "reward"})
 KEEP_CHARS = 16_000
-
-
-def _tool_errors(tools) -> list[str]:
-    if not isinstance(tools, list) or not tools:
-        return ["a non-empty list of function tools (the resources server's)"]
-    errors, seen = [], set()
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            errors.append(f"{i}: only function tools run on a resources server")
-            continue
-        name = tool.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            errors.append(f"{i}: name must match {TOOL_NAME.pattern}")
-        elif name in RESERVED:
-            errors.append(f"{i}: {name!r} is one of the resources server's own routes")
-        elif name in seen:
-            errors.append(f"{i}: {name!r} is declared twice")
-        seen.add(name)
-        if not isinstance(tool.get("parameters", {}), dict):
-            errors.append(f"{i}: parameters must be a JSON Schema object")
-    return errors
 
 
 class GymInstance(Schema):
@@ -87,8 +68,6 @@ class GymInstance(Schema):
 
     @validates_schema
     def _row(self, data, **kwargs):
-        from prorl_farm.gym.rows import RowError, messages_of
-
         params = data["row"].get("responses_create_params")
         if not isinstance(params, dict):
             raise ValidationError({"row": {"responses_create_params": ["required: an object"]}})
@@ -96,7 +75,7 @@ class GymInstance(Schema):
             messages_of(params)
         except RowError as e:
             raise ValidationError({"row": [str(e)]}) from None
-        errors = _tool_errors(params.get("tools"))
+        errors = tool_errors(params.get("tools"))
         if errors:
             raise ValidationError({"row": {"responses_create_params": {"tools": errors}}})
 
@@ -168,8 +147,6 @@ class GymHandler(AgentHandler):
         return {"cookies": _cookies(r)}
 
     def run(self, ctx: JobContext) -> dict:
-        from prorl_farm.gym.rows import messages_of
-
         inst = ctx.instance
         params = inst["responses_create_params"]
         schemas = _schemas(params)
@@ -183,8 +160,6 @@ class GymHandler(AgentHandler):
         return {**traj.to_dict(), "stats": ep.stats(), "gym_cookies": tools.cookies}
 
     def eval(self, ctx: JobContext) -> dict:
-        from prorl_farm.gym.rows import response_object
-
         inst, result = ctx.instance, ctx.result or {}
         job = {"id": ctx.job_id, "state": "done", "result": result, "sampling": ctx.sampling}
         body = {**inst["row"], "response": response_object(inst["row"], job, inst["parser"])}
