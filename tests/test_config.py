@@ -113,8 +113,8 @@ def test_the_compose_environment_loads():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
     def filled(value) -> str:
-        return re.sub(r"\$\{(\w+)(?::-([^}]*)|:\?[^}]*)\}", lambda m: m.group(2) or "x:y",
-                      str(value))
+        return re.sub(r"\$\{(\w+)(?::-([^}]*)|:\?[^}]*)\}",
+                      lambda m: "x:y" if m.group(2) is None else m.group(2), str(value))
 
     for _name, svc in compose["services"].items():
         env = {k: filled(v) for k, v in (svc.get("environment") or {}).items()
