@@ -21,13 +21,12 @@ AGENT_OPTIONS = ("tools", "system", "parser", "max_turns", "call_timeout_s",
                  "observation_chars", "agent")
 
 
-class AgentOptions(Schema):
-    """The agent loop's per-instance options (handlers add their task fields and ``tools``)."""
+class LoopOptions(Schema):
+    """The agent loop's limits an instance may set."""
 
     class Meta:
         unknown = RAISE
 
-    system = fields.String(load_default=None, allow_none=True)
     parser = fields.String(load_default="hermes", validate=validate.OneOf(sorted(PARSERS)))
     max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
                                validate=validate.Range(min=1, max=1000))
@@ -36,6 +35,12 @@ class AgentOptions(Schema):
     # A tool result longer than this keeps its head and tail (the loop says what was cut).
     observation_chars = fields.Integer(load_default=None, allow_none=True, strict=True,
                                        validate=validate.Range(min=256, max=1_000_000))
+
+
+class AgentOptions(LoopOptions):
+    """The agent loop's per-instance options (handlers add their task fields and ``tools``)."""
+
+    system = fields.String(load_default=None, allow_none=True)
     # An agent harness instead of the built-in loop: it runs in the job's sandbox and calls
     # the model through the job's gateway.
     agent = fields.Nested(HarnessOptions, load_default=None, allow_none=True)

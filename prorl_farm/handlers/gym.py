@@ -28,10 +28,10 @@ import json
 import math
 
 import requests
-from marshmallow import RAISE, Schema, ValidationError, fields, validate, validates_schema
+from marshmallow import ValidationError, fields, validates_schema
 
 from prorl_farm.agent.loop import AgentLimits, run_episode
-from prorl_farm.agent.parsers import PARSERS, get_parser
+from prorl_farm.agent.parsers import get_parser
 from prorl_farm.agent.tools import truncate
 from prorl_farm.errors import GradingError, SandboxError
 from prorl_farm.gym.rows import (
@@ -42,6 +42,7 @@ from prorl_farm.gym.rows import (
     response_object,
     tool_errors,
 )
+from prorl_farm.handlers.agentic import LoopOptions
 from prorl_farm.handlers.base import AgentHandler, JobContext
 
 # What EVAL keeps of /verify's answer beside the reward (the row and response it echoes are
@@ -50,21 +51,11 @@ ECHOED = frozenset({"responses_create_params", "response", "reward"})
 KEEP_CHARS = 16_000
 
 
-class GymInstance(Schema):
-    class Meta:
-        unknown = RAISE
-
+class GymInstance(LoopOptions):
     server = fields.Url(required=True, schemes={"http", "https"}, require_tld=False)
     # The Gym data row: ``responses_create_params`` (input, function tools) and its task
     # fields, as the resources server's seed_session and verify read them.
     row = fields.Dict(required=True)
-    parser = fields.String(load_default="hermes", validate=validate.OneOf(sorted(PARSERS)))
-    max_turns = fields.Integer(load_default=None, allow_none=True, strict=True,
-                               validate=validate.Range(min=1, max=1000))
-    call_timeout_s = fields.Float(load_default=None, allow_none=True,
-                                  validate=validate.Range(min=0.1, max=3600))
-    observation_chars = fields.Integer(load_default=None, allow_none=True, strict=True,
-                                       validate=validate.Range(min=256, max=1_000_000))
 
     @validates_schema
     def _row(self, data, **kwargs):
