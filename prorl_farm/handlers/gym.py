@@ -28,7 +28,7 @@ import json
 import math
 
 import requests
-from marshmallow import ValidationError, fields, validates_schema
+from marshmallow import ValidationError, fields, validate, validates_schema
 
 from prorl_farm.agent.loop import AgentLimits, run_episode
 from prorl_farm.agent.parsers import get_parser
@@ -36,6 +36,7 @@ from prorl_farm.agent.tools import truncate
 from prorl_farm.errors import GradingError, SandboxError
 from prorl_farm.gym.rows import (
     RESERVED,
+    ROLES,
     TOOL_NAME,
     RowError,
     messages_of,
@@ -51,8 +52,38 @@ ECHOED = frozenset({"responses_create_params", "response", "reward"})
 KEEP_CHARS = 16_000
 
 
+# A resources server's URL: http(s), a host name, IPv4 or [IPv6] address, a port, a path.
+URL = r"^https?://([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?(/\S*)?$"
+# The same on loopback only: what the backend allow-list takes with PRORL_BACKEND_ALLOW empty.
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+LOOPBACK_URL = (rf"^https?://(localhost|127\.{_OCTET}\.{_OCTET}\.{_OCTET}|\[::1\])"
+                r"(:[0-9]{1,5})?(/\S*)?$")
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"type": "string", "enum": ["input_text", "output_text", "text"]},
+    "text": {"type": "string"}}}
+# What the row must hold (rows.messages_of, rows.tool_errors), published with the instance
+# schema. Tool names must also differ from each other, which JSON Schema cannot say.
+ROW_SCHEMA = {"type": "object", "required": ["responses_create_params"], "properties": {
+    "responses_create_params": {"type": "object", "required": ["input", "tools"],
+                                "properties": {
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"], "properties": {
+                "type": {"type": "string", "enum": ["message"]},
+                "role": {"type": "string", "enum": sorted(ROLES)},
+                "content": {"oneOf": [{"type": "string"},
+                                      {"type": "array", "items": _TEXT_PART}]}}}}]},
+        "instructions": {"type": "string"},
+        "tools": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "name": {"type": "string", "pattern": TOOL_NAME.pattern,
+                         "not": {"enum": sorted(RESERVED)}},
+                "parameters": {"type": "object"}}}}}}}}
+
+
 class GymInstance(LoopOptions):
-    server = fields.Url(required=True, schemes={"http", "https"}, require_tld=False)
+    server = fields.String(required=True, validate=validate.Regexp(
+        URL, error="an http(s) URL of the resources server"))
     # The Gym data row: ``responses_create_params`` (input, function tools) and its task
     # fields, as the resources server's seed_session and verify read them.
     row = fields.Dict(required=True)
@@ -115,6 +146,10 @@ class GymHandler(AgentHandler):
     description = ("A NeMo Gym resources server's environment: seed_session, the row's tools "
                    "over HTTP, verify for the reward.")
     instance_schema = GymInstance
+    property_schemas = {"row": ROW_SCHEMA}
+
+    def allowed_by(self, settings) -> dict:
+        return {} if settings.backend_allow else {"server": {"pattern": LOOPBACK_URL}}
 
     def refusals(self, instance: dict, settings) -> dict:
         """The server is a URL every INIT, RUN and EVAL worker will POST to: it must pass
