@@ -18,6 +18,7 @@ from prorl_farm.jobs.payloads import TrajectoryStore, open_store
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
 from prorl_farm.metrics import LatencyRecorder
+from prorl_farm.tenants import DEFAULT, Tenant, parse_tenants, tenant_of_token
 
 
 @dataclass
@@ -33,6 +34,7 @@ class FarmServices:
     latency: LatencyRecorder
     messages: StageMessages
     payloads: TrajectoryStore
+    tenants: dict[str, Tenant]
 
     def close(self) -> None:
         """Close the connections the app holds (Redis, the broker's pool): for an app made
@@ -62,25 +64,52 @@ def _time_requests(app: Flask, recorder: LatencyRecorder) -> None:
         return resp
 
 
-def _require_token(app: Flask, settings: Settings) -> None:
+def _require_token(app: Flask, settings: Settings, tenants: dict[str, Tenant]) -> None:
+    """Who is calling: the operator's key (PRORL_API_TOKEN: tenant ``default``, may act for
+    any tenant), a tenant's own key (PRORL_TENANTS), or, on a farm with no key at all,
+    anyone as the operator. A call that needs a key and has none of these is a 401."""
     from api.errors import error_response
+
+    keyed = bool(settings.api_token) or any(t.token_sha256 for t in tenants.values())
 
     @app.before_request
     def _check():
+        g.prorl_tenant, g.prorl_operator = DEFAULT, not keyed
+        if not keyed:
+            return None
+        header = request.headers.get("Authorization")
+        if settings.api_token and token_ok(header, settings.api_token):
+            g.prorl_operator = True
+            return None
+        scheme, _, given = (header or "").partition(" ")
+        tenant = tenant_of_token(tenants, given.strip()) if scheme.lower() == "bearer" \
+            else None
+        if tenant is not None:
+            g.prorl_tenant = tenant.name
+            return None
         if request.path in OPEN_PATHS or (request.method in READS
                                           and not settings.api_read_auth):
             return None
-        if token_ok(request.headers.get("Authorization"), settings.api_token):
-            return None
         resp, status = error_response(401, "unauthorized", "this farm needs "
-                                      "'Authorization: Bearer <token>' (PRORL_API_TOKEN)")
+                                      "'Authorization: Bearer <token>' (PRORL_API_TOKEN, or "
+                                      "a tenant's key: PRORL_TENANTS)")
         resp.headers["WWW-Authenticate"] = 'Bearer realm="prorl-farm"'
         return resp, status
 
 
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the API. ``settings`` defaults to the PRORL_* environment (tests pass their own)."""
-    from api import backends, batches, dashboard, errors, handlers, health, jobs, openapi
+    from api import (
+        backends,
+        batches,
+        dashboard,
+        errors,
+        handlers,
+        health,
+        jobs,
+        openapi,
+        tenants,
+    )
 
     settings = settings or load_settings()
     if not settings.redis_url:
@@ -100,11 +129,11 @@ def create_app(settings: Settings | None = None) -> Flask:
         latency=LatencyRecorder(store.r),
         messages=StageMessages(celery),
         payloads=open_store(settings),
+        tenants=parse_tenants(settings.tenants),
     )
     _time_requests(app, app.extensions["prorl"].latency)
-    if settings.api_token:
-        _require_token(app, settings)
-    for module in (jobs, batches, handlers, health, openapi, backends, dashboard):
+    _require_token(app, settings, app.extensions["prorl"].tenants)
+    for module in (jobs, batches, handlers, health, openapi, backends, dashboard, tenants):
         app.register_blueprint(module.bp)
     errors.register_error_replies(app)
     return app

@@ -33,7 +33,7 @@ def overview():
     svc = services()
     q = OverviewQuerySchema().load(request.args.to_dict())
     return farm_overview(svc.store, svc.backends.list(), svc.settings, q["batches"],
-                         svc.payloads)
+                         svc.payloads, svc.tenants)
 
 
 @bp.get("/v1/batches/<batch_id>/stats")

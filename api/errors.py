@@ -17,9 +17,11 @@ log = logging.getLogger(__name__)
 class ApiError(FarmError):
     """An API refusal: its HTTP status, error code, message and field details."""
 
-    def __init__(self, status: int, code: str, message: str, details=None):
+    def __init__(self, status: int, code: str, message: str, details=None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.details = status, code, message, details
+        self.headers = headers or {}
 
 
 def _flatten(messages, prefix: str = "") -> list[str]:
@@ -49,7 +51,9 @@ def validation_error(messages, code: str = "invalid_request"):
 def register_error_replies(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(e: ApiError):
-        return error_response(e.status, e.code, e.message, e.details)
+        resp, status = error_response(e.status, e.code, e.message, e.details)
+        resp.headers.update(e.headers)
+        return resp, status
 
     @app.errorhandler(ValidationError)
     def _validation(e: ValidationError):

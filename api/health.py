@@ -38,7 +38,7 @@ def metrics():
     registry = CollectorRegistry(auto_describe=False)
     families = collect(svc.store.r, svc.backends.list(),
                        svc.store.live_pools(svc.settings.heartbeat_stale_s),
-                       trajectory_store_view(svc.store, svc.payloads))
+                       trajectory_store_view(svc.store, svc.payloads), svc.tenants)
     registry.register(_Fixed(families))
     return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
 

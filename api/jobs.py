@@ -5,20 +5,28 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
+from contextlib import contextmanager
 
-from flask import Blueprint, request
+from flask import Blueprint, g, request
 
 from api.errors import ApiError, validation_error
 from api.schemas import ID_RE, SubmitSchema
 from api.services import json_body, services
+from prorl_farm import keys
 from prorl_farm.errors import InvalidInstance, NotFound
 from prorl_farm.gateway.harness import context_refusal, needed_context
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 from prorl_farm.jobs.store import new_id
 from prorl_farm.llm.backends.abstract import explicit_sampling
+from prorl_farm.tenants import DEFAULT, Tenant, over_quota, usage
 
 bp = Blueprint("jobs", __name__)
+# What a submit over its tenant's quota is told to wait before it tries again.
+RETRY_AFTER_S = 5
+# How long a submit waits for its tenant's other submits to be checked and written.
+ADMIT_WAIT_S = 20.0
 
 
 def _check_size(body: dict, limit: int) -> None:
@@ -81,29 +89,81 @@ def _replay(record: dict, digest: str) -> tuple[dict, int]:
             "replayed": True}, 200
 
 
+def _tenant(svc, asked: str | None) -> Tenant:
+    """The tenant a submit is for: the one it names, if the caller's key may act for it;
+    else the key's own."""
+    me = g.get("prorl_tenant", DEFAULT)
+    name = asked or me
+    tenant = svc.tenants.get(name)
+    if tenant is None:
+        raise validation_error({"tenant": [f"unknown tenant {name!r}; this farm's: "
+                                           f"{sorted(svc.tenants)}"]}, "unknown_tenant")
+    if name != me and not g.get("prorl_operator", True) and \
+            name not in svc.tenants[me].may_use:
+        raise ApiError(403, "forbidden", f"this key submits for tenant {me!r} and may not "
+                       f"submit for {name!r}", {"tenant": [
+                           f"{me!r} may submit for itself and "
+                           f"{sorted(svc.tenants[me].may_use)}"]})
+    return tenant
+
+
+@contextmanager
+def _admitted(svc, tenant: Tenant, adding: int):
+    """Hold while a submit of ``adding`` jobs is written, if it fits the tenant's quotas:
+    the check and the write of one tenant's submits go one at a time (a lock in Redis), so
+    submits side by side cannot pass a quota together. Over a quota: 429 with Retry-After,
+    nothing written."""
+    if not any(tenant.limits().values()):
+        yield
+        return
+    lock, me = keys.tenant(tenant.name) + ":admit", new_id()
+    end = time.monotonic() + ADMIT_WAIT_S
+    while not svc.store.try_lock(lock, me, ADMIT_WAIT_S + 40):
+        if time.monotonic() > end:
+            raise ApiError(503, "busy", f"tenant {tenant.name}'s other submits are still "
+                           "being written; retry", headers={"Retry-After": "1"})
+        time.sleep(0.005)
+    try:
+        refused = over_quota(tenant, usage(svc.store.r, [tenant.name])[tenant.name], adding)
+        if refused:
+            raise ApiError(429, "over_quota", "; ".join(refused["tenant"]), refused,
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        yield
+    finally:
+        svc.store.lua("release_lock", lock=lock, value=me)
+
+
 @bp.post("/v1/jobs")
 def submit():
     svc = services()
     req = _validated_submit(json_body())
+    tenant = _tenant(svc, req.pop("tenant", None))
     key = req.pop("idempotency_key", None) or request.headers.get("Idempotency-Key")
     idempotency = None
     if key:
         if not re.match(ID_RE, key):
             raise validation_error({"idempotency_key": ["1-128 characters from A-Z a-z 0-9 "
                                                         "_ . -"]})
-        digest = hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()
+        digest = hashlib.sha256(json.dumps({**req, "tenant": tenant.name},
+                                           sort_keys=True).encode()).hexdigest()
         record = svc.store.reserve_idempotency(key, digest)
         if record is not None:
             return _replay(record, digest)
         idempotency = (key, digest)
     batch_id = req["batch_id"] or new_id()
     try:
+        owner = svc.store.tenant_of(batch_id) if req["batch_id"] else None
+        if owner is not None and owner != tenant.name:
+            raise ApiError(409, "batch_of_another_tenant", f"batch {batch_id} belongs to "
+                           f"tenant {owner!r}", {"batch_id": [f"belongs to tenant {owner!r}, "
+                                                              f"not {tenant.name!r}"]})
         # One transaction: the jobs, their INIT messages and the idempotency record land
         # together or not at all (jobs/messages.py).
-        jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
-                                     explicit_sampling(req["sampling"]), req["deadline_s"],
-                                     req["mode"],
-                                     idempotency, svc.messages)
+        with _admitted(svc, tenant, len(req["instances"]) * req["n"]):
+            jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
+                                         explicit_sampling(req["sampling"]),
+                                         req["deadline_s"], req["mode"], idempotency,
+                                         svc.messages, tenant=tenant.name)
     except BaseException:
         if key:
             svc.store.forget_idempotency(key)

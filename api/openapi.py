@@ -47,7 +47,12 @@ def _path_param(name: str) -> dict:
     return {"in": "path", "name": name, "required": True, "schema": {"type": "string"}}
 
 
-_spec.path("/v1/jobs", operations={"post": _op("Submit jobs", 202, "Submit", "SubmitResponse")})
+_submit = _op("Submit jobs", 202, "Submit", "SubmitResponse")
+_submit["responses"]["429"] = {
+    "description": "over the tenant's quota: nothing was enqueued; try again after "
+    "Retry-After seconds", "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+    "content": {"application/json": {"schema": _ref("Error")}}}
+_spec.path("/v1/jobs", operations={"post": _submit})
 _spec.path("/v1/jobs/{job_id}", operations={
     "get": _op("Get a job", out="Job", params=[_path_param("job_id")])})
 _spec.path("/v1/jobs/{job_id}/cancel", operations={
@@ -78,6 +83,8 @@ _spec.path("/v1/batches/{batch_id}/ack", operations={"post": _op(
     "Acknowledge a complete batch: its trajectories' payloads are deleted from the store "
     "(409 batch_incomplete while jobs are left)", params=[_path_param("batch_id")])})
 _spec.path("/v1/handlers", operations={"get": _op("List handlers")})
+_spec.path("/v1/tenants", operations={"get": _op(
+    "Tenants: weight, quotas and usage now (jobs queued and in flight, store MB)")})
 _spec.path("/v1/backends", operations={
     "post": _op("Register an LLM backend (probed first)", 201, "BackendRegister", "Backend",
                 params=[{"in": "query", "schema": s.RegisterQuerySchema}]),

@@ -71,6 +71,11 @@ class SubmitSchema(Schema):
     batch_id = fields.String(load_default=None, allow_none=True, validate=validate.Regexp(
         ID_RE, error="1-128 characters from A-Z a-z 0-9 _ . -"),
         metadata={"description": "add to this batch (created if new)"})
+    tenant = fields.String(load_default=None, allow_none=True, validate=validate.Regexp(
+        r"^[A-Za-z0-9_.-]{1,64}$", error="a tenant's name"),
+        metadata={"description": "the tenant the batch belongs to (default: the key's own); "
+                  "a key may name its own tenant, those its tenant may_use, or any (the "
+                  "operator's key)"})
     mode = fields.String(load_default="policy", validate=validate.OneOf(["policy",
                                                                          "reference"]),
                          metadata={"description": "reference: skip the policy and grade the "
@@ -181,6 +186,7 @@ class BatchSchema(Schema):
     complete = fields.Boolean()
     created_at = fields.Float()
     handler = fields.String(allow_none=True)
+    tenant = fields.String(metadata={"description": "the tenant the batch belongs to"})
 
 
 class ResultsSchema(Schema):

@@ -167,6 +167,32 @@ def _cmd_submit(args) -> int:
     return 0
 
 
+def _cmd_tenants(args) -> int:
+    """Each tenant's weight, quotas and usage now, as a table (or JSON)."""
+    import json
+
+    from prorl_farm.trainer import FarmClient
+
+    doc = FarmClient(args.url).tenants()
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    cols = ("tenant", "weight", "queued", "in flight", "done", "failed", "store MB",
+            "quotas (queued / in flight / store MB)")
+    rows = []
+    for t in doc["tenants"]:
+        u, q = t["usage"], t["quotas"] or {}
+        quota = " / ".join("-" if q.get(k) is None else f"{q[k]:g}"
+                           for k in ("max_queued", "max_in_flight", "max_store_mb"))
+        rows.append((t["tenant"], "-" if t["weight"] is None else f"{t['weight']:g}",
+                     u["queued"], u["in_flight"], u["done"], u["failed"],
+                     f"{u['store_mb']:g}", quota if t["configured"] else "(not configured)"))
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    for row in (cols, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+    return 0
+
+
 def _cmd_watch(args) -> int:
     import json
 
@@ -347,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", metavar="OUT.jsonl", help="write every finished job here")
     s.add_argument("--url", default=url)
     s.set_defaults(func=_cmd_submit)
+    tn = sub.add_parser("tenants", help="each tenant's weight, quotas and usage now (jobs "
+                        "queued and in flight, trajectory store MB)")
+    tn.add_argument("--json", action="store_true")
+    tn.add_argument("--url", default=url)
+    tn.set_defaults(func=_cmd_tenants)
     w2 = sub.add_parser("watch", help="follow a batch submitted elsewhere, then summarise it")
     w2.add_argument("batch")
     w2.add_argument("--output", metavar="OUT.jsonl")

@@ -233,6 +233,9 @@ class Settings:
         "", "hosts and CIDRs (besides loopback) whose URLs may be registered as LLM backends "
         "or named as Gym resources servers (`gym` jobs)",
         shown="loopback only")
+    tenants: str = setting(
+        "", "tenants, their API keys, weights and quotas: a JSON object or @FILE "
+        "(docs/sharing.md)", shown="one, `default`")
     requeue_on_stop: bool = setting(
         False, "on SIGTERM re-queue what the pool holds at once instead of finishing it (nodes "
         "that go away with their sandboxes)", shown="0 (1 in `slurm/`)")
@@ -399,6 +402,9 @@ def _check_together(values: dict) -> None:
     from prorl_farm.access import parse_allow_list
 
     parse_allow_list(values["backend_allow"])  # a bad entry stops start-up with its name
+    from prorl_farm.tenants import parse_tenants
+
+    parse_tenants(values["tenants"])
 
 
 def _shown(value: Any) -> str:

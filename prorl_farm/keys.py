@@ -37,8 +37,19 @@ def sampling(sampling_id: str) -> str:
 
 
 def batch(batch_id: str) -> str:
-    """Hash: ``total``, ``created_at``, ``handler``, ``left`` (jobs not ended yet)."""
+    """Hash: ``total``, ``created_at``, ``handler``, ``left`` (jobs not ended yet),
+    ``tenant``."""
     return f"{PREFIX}batch:{batch_id}"
+
+
+def tenant(name: str) -> str:
+    """Hash of a tenant's usage (prorl_farm/tenants.py): its jobs per state (kept by the
+    scripts that move jobs, lua/lib/jobs.lua) and ``store_bytes``."""
+    return f"{PREFIX}tenant:{name}"
+
+
+# Set: the tenants that ever submitted (their usage is listed).
+TENANTS = f"{PREFIX}tenants"
 
 
 def batch_counts(batch_id: str) -> str:
@@ -124,6 +135,8 @@ PAYLOAD_STATS = f"{PREFIX}payloads:stats"
 # Sorted set: batch id -> when its first payload was written; a batch leaves it when it is
 # acknowledged or its payloads expire (the oldest unacknowledged batch is its head).
 PAYLOAD_BATCHES = f"{PREFIX}payloads:batches"
+# Hash: batch -> its tenant, for the batches with payloads in the store.
+PAYLOAD_TENANTS = f"{PREFIX}payloads:tenants"
 
 # String with expiry: the reaper id of the pool process that sweeps (lua/reaper_lead.lua).
 REAPER_LEASE = f"{PREFIX}reaper:lease"
@@ -196,7 +209,7 @@ _LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
                   "REAPER_ACTIONS")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
-                  "batch_stream", "queued", "backend", "histogram", "history")
+                  "batch_stream", "queued", "backend", "histogram", "history", "tenant")
 
 
 def _lua() -> str:

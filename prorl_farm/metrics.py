@@ -139,8 +139,9 @@ def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
 
 
 def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float],
-            trajectories: dict | None = None) -> list:
-    """Every farm metric family (``trajectories``: overview.trajectory_store_view)."""
+            trajectories: dict | None = None, tenants: dict | None = None) -> list:
+    """Every farm metric family (``trajectories``: overview.trajectory_store_view;
+    ``tenants``: the configured tenants, prorl_farm/tenants.py)."""
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -263,4 +264,31 @@ def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float],
         buckets, total = read_histogram(raw)
         h.add_metric([method, route], buckets, total)
     fams.append(h)
+    fams += _tenant_families(r, tenants or {})
     return fams
+
+
+def _tenant_families(r: redis.Redis, tenants: dict) -> list:
+    """Per tenant: its jobs queued and in each stage, its store bytes, its quotas."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    names = sorted(set(tenants) | set(r.smembers(keys.TENANTS)))
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.tenant(name))
+    raw = dict(zip(names, pipe.execute()))
+    jobs = GaugeMetricFamily("prorl_tenant_jobs", "A tenant's jobs now in each non-terminal "
+                             "state.", labels=["tenant", "state"])
+    store = GaugeMetricFamily("prorl_tenant_store_bytes", "A tenant's bytes in the "
+                              "trajectory store.", labels=["tenant"])
+    quota = GaugeMetricFamily("prorl_tenant_quota", "A tenant's quota (absent: none).",
+                              labels=["tenant", "quota"])
+    for name in names:
+        for state in ("queued", "init", "run", "eval"):
+            jobs.add_metric([name, state], max(0, int(raw[name].get(state, 0))))
+        store.add_metric([name], max(0, int(raw[name].get("store_bytes", 0))))
+        t = tenants.get(name)
+        for q, limit in (t.limits() if t else {}).items():
+            if limit:
+                quota.add_metric([name, q], limit)
+    return [jobs, store, quota]

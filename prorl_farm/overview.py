@@ -63,8 +63,12 @@ def trajectory_store_view(store, payloads) -> dict:
     return {**stats, **(payloads.usage() if payloads is not None else {})}
 
 
-def farm_overview(store, backends, settings, batches: int = 10, payloads=None) -> dict:
-    """Queues, stages, pools, backends, sandboxes, jobs by state, and the newest batches."""
+def farm_overview(store, backends, settings, batches: int = 10, payloads=None,
+                  tenants: dict | None = None) -> dict:
+    """Queues, stages, pools, backends, sandboxes, jobs by state, tenants (``tenants``: the
+    configured ones) and the newest batches."""
+    from prorl_farm.tenants import tenant_rows
+
     r = store.r
     now = store.server_time()
     snap = read_counters(r, api=False)
@@ -91,6 +95,7 @@ def farm_overview(store, backends, settings, batches: int = 10, payloads=None) -
         "backends": backends,
         "batches": batch_progress(r, store.recent_batches(batches), now),
         "trajectories": trajectory_store_view(store, payloads),
+        "tenants": tenant_rows(r, tenants or {}),
     }
 
 

@@ -597,3 +597,63 @@ def test_a_policy_reaches_the_resources_server_only_through_the_rows_tools(
         assert len(tool_msgs) == 6 and all("unknown tool" in m for m in tool_msgs), tool_msgs
     routes = _routes(access)[before:]
     assert sorted(routes) == sorted(["/seed_session", "/verify"] * 4), routes
+
+
+def test_rows_in_flight_survive_a_redis_restart_and_an_api_restart(tmp_path):
+    """Rows waiting on the Gym server while the farm's Redis restarts (append-only, fsync
+    always) and then while its API restarts: every row is answered 200 with its job's own
+    reward, none lost, none answered 0 for a failure; rows sent while the API is down are
+    refused (502) and enqueue nothing."""
+    from prorl_farm.config import load_settings
+    from tests.farm import Pools, RedisServer, farm_env, gunicorn_api
+
+    server = RedisServer(tmp_path / "redis", appendonly=True, fsync="always")
+    env = farm_env(server.url)
+    load_settings(env)
+    pools = Pools(env, tmp_path)
+    api_port, gym_port = free_port(), free_port()
+    url, base = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{gym_port}"
+    api = gym = None
+    try:
+        pools.start()
+        api = gunicorn_api(env, api_port, tmp_path / "api.log")
+        wait_until(FarmClient(url).ready, 30, 0.2, "the API")
+        with open(tmp_path / "gym.log", "ab") as log:
+            gym = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "gym", "--port",
+                                    str(gym_port), "--farm", url], env=env, cwd=ROOT,
+                                   stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        wait_until(lambda: _up(base), 30, 0.1, "gym server")
+
+        def row(i: int) -> dict:
+            return {"responses_create_params": {"input": "x"}, "prorl": {
+                "handler": "synthetic", "instance": {"run_s": 3.0, "reward": i / 100}}}
+
+        def send(i: int):
+            return requests.post(base + "/run", json=row(i), timeout=300)
+
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            first = [pool.submit(send, i) for i in range(16)]
+            wait_until(lambda: _jobs(FarmClient(url)) == 16, 30, 0.1, "16 jobs in")
+            server.restart(down_s=2.0)
+            second = [pool.submit(send, i) for i in range(16, 32)]
+            wait_until(lambda: _jobs(FarmClient(url)) == 32, 60, 0.2, "32 jobs in")
+            stop_process(api)
+            refused = send(99)
+            assert refused.status_code == 502, refused.text
+            api = gunicorn_api(env, api_port, tmp_path / "api.log")
+            wait_until(FarmClient(url).ready, 30, 0.2, "the API again")
+            answers = [f.result() for f in first + second]
+        assert [a.status_code for a in answers] == [200] * 32, [a.text for a in answers]
+        farm = FarmClient(url)
+        for i, a in enumerate(answers):
+            out = a.json()
+            assert out["mask_sample"] is False and out["reward"] == i / 100, out
+            assert farm.job(out["prorl_job_id"])["reward"] == i / 100
+        assert _jobs(farm) == 32  # the refused row enqueued nothing
+    finally:
+        for proc in (gym, api):
+            if proc is not None:
+                stop_process(proc)
+        pools.stop()
+        server.stop()

@@ -105,6 +105,7 @@ class JobStore:
         # Instance and sampling records by id, newest last (see RECORDS_KEPT).
         self._records: OrderedDict[str, str] = OrderedDict()
         self._records_lock = threading.Lock()
+        self._tenants: dict[str, str] = {}  # batch -> tenant (tenant_of)
 
     @classmethod
     def from_settings(cls, settings: Settings, max_connections: int = 64) -> JobStore:
@@ -127,6 +128,7 @@ class JobStore:
         mode: str = "policy",
         idempotency: tuple[str, str] | None = None,
         messages: StageMessages | None = None,
+        tenant: str = "default",
     ) -> list[NewJob]:
         """Write every job of one request atomically (MULTI/EXEC), all waiting for INIT,
         with their INIT messages (``messages``) pushed and recorded on the queue in the same
@@ -135,7 +137,8 @@ class JobStore:
 
         Each instance is stored once and shared by its ``n`` samples. ``idempotency`` (key,
         digest): the key's record, reserved by :meth:`reserve_idempotency`, gets the jobs in
-        the same transaction."""
+        the same transaction. The batch belongs to ``tenant`` (its first submit says;
+        the API refuses a later one for another tenant), whose usage counts the jobs."""
         now = self.server_time()
         deadline_at = f"{now + deadline_s:.6f}" if deadline_s else ""
         jobs: list[NewJob] = []
@@ -161,6 +164,9 @@ class JobStore:
         ids = [j.job_id for j in jobs]
         pipe.hsetnx(keys.batch(batch_id), "created_at", f"{now:.6f}")
         pipe.hsetnx(keys.batch(batch_id), "handler", handler)
+        pipe.hsetnx(keys.batch(batch_id), "tenant", tenant)
+        pipe.hincrby(keys.tenant(tenant), JobState.QUEUED.value, len(jobs))
+        pipe.sadd(keys.TENANTS, tenant)
         pipe.hincrby(keys.batch(batch_id), "total", len(jobs))
         counters.incr(pipe, keys.batch_counts(batch_id), {STATE_SLOT["queued"]: len(jobs)})
         # Jobs not yet ended: the batch's keys expire after the last one ends (lua/lib/jobs.lua).
@@ -385,6 +391,7 @@ class JobStore:
             "complete": terminal == int(meta.get("total", 0)),
             "created_at": float(meta.get("created_at", 0)),
             "handler": meta.get("handler"),
+            "tenant": meta.get("tenant", "default"),
         }
 
     def batch_job_ids(self, batch_id: str) -> list[str]:
@@ -434,9 +441,24 @@ class JobStore:
 
     # -- the trajectory store's accounting -----------------------------------------------
 
+    def tenant_of(self, batch_id: str) -> str | None:
+        """The tenant a batch belongs to (never changes: kept once read)."""
+        tenant = self._tenants.get(batch_id)
+        if tenant is None:
+            tenant = self.r.hget(keys.batch(batch_id), "tenant")
+            if tenant is not None:
+                if len(self._tenants) >= 4096:
+                    self._tenants.clear()
+                self._tenants[batch_id] = tenant
+        return tenant
+
     def note_payload(self, batch_id: str, nbytes: int) -> None:
-        """A payload of ``nbytes`` was written for the batch."""
+        """A payload of ``nbytes`` was written for the batch (and counts for its tenant)."""
+        tenant = self.tenant_of(batch_id)
         pipe = self.r.pipeline(transaction=False)
+        if tenant:
+            pipe.hincrby(keys.tenant(tenant), "store_bytes", nbytes)
+            pipe.hsetnx(keys.PAYLOAD_TENANTS, batch_id, tenant)
         pipe.hincrby(keys.PAYLOAD_STATS, "bytes", nbytes)
         pipe.hincrby(keys.PAYLOAD_STATS, "files", 1)
         pipe.zadd(keys.PAYLOAD_BATCHES, {batch_id: self.server_time()}, nx=True)
@@ -444,7 +466,11 @@ class JobStore:
 
     def payloads_gone(self, batch_id: str, files: int, nbytes: int, acked: bool) -> None:
         """The batch's payloads were deleted (``acked``: the trainer acknowledged it)."""
+        tenant = self.r.hget(keys.PAYLOAD_TENANTS, batch_id)
         pipe = self.r.pipeline(transaction=True)
+        if tenant:
+            pipe.hincrby(keys.tenant(tenant), "store_bytes", -nbytes)
+            pipe.hdel(keys.PAYLOAD_TENANTS, batch_id)
         pipe.hincrby(keys.PAYLOAD_STATS, "bytes", -nbytes)
         pipe.hincrby(keys.PAYLOAD_STATS, "files", -files)
         pipe.zrem(keys.PAYLOAD_BATCHES, batch_id)

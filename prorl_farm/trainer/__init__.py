@@ -7,9 +7,11 @@ from prorl_farm.trainer.farm import (
     FarmConnectionError,
     FarmHTTPError,
     FarmNotFound,
+    FarmOverQuota,
     FarmUnauthorized,
     FarmUnavailable,
 )
 
 __all__ = ["FarmBadRequest", "FarmClient", "FarmConflict", "FarmConnectionError",
-           "FarmHTTPError", "FarmNotFound", "FarmUnauthorized", "FarmUnavailable"]
+           "FarmHTTPError", "FarmNotFound", "FarmOverQuota", "FarmUnauthorized",
+           "FarmUnavailable"]

@@ -54,12 +54,19 @@ class FarmUnavailable(FarmHTTPError):
     """503 (after the retries): Redis, the broker or the pools are not there."""
 
 
+class FarmOverQuota(FarmHTTPError):
+    """429: the submit would pass its tenant's quota; nothing was enqueued. ``retry_after_s``:
+    what the farm says to wait."""
+
+    retry_after_s: float = 5.0
+
+
 class FarmConnectionError(FarmError, ConnectionError):
     """The farm could not be reached (after the retries)."""
 
 
 _BY_STATUS = {400: FarmBadRequest, 401: FarmUnauthorized, 403: FarmUnauthorized,
-              404: FarmNotFound, 409: FarmConflict,
+              404: FarmNotFound, 409: FarmConflict, 429: FarmOverQuota,
               503: FarmUnavailable}
 
 
@@ -70,16 +77,28 @@ def _error(status: int, resp: requests.Response) -> FarmHTTPError:
         error = {"code": "http_error", "message": resp.text[:500]}
     if not isinstance(error, dict):  # a probe's body: {"ready": false, "error": "..."}
         error = {"code": "http_error", "message": str(error)[:500]}
-    return _BY_STATUS.get(status, FarmHTTPError)(status, error)
+    out = _BY_STATUS.get(status, FarmHTTPError)(status, error)
+    if isinstance(out, FarmOverQuota):
+        try:
+            out.retry_after_s = max(0.1, float(resp.headers.get("Retry-After", "")))
+        except ValueError:
+            pass
+    return out
 
 
 class FarmClient:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout_s: float = 30.0,
                  retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 token: str | None = None):
-        """``token``: the farm's API token (default: ``PRORL_API_TOKEN`` from the
-        environment), sent as ``Authorization: Bearer``."""
+                 token: str | None = None, quota_wait_s: float = 3600.0,
+                 tenant: str | None = None):
+        """``token``: the farm's API token or a tenant's key (default: ``PRORL_API_TOKEN``
+        from the environment), sent as ``Authorization: Bearer``. ``quota_wait_s``: how long
+        a submit over its tenant's quota (429) keeps waiting for room, as the farm's
+        Retry-After says, before it raises FarmOverQuota. ``tenant``: the tenant every
+        submit is for (default: the key's own)."""
         self.base_url = base_url.rstrip("/")
+        self.quota_wait_s = quota_wait_s
+        self.tenant = tenant
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -139,7 +158,18 @@ class FarmClient:
                 "idempotency_key": idempotency_key or uuid.uuid4().hex}
         if batch_id:
             body["batch_id"] = batch_id
-        return self._call("POST", "/v1/jobs", json=body)
+        if self.tenant:
+            body["tenant"] = self.tenant
+        give_up = time.monotonic() + self.quota_wait_s
+        while True:
+            try:
+                return self._call("POST", "/v1/jobs", json=body)
+            except FarmOverQuota as e:  # nothing was enqueued: the same submit again
+                if time.monotonic() + e.retry_after_s > give_up:
+                    raise
+                print(f"prorl-farm: submit refused ({e}); trying again in "
+                      f"{e.retry_after_s:g} s", file=sys.stderr, flush=True)
+                time.sleep(e.retry_after_s)
 
     def job(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}")
@@ -255,6 +285,10 @@ class FarmClient:
             "url": url, "kind": kind, "model": model, "tokenizer": tokenizer,
             "capacity": capacity, "policy_version": policy_version,
             "logprobs_mode": logprobs_mode})
+
+    def tenants(self) -> dict:
+        """Each tenant's weight, quotas and usage now: {tenants, you, operator}."""
+        return self._call("GET", "/v1/tenants")
 
     def backends(self) -> list[dict]:
         return self._call("GET", "/v1/backends")["backends"]

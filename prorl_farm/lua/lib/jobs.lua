@@ -16,6 +16,12 @@ local function count_state(old, new, batch)
              'INCRBY', 'i64', '#' .. STATE_SLOT[new], 1)
   redis.call('HINCRBY', K.STATE_COUNTS, old, -1)
   redis.call('HINCRBY', K.STATE_COUNTS, new, 1)
+  -- The batch's tenant's usage (prorl_farm/tenants.py).
+  local tenant = redis.call('HGET', K.batch(batch), 'tenant')
+  if tenant then
+    redis.call('HINCRBY', K.tenant(tenant), old, -1)
+    redis.call('HINCRBY', K.tenant(tenant), new, 1)
+  end
 end
 
 -- A stage's active time, from its start time (a field's value, or false), into the stage's

@@ -1,0 +1,187 @@
+"""Tenants (prorl_farm/tenants.py): a batch belongs to the tenant whose key submitted it, or
+to the one it names where the key may; a tenant's usage (jobs queued and in flight, store
+bytes) follows its jobs' states as the farm's own scripts move them; a submit over a quota
+is a 429 with Retry-After and a field-level message, and enqueues nothing; FarmClient waits
+and submits again once there is room. Against a real Redis, through the API's routes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from werkzeug.serving import make_server
+
+from prorl_farm import keys
+from prorl_farm.config import load_settings
+from prorl_farm.errors import ConfigError
+from prorl_farm.tenants import parse_tenants, usage
+from prorl_farm.trainer import FarmClient
+from tests.farm import farm_env, scrape
+
+OPERATOR = "operator-key-0123456789"
+KEY_A, KEY_B = "team-a-key-0123456789", "team-b-key-0123456789"
+TENANTS = {"team-a": {"token": KEY_A, "weight": 2, "may_use": ["team-a-eval"],
+                      "max_queued": 10},
+           "team-a-eval": {"weight": 1},
+           "team-b": {"token": KEY_B, "max_in_flight": 4}}
+
+
+@pytest.fixture
+def farm(redis_server, r):
+    from api import create_app
+
+    settings = load_settings(farm_env(redis_server.url, api_token=OPERATOR,
+                                      tenants=json.dumps(TENANTS)))
+    app = create_app(settings)
+    yield app, app.test_client()
+    app.extensions["prorl"].close()
+
+
+def _auth(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _submit(client, key, n=1, **body):
+    body = {"handler": "synthetic", "instances": [{"run_s": 0.0}], "n": n, **body}
+    return client.post("/v1/jobs", json=body, headers=_auth(key))
+
+
+def _usage(client) -> dict:
+    doc = client.get("/v1/tenants", headers=_auth(OPERATOR)).get_json()
+    return {t["tenant"]: t["usage"] for t in doc["tenants"]}
+
+
+@pytest.mark.parametrize("raw, says", [
+    ('{"a": {"tokn": "x"}}', "a takes"),
+    ('{"a b": {}}', "tenant name"),
+    ('{"a": {"token": "short"}}', "a.token"),
+    ('{"a": {"weight": 0}}', "a.weight"),
+    ('{"a": {"max_queued": -1}}', "a.max_queued"),
+    ('{"a": {"max_queued": 1.5}}', "a.max_queued"),
+    ('{"a": {"may_use": ["nobody"]}}', "unknown tenants"),
+    ('{"a": {"token": "0123456789abcdef"}, "b": {"token": "0123456789abcdef"}}', "b.token"),
+    ("[1]", "an object"),
+    ("{", "not JSON"),
+])
+def test_a_bad_tenants_setting_stops_start_up_naming_the_entry(raw, says):
+    with pytest.raises(ConfigError, match=says):
+        parse_tenants(raw)
+    with pytest.raises(ConfigError, match="PRORL_TENANTS"):
+        load_settings({"PRORL_TENANTS": raw})
+
+
+def test_a_batch_belongs_to_its_keys_tenant_or_one_it_may_use(farm):
+    _, client = farm
+    a = _submit(client, KEY_A, n=3)
+    assert a.status_code == 202, a.get_json()
+    batch = client.get(f"/v1/batches/{a.get_json()['batch_id']}").get_json()
+    assert batch["tenant"] == "team-a"
+    assert _submit(client, KEY_A, tenant="team-a-eval").status_code == 202
+    assert _submit(client, OPERATOR, tenant="team-b").status_code == 202
+    assert _submit(client, OPERATOR).status_code == 202  # the operator's own: default
+    now = _usage(client)
+    assert (now["team-a"]["queued"], now["team-a-eval"]["queued"],
+            now["team-b"]["queued"], now["default"]["queued"]) == (3, 1, 1, 1)
+    # The same on /metrics, with the quotas.
+    m = scrape(client)
+    assert m[("prorl_tenant_jobs", (("state", "queued"), ("tenant", "team-a")))] == 3
+    assert m[("prorl_tenant_quota", (("quota", "max_queued"), ("tenant", "team-a")))] == 10
+    assert ("prorl_tenant_quota", (("quota", "max_queued"), ("tenant", "team-b"))) not in m
+
+
+@pytest.mark.parametrize("key, tenant, status, code", [
+    (KEY_B, "team-a-eval", 403, "forbidden"),  # not B's to use
+    (KEY_A, "team-b", 403, "forbidden"),
+    (KEY_A, "nobody", 400, "unknown_tenant"),
+    (None, None, 401, "unauthorized"),
+    ("not-a-key-0123456789", None, 401, "unauthorized"),
+])
+def test_a_submit_for_a_tenant_the_key_may_not_use_is_refused_and_enqueues_nothing(
+        farm, r, key, tenant, status, code):
+    _, client = farm
+    before = r.hgetall(keys.STATE_COUNTS)
+    resp = _submit(client, key, **({"tenant": tenant} if tenant else {}))
+    assert resp.status_code == status, resp.get_json()
+    err = resp.get_json()["error"]
+    assert err["code"] == code
+    if status != 401:
+        assert "tenant" in err["details"], err
+    assert r.hgetall(keys.STATE_COUNTS) == before and r.llen("init") == 0
+
+
+def test_a_batch_of_one_tenant_takes_no_jobs_of_another(farm, r):
+    _, client = farm
+    first = _submit(client, KEY_A, batch_id="shared-step-1")
+    assert first.status_code == 202
+    resp = _submit(client, KEY_B, batch_id="shared-step-1")
+    assert resp.status_code == 409, resp.get_json()
+    assert "batch_id" in resp.get_json()["error"]["details"]
+    assert client.get("/v1/batches/shared-step-1").get_json()["total"] == 1
+
+
+def test_over_quota_is_a_429_that_enqueues_nothing_until_there_is_room(farm, r):
+    """team-a may hold 10 jobs queued: 8 go in, 4 more are refused (429, Retry-After, the
+    field named, nothing written), and go in once 4 of the 8 are cancelled (the cancel
+    moves them out of the tenant's queued count, in the farm's own script)."""
+    _, client = farm
+    first = _submit(client, KEY_A, n=8).get_json()
+    before = (r.hgetall(keys.STATE_COUNTS), r.llen("init"), r.zcard(keys.BATCHES))
+    over = _submit(client, KEY_A, n=4)
+    assert over.status_code == 429, over.get_json()
+    assert int(over.headers["Retry-After"]) > 0
+    err = over.get_json()["error"]
+    assert err["code"] == "over_quota" and "quota of 10" in err["details"]["tenant"][0]
+    assert (r.hgetall(keys.STATE_COUNTS), r.llen("init"), r.zcard(keys.BATCHES)) == before
+    for job in first["job_ids"][:4]:
+        assert client.post(f"/v1/jobs/{job}/cancel", headers=_auth(KEY_A)).status_code == 200
+    now = _usage(client)["team-a"]
+    assert (now["queued"], now["cancelled"]) == (4, 4)
+    assert _submit(client, KEY_A, n=4).status_code == 202
+    assert _usage(client)["team-a"]["queued"] == 8
+    # The quota is the tenant's: another tenant's key still submits.
+    assert _submit(client, KEY_B, n=20).status_code == 202
+
+
+def test_in_flight_and_store_quotas_refuse_a_submit_while_over(farm, r):
+    app, client = farm
+    store = app.extensions["prorl"].store
+    r.hset(keys.tenant("team-b"), "run", 4)  # four of team-b's jobs in RUN
+    resp = _submit(client, KEY_B)
+    assert resp.status_code == 429 and "in flight" in resp.get_json()["error"]["message"]
+    r.hset(keys.tenant("team-b"), "run", 3)
+    sub = _submit(client, KEY_B).get_json()
+    # Store bytes follow the tenant's payloads in and out of the trajectory store.
+    store.note_payload(sub["batch_id"], 3 * 2**20)
+    assert usage(r, ["team-b"])["team-b"]["store_mb"] == 3.0
+    store.payloads_gone(sub["batch_id"], 1, 3 * 2**20, acked=True)
+    assert usage(r, ["team-b"])["team-b"]["store_mb"] == 0.0
+
+
+def test_the_client_waits_out_a_quota_and_its_submit_gets_through(farm, capfd):
+    """FarmClient's submit over quota: it says so, waits as Retry-After says, submits
+    again, and gets through once jobs have left the tenant's queue."""
+    app, client = farm
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        farm_a = FarmClient(f"http://127.0.0.1:{server.server_port}", token=KEY_A,
+                            quota_wait_s=60)
+        first = farm_a.submit("synthetic", [{"run_s": 0.0}], n=10)
+        got: dict = {}
+        waiter = threading.Thread(target=lambda: got.update(
+            farm_a.submit("synthetic", [{"run_s": 0.0}], n=5)))
+        waiter.start()
+        time.sleep(1.0)
+        assert waiter.is_alive() and not got  # refused, waiting
+        for job in first["job_ids"][:5]:
+            farm_a.cancel(job)
+        waiter.join(30)
+        assert len(got["job_ids"]) == 5
+        assert "over_quota" in capfd.readouterr().err
+        assert farm_a.tenants()["you"] == "team-a"
+    finally:
+        server.shutdown()
+        server.server_close()
