@@ -426,11 +426,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=read("log_level"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    from prorl_farm.trainer.farm import FarmConnectionError, FarmHTTPError
+
     try:
         return args.func(args) or 0
     except ConfigError as e:
         print(f"prorl-farm: {e}", file=sys.stderr)
         return 2
+    except (FarmHTTPError, FarmConnectionError) as e:  # the farm's answer, said in a line
+        details = getattr(e, "details", None)
+        print(f"prorl-farm: {e}" + (f"\n  {details}" if details else ""), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
