@@ -177,15 +177,16 @@ def _cmd_tenants(args) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    cols = ("tenant", "weight", "queued", "in flight", "done", "failed", "store MB",
-            "quotas (queued / in flight / store MB)")
+    cols = ("tenant", "weight", "queued", "in flight", "sandboxes", "done", "failed",
+            "store MB", "quotas (queued / in flight / sandboxes / store MB)")
     rows = []
     for t in doc["tenants"]:
         u, q = t["usage"], t["quotas"] or {}
         quota = " / ".join("-" if q.get(k) is None else f"{q[k]:g}"
-                           for k in ("max_queued", "max_in_flight", "max_store_mb"))
+                           for k in ("max_queued", "max_in_flight", "max_sandboxes",
+                                     "max_store_mb"))
         rows.append((t["tenant"], "-" if t["weight"] is None else f"{t['weight']:g}",
-                     u["queued"], u["in_flight"], u["done"], u["failed"],
+                     u["queued"], u["in_flight"], u["sandboxes"], u["done"], u["failed"],
                      f"{u['store_mb']:g}", quota if t["configured"] else "(not configured)"))
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     for row in (cols, *rows):

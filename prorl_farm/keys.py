@@ -185,6 +185,12 @@ def sandbox_slots(node: str) -> str:
     return f"{PREFIX}sandbox-slots:{node}"
 
 
+def sandbox_tenants(node: str) -> str:
+    """Hash: sandbox id -> the tenant its job belongs to, on ``node`` (its tenant's live
+    sandboxes count it until the slot is given back)."""
+    return f"{PREFIX}sandbox-tenants:{node}"
+
+
 def sandbox_records(node: str) -> str:
     """Hash: sandbox id -> its JSON record, on ``node``."""
     return f"{PREFIX}sandboxes:{node}"

@@ -281,14 +281,17 @@ def _tenant_families(r: redis.Redis, tenants: dict) -> list:
                              "state.", labels=["tenant", "state"])
     store = GaugeMetricFamily("prorl_tenant_store_bytes", "A tenant's bytes in the "
                               "trajectory store.", labels=["tenant"])
+    boxes = GaugeMetricFamily("prorl_tenant_sandboxes", "A tenant's sandboxes live now.",
+                              labels=["tenant"])
     quota = GaugeMetricFamily("prorl_tenant_quota", "A tenant's quota (absent: none).",
                               labels=["tenant", "quota"])
     for name in names:
         for state in ("queued", "init", "run", "eval"):
             jobs.add_metric([name, state], max(0, int(raw[name].get(state, 0))))
         store.add_metric([name], max(0, int(raw[name].get("store_bytes", 0))))
+        boxes.add_metric([name], max(0, int(raw[name].get("sandboxes", 0))))
         t = tenants.get(name)
         for q, limit in (t.limits() if t else {}).items():
             if limit:
                 quota.add_metric([name, q], limit)
-    return [jobs, store, quota]
+    return [jobs, store, boxes, quota]

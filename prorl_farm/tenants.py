@@ -6,14 +6,16 @@ key may submit for it. Tenants, their keys, weights and quotas are settings
 (``PRORL_TENANTS``: a JSON object, or ``@FILE`` holding one)::
 
     {"team-a": {"token": "...", "weight": 2, "may_use": ["team-a-eval"],
-                "max_queued": 20000, "max_in_flight": 512, "max_store_mb": 50000},
+                "max_queued": 20000, "max_in_flight": 512, "max_sandboxes": 256,
+                "max_store_mb": 50000},
      "team-a-eval": {"weight": 1}}
 
 The operator's key (``PRORL_API_TOKEN``) and a farm with no key at all submit as the tenant
 ``default`` and may name any tenant. A tenant's usage lives in Redis (``keys.tenant``):
-its jobs per state, kept by the scripts that move jobs (lua/lib/jobs.lua), and its bytes in
-the trajectory store. Quotas are checked when a batch is submitted: over any of them the
-submit is refused (429) and nothing is enqueued.
+its jobs per state, kept by the scripts that move jobs (lua/lib/jobs.lua), its live
+sandboxes (lua/sandbox_alloc.lua, sandbox_free.lua), and its bytes in the trajectory store.
+Quotas are checked when a batch is submitted: over any of them the submit is refused (429)
+and nothing is enqueued.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from prorl_farm.errors import ConfigError
 
 DEFAULT = "default"
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-QUOTAS = ("max_queued", "max_in_flight", "max_store_mb")
+QUOTAS = ("max_queued", "max_in_flight", "max_sandboxes", "max_store_mb")
 FIELDS = frozenset({"token", "weight", "may_use", *QUOTAS})
 
 
@@ -43,6 +45,7 @@ class Tenant:
     may_use: frozenset[str] = field(default_factory=frozenset)
     max_queued: int = 0  # jobs waiting for INIT; 0: no limit
     max_in_flight: int = 0  # jobs in INIT, RUN or EVAL
+    max_sandboxes: int = 0  # sandboxes live now (on every node)
     max_store_mb: float = 0.0  # trajectory store bytes of its batches not yet removed
 
     def limits(self) -> dict:
@@ -76,7 +79,7 @@ def parse_tenants(raw: str) -> dict[str, Tenant]:
         raise ConfigError(f"PRORL_TENANTS: not JSON ({e})") from None
     if not isinstance(doc, dict):
         raise ConfigError("PRORL_TENANTS: an object {tenant: {token, weight, may_use, "
-                          "max_queued, max_in_flight, max_store_mb}}")
+                          "max_queued, max_in_flight, max_sandboxes, max_store_mb}}")
     out: dict[str, Tenant] = {}
     tokens: set[str] = set()
     for name, spec in doc.items():
@@ -100,6 +103,7 @@ def parse_tenants(raw: str) -> dict[str, Tenant]:
             name, float(weight), _digest(token) if token else "", frozenset(may_use),
             int(_number(name, "max_queued", spec.get("max_queued", 0), True)),
             int(_number(name, "max_in_flight", spec.get("max_in_flight", 0), True)),
+            int(_number(name, "max_sandboxes", spec.get("max_sandboxes", 0), True)),
             float(_number(name, "max_store_mb", spec.get("max_store_mb", 0), False)))
         if token:
             tokens.add(tenant.token_sha256)
@@ -125,7 +129,7 @@ def tenant_of_token(tenants: dict[str, Tenant], token: str) -> Tenant | None:
 
 def usage(r, names) -> dict[str, dict]:
     """Each tenant's usage now: jobs per state (queued, in flight: init, run, eval; and
-    ended) and its bytes in the trajectory store."""
+    ended), its live sandboxes and its bytes in the trajectory store."""
     names = list(names)
     pipe = r.pipeline(transaction=False)
     for name in names:
@@ -138,6 +142,7 @@ def usage(r, names) -> dict[str, dict]:
             "in_flight": sum(counts.get(s, 0) for s in ("init", "run", "eval")),
             "done": counts.get("done", 0), "failed": counts.get("failed", 0),
             "cancelled": counts.get("cancelled", 0),
+            "sandboxes": counts.get("sandboxes", 0),
             "store_mb": round(counts.get("store_bytes", 0) / 2**20, 3)}
     return out
 
@@ -151,6 +156,9 @@ def over_quota(tenant: Tenant, now: dict, adding: int) -> dict[str, list[str]]:
                       f"would pass its quota of {tenant.max_queued}")
     if tenant.max_in_flight and now["in_flight"] >= tenant.max_in_flight:
         errors.append(f"tenant {tenant.name} has {now['in_flight']} jobs in flight, its "
+                      f"quota")
+    if tenant.max_sandboxes and now["sandboxes"] >= tenant.max_sandboxes:
+        errors.append(f"tenant {tenant.name} has {now['sandboxes']} sandboxes live, its "
                       f"quota")
     if tenant.max_store_mb and now["store_mb"] >= tenant.max_store_mb:
         errors.append(f"tenant {tenant.name} holds {now['store_mb']:.0f} MB in the "

@@ -25,7 +25,7 @@ KEY_A, KEY_B = "team-a-key-0123456789", "team-b-key-0123456789"
 TENANTS = {"team-a": {"token": KEY_A, "weight": 2, "may_use": ["team-a-eval"],
                       "max_queued": 10},
            "team-a-eval": {"weight": 1},
-           "team-b": {"token": KEY_B, "max_in_flight": 4}}
+           "team-b": {"token": KEY_B, "max_in_flight": 4, "max_sandboxes": 2}}
 
 
 @pytest.fixture
@@ -185,3 +185,25 @@ def test_the_client_waits_out_a_quota_and_its_submit_gets_through(farm, capfd):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_tenants_live_sandboxes_count_until_they_stop(farm, r, tmp_path):
+    """Real sandboxes (the node's sandbox manager) started for team-b's job count as its
+    live sandboxes; at its quota of 2 a submit is refused; each stop gives one back."""
+    from prorl_farm.sandbox.abstract import SandboxSpec
+    from prorl_farm.sandbox.manager import SandboxManager
+
+    _, client = farm
+    job = _submit(client, KEY_B).get_json()["job_ids"][0]
+    m = SandboxManager(r, "tenant-node", "local", root=str(tmp_path / "sbx"))
+    boxes = [m.start(SandboxSpec(), job) for _ in range(2)]
+    try:
+        assert usage(r, ["team-b"])["team-b"]["sandboxes"] == 2
+        resp = _submit(client, KEY_B)
+        assert resp.status_code == 429 and "sandboxes" in resp.get_json()["error"]["message"]
+    finally:
+        for box in boxes:
+            m.stop(box)
+    assert usage(r, ["team-b"])["team-b"]["sandboxes"] == 0
+    assert _submit(client, KEY_B).status_code == 202
+    assert r.hlen(keys.sandbox_tenants("tenant-node")) == 0

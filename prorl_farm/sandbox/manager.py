@@ -175,6 +175,7 @@ class SandboxManager:
             slot = self.lua("sandbox_alloc", slots=self.slots_key,
                             started=keys.SANDBOXES_STARTED, nodes=keys.SANDBOX_NODES,
                             job=keys.job(job_id) if job_id else "",
+                            tenants=keys.sandbox_tenants(self.node),
                             cap=self.max_sandboxes, sandbox=sandbox_id,
                             hint=uuid.uuid4().int % self.max_sandboxes, node=self.node)
             if slot >= 0:
@@ -262,7 +263,8 @@ class SandboxManager:
     def _release(self, sandbox_id: str, slot, base: Path, job_id: str | None = None) -> None:
         shutil.rmtree(base, ignore_errors=True)
         if slot is not None:
-            self.lua("sandbox_free", slots=self.slots_key, slot=slot, sandbox=sandbox_id)
+            self.lua("sandbox_free", slots=self.slots_key,
+                     tenants=keys.sandbox_tenants(self.node), slot=slot, sandbox=sandbox_id)
         with self.r.pipeline() as p:
             p.hdel(self.records_key, sandbox_id)
             if job_id:
@@ -350,5 +352,6 @@ class SandboxManager:
             # A slot whose start is still in progress has no record yet, but has its
             # directory or processes: free only slots with neither (their starter died).
             if not (self.root / owner).exists() and not processes_of(owner):
-                self.lua("sandbox_free", slots=self.slots_key, slot=slot, sandbox=owner)
+                self.lua("sandbox_free", slots=self.slots_key,
+                         tenants=keys.sandbox_tenants(self.node), slot=slot, sandbox=owner)
         return stopped
