@@ -11,6 +11,7 @@ from flask import Blueprint, current_app
 
 from api import schemas as s
 from prorl_farm import __version__
+from prorl_farm.tenants import parse_tenants
 
 bp = Blueprint("openapi", __name__)
 
@@ -183,6 +184,11 @@ def build_openapi(registry, settings=None) -> dict:
                              "properties": {"handler": {"type": "string", "enum": [name]},
                                             key: value}})
     submit["oneOf"] = variants
+    if settings is not None:
+        # The tenants this farm knows (which of them a key may name is the key's business).
+        submit["properties"]["tenant"] = {
+            **submit["properties"]["tenant"],
+            "enum": [*sorted(parse_tenants(settings.tenants)), None]}
     return doc
 
 

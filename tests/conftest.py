@@ -242,8 +242,10 @@ def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
     """vLLM's CPU build serving ``model_dir`` in float32 (a real process group), or a skip
     (:func:`require_vllm`). Returns (url, stop)."""
     import os
+    import shutil
     import signal
     import subprocess
+    import tempfile
 
     from prorl_farm.dev.engines import vllm_command
     from tests.farm import free_port, model_server_up, wait_until
@@ -252,6 +254,10 @@ def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
     port = free_port()
     argv, env = vllm_command(python, str(model_dir), "127.0.0.1", port, name,
                              max_model_len=max_model_len)
+    # vLLM's processes talk over ZMQ sockets it names in this folder; a killed engine
+    # leaves them behind, so they go with it (short: a socket's path has 107 bytes).
+    sockets = tempfile.mkdtemp(prefix="prorl-vllm-", dir="/tmp")
+    env["VLLM_RPC_BASE_PATH"] = sockets
     log = open(log_dir / "vllm.log", "wb")  # noqa: SIM115 - closed by stop()
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -272,6 +278,7 @@ def start_vllm(model_dir, log_dir, max_model_len: int, name: str = "tiny"):
             os.killpg(proc.pid, signal.SIGKILL)  # the engine core and its workers
         except ProcessLookupError:
             pass
+        shutil.rmtree(sockets, ignore_errors=True)
         log.close()
 
     def up() -> bool:
