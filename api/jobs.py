@@ -163,7 +163,8 @@ def submit():
             jobs = svc.store.create_jobs(batch_id, req["handler"], req["instances"], req["n"],
                                          explicit_sampling(req["sampling"]),
                                          req["deadline_s"], req["mode"], idempotency,
-                                         svc.messages, tenant=tenant.name)
+                                         svc.messages, tenant=tenant.name,
+                                         priority=req["priority"])
     except BaseException:
         if key:
             svc.store.forget_idempotency(key)

@@ -76,6 +76,11 @@ class SubmitSchema(Schema):
         metadata={"description": "the tenant the batch belongs to (default: the key's own); "
                   "a key may name its own tenant, those its tenant may_use, or any (the "
                   "operator's key)"})
+    priority = fields.Integer(
+        load_default=0, strict=True, validate=validate.Range(min=-100, max=100),
+        metadata={"description": "the jobs' priority within their tenant's share (-100 to "
+                  "100, default 0): a job goes before those of lower priority that came less "
+                  "than PRORL_FAIR_AGING_S (60 s) per level before it"})
     mode = fields.String(load_default="policy", validate=validate.OneOf(["policy",
                                                                          "reference"]),
                          metadata={"description": "reference: skip the policy and grade the "
@@ -187,6 +192,8 @@ class BatchSchema(Schema):
     created_at = fields.Float()
     handler = fields.String(allow_none=True)
     tenant = fields.String(metadata={"description": "the tenant the batch belongs to"})
+    priority = fields.Integer(metadata={"description": "its jobs' priority (the last "
+                                        "submit's)"})
 
 
 class ResultsSchema(Schema):

@@ -1,10 +1,12 @@
 """Sharing one farm between tenants: a flood by tenant A beside tenant B's batch, each
 against the same work alone, and one tenant's throughput on its own.
 
-    .venv/bin/python bench/sharing.py [--scenarios eval run single] [--record]
+    .venv/bin/python bench/sharing.py [--scenarios eval run single] [--modes fifo fair]
+                                      [--record]
 
 A real farm (private redis-server, the three pools, the API under gunicorn) with two
-tenants, each with its own key (``PRORL_TENANTS``). The work is the ``synthetic`` handler,
+tenants, each with its own key (``PRORL_TENANTS``), run once first come, first served
+(``PRORL_FAIR_SHARE=0``, the baseline) and once with fair share. The work is the ``synthetic`` handler,
 whose stages hold a pool slot for a set time (sleeping: what is measured is the order in
 which the farm hands out slots, not the CPU):
 
@@ -78,52 +80,75 @@ def _s(x: float | None, cut_s: float) -> str:
     return f"> {cut_s:g}" if x is None else f"{x:.2f}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", nargs="+", default=["eval", "run", "single"],
-                    choices=["eval", "run", "single"])
-    ap.add_argument("--cut-s", type=float, default=90.0)
-    ap.add_argument("--record", action="store_true")
-    args = ap.parse_args()
+MODES = {"fifo": "first come, first served (PRORL_FAIR_SHARE=0)",
+         "fair": "weighted fair share (the default)"}
+
+
+def run_mode(mode: str, scenarios: list[str], cut_s: float) -> dict:
+    """The scenarios on a fresh farm (its own Redis) with fair share on or off."""
     tmp = Path(tempfile.mkdtemp(prefix="prorl-bench-sharing-"))
     procs = Processes()
     out: dict = {}
     os.environ["PRORL_TENANTS"] = json.dumps(TENANTS)
+    os.environ["PRORL_FAIR_SHARE"] = "1" if mode == "fair" else "0"
     try:
         with private_redis() as url:
             base = start_farm_api(procs, url, POOLS, tmp)
             a, b = (FarmClient(base, token=KEYS[t]) for t in ("a", "b"))
             b.submit("synthetic", [{}], n=64)  # warm-up
             time.sleep(2)
-            if "eval" in args.scenarios:
-                out["eval"] = flood(a, b, {"eval_s": 4.0}, 64, {"eval_s": 0.05}, args.cut_s)
-                print("eval", out["eval"], file=sys.stderr, flush=True)
-            if "run" in args.scenarios:
-                out["run"] = flood(a, b, {"run_s": 30.0}, 1000, {"run_s": 0.5}, args.cut_s)
-                print("run", out["run"], file=sys.stderr, flush=True)
+            if "eval" in scenarios:
+                out["eval"] = flood(a, b, {"eval_s": 4.0}, 64, {"eval_s": 0.05}, cut_s)
+                print(mode, "eval", out["eval"], file=sys.stderr, flush=True)
+            if "run" in scenarios:
+                out["run"] = flood(a, b, {"run_s": 30.0}, 1000, {"run_s": 0.5}, cut_s)
+                print(mode, "run", out["run"], file=sys.stderr, flush=True)
                 time.sleep(5)  # the cancelled flood's jobs leave their slots
-            if "single" in args.scenarios:
+            if "single" in scenarios:
                 out["single"] = single(a)
+                print(mode, "single", out["single"], file=sys.stderr, flush=True)
     finally:
         procs.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _ratio(r: dict, cut_s: float) -> str:
+    if r["beside_s"] and r["alone_s"]:
+        return f"{r['beside_s'] / r['alone_s']:.1f}x"
+    return f"> {cut_s / r['alone_s']:.0f}x" if r["alone_s"] else "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", nargs="+", default=["eval", "run", "single"],
+                    choices=["eval", "run", "single"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--cut-s", type=float, default=90.0)
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    results = {mode: run_mode(mode, args.scenarios, args.cut_s) for mode in args.modes}
     lines = [f"### sharing — {date.today()} — {machine()}", "",
-             f"Two tenants on one farm (pools {POOLS}; `synthetic` jobs holding their "
-             "stage's slot for a set time), the dispatch as this farm has it (each stage's "
-             f"queue first come, first served). B's wait is cut at {args.cut_s:g} s.", "",
-             "| scenario | B alone s | B beside A's flood s | ratio (aim <= 2) |",
-             "|---|---|---|---|"]
+             f"Two tenants on one farm (pools {POOLS}, the fair share's reserve "
+             "PRORL_FAIR_RESERVE=1; `synthetic` jobs holding their stage's slot for a set "
+             f"time), each dispatch in the same run. B's wait is cut at {args.cut_s:g} s.", "",
+             "| scenario | dispatch | B alone s | B beside A's flood s | ratio (aim <= 2) |",
+             "|---|---|---|---|---|"]
     for name, what in (("eval", "A: 64 jobs of 4 s EVAL; B: 64 of 0.05 s"),
                        ("run", "A: 1,000 jobs of 30 s RUN; B: 64 of 0.5 s")):
-        if name in out:
-            r = out[name]
-            ratio = (f"{r['beside_s'] / r['alone_s']:.1f}x" if r["beside_s"] and r["alone_s"]
-                     else f"> {args.cut_s / r['alone_s']:.0f}x" if r["alone_s"] else "-")
-            lines.append(f"| {name}: {what} | {_s(r['alone_s'], args.cut_s)} | "
-                         f"{_s(r['beside_s'], args.cut_s)} | {ratio} |")
-    if "single" in out:
-        lines += ["", f"One tenant alone, {out['single']['jobs']} jobs of 0 s: "
-                      f"**{out['single']['jobs_per_s']:.0f} jobs/s**."]
+        for mode, out in results.items():
+            if name in out:
+                r = out[name]
+                lines.append(f"| {name}: {what} | {mode} | {_s(r['alone_s'], args.cut_s)} | "
+                             f"{_s(r['beside_s'], args.cut_s)} | {_ratio(r, args.cut_s)} |")
+    single_rates = {m: out["single"]["jobs_per_s"] for m, out in results.items()
+                    if "single" in out}
+    if single_rates:
+        lines += ["", "One tenant alone, 8192 jobs of 0 s: " + ", ".join(
+            f"{m} **{v:.0f} jobs/s**" for m, v in single_rates.items())]
+        if len(single_rates) == 2:
+            lines[-1] += (f"; fair share / fifo = **{single_rates['fair'] / single_rates['fifo']:.3f}**"
+                          " (aim >= 0.95).")
     report(lines + [""], args.record)
 
 

@@ -236,6 +236,17 @@ class Settings:
     tenants: str = setting(
         "", "tenants, their API keys, weights and quotas: a JSON object or @FILE "
         "(docs/sharing.md)", shown="one, `default`")
+    fair_share: bool = setting(
+        True, "weighted fair share of every stage's slots between tenants, with priorities "
+        "(docs/sharing.md); off: each stage first come, first served")
+    fair_reserve: float = setting(
+        1.0, "slots each pool keeps in reserve, as a fraction of its concurrency, for tenants "
+        "under their share while others hold every shared slot (the pool runs that many "
+        "more workers; a tenant alone never uses them)", lo=0.0, hi=4.0)
+    fair_aging_s: float = setting(
+        60.0, "seconds of head start per priority level in a tenant's queue: a job of "
+        "priority p goes before jobs of priority p-1 that came up to this long before it",
+        lo=0.001, hi=DAY_S)
     requeue_on_stop: bool = setting(
         False, "on SIGTERM re-queue what the pool holds at once instead of finishing it (nodes "
         "that go away with their sandboxes)", shown="0 (1 in `slurm/`)")
@@ -251,6 +262,12 @@ class Settings:
     def harness_path(self) -> str:
         """The harness environments' directory, absolute."""
         return os.path.abspath(self.harness_dir or os.path.join(self.home, "harnesses"))
+
+    def reserve_slots(self, stage: str) -> int:
+        """Worker slots a pool of ``stage`` runs beyond its concurrency (``fair_reserve``)."""
+        if not self.fair_share:
+            return 0
+        return math.ceil(self.pool(stage).concurrency * self.fair_reserve)
 
     def pool(self, stage: str) -> PoolSettings:
         if stage not in STAGES:

@@ -83,6 +83,48 @@ def queued(queue: str) -> str:
     return f"{PREFIX}queued:{queue}"
 
 
+# -- fair share (lua/lib/fair.lua, docs/sharing.md) ---------------------------------------
+
+
+def pen(queue: str, tenant: str) -> str:
+    """Sorted set: job -> its place (when it came, less its priority's head start) among
+    the tenant's jobs waiting for a slot of ``queue``; its message waits in
+    :func:`pen_messages` until the pick pushes it."""
+    return f"{PREFIX}fair:{queue}:pen:{tenant}"
+
+
+def pen_messages(queue: str) -> str:
+    """Hash: job -> the message it pushes onto ``queue`` when it gets a slot (kept apart
+    from the job's hash, which it would push out of Redis's compact encoding)."""
+    return f"{PREFIX}fair:{queue}:messages"
+
+
+def pen_tenants(queue: str) -> str:
+    """Set: the tenants with jobs in a pen of ``queue``."""
+    return f"{PREFIX}fair:{queue}:tenants"
+
+
+def held(queue: str) -> str:
+    """Hash: tenant -> the slots of ``queue`` its jobs hold (a message pushed, until the
+    job leaves the stage), and ``*`` -> all of them."""
+    return f"{PREFIX}fair:{queue}:held"
+
+
+def slots(queue: str) -> str:
+    """Hash: pool process -> "<slots> <reserve> <until>": the slots each live pool process
+    that consumes ``queue`` shares out (its concurrency times its prefetch), the slots it
+    keeps in reserve for tenants under their share, and when its registration lapses
+    (epoch s; it renews it each pool beat)."""
+    return f"{PREFIX}fair:{queue}:slots"
+
+
+# Hash: tenant -> weight (written from the settings by every farm process as it starts).
+WEIGHTS = f"{PREFIX}fair:weights"
+# Hash: "<stage>:<tenant>" -> slots handed to the tenant's jobs (farm lifetime), and
+# "<stage>:<tenant>:reserve" -> of those, reserve slots.
+FAIR_GIVEN = f"{PREFIX}metrics:fair-given"
+
+
 def janitor_lock(node: str) -> str:
     """String: held by the pool process running the node's sandbox janitor right now."""
     return f"{PREFIX}janitor:{node}"
@@ -213,9 +255,10 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 _LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
-                  "REAPER_ACTIONS")
+                  "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
-                  "batch_stream", "queued", "backend", "histogram", "history", "tenant")
+                  "batch_stream", "queued", "backend", "histogram", "history", "tenant",
+                  "pen", "pen_messages", "pen_tenants", "held", "slots")
 
 
 def _lua() -> str:
@@ -223,9 +266,12 @@ def _lua() -> str:
     for name in _LUA_CONSTANTS:
         lines.append(f"K.{name} = {json.dumps(globals()[name])}")
     for name in _LUA_FUNCTIONS:
-        head, _, tail = globals()[name]("\0").partition("\0")
-        lines.append(f"function K.{name}(x) return {json.dumps(head)} .. x"
-                     + (f" .. {json.dumps(tail)}" if tail else "") + " end")
+        fn = globals()[name]
+        args = ("x", "y")[:fn.__code__.co_argcount]
+        parts = fn(*("\0" for _ in args)).split("\0")
+        body = " .. ".join(p for pair in zip([json.dumps(p) for p in parts], [*args, ""])
+                           for p in pair if p and p != '""')
+        lines.append(f"function K.{name}({', '.join(args)}) return {body} end")
     return "\n".join(lines) + "\n"
 
 

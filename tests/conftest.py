@@ -161,9 +161,19 @@ def r(redis_server):
 
 
 def _clear(client) -> None:
-    """Every farm key but the pools' heartbeats: those belong to pools a module shares
-    (which beat only every few ticks), not to a test."""
-    keys = [k for k in client.scan_iter("prorl:*", count=1000) if k != "prorl:pools"]
+    """Every farm key but the pools' heartbeats and their slot registrations (fair share):
+    those belong to pools a module shares (which renew them only every few ticks), not to a
+    test."""
+    keys, slots = [], []
+    for k in client.scan_iter("prorl:*", count=1000):
+        if k.startswith("prorl:fair:") and k.endswith(":slots"):
+            slots.append(k)
+        elif k != "prorl:pools":
+            keys.append(k)
+    for k in slots:  # a test's stand-in pools (tests.farm.open_slots) go with the test
+        stand_ins = [p for p in client.hkeys(k) if not p.startswith("prorl-worker:")]
+        if stand_ins:
+            client.hdel(k, *stand_ins)
     keys += [k for pattern in ("init", "run.*", "eval.*")
              for k in client.scan_iter(pattern, count=1000, _type="list")]
     if keys:

@@ -56,6 +56,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def open_slots(r: redis.Redis, queue: str = "init", n: int = 100_000) -> None:
+    """Register a stand-in pool's ``n`` slots of ``queue`` (what a pool does as it starts,
+    lua/fair_fill.lua), so that what waits for that queue is pushed onto it, no pool
+    consuming it."""
+    from prorl_farm import keys
+    from prorl_farm.lua import Scripts
+
+    Scripts(r)("fair_fill", slots=keys.slots(queue), held=keys.held(queue),
+               pens=keys.pen_tenants(queue), weights=keys.WEIGHTS, queue=queue,
+               pool="stand-in", shared=n, reserve=0, ttl_s=3600, limit=n,
+               tenant_weights=[])
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
     end = time.monotonic() + timeout_s
     while True:

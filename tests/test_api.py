@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from tests.farm import open_slots
+
 GOOD = {"handler": "synthetic", "instances": [{"run_s": 0.1}], "n": 2}
 
 
@@ -42,7 +44,9 @@ BAD_REQUESTS = [
      "sampling.temprature"),
     ("deadline-negative", {**GOOD, "deadline_s": -1}, None, 400, "deadline_s"),
     ("batch-id-bad-chars", {**GOOD, "batch_id": "a/b"}, None, 400, "batch_id"),
-    ("unknown-top-level-field", {**GOOD, "priority": 3}, None, 400, "priority"),
+    ("unknown-top-level-field", {**GOOD, "prio": 3}, None, 400, "prio"),
+    ("priority-out-of-range", {**GOOD, "priority": 101}, None, 400, "priority"),
+    ("priority-not-integer", {**GOOD, "priority": 1.5}, None, 400, "priority"),
 ]
 
 
@@ -94,6 +98,7 @@ def test_cancel_unknown_is_404(client, path):
 
 
 def test_submit_writes_jobs_and_init_messages(client, r):
+    open_slots(r)  # as a pool would: every message goes onto the queue
     resp = client.post("/v1/jobs", json={**GOOD, "batch_id": "b1", "deadline_s": 60})
     assert resp.status_code == 202
     body = resp.get_json()
@@ -112,6 +117,7 @@ def test_submit_writes_jobs_and_init_messages(client, r):
 
 
 def test_a_retried_submit_with_its_idempotency_key_makes_no_second_batch(client, r):
+    open_slots(r)
     first = client.post("/v1/jobs", json={**GOOD, "idempotency_key": "step-7"})
     assert first.status_code == 202
     again = client.post("/v1/jobs", json={**GOOD, "idempotency_key": "step-7"})

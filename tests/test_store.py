@@ -13,6 +13,7 @@ from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.states import ALL_STATES, JobState
 from prorl_farm.worker.kombu import message_args
+from tests.farm import open_slots
 
 _STORES: list[JobStore] = []
 
@@ -28,6 +29,8 @@ def _close_stores():
 def make(settings, r, n=1, **kw):
     store = JobStore.from_settings(settings)
     _STORES.append(store)
+    for queue in ("init", "run.n", "eval.n"):
+        open_slots(r, queue)  # as pools would: every message goes onto its queue
     jobs = store.create_jobs("b", "synthetic", [{}], n, {}, kw.get("deadline_s"))
     return store, jobs
 
@@ -299,6 +302,7 @@ def test_popped_tells_exactly_the_jobs_whose_message_left_the_queue(settings, r)
     in one submission (one push time) are told only once none of them may still wait."""
     store = JobStore.from_settings(settings)
     _STORES.append(store)
+    open_slots(r)
     messages = _messages(settings)
     jobs = [store.create_jobs("b", "synthetic", [{}], 1, {}, None, messages=messages)[0]
             for _ in range(4)]
@@ -329,6 +333,7 @@ def test_a_message_pushed_back_by_a_pool_is_indexed_at_its_new_push(settings, r)
 
     store = JobStore.from_settings(settings)
     _STORES.append(store)
+    open_slots(r)
     messages = _messages(settings)
     [first] = store.create_jobs("b", "synthetic", [{}], 1, {}, None, messages=messages)
     [second] = store.create_jobs("b", "synthetic", [{}], 1, {}, None, messages=messages)

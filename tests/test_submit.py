@@ -21,7 +21,7 @@ from prorl_farm import keys
 from prorl_farm.celery_app import create_celery_app
 from prorl_farm.config import load_settings
 from prorl_farm.jobs.messages import StageMessages
-from tests.farm import RedisServer, TcpListener, farm_env
+from tests.farm import RedisServer, TcpListener, farm_env, open_slots
 
 BIG = {"handler": "synthetic", "instances": [{"run_s": 0.0, "reward": i % 2}
                                              for i in range(512)], "n": 16}
@@ -61,6 +61,7 @@ def _message_args(raw: str) -> list:
 
 def test_an_8192_job_submission_lands_whole_with_its_messages(private):
     r = redis.Redis.from_url(private.url, decode_responses=True)
+    open_slots(r)  # as a pool would: every message goes onto the queue
     resp = _app(private.url).test_client().post("/v1/jobs", json=BIG)
     assert resp.status_code == 202, resp.get_json()
     body = resp.get_json()
@@ -142,6 +143,7 @@ class CuttingProxy(TcpListener):
 @pytest.mark.parametrize("failure", ["connection cut mid-write", "out of memory mid-write"])
 def test_a_failure_mid_write_leaves_no_job_behind(private, failure):
     r = redis.Redis.from_url(private.url, decode_responses=True)
+    open_slots(r)
     direct = _app(private.url).test_client()
     before = direct.post("/v1/jobs", json={"handler": "synthetic", "instances": [{}], "n": 3})
     assert before.status_code == 202

@@ -129,6 +129,7 @@ class JobStore:
         idempotency: tuple[str, str] | None = None,
         messages: StageMessages | None = None,
         tenant: str = "default",
+        priority: int = 0,
     ) -> list[NewJob]:
         """Write every job of one request atomically (MULTI/EXEC), all waiting for INIT,
         with their INIT messages (``messages``) pushed and recorded on the queue in the same
@@ -138,7 +139,9 @@ class JobStore:
         Each instance is stored once and shared by its ``n`` samples. ``idempotency`` (key,
         digest): the key's record, reserved by :meth:`reserve_idempotency`, gets the jobs in
         the same transaction. The batch belongs to ``tenant`` (its first submit says;
-        the API refuses a later one for another tenant), whose usage counts the jobs."""
+        the API refuses a later one for another tenant), whose usage counts the jobs, and
+        in whose pens the jobs wait for their slots with a head start of ``priority``
+        times the aging time (lua/lib/fair.lua)."""
         now = self.server_time()
         deadline_at = f"{now + deadline_s:.6f}" if deadline_s else ""
         jobs: list[NewJob] = []
@@ -160,11 +163,14 @@ class JobStore:
         for i in range(0, len(rows), 6 * CREATE_CHUNK):  # bounded script calls, one MULTI
             self.lua("create_jobs", client=pipe, batch=batch_id, handler=handler,
                      sampling_id=sampling_id, deadline_at=deadline_at, mode=mode,
-                     created_at=f"{now:.6f}", jobs=rows[i:i + 6 * CREATE_CHUNK])
+                     created_at=f"{now:.6f}", tenant=tenant,
+                     prio_s=f"{priority * self.settings.fair_aging_s:.6f}", first=i // 6,
+                     jobs=rows[i:i + 6 * CREATE_CHUNK])
         ids = [j.job_id for j in jobs]
         pipe.hsetnx(keys.batch(batch_id), "created_at", f"{now:.6f}")
         pipe.hsetnx(keys.batch(batch_id), "handler", handler)
         pipe.hsetnx(keys.batch(batch_id), "tenant", tenant)
+        pipe.hset(keys.batch(batch_id), "priority", priority)
         pipe.hincrby(keys.tenant(tenant), JobState.QUEUED.value, len(jobs))
         pipe.sadd(keys.TENANTS, tenant)
         pipe.hincrby(keys.batch(batch_id), "total", len(jobs))
@@ -392,6 +398,7 @@ class JobStore:
             "created_at": float(meta.get("created_at", 0)),
             "handler": meta.get("handler"),
             "tenant": meta.get("tenant", "default"),
+            "priority": int(meta.get("priority", 0)),
         }
 
     def batch_job_ids(self, batch_id: str) -> list[str]:
@@ -498,6 +505,28 @@ class JobStore:
         """Redis's clock (epoch seconds): the one clock every node's timings agree on."""
         secs, micros = self.r.time()
         return secs + micros / 1e6
+
+    def fair_fill(self, queue: str, pool: str, shared: int, reserve: int, ttl_s: float,
+                  weights: dict[str, float], limit: int = 10_000) -> int:
+        """Register (or with 0 and 0, withdraw) the slots pool process ``pool`` takes of
+        ``queue``, write the tenants' weights, and hand free slots to waiting jobs; returns
+        how many got one (lua/fair_fill.lua)."""
+        flat = [x for name, w in sorted(weights.items()) for x in (name, repr(float(w)))]
+        return int(self.lua("fair_fill", slots=keys.slots(queue), held=keys.held(queue),
+                            pens=keys.pen_tenants(queue), weights=keys.WEIGHTS, queue=queue,
+                            pool=pool, shared=shared, reserve=reserve, ttl_s=ttl_s,
+                            limit=limit, tenant_weights=flat))
+
+    def waiting_in_pens(self, queue: str, before: float = float("inf"), limit: int = 100_000
+                        ) -> list[str]:
+        """Jobs waiting in ``queue``'s pens for a slot, placed before ``before`` (epoch s;
+        a place is in microseconds)."""
+        out: list[str] = []
+        bound = f"({before * 1e6:.0f}" if before != float("inf") else "+inf"
+        for tenant in sorted(self.r.smembers(keys.pen_tenants(queue))):
+            out += self.r.zrangebyscore(keys.pen(queue, tenant), "-inf", bound,
+                                        start=0, num=limit)
+        return out[:limit]
 
     def pool_beat(self, stage: str, node: str) -> None:
         self.r.zadd(keys.POOLS, {f"{stage}:{node}": self.server_time()})

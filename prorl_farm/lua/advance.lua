@@ -24,6 +24,7 @@ redis.call('HSET', jk, 'state', to, 't_' .. from .. '_end', fmt(now), 'stage', t
   'phase', 'waiting', 'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now),
   'node', node, 'holder', '', field, value)
 count_state(j[1], to, j[4])
+fair_release(id, jk, now)  -- the slot of the stage it leaves goes to the next job
 release_backend(id, j[6])  -- a backend slot is held within a stage, never across a hand-off
 redis.call('SADD', K.QUEUES, queue)
 -- Without a message the caller publishes it and records it (handed_off); until then the

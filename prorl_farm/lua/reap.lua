@@ -51,6 +51,7 @@ table.insert(history, {attempt = n, stage = j[6], node = j[8] or cjson.null, rea
                        at = tonumber(fmt(now))})
 while #history > keep do table.remove(history, 1) end
 unqueue(id, j[3])
+fair_release(id, jk, now)
 redis.call('HDEL', jk, unpack(ATTEMPT_FIELDS))
 redis.call('HSET', jk, 'state', 'queued', 'stage', 'init', 'phase', 'waiting', 'token', new,
   'queue', 'init', 'requeues', mode == 'leave' and n or n + 1, 't_init_queued', fmt(now),

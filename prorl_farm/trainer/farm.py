@@ -149,15 +149,19 @@ class FarmClient:
     def submit(self, handler: str, instances: list[dict], n: int = 1,
                sampling: dict | None = None, deadline_s: float | None = None,
                batch_id: str | None = None, mode: str = "policy",
-               idempotency_key: str | None = None) -> dict:
+               idempotency_key: str | None = None, priority: int = 0) -> dict:
         """Submit instances x n jobs; returns {batch_id, job_ids} (and ``replayed`` when
         the farm had this submit already). ``mode="reference"`` grades each instance's own
-        reference instead of a policy's answer."""
+        reference instead of a policy's answer. ``priority`` (-100 to 100): the jobs' order
+        within the tenant's share (an evaluation before training, a replenishment before a
+        new step)."""
         body = {"handler": handler, "instances": instances, "n": n,
                 "sampling": sampling or {}, "deadline_s": deadline_s, "mode": mode,
                 "idempotency_key": idempotency_key or uuid.uuid4().hex}
         if batch_id:
             body["batch_id"] = batch_id
+        if priority:
+            body["priority"] = priority
         if self.tenant:
             body["tenant"] = self.tenant
         give_up = time.monotonic() + self.quota_wait_s

@@ -22,6 +22,7 @@ from prorl_farm.config import Settings
 from prorl_farm.context import JobContext
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.states import FailureKind, JobState
+from prorl_farm.tenants import parse_tenants
 from prorl_farm.worker.reaper import STOP_GRACE_S, Reaper, pool_beat_s
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,9 @@ class Liveness:
         # The pool's watchdog (main pool processes): told of every turn of the loop, it
         # kills the process if the turns stop while it lives (prorl_farm/watchdog.py).
         self.watchdog = None
+        # The slots this pool process takes of its queue, (queue, shared, reserve): set in the
+        # main process once its consumer runs, registered each pool beat (lua/fair_fill.lua).
+        self.slots: tuple[str, int, int] | None = None
         self._next_beat = self._next_janitor = self._next_clock = 0.0
         self._clock_offset = 0.0  # Redis's clock less this host's
         self._running: dict[tuple[str, str], JobContext] = {}
@@ -138,6 +142,10 @@ class Liveness:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        try:
+            self.register_slots(leaving=True)
+        except redis.exceptions.RedisError as e:
+            log.warning("could not withdraw this pool's slots (they lapse): %s", e)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval_s):
@@ -175,6 +183,7 @@ class Liveness:
             self._next_beat = now + pool_beat_s(self.settings)
             self.presence.beat(f"{self.stage}:{self.settings.node}",
                                time.time() + self._clock_offset)
+            self.register_slots()
         if self.reaper is not None:
             self.reaper.sweep()
         if self.janitor is not None and now >= self._next_janitor:
@@ -182,6 +191,19 @@ class Liveness:
             lock = keys.janitor_lock(self.settings.node)
             if self.store.try_lock(lock, self.stage, JANITOR_EVERY_S):
                 self.janitor()
+
+    def register_slots(self, leaving: bool = False) -> None:
+        """(Re)register this process's slots of its queue, lapsing unless renewed within
+        the stale time, and hand free ones to waiting jobs; ``leaving``: withdraw them."""
+        if self.slots is None:
+            return
+        queue, shared, reserve = self.slots
+        weights = {name: t.weight for name, t in parse_tenants(self.settings.tenants).items()}
+        if leaving:
+            self.slots = None
+        self.store.fair_fill(queue, self.presence.name, 0 if leaving else shared,
+                             0 if leaving else reserve, self.settings.heartbeat_stale_s,
+                             weights)
 
     def _expire(self, ctx: JobContext) -> None:
         """A stage that does not stop by itself at its deadline still ends the job, within

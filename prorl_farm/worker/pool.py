@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # Pools whose Celery consumer runs kombu's event loop, and their queue poll's timeout.
 EVENT_LOOP_POOLS = ("threads", "prefork", "solo")
 IDLE_POLL_S = 5
+# The slots a pool registers without fair share: more than any queue holds, so every job
+# takes one at once (first come, first served, as the queue's list has them).
+UNGATED = 1 << 30
 
 
 class WorkerFarm:
@@ -49,7 +52,8 @@ class WorkerFarm:
         self.settings = settings
         self.stage = stage
         # One connection per pool thread at most, plus the liveness and probe threads.
-        self.store = JobStore.from_settings(settings, settings.pool(stage).concurrency + 8)
+        self.store = JobStore.from_settings(
+            settings, settings.pool(stage).concurrency + settings.reserve_slots(stage) + 8)
         self.messages = StageMessages(app)
         payloads = open_store(settings)
         reaper = (Reaper(self.store, settings, self.messages, BackendRegistry(self.store.r),
@@ -77,8 +81,11 @@ class WorkerFarm:
         how many jobs were re-queued."""
         node = self.settings.node
         held = set(self.liveness.running_pairs()) | set(_reserved_requests())
+        self.liveness.register_slots(leaving=True)  # nothing more is handed to this node
         if self.stage != "init":
-            waiting = self.store.r.zrange(keys.queued(queue_for(self.stage, node)), 0, -1)
+            queue = queue_for(self.stage, node)
+            waiting = self.store.r.zrange(keys.queued(queue), 0, -1)
+            waiting += self.store.waiting_in_pens(queue)
             held |= {(j, t) for j, t in zip(waiting, self.store.tokens(waiting)) if t}
         n = sum(self.hand_back(job_id, token) for job_id, token in sorted(held))
         self.liveness.tick()  # aborts the stages still running those jobs
@@ -136,6 +143,7 @@ _app: Celery | None = None
 _stage: str = ""
 _main_pid: int = 0
 _watchdog: Watchdog | None = None  # started by worker_main, fed by the liveness thread
+_reserving = False  # started by worker_main: it runs the reserve workers (fair_reserve)
 
 
 def get_farm(stage: str = "") -> WorkerFarm:
@@ -195,7 +203,18 @@ def _on_ready(sender=None, **_):
         _stage = _consumed_stage(sender)
         _main_pid = os.getpid()
     farm = get_farm()
-    log.info("%s pool ready on node %s", _stage, farm.settings.node)
+    # The slots it takes of its queue: its prefetch (concurrency times the multiplier);
+    # started by worker_main, its reserve workers' share of that is kept for tenants under
+    # their share (lib/fair.lua).
+    settings, pool = farm.settings, farm.settings.pool(_stage)
+    taken = getattr(sender, "initial_prefetch_count", 0) or (
+        pool.concurrency * pool.prefetch_multiplier)
+    reserve = settings.reserve_slots(_stage) * pool.prefetch_multiplier if _reserving else 0
+    shared = max(1, taken - reserve) if settings.fair_share else UNGATED
+    farm.liveness.slots = (queue_for(_stage, settings.node), shared, reserve)
+    farm.liveness.register_slots()
+    log.info("%s pool ready on node %s (%d slots shared, %d in reserve)", _stage,
+             settings.node, shared, reserve)
 
 
 @worker_process_init.connect
@@ -238,7 +257,7 @@ def _leave(farm: WorkerFarm) -> None:
 
 def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     """Run the pool for ``stage`` in the foreground until SIGTERM."""
-    global _app, _stage, _main_pid, _watchdog
+    global _app, _stage, _main_pid, _watchdog, _reserving
     if stage not in STAGES:
         raise SystemExit(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
     settings = load_settings()
@@ -251,6 +270,7 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     _watchdog = Watchdog(settings.watchdog_s, f"{stage}:{settings.node}")
     _app = create_celery_app(settings, include=[f"workers.{stage}.tasks"])
     _app.conf.worker_prefetch_multiplier = pool.prefetch_multiplier
+    _reserving = True
     # kombu's Redis transport with deliveries tracked in memory, not in Redis (broker.py):
     # the pools are what reserve and ack messages. Other processes (the API, Flower) keep
     # kombu's own, whose URL monitors know (Flower's broker page reads it off the app).
@@ -264,7 +284,8 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
                                               "polling_interval": IDLE_POLL_S}
     argv = [
         "worker", "-Q", queue_for(stage, settings.node), "-P", pool.pool,
-        "-c", str(pool.concurrency), "-n", f"{stage}-{os.getpid()}@{settings.node}",
+        "-c", str(pool.concurrency + settings.reserve_slots(stage)),
+        "-n", f"{stage}-{os.getpid()}@{settings.node}",
         "--without-gossip", "--without-mingle",
         "-l", settings.log_level,
     ]

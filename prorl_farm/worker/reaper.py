@@ -213,6 +213,7 @@ class Reaper:
             # before a move spends one of its requeues.
             waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({cutoff}", start=0,
                                       num=BATCH)
+            waiting += store.waiting_in_pens(queue, cutoff, BATCH)
             for job_id, token in zip(waiting, store.tokens(waiting)):
                 self._reap(counts, job_id, "queued", cutoff, token, queue,
                            f"no live {stage} pool on node {node}")

@@ -1,5 +1,5 @@
 -- lib jobs: what every job script shares.
--- uses: backends, metrics
+-- uses: backends, metrics, fair
 
 local function now_s()
   local t = redis.call('TIME')
@@ -30,17 +30,19 @@ local function observe_active(stage, start, now)
   if start then observe('active:' .. stage, now - tonumber(start)) end
 end
 
--- A stage message pushed by the script that moved its job: on its queue, recorded with the
--- time of the push (for the reaper's lost-message test), and no heartbeat left to go stale.
+-- A stage message of the script that moved its job: pushed on its queue when the job gets a
+-- slot there (lib/fair.lua; recorded with the time of the push, for the reaper's
+-- lost-message test), kept in the job's pen until then; no heartbeat left to go stale.
 local function push_message(queue, id, message, now)
-  redis.call('LPUSH', queue, message)
   redis.call('ZREM', K.ACTIVE, id)
-  redis.call('ZADD', K.queued(queue), now, id)
+  fair_enter(queue, id, K.job(id), message, now)
 end
 
--- Drop a job from the index of the queue it waits on.
+-- Drop a job from the queue it waits on: its index, or its pen.
 local function unqueue(id, queue)
-  if queue and queue ~= '' then redis.call('ZREM', K.queued(queue), id) end
+  if queue and queue ~= '' then
+    if redis.call('ZREM', K.queued(queue), id) == 0 then fair_unpen(id, K.job(id), queue) end
+  end
 end
 
 -- What a terminal transition reads of its job (finish_read), in this order.
@@ -73,6 +75,8 @@ local function finish(id, jk, state, kind, msg, ttl, now, extra, j)
   end
   redis.call('HSET', jk, unpack(set))
   count_state(old, state, batch)
+  if phase == 'waiting' then unqueue(id, queue) end
+  fair_release(id, jk, now)
   local hist = {'ended:' .. state, 1}
   if state == 'failed' and kind ~= '' then
     hist[#hist + 1] = 'failed:' .. kind
@@ -91,7 +95,6 @@ local function finish(id, jk, state, kind, msg, ttl, now, extra, j)
   redis.call('XADD', K.batch_stream(batch), '*', 'job', id, 'state', state)
   redis.call('ZREM', K.ACTIVE, id)
   if j[9] and j[9] ~= '' then redis.call('ZREM', K.DEADLINES, id) end
-  if phase == 'waiting' then unqueue(id, queue) end
   redis.call('EXPIRE', jk, ttl)
   if j[7] then redis.call('EXPIRE', K.instance(j[7]), ttl) end
   if j[8] then redis.call('EXPIRE', K.sampling(j[8]), ttl) end

@@ -1,0 +1,30 @@
+-- fair_fill: a pool process registers the slots it takes of its queue (renewed at each pool
+-- beat, lapsing if it stops), the farm's tenant weights are written, and the pick hands the
+-- queue's free slots to the jobs waiting in its pens (lib/fair.lua).
+-- uses: jobs
+-- KEYS: slots, held, pens, weights
+--   the queue's K.slots, K.held and K.pen_tenants, and K.WEIGHTS (the pick reads them).
+-- ARGV: queue, pool, shared, reserve, ttl_s, limit, tenant_weights...
+--   pool: the process's presence name. shared, reserve: its slots (0 and 0: it leaves).
+--   limit: the most jobs given a slot. tenant_weights: tenant, weight, tenant, weight, ...
+-- returns: the number of jobs given a slot
+
+local queue, pool, shared, reserve = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+if KEYS[1] ~= K.slots(queue) or KEYS[2] ~= K.held(queue) or KEYS[3] ~= K.pen_tenants(queue)
+    or KEYS[4] ~= K.WEIGHTS then
+  return redis.error_reply('fair_fill: KEYS are not the keys of queue ' .. queue)
+end
+local now = now_s()
+if shared + reserve > 0 then
+  redis.call('HSET', KEYS[1], pool, shared .. ' ' .. reserve .. ' ' .. fmt(now + tonumber(ARGV[5])))
+else
+  redis.call('HDEL', KEYS[1], pool)
+end
+-- Lapsed registrations (pools that died) go.
+local flat = redis.call('HGETALL', KEYS[1])
+for i = 1, #flat, 2 do
+  local untl = string.match(flat[i + 1], '(%S+)$')
+  if not untl or tonumber(untl) <= now then redis.call('HDEL', KEYS[1], flat[i]) end
+end
+if #ARGV > 6 then redis.call('HSET', KEYS[4], unpack(ARGV, 7)) end
+return fair_pick(queue, now, tonumber(ARGV[6]))

@@ -1,0 +1,202 @@
+"""Fair share (lua/lib/fair.lua): each queue's slots go to the waiting tenant holding the
+fewest per weight; past the shared slots only a tenant under its due gets one of the
+reserve; within a tenant a higher priority goes first and aging stops starvation; every
+way a job leaves (hand-off, end, cancel, re-queue) gives its slot back exactly. Against a
+real Redis through the farm's own scripts, then a real farm's pools."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from prorl_farm import keys
+from prorl_farm.jobs.messages import StageMessages
+from prorl_farm.jobs.store import JobStore
+from prorl_farm.celery_app import create_celery_app
+from prorl_farm.states import JobState
+from prorl_farm.worker.kombu import message_args
+
+
+@pytest.fixture
+def fair(settings, r):
+    store = JobStore.from_settings(dataclasses.replace(settings, fair_aging_s=60.0))
+    yield store, StageMessages(create_celery_app(settings))
+    store.r.close()
+
+
+def _register(store, queue="init", shared=2, reserve=2, weights=None):
+    return store.fair_fill(queue, "pool-1", shared, reserve, 60, weights or {"a": 1, "b": 1})
+
+
+def _submit(store, messages, tenant, n, batch=None, priority=0):
+    return store.create_jobs(batch or f"b-{tenant}-{priority}-{time.monotonic_ns()}",
+                             "synthetic", [{}], n, {}, None, messages=messages,
+                             tenant=tenant, priority=priority)
+
+
+def _on_list(r, queue="init") -> list[str]:
+    """The jobs whose message is on the queue, oldest push first."""
+    return [message_args(json.loads(m))[0] for m in r.lrange(queue, 0, -1)[::-1]]
+
+
+def _held(r, queue="init") -> dict:
+    return {k: int(v) for k, v in r.hgetall(keys.held(queue)).items()}
+
+
+def _take(store, r, job, queue="init"):
+    """A worker pops the job's message and claims it."""
+    r.lrem(queue, 1, next(m for m in r.lrange(queue, 0, -1)
+                          if message_args(json.loads(m))[0] == job.job_id))
+    assert store.claim(job.job_id, "init", job.token, "w")[0] == "ok"
+
+
+def test_a_tenant_alone_takes_every_shared_slot_and_no_reserve(fair, r):
+    store, messages = fair
+    _register(store)
+    jobs = _submit(store, messages, "a", 6)
+    assert _on_list(r) == [j.job_id for j in jobs[:2]]
+    assert _held(r) == {"a": 2, "*": 2}
+    # As each ends, the next of its jobs takes the slot, in order.
+    _take(store, r, jobs[0])
+    store.finish(jobs[0].job_id, JobState.DONE, token=jobs[0].token)
+    assert _on_list(r) == [jobs[1].job_id, jobs[2].job_id]
+    assert _held(r) == {"a": 2, "*": 2}
+
+
+def test_a_tenant_behind_a_flood_starts_at_once_from_the_reserve(fair, r):
+    store, messages = fair
+    _register(store, shared=4, reserve=4)
+    flood = _submit(store, messages, "a", 20)
+    step = _submit(store, messages, "b", 5)
+    # b is due half the shared slots (equal weights): two of its jobs start now, beside a's 4.
+    assert _on_list(r)[4:] == [j.job_id for j in step[:2]]
+    assert _held(r) == {"a": 4, "b": 2, "*": 6}
+    # While a holds more than its due, its ended jobs' slots go to b, not back to a.
+    for job in flood[:2]:
+        _take(store, r, job)
+        store.finish(job.job_id, JobState.DONE, token=job.token)
+    assert _held(r)["b"] == 2 and _held(r)["a"] == 2  # 4 held: back within the shared
+    _take(store, r, flood[2])
+    store.finish(flood[2].job_id, JobState.DONE, token=flood[2].token)
+    # Even shares now: the freed shared slot goes to whoever holds fewer, here a again.
+    assert _held(r) == {"a": 2, "b": 2, "*": 4}
+
+
+def test_weights_set_the_shares(fair, r):
+    store, messages = fair
+    _register(store, shared=6, reserve=0, weights={"a": 2, "b": 1})
+    a_jobs = _submit(store, messages, "a", 20)
+    b_jobs = _submit(store, messages, "b", 20)
+    for job in a_jobs[:6]:  # a's first six end: the slots go by held per weight
+        _take(store, r, job)
+        store.finish(job.job_id, JobState.DONE, token=job.token)
+    assert _held(r) == {"a": 4, "b": 2, "*": 6}
+    assert b_jobs  # still waiting
+
+
+def test_priority_goes_first_within_a_tenant_and_aging_stops_starvation(fair, r):
+    store, messages = fair
+    _register(store, shared=1, reserve=0)
+    first = _submit(store, messages, "a", 1)
+    low = _submit(store, messages, "a", 3)
+    high = _submit(store, messages, "a", 2, priority=2)
+    order = []
+    holder = first[0]
+    for _ in range(5):
+        _take(store, r, holder)
+        store.finish(holder.job_id, JobState.DONE, token=holder.token)
+        [next_id] = _on_list(r)
+        order.append(next_id)
+        holder = next(j for j in low + high if j.job_id == next_id)
+    assert order == [j.job_id for j in high + low]
+    # A job of priority 0 that waited longer than the aging time per level goes before a
+    # newer one of priority 1.
+    aged = JobStore.from_settings(dataclasses.replace(store.settings, fair_aging_s=0.2))
+    old = _submit(aged, messages, "a", 1)
+    time.sleep(0.3)
+    newer = _submit(aged, messages, "a", 1, priority=1)
+    _take(store, r, holder)
+    store.finish(holder.job_id, JobState.DONE, token=holder.token)
+    assert _on_list(r) == [old[0].job_id]
+    assert newer
+    aged.r.close()
+
+
+def test_every_way_out_gives_the_slot_back_and_leaves_nothing(fair, r):
+    """Hand-off, end, cancel while waiting, re-queue by the reaper: the counters come back to
+    zero and no pen, message or slot mark is left."""
+    store, messages = fair
+    _register(store, shared=2, reserve=2)
+    _register(store, queue="run.n", shared=1, reserve=0)
+    jobs = _submit(store, messages, "a", 4) + _submit(store, messages, "b", 2)
+    first, second = jobs[0], jobs[1]
+    _take(store, r, first)
+    token = store.advance(first.job_id, "init", first.token, "run", "run.n", "n", "hstate",
+                          "{}", messages)
+    assert _held(r, "run.n") == {"a": 1, "*": 1}
+    assert store.claim(first.job_id, "run", token, "w")[0] == "ok"
+    store.finish(first.job_id, JobState.DONE, token=token)
+    # A job waiting in a pen, cancelled; a job holding a slot, cancelled.
+    waiting = jobs[3]
+    assert r.zscore(keys.pen("init", "a"), waiting.job_id) is not None
+    store.finish(waiting.job_id, JobState.CANCELLED, "cancelled", "by the test")
+    assert r.hget(keys.pen_messages("init"), waiting.job_id) is None
+    store.finish(second.job_id, JobState.CANCELLED, "cancelled", "by the test")
+    # A job whose worker died, re-queued at INIT.
+    third = jobs[2]
+    _take(store, r, third)
+    r.zadd(keys.ACTIVE, {third.job_id: 0})
+    outcome, _ = store.reap(third.job_id, "active", time.time(), third.token, "", "dead",
+                            messages)
+    assert outcome.value == "requeue"
+    for job in jobs:
+        if store.state_of(job.job_id) not in ("done", "cancelled"):
+            store.finish(job.job_id, JobState.CANCELLED, "cancelled", "by the test")
+    for queue in ("init", "run.n"):
+        assert _held(r, queue) in ({}, {"*": 0}), queue
+        assert not r.exists(keys.pen_tenants(queue), keys.pen_messages(queue))
+    assert not any(r.hget(keys.job(j.job_id), "slot") for j in jobs)
+
+
+def test_without_pools_jobs_wait_in_their_pens_and_a_pool_takes_them(fair, r):
+    store, messages = fair
+    jobs = _submit(store, messages, "a", 3)
+    assert r.llen("init") == 0 and r.zcard(keys.pen("init", "a")) == 3
+    assert store.waiting_in_pens("init") == [j.job_id for j in jobs]
+    assert _register(store, shared=8, reserve=0) == 3
+    assert _on_list(r) == [j.job_id for j in jobs]
+    # A pool that leaves takes its slots away; one whose registration lapsed counts none.
+    assert store.fair_fill("init", "pool-1", 0, 0, 60, {}) == 0
+    assert not r.hlen(keys.slots("init"))
+    store.fair_fill("init", "pool-2", 5, 0, -1, {})
+    store.fair_fill("init", "pool-3", 1, 0, 60, {})
+    assert list(r.hgetall(keys.slots("init"))) == ["pool-3"]
+
+
+def test_a_real_farm_serves_a_step_behind_another_tenants_flood(redis_server, r, tmp_path):
+    """Real pools: tenant a fills EVAL with slow answers, then b submits a quick step. b's
+    step completes while nearly all of a's flood still waits (first come, first served, it
+    would wait for all of it); then the flood finishes too."""
+    from prorl_farm.trainer import FarmClient
+    from tests.farm import http_farm, wait_until
+
+    key_a, key_b = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
+    tenants = {"a": {"token": key_a}, "b": {"token": key_b}}
+    with http_farm(redis_server.url, tmp_path, "fair", tenants=json.dumps(tenants),
+                   eval_concurrency=2) as (url, env):
+        a, b = FarmClient(url, token=key_a), FarmClient(url, token=key_b)
+        queue = f"eval.{env['PRORL_NODE']}"
+        flood = a.submit("synthetic", [{"eval_s": 2.0}], n=12)["batch_id"]
+        wait_until(lambda: _held(r, queue).get("a") == 2, 30, what="a's flood in EVAL")
+        step = b.submit("synthetic", [{"eval_s": 0.01}], n=6)["batch_id"]
+        wait_until(lambda: b.batch(step)["complete"], 60, 0.05, "b's step")
+        assert b.batch(step)["counts"]["done"] == 6
+        assert a.batch(flood)["counts"]["done"] <= 4, a.batch(flood)
+        given = r.hgetall(keys.FAIR_GIVEN)
+        assert int(given.get("eval:b:reserve", 0)) >= 1, given
+        wait_until(lambda: a.batch(flood)["complete"], 60, 0.2, "a's flood")
+        assert a.batch(flood)["counts"]["done"] == 12
+        wait_until(lambda: _held(r, queue) in ({}, {"*": 0}), 10, what="every slot back")
