@@ -6,16 +6,16 @@ against the same work alone, and one tenant's throughput on its own.
 
 A real farm (private redis-server, the three pools, the API under gunicorn) with two
 tenants, each with its own key (``PRORL_TENANTS``), run once first come, first served
-(``PRORL_FAIR_SHARE=0``, the baseline) and once with fair share. The work is the ``synthetic`` handler,
-whose stages hold a pool slot for a set time (sleeping: what is measured is the order in
-which the farm hands out slots, not the CPU):
+(``PRORL_FAIR_SHARE=0``, the baseline) and once with fair share. The work is the
+``synthetic`` handler, whose stages hold a pool slot for a set time (sleeping: what is
+measured is the order in which the farm hands out slots, not the CPU):
 
 - ``eval``: A submits 64 jobs whose EVAL takes 4 s each (answers that are costly to
   check), then B submits 64 jobs of 0.05 s EVAL; B's batch time, against B alone.
 - ``run``: A submits 1,000 jobs of 30 s RUN (long sandboxes), then B a 64-job step of
   0.5 s RUN; B's batch time against B alone (B's wait is cut at ``--cut-s``, and A's
   batch cancelled after).
-- ``single``: one tenant, 8,192 jobs with every stage 0 s: jobs/s.
+- ``single``: one tenant, 8,192 jobs with every stage 0 s: jobs/s (the median of three).
 
 The aims (issue: sharing one farm): B's batch within 2x its time alone in both floods; what
 fair share costs a single tenant, at most 5% of its throughput.
@@ -105,7 +105,8 @@ def run_mode(mode: str, scenarios: list[str], cut_s: float) -> dict:
                 print(mode, "run", out["run"], file=sys.stderr, flush=True)
                 time.sleep(5)  # the cancelled flood's jobs leave their slots
             if "single" in scenarios:
-                out["single"] = single(a)
+                runs = sorted((single(a) for _ in range(3)), key=lambda x: x["jobs_per_s"])
+                out["single"] = runs[1]
                 print(mode, "single", out["single"], file=sys.stderr, flush=True)
     finally:
         procs.stop()
@@ -144,11 +145,11 @@ def main() -> None:
     single_rates = {m: out["single"]["jobs_per_s"] for m, out in results.items()
                     if "single" in out}
     if single_rates:
-        lines += ["", "One tenant alone, 8192 jobs of 0 s: " + ", ".join(
+        lines += ["", "One tenant alone, 8192 jobs of 0 s (median of 3): " + ", ".join(
             f"{m} **{v:.0f} jobs/s**" for m, v in single_rates.items())]
         if len(single_rates) == 2:
-            lines[-1] += (f"; fair share / fifo = **{single_rates['fair'] / single_rates['fifo']:.3f}**"
-                          " (aim >= 0.95).")
+            ratio = single_rates["fair"] / single_rates["fifo"]
+            lines[-1] += f"; fair share / fifo = **{ratio:.3f}** (aim >= 0.95)."
     report(lines + [""], args.record)
 
 

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from prorl_farm import keys
+from prorl_farm.celery_app import create_celery_app
 from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.store import JobStore
-from prorl_farm.celery_app import create_celery_app
 from prorl_farm.states import JobState
 from prorl_farm.worker.kombu import message_args
 
