@@ -188,10 +188,21 @@ def _cmd_tenants(args) -> int:
         rows.append((t["tenant"], "-" if t["weight"] is None else f"{t['weight']:g}",
                      u["queued"], u["in_flight"], u["sandboxes"], u["done"], u["failed"],
                      f"{u['store_mb']:g}", quota if t["configured"] else "(not configured)"))
+    _print_table(cols, rows)
+    shares = [(q["queue"], f"{q['shared']} + {q['reserve']}", t["tenant"], t["held"],
+               t["waiting"], f"{100 * t['received']:.0f}%", f"{100 * t['due']:.0f}%")
+              for q in doc.get("fair_share", []) for t in q["tenants"]]
+    if shares:
+        print()
+        _print_table(("queue", "slots (shared + reserve)", "tenant", "holds", "waiting",
+                      "share received", "share due"), shares)
+    return 0
+
+
+def _print_table(cols, rows) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     for row in (cols, *rows):
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
-    return 0
 
 
 def _cmd_watch(args) -> int:

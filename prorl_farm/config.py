@@ -236,6 +236,16 @@ class Settings:
     tenants: str = setting(
         "", "tenants, their API keys, weights and quotas: a JSON object or @FILE "
         "(docs/sharing.md)", shown="one, `default`")
+    warm_pool: int = setting(
+        0, "warm sandboxes each node's INIT pool keeps ready for the jobs about to reach "
+        "INIT (a READY stage: the handler's INIT run ahead for their instances; each used "
+        "once, then stopped with its job); 0: none", lo=0, hi=10_000)
+    warm_ttl_s: float = setting(120.0, "how long a warm sandbox waits for its job before it "
+                                "is stopped unused", lo=1, hi=DAY_S)
+    warm_scan: int = setting(256, "how many of the next jobs waiting for INIT the warm pool "
+                             "reads to size itself per instance", lo=1, hi=100_000)
+    warm_builders: int = setting(2, "warm sandboxes each INIT pool builds at once", lo=1,
+                                 hi=256)
     fair_share: bool = setting(
         True, "weighted fair share of every stage's slots between tenants, with priorities "
         "(docs/sharing.md); off: each stage first come, first served")

@@ -238,6 +238,23 @@ def sandbox_records(node: str) -> str:
     return f"{PREFIX}sandboxes:{node}"
 
 
+def warm(node: str) -> str:
+    """Hash: warm sandbox handle ("warm-<id>", what its sandbox's record names as its job
+    until a job adopts it) -> JSON {key, state, until, status}: the READY stage's sandboxes
+    on ``node``, being built or ready (prorl_farm/worker/warm.py)."""
+    return f"{PREFIX}warm:{node}"
+
+
+def warm_ready(node: str, key: str) -> str:
+    """List: the ready warm sandboxes on ``node`` for the jobs whose INIT key is ``key``."""
+    return f"{PREFIX}warm:{node}:ready:{key}"
+
+
+# Hash: "<node>:<hit|miss|built|expired>" -> warm sandboxes handed out, INITs that found
+# none ready, built, and stopped unused (farm lifetime).
+WARM_STATS = f"{PREFIX}metrics:warm"
+
+
 def job_sandboxes(node: str, job_id: str) -> str:
     """Set: the ids of a job's sandboxes on ``node`` (an index of sandbox_records)."""
     return f"{PREFIX}sandboxes:{node}:job:{job_id}"

@@ -103,6 +103,24 @@ class FarmCounters:
     api: dict[str, list]  # "api:<method>:<route>" -> histogram counters
 
 
+def _depth(r: redis.Redis, queue: str, listed: int, head: list, pen_tenants: set
+           ) -> tuple[int, float | None]:
+    """A queue's jobs waiting (on its list, and in its tenants' pens for a slot) and when
+    the oldest came (a pen's place is in microseconds, less a priority's head start)."""
+    oldest = head[0][1] if head else None
+    if pen_tenants:
+        pipe = r.pipeline(transaction=False)
+        for tenant in sorted(pen_tenants):
+            pipe.zcard(keys.pen(queue, tenant))
+            pipe.zrange(keys.pen(queue, tenant), 0, 0, withscores=True)
+        got = pipe.execute()
+        listed += sum(got[0::2])
+        firsts = [rows[0][1] / 1e6 for rows in got[1::2] if rows]
+        if firsts:
+            oldest = min([oldest, *firsts]) if oldest is not None else min(firsts)
+    return listed, oldest
+
+
 def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
     from prorl_farm.config import STAGES
     from prorl_farm.states import TERMINAL_STATES
@@ -118,6 +136,7 @@ def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
     for q in queues:
         pipe.zcard(keys.queued(q))
         pipe.zrange(keys.queued(q), 0, 0, withscores=True)
+        pipe.smembers(keys.pen_tenants(q))
     pipe.zcard(keys.ACTIVE)
     for node in nodes:
         pipe.hlen(keys.sandbox_slots(node))
@@ -128,9 +147,9 @@ def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
     out = out[4:]
     # Terminal states only count up: their counters are the farm's lifetime totals.
     stats = {s.value: states.get(s.value, 0) for s in TERMINAL_STATES}
-    queue_rows = {q: (out[2 * i], out[2 * i + 1][0][1] if out[2 * i + 1] else None)
+    queue_rows = {q: _depth(r, q, out[3 * i], out[3 * i + 1], out[3 * i + 2])
                   for i, q in enumerate(queues)}
-    out = out[2 * len(queues):]
+    out = out[3 * len(queues):]
     held, out = out[0], out[1:]
     live, hists = dict(zip(nodes, out[:len(nodes)])), out[len(nodes):]
     return FarmCounters(queue_rows, held, live, started, states, stats, failures, reaper,
@@ -294,4 +313,51 @@ def _tenant_families(r: redis.Redis, tenants: dict) -> list:
         for q, limit in (t.limits() if t else {}).items():
             if limit:
                 quota.add_metric([name, q], limit)
-    return [jobs, store, boxes, quota]
+    return [jobs, store, boxes, quota, *_fair_families(r, tenants)]
+
+
+def _fair_families(r: redis.Redis, tenants: dict) -> list:
+    """Fair share (prorl_farm/sharing.py): each queue's slots, and per tenant with work there
+    its slots held, jobs waiting, share received and due; slots handed out over time."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from prorl_farm import sharing as fair
+
+    slots = GaugeMetricFamily("prorl_fair_slots", "A queue's slots its live pools share out "
+                              "(shared) and keep for tenants under their share (reserve).",
+                              labels=["queue", "kind"])
+    held = GaugeMetricFamily("prorl_fair_held", "Slots of a queue a tenant's jobs hold.",
+                             labels=["queue", "tenant"])
+    waiting = GaugeMetricFamily("prorl_fair_waiting", "A tenant's jobs waiting for a slot of "
+                                "a queue.", labels=["queue", "tenant"])
+    received = GaugeMetricFamily("prorl_fair_share_received", "A tenant's part of a queue's "
+                                 "slots held (0..1).", labels=["queue", "tenant"])
+    due = GaugeMetricFamily("prorl_fair_share_due", "A tenant's weight over the weights of "
+                            "the tenants with work on a queue (0..1).",
+                            labels=["queue", "tenant"])
+    for row in fair.shares(r, {n: t.weight for n, t in tenants.items()}):
+        slots.add_metric([row["queue"], "shared"], row["shared"])
+        slots.add_metric([row["queue"], "reserve"], row["reserve"])
+        for t in row["tenants"]:
+            labels = [row["queue"], t["tenant"]]
+            held.add_metric(labels, t["held"])
+            waiting.add_metric(labels, t["waiting"])
+            received.add_metric(labels, t["received"])
+            due.add_metric(labels, t["due"])
+    given = CounterMetricFamily("prorl_fair_slots_given", "Slots handed to a tenant's jobs "
+                                "per stage (kind: all, or of them from the reserve).",
+                                labels=["stage", "tenant", "kind"])
+    for (stage, tenant), n in sorted(fair.given(r).items()):
+        for kind in ("all", "reserve"):
+            given.add_metric([stage, tenant, kind], n[kind])
+    warm = GaugeMetricFamily("prorl_warm_sandboxes", "A node's warm sandboxes (the READY "
+                             "stage) now.", labels=["node", "status"])
+    taken = CounterMetricFamily("prorl_warm_events", "A node's warm sandboxes handed to a job "
+                                "(hit), INITs that found none (miss), built, and stopped "
+                                "unused (expired).", labels=["node", "event"])
+    for node, row in sorted(fair.warm_stats(r).items()):
+        for status in ("ready", "building"):
+            warm.add_metric([node, status], row[status])
+        for event in ("hit", "miss", "built", "expired"):
+            taken.add_metric([node, event], row[event])
+    return [slots, held, waiting, received, due, given, warm, taken]

@@ -67,6 +67,7 @@ def farm_overview(store, backends, settings, batches: int = 10, payloads=None,
                   tenants: dict | None = None) -> dict:
     """Queues, stages, pools, backends, sandboxes, jobs by state, tenants (``tenants``: the
     configured ones) and the newest batches."""
+    from prorl_farm import sharing as fair
     from prorl_farm.tenants import tenant_rows
 
     r = store.r
@@ -96,6 +97,8 @@ def farm_overview(store, backends, settings, batches: int = 10, payloads=None,
         "batches": batch_progress(r, store.recent_batches(batches), now),
         "trajectories": trajectory_store_view(store, payloads),
         "tenants": tenant_rows(r, tenants or {}),
+        "fair_share": fair.shares(r, {n: t.weight for n, t in (tenants or {}).items()}),
+        "warm": [{"node": node, **row} for node, row in sorted(fair.warm_stats(r).items())],
     }
 
 

@@ -69,6 +69,15 @@ def open_slots(r: redis.Redis, queue: str = "init", n: int = 100_000) -> None:
                tenant_weights=[])
 
 
+def waiting_on(r: redis.Redis, queue: str) -> int:
+    """Jobs waiting on ``queue``: its messages not yet claimed, and the jobs in its pens
+    waiting for a slot (lua/lib/fair.lua)."""
+    from prorl_farm import keys
+
+    pens = r.smembers(keys.pen_tenants(queue))
+    return r.zcard(keys.queued(queue)) + sum(r.zcard(keys.pen(queue, t)) for t in pens)
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
     end = time.monotonic() + timeout_s
     while True:

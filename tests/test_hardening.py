@@ -15,7 +15,15 @@ import redis
 
 from prorl_farm.trainer import FarmClient
 from tests.conftest import make_pools
-from tests.farm import ROOT, RedisServer, farm_env, gunicorn_api, stop_process, wait_until
+from tests.farm import (
+    ROOT,
+    RedisServer,
+    farm_env,
+    gunicorn_api,
+    open_slots,
+    stop_process,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +80,7 @@ def test_a_message_lost_in_transit_is_recovered(redis_server, r, tmp_path, clien
     pushed after it has been claimed, the reaper re-queues the lost one, which then runs."""
     pools = make_pools(redis_server, tmp_path)
     body = {"handler": "synthetic", "instances": [{"run_s": 0}], "n": 2}
+    open_slots(r)  # as a pool would: the messages go onto the queue, nobody consuming yet
     try:
         first = client.post("/v1/jobs", json=body).get_json()
         stolen = r.rpop("init")  # the oldest message: the first job's

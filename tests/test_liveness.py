@@ -11,7 +11,7 @@ import pytest
 from api import create_app
 from prorl_farm.config import load_settings
 from tests.conftest import make_pools
-from tests.farm import farm_env, scrape, wait_until
+from tests.farm import farm_env, scrape, wait_until, waiting_on
 
 pytestmark = pytest.mark.slow
 
@@ -178,7 +178,7 @@ def test_jobs_waiting_on_a_dead_nodes_queue_are_reaped(farm, r):
     # pool went silent, so the reaper must end them (re-queue once, then worker_lost).
     pools, client = farm(run_concurrency=1, max_requeues=1)
     sub = submit(client, [{"run_s": 30}], n=6)
-    wait_until(lambda: r.zcard("prorl:queued:run.testnode") >= 5, 20, what="jobs queued on run")
+    wait_until(lambda: waiting_on(r, "run.testnode") >= 5, 20, what="jobs queued on run")
     pools.kill("run", signal.SIGKILL)
     summary = wait_batch(client, sub["batch_id"], timeout_s=60)
     assert summary["counts"]["failed"] == 6
@@ -186,7 +186,7 @@ def test_jobs_waiting_on_a_dead_nodes_queue_are_reaped(farm, r):
     assert {j["failure"]["kind"] for j in jobs} == {"worker_lost"}
     assert any("no live run pool on node testnode" in j["failure"]["message"] for j in jobs)
     assert all(j["requeues"] == 1 for j in jobs)
-    assert r.zcard("prorl:queued:run.testnode") == 0 and r.zcard("prorl:active") == 0
+    assert waiting_on(r, "run.testnode") == 0 and r.zcard("prorl:active") == 0
 
 
 def test_a_node_stopped_with_requeue_on_stop_hands_its_jobs_to_another(redis_server, r,
@@ -206,7 +206,7 @@ def test_a_node_stopped_with_requeue_on_stop_hands_its_jobs_to_another(redis_ser
         client = app.test_client()
         sub = submit(client, [{"run_s": 3.0}], n=6)
         # Two run, four wait on run.leaving behind them.
-        wait_until(lambda: r.zcard("prorl:queued:run.leaving") == 4, 30, what="queued")
+        wait_until(lambda: waiting_on(r, "run.leaving") == 4, 30, what="queued")
         t0 = time.monotonic()
         leaving.stop()
         staying = make_pools(redis_server, tmp_path / "b", node="staying", **settings)

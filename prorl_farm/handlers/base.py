@@ -25,6 +25,9 @@ class AgentHandler(ABC):
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    # Whether INIT only makes the job's sandboxes from its instance (so the warm pool may run
+    # it ahead of the job, worker/warm.py): its state names the sandbox as ``sandbox``.
+    warmable: ClassVar[bool] = False
     # Validates and normalises instances at submit time (marshmallow, unknown fields rejected).
     instance_schema: ClassVar[type[Schema] | None] = None
     # The instance fields the policy may see: RUN (the agent loop) gets only these in

@@ -38,6 +38,7 @@ class ShellHandler(AgentHandler):
     description = "Run commands in a sandbox; reward 1 if the check command exits 0."
     instance_schema = ShellInstance
     visible_fields = ("files", "setup", "commands", "command_timeout_s", "network")
+    warmable = True
 
     def allowed_by(self, settings) -> dict:
         return {} if settings.sandbox_network else {"network": {"enum": [False]}}

@@ -286,6 +286,7 @@ class SweHandler(ToolAgentHandler):
     visible_fields = ("instance_id", "repo", "base_commit", "problem_statement",
                       "prompt_template", "image", *AGENT_OPTIONS)
     extra_tools = ("submit",)
+    warmable = True
 
     @staticmethod
     def _swebench(ctx: JobContext) -> Prepared | None:

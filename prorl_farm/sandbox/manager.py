@@ -126,6 +126,11 @@ def check_ro_paths(ro_paths: dict[str, str], roots: list[str]) -> dict[str, str]
     return out
 
 
+# What a warm sandbox's record names as its job until a job adopts it
+# (prorl_farm/worker/warm.py).
+WARM_PREFIX = "warm-"
+
+
 class SandboxManager:
     def __init__(self, r: redis.Redis, node: str, runtime: str = "auto",
                  root: str = "/tmp/prorl-sandboxes", max_sandboxes: int = 64,
@@ -250,6 +255,24 @@ class SandboxManager:
                 raise
         return sandbox
 
+    def adopt(self, sandbox: Sandbox | dict, job_id: str, requeues: int = 0) -> Sandbox | None:
+        """A sandbox started for a warm handle (``meta.job_id`` "warm-...") becomes
+        ``job_id``'s (attempt ``requeues``): stopped with the job, counted for its tenant.
+        None if it is gone."""
+        if isinstance(sandbox, dict):
+            sandbox = Sandbox.from_dict(sandbox)
+        was = sandbox.meta.get("job_id") or ""
+        sandbox.meta = {**sandbox.meta, "job_id": job_id, "requeues": requeues}
+        ok = self.lua("sandbox_adopt", records=self.records_key,
+                      was=keys.job_sandboxes(self.node, was), index=keys.job_sandboxes(
+                          self.node, job_id), job=keys.job(job_id),
+                      tenants=keys.sandbox_tenants(self.node), sandbox=sandbox.id,
+                      record=json.dumps(sandbox.to_dict()))
+        if not ok:
+            return None
+        self._started_for.add(job_id)
+        return sandbox
+
     def stop(self, sandbox: Sandbox | dict) -> None:
         """Stop it and free everything it held: processes, files, slot, record. Idempotent."""
         if isinstance(sandbox, dict):
@@ -336,7 +359,12 @@ class SandboxManager:
         records = self.records()
         for sandbox in records:
             job_id = sandbox.meta.get("job_id")
-            if job_id:
+            if job_id and job_id.startswith(WARM_PREFIX):
+                # A warm sandbox: stale once its warm record is gone or past its time (a
+                # warmer that died mid-build or left it unused).
+                raw = self.r.hget(keys.warm(self.node), job_id)
+                stale = raw is None or json.loads(raw).get("until", 0) < time.time()
+            elif job_id:
                 state, requeues = self.r.hmget(keys.job(job_id), "state", "requeues")
                 stale = (state is None or JobState(state) in TERMINAL_STATES
                          or int(requeues or 0) != sandbox.meta.get("requeues", 0))

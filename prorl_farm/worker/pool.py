@@ -33,6 +33,7 @@ from prorl_farm.worker.broker import TRANSPORT
 from prorl_farm.worker.liveness import Liveness, present
 from prorl_farm.worker.reaper import Reaper
 from prorl_farm.worker.runner import StageRunner
+from prorl_farm.worker.warm import WarmPool
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,19 @@ class WorkerFarm:
             self.liveness.janitor = self.sandboxes.janitor
         if main_process and _watchdog is not None:
             self.liveness.watchdog = _watchdog
-        self.runner = StageRunner(settings, self.store, HandlerRegistry(settings.handlers),
+        registry = HandlerRegistry(settings.handlers)
+        self.runner = StageRunner(settings, self.store, registry,
                                   self.liveness, self.messages, worker_name,
                                   self.backends,
                                   self.sandboxes, payloads)
+        # INIT's warm sandboxes (the READY stage): every INIT process takes them; the main
+        # one builds them.
+        self.warm = None
+        if stage == "init" and settings.warm_pool > 0 and self.sandboxes is not None:
+            self.warm = self.runner.warm = WarmPool(self.store, settings, registry,
+                                                    self.sandboxes)
+            if main_process:
+                self.warm.start()
 
     def leave(self) -> int:
         """This node is going away (PRORL_REQUEUE_ON_STOP and SIGTERM): re-queue at INIT,
@@ -250,6 +260,11 @@ def _leave(farm: WorkerFarm) -> None:
             farm.leave()
         except Exception:
             log.exception("could not re-queue this pool's jobs; the reaper will")
+    if farm.warm is not None:
+        try:
+            farm.warm.close()  # its warm sandboxes are nobody's: stopped now
+        except Exception:
+            log.exception("could not stop the warm sandboxes; they expire")
     farm.liveness.stop()
     if leaving:  # gone at once for /readyz, the dashboard and the reaper
         farm.store.r.zrem(keys.POOLS, f"{farm.stage}:{farm.settings.node}")

@@ -13,6 +13,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import redis
+
 from prorl_farm.celery_app import queue_for
 from prorl_farm.config import Settings
 from prorl_farm.context import JobContext
@@ -55,6 +57,10 @@ class StageResult:
 
     def __str__(self) -> str:
         return f"{self.outcome.value}: {self.detail}" if self.detail else self.outcome.value
+
+# How long a stage that finished its work waits for an unreachable Redis to take its write.
+REDIS_OUTAGE_S = 300.0
+
 
 def build_context(raw: dict, stage: str, token: str, node: str, stage_timeout_s: float
                   ) -> JobContext:
@@ -105,6 +111,7 @@ class StageRunner:
         self.liveness = liveness
         self.messages = messages
         self.worker_name = worker_name
+        self.warm = None  # the node's warm sandboxes (worker/warm.py), for INIT
 
     def __call__(self, stage: str, job_id: str, token: str) -> StageResult:
         with job_log_context(job_id):
@@ -138,9 +145,14 @@ class StageRunner:
             else:
                 if stage == "run":
                     ctx.instance = handler.visible_instance(ctx.instance)
-                output = getattr(handler, stage)(ctx)
+                output = None
+                if stage == "init" and self.warm is not None and handler.warmable and \
+                        ctx.mode == "policy":
+                    output = self.warm.take(raw["handler"], ctx)  # a warm sandbox, or None
+                if output is None:
+                    output = getattr(handler, stage)(ctx)
             ctx.check()
-            result = self._complete(ctx, output)
+            result = self._through_outage(lambda: self._complete(ctx, output), ctx)
         except JobAborted:
             log.info("%s: aborted (%s)", stage, ctx.abort_reason)
             result = StageResult(StageOutcome.ABORTED, ctx.abort_reason)
@@ -206,9 +218,9 @@ class StageRunner:
             except StorageError as e:
                 log.warning("the partial trajectory is not kept: %s", e)
                 partial = split_payload(partial)[0]
-        res = self.store.finish(ctx.job_id, JobState.FAILED, kind.value, message,
-                                token=ctx.token,
-                                fields={"result": json.dumps(partial)} if partial else None)
+        res = self._through_outage(lambda: self.store.finish(
+            ctx.job_id, JobState.FAILED, kind.value, message, token=ctx.token,
+            fields={"result": json.dumps(partial)} if partial else None), ctx)
         if not res.changed:
             return StageResult(StageOutcome.STALE)
         if handler is not None:
@@ -217,6 +229,26 @@ class StageRunner:
             except Exception:
                 log.exception("on_failure hook of %s failed", handler.name)
         return StageResult(StageOutcome.FAILED, kind.value, (kind.value, message))
+
+    @staticmethod
+    def _through_outage(write, ctx: JobContext):
+        """A stage's last write (its hand-off, or the job's end), retried while Redis is
+        unreachable (a restart, a failover) for up to REDIS_OUTAGE_S: the stage's work is
+        done and its write is checked against the attempt's token (a retry of one that
+        landed is stale, not a second write), so an outage delays the job and fails
+        nothing."""
+        waited, pause = 0.0, 0.5
+        while True:
+            try:
+                return write()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                if waited >= REDIS_OUTAGE_S:
+                    raise
+                log.warning("%s of job %s: Redis unreachable (%s); trying again in %.1f s",
+                            ctx.stage, ctx.job_id, e, pause)
+                time.sleep(pause)
+                waited += pause
+                pause = min(5.0, pause * 2)
 
     def _store_payload(self, ctx: JobContext, output: dict) -> dict:
         """Write a trajectory's payload to the store (durably, before the job moves on);
