@@ -174,9 +174,10 @@ def main() -> None:
     lines = [f"### sharing — {date.today()} — {machine()}", "",
              f"Two tenants on one farm (pools {POOLS}, the fair share's reserve "
              "PRORL_FAIR_RESERVE=1; `synthetic` jobs holding their stage's slot for a set "
-             f"time), each dispatch in the same run. B's wait is cut at {args.cut_s:g} s.", "",
-             "| scenario | dispatch | B alone s | B beside A's flood s | ratio (aim <= 2) |",
-             "|---|---|---|---|---|"]
+             f"time), each dispatch in the same run. B's wait is cut at {args.cut_s:g} s."]
+    if {"eval", "run"} & set(args.scenarios):
+        lines += ["", "| scenario | dispatch | B alone s | B beside A's flood s | "
+                  "ratio (aim <= 2) |", "|---|---|---|---|---|"]
     for name, what in (("eval", "A: 64 jobs of 4 s EVAL; B: 64 of 0.05 s"),
                        ("run", "A: 1,000 jobs of 30 s RUN; B: 64 of 0.5 s")):
         for mode, out in results.items():

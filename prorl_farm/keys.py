@@ -106,7 +106,8 @@ def pen_tenants(queue: str) -> str:
 
 def held(queue: str) -> str:
     """Hash: tenant -> the slots of ``queue`` its jobs hold (a message pushed, until the
-    job leaves the stage), and ``*`` -> all of them."""
+    job leaves the stage), ``*`` -> all of them; ``#shared`` and ``#reserve``: the slots
+    the queue's live pools register, summed at the last registration (lua/fair_fill.lua)."""
     return f"{PREFIX}fair:{queue}:held"
 
 
@@ -120,8 +121,8 @@ def slots(queue: str) -> str:
 
 # Hash: tenant -> weight (written from the settings by every farm process as it starts).
 WEIGHTS = f"{PREFIX}fair:weights"
-# Hash: "<stage>:<tenant>" -> slots handed to the tenant's jobs (farm lifetime), and
-# "<stage>:<tenant>:reserve" -> of those, reserve slots.
+# Hash: "<stage>:<tenant>:reserve" -> reserve slots handed to the tenant's jobs (farm
+# lifetime).
 FAIR_GIVEN = f"{PREFIX}metrics:fair-given"
 
 

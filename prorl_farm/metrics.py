@@ -344,12 +344,10 @@ def _fair_families(r: redis.Redis, tenants: dict) -> list:
             waiting.add_metric(labels, t["waiting"])
             received.add_metric(labels, t["received"])
             due.add_metric(labels, t["due"])
-    given = CounterMetricFamily("prorl_fair_slots_given", "Slots handed to a tenant's jobs "
-                                "per stage (kind: all, or of them from the reserve).",
-                                labels=["stage", "tenant", "kind"])
+    given = CounterMetricFamily("prorl_fair_reserve_given", "Reserve slots handed to a "
+                                "tenant's jobs per stage.", labels=["stage", "tenant"])
     for (stage, tenant), n in sorted(fair.given(r).items()):
-        for kind in ("all", "reserve"):
-            given.add_metric([stage, tenant, kind], n[kind])
+        given.add_metric([stage, tenant], n)
     warm = GaugeMetricFamily("prorl_warm_sandboxes", "A node's warm sandboxes (the READY "
                              "stage) now.", labels=["node", "status"])
     taken = CounterMetricFamily("prorl_warm_events", "A node's warm sandboxes handed to a job "

@@ -48,7 +48,7 @@ def shares(r, weights: dict[str, float] | None = None) -> list[dict]:
     out = []
     for i, queue in enumerate(queues):
         shared, reserve = _slots(raw[3 * i], now)
-        held = {t: int(n) for t, n in raw[3 * i + 1].items()}
+        held = {t: int(n) for t, n in raw[3 * i + 1].items() if not t.startswith("#")}
         total = max(0, held.pop("*", 0))
         waiting = {t: next(counts) for t in waiting_of[queue]}
         names = sorted({t for t, n in held.items() if n > 0} | {t for t, n in waiting.items()
@@ -69,13 +69,14 @@ def shares(r, weights: dict[str, float] | None = None) -> list[dict]:
     return out
 
 
-def given(r) -> dict[tuple[str, str], dict[str, int]]:
-    """Slots handed out per (stage, tenant) over the farm's life: {"all", "reserve"}."""
-    out: dict[tuple[str, str], dict[str, int]] = {}
+def given(r) -> dict[tuple[str, str], int]:
+    """Reserve slots handed out per (stage, tenant) over the farm's life."""
+    out: dict[tuple[str, str], int] = {}
     for field, n in r.hgetall(keys.FAIR_GIVEN).items():
         stage, _, rest = field.partition(":")
         tenant, _, kind = rest.partition(":")
-        out.setdefault((stage, tenant), {"all": 0, "reserve": 0})[kind or "all"] = int(n)
+        if kind == "reserve":
+            out[(stage, tenant)] = int(n)
     return out
 
 

@@ -43,7 +43,8 @@ def _on_list(r, queue="init") -> list[str]:
 
 
 def _held(r, queue="init") -> dict:
-    return {k: int(v) for k, v in r.hgetall(keys.held(queue)).items()}
+    return {k: int(v) for k, v in r.hgetall(keys.held(queue)).items()
+            if not k.startswith("#")}
 
 
 def _take(store, r, job, queue="init"):
@@ -172,8 +173,9 @@ def test_without_pools_jobs_wait_in_their_pens_and_a_pool_takes_them(fair, r):
     assert store.fair_fill("init", "pool-1", 0, 0, 60, {}) == 0
     assert not r.hlen(keys.slots("init"))
     store.fair_fill("init", "pool-2", 5, 0, -1, {})
-    store.fair_fill("init", "pool-3", 1, 0, 60, {})
+    store.fair_fill("init", "pool-3", 1, 2, 60, {})
     assert list(r.hgetall(keys.slots("init"))) == ["pool-3"]
+    assert r.hmget(keys.held("init"), "#shared", "#reserve") == ["1", "2"]
 
 
 def test_a_real_farm_serves_a_step_behind_another_tenants_flood(redis_server, r, tmp_path):

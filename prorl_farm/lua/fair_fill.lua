@@ -1,6 +1,7 @@
 -- fair_fill: a pool process registers the slots it takes of its queue (renewed at each pool
--- beat, lapsing if it stops), the farm's tenant weights are written, and the pick hands the
--- queue's free slots to the jobs waiting in its pens (lib/fair.lua).
+-- beat, lapsing if it stops) and the queue's live slots are summed again (fields `#shared`
+-- and `#reserve` of its held counts, read by every pick), the farm's tenant weights are written, and the pick
+-- hands the queue's free slots to the jobs waiting in its pens (lib/fair.lua).
 -- uses: jobs
 -- KEYS: slots, held, pens, weights
 --   the queue's K.slots, K.held and K.pen_tenants, and K.WEIGHTS (the pick reads them).
@@ -20,11 +21,13 @@ if shared + reserve > 0 then
 else
   redis.call('HDEL', KEYS[1], pool)
 end
--- Lapsed registrations (pools that died) go.
+-- Lapsed registrations (pools that died) go; the sums the scripts read are renewed.
 local flat = redis.call('HGETALL', KEYS[1])
 for i = 1, #flat, 2 do
-  local untl = string.match(flat[i + 1], '(%S+)$')
+  local untl = string.match(flat[i + 1], ' (%S+)$')
   if not untl or tonumber(untl) <= now then redis.call('HDEL', KEYS[1], flat[i]) end
 end
+local total_shared, total_reserve = fair_count_slots(queue, now)
+redis.call('HSET', KEYS[2], '#shared', total_shared, '#reserve', total_reserve)
 if #ARGV > 6 then redis.call('HSET', KEYS[4], unpack(ARGV, 7)) end
 return fair_pick(queue, now, tonumber(ARGV[6]))

@@ -202,6 +202,8 @@ class Reaper:
             live = {p: age for p, age in live.items()
                     if age <= fresh or p in present.values()}
         queues = r.smembers(keys.QUEUES)
+        if present is not None:
+            self._withdraw_gone(queues | {"init"}, present)
         for queue in queues:
             if queue == "init":
                 continue  # global: any node's INIT pool takes it
@@ -222,6 +224,21 @@ class Reaper:
                            gone)
         self._reap_lost(counts, queues, {m.token for m in reserved}, cutoff)
         return counts
+
+    def _withdraw_gone(self, queues, present: dict) -> None:
+        """The slots registered by pool processes that are gone (killed: they could not
+        withdraw them) stop counting now, not when their registration lapses."""
+        r = self.store.r
+        pipe = r.pipeline(transaction=False)
+        queues = sorted(queues)
+        for queue in queues:
+            pipe.hkeys(keys.slots(queue))
+        for queue, pools in zip(queues, pipe.execute()):
+            for pool in pools:
+                if pool.startswith(keys.PRESENCE_PREFIX) and pool not in present:
+                    self.store.fair_fill(queue, pool, 0, 0, 0, {})
+                    log.info("the slots of %s on %s withdrawn: its process is gone", pool,
+                             queue)
 
     def _reap_orphans(self, counts: dict, reserved, cutoff: float, quick: float, gone
                       ) -> None:
