@@ -215,7 +215,12 @@ class Reaper:
             # before a move spends one of its requeues.
             waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({cutoff}", start=0,
                                       num=BATCH)
-            waiting += store.waiting_in_pens(queue, cutoff, BATCH)
+            # Jobs in the queue's pens never reached the list: their place says when they
+            # came, not when the pool went; they go once the pool's last beat is older than
+            # the stale time (it did not come back).
+            last = r.zscore(keys.POOLS, f"{stage}:{node}")
+            if last is None or last < cutoff:
+                waiting += store.waiting_in_pens(queue, limit=BATCH)
             for job_id, token in zip(waiting, store.tokens(waiting)):
                 self._reap(counts, job_id, "queued", cutoff, token, queue,
                            f"no live {stage} pool on node {node}")

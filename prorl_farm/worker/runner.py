@@ -169,6 +169,11 @@ class StageRunner:
         except StorageError as e:
             log.warning("%s: %s", stage, e)
             result = self._fail(ctx, handler, FailureKind.STORAGE_ERROR, str(e))
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            # The farm's Redis, not the job, failed: nothing is recorded against the job;
+            # its attempt goes stale and the reaper starts it again once Redis is back.
+            log.warning("%s: Redis unreachable (%s); the job is left to the reaper", stage, e)
+            result = StageResult(StageOutcome.ABORTED, f"Redis unreachable: {e}")
         except Exception as e:
             log.warning("%s failed: %s", stage, e, exc_info=True)
             tb = "".join(traceback.format_exception_only(type(e), e)).strip()
