@@ -25,7 +25,8 @@ local queued = K.queued('init')
 -- Free INIT slots these jobs take at once (none while jobs wait in a pen: the pick decides).
 local room = 0
 if redis.call('EXISTS', K.pen_tenants('init')) == 0 then
-  room = fair_slots('init', nowf) - tonumber(redis.call('HGET', K.held('init'), '*') or '0')
+  local shared, _, held = fair_slots('init', nowf)
+  room = shared - held
 end
 local pending, pushed, penned = {}, 0, 0
 local pen = K.pen('init', tenant)

@@ -56,7 +56,6 @@ class WarmPool:
         self.ttl_s = settings.warm_ttl_s
         self._builders = ThreadPoolExecutor(max(1, settings.warm_builders),
                                             thread_name_prefix="warm-build")
-        self._building: Counter[str] = Counter()  # key -> builds in flight here
         self._mine: set[str] = set()  # handles this process built (stopped at close)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -163,7 +162,6 @@ class WarmPool:
         self.r.hset(keys.warm(self.node), handle, json.dumps(
             {"key": key, "status": "building", "until": time.time() + self.ttl_s}))
         with self._lock:
-            self._building[key] += 1
             self._mine.add(handle)
         self._builders.submit(self._build, handle, key, handler, instance)
 
@@ -191,9 +189,6 @@ class WarmPool:
             self.sandboxes.stop_for_job(handle)
             with self._lock:
                 self._mine.discard(handle)
-        finally:
-            with self._lock:
-                self._building[key] -= 1
 
     def _expire(self) -> None:
         """Ready sandboxes past their time, and records nobody builds any more, go."""
