@@ -178,6 +178,30 @@ def test_without_pools_jobs_wait_in_their_pens_and_a_pool_takes_them(fair, r):
     assert r.hmget(keys.held("init"), "#shared", "#reserve") == ["1", "2"]
 
 
+def test_a_pen_of_a_node_whose_pool_is_not_up_yet_waits_the_stale_time(fair, r, settings):
+    """A node's INIT pool may hand jobs to its RUN queue before that node's RUN pool has
+    started: with no slots they wait in the pen, and the reaper lets them wait the stale time
+    from their arrival (as it does a job on a list), not fail them at its next look."""
+    from prorl_farm.worker.reaper import Reaper
+
+    store, messages = fair
+    settings = dataclasses.replace(settings, heartbeat_stale_s=0.5, max_requeues=0)
+    store.settings = settings
+    reaper = Reaper(store, settings, messages)
+    _register(store, shared=2, reserve=0)
+    [job] = _submit(store, messages, "a", 1)
+    _take(store, r, job)
+    store.advance(job.job_id, "init", job.token, "run", "run.n", "n", "hstate", "{}",
+                  messages)
+    assert store.waiting_in_pens("run.n") == [job.job_id]
+    assert "failed" not in reaper.sweep(force=True)
+    assert store.state_of(job.job_id) == "run"
+    time.sleep(0.6)  # no RUN pool came within the stale time: the job is lost to it
+    assert reaper.sweep(force=True).get("failed") == 1
+    raw = store.get_raw(job.job_id)
+    assert raw["state"] == "failed" and "no live run pool on node n" in json.dumps(raw)
+
+
 def test_a_real_farm_serves_a_step_behind_another_tenants_flood(redis_server, r, tmp_path):
     """Real pools: tenant a fills EVAL with slow answers, then b submits a quick step. b's
     step completes while nearly all of a's flood still waits (first come, first served, it

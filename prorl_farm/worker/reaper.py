@@ -215,12 +215,16 @@ class Reaper:
             # before a move spends one of its requeues.
             waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({cutoff}", start=0,
                                       num=BATCH)
-            # Jobs in the queue's pens never reached the list: their place says when they
-            # came, not when the pool went; they go once the pool's last beat is older than
-            # the stale time (it did not come back).
+            # Jobs in the queue's pens never reached the list: their place is an order, not
+            # a time. They go once both the pool's last beat (if it ever beat: a node's run
+            # pool may start after its INIT pool has handed it jobs) and their own arrival
+            # on the queue are older than the stale time.
             last = r.zscore(keys.POOLS, f"{stage}:{node}")
             if last is None or last < cutoff:
-                waiting += store.waiting_in_pens(queue, limit=BATCH)
+                penned = store.waiting_in_pens(queue, limit=BATCH)
+                came = store.job_fields(penned, f"t_{stage}_queued")
+                waiting += [job_id for job_id, (at,) in zip(penned, came)
+                            if at is None or float(at) < cutoff]
             for job_id, token in zip(waiting, store.tokens(waiting)):
                 self._reap(counts, job_id, "queued", cutoff, token, queue,
                            f"no live {stage} pool on node {node}")
