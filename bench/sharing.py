@@ -18,6 +18,10 @@ measured is the order in which the farm hands out slots, not the CPU):
 - ``priority``: one tenant queues 8,192 jobs of 0.05 s INIT, then 8 of priority 1: how
   long those wait for INIT, and the 8,192 still completing.
 - ``single``: one tenant, 8,192 jobs with every stage 0 s: jobs/s (the median of three).
+- ``cost``: what Redis spends per job on the stage scripts (bench/stage_scripts.py drives
+  8,192 jobs of one tenant through them as the pools would), for this tree with fair share
+  on and off and for the tree before fair share (``--before``, a commit of this
+  repository), in alternating rounds on one private Redis (the median of ``--rounds``).
 
 The aims (issue: sharing one farm): B's batch within 2x its time alone in both floods; what
 fair share costs a single tenant, at most 5% of its throughput.
@@ -156,6 +160,45 @@ def run_mode(mode: str, scenarios: list[str], cut_s: float) -> dict:
     return out
 
 
+# The last commit before fair share: the per-job Redis cost it is held to (at most +10%).
+BEFORE = "8778265"
+
+
+def stage_cost(before: str, rounds: int, n: int = 8192) -> dict:
+    """Median Redis CPU and commands per job through the stage scripts: ``before`` (that
+    commit's tree, exported), this tree with fair share off (``fifo``) and on (``fair``)."""
+    import statistics
+    import subprocess
+
+    import redis
+
+    tmp = Path(tempfile.mkdtemp(prefix="prorl-bench-cost-"))
+    runs: dict[str, list[dict]] = {"before": [], "fifo": [], "fair": []}
+    try:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", before, "prorl_farm",
+                                  "workers"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+        with private_redis() as url:
+            r = redis.Redis.from_url(url)
+            for _ in range(rounds):
+                for mode in runs:
+                    r.flushall()
+                    tree = tmp if mode == "before" else ROOT
+                    out = subprocess.run(
+                        [sys.executable, str(ROOT / "bench" / "stage_scripts.py"), str(tree),
+                         url, mode, str(n)], check=True, capture_output=True, text=True,
+                        env={k: v for k, v in os.environ.items()
+                             if not k.startswith("PRORL_")}).stdout
+                    runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+                    print("cost", runs[mode][-1], file=sys.stderr, flush=True)
+            r.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {mode: {k: statistics.median(x[k] for x in rs)
+                   for k in ("redis_cpu_us_per_job", "redis_commands_per_job")}
+            for mode, rs in runs.items()}
+
+
 def _ratio(r: dict, cut_s: float) -> str:
     if r["beside_s"] and r["alone_s"]:
         return f"{r['beside_s'] / r['alone_s']:.1f}x"
@@ -164,13 +207,19 @@ def _ratio(r: dict, cut_s: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", nargs="+", default=["eval", "run", "priority", "single"],
-                    choices=["eval", "run", "priority", "single"])
+    ap.add_argument("--scenarios", nargs="+",
+                    default=["eval", "run", "priority", "single", "cost"],
+                    choices=["eval", "run", "priority", "single", "cost"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--cut-s", type=float, default=90.0)
+    ap.add_argument("--before", default=BEFORE, help="the commit the cost compares with")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
-    results = {mode: run_mode(mode, args.scenarios, args.cut_s) for mode in args.modes}
+    farm_scenarios = [s for s in args.scenarios if s != "cost"]
+    results = {mode: run_mode(mode, farm_scenarios, args.cut_s) for mode in args.modes
+               } if farm_scenarios else {}
+    costs = stage_cost(args.before, args.rounds) if "cost" in args.scenarios else None
     lines = [f"### sharing — {date.today()} — {machine()}", "",
              f"Two tenants on one farm (pools {POOLS}, the fair share's reserve "
              "PRORL_FAIR_RESERVE=1; `synthetic` jobs holding their stage's slot for a set "
@@ -213,6 +262,19 @@ def main() -> None:
             calls = fair["redis_commands_per_job"] / fifo["redis_commands_per_job"]
             cpu = fair["redis_cpu_us_per_job"] / fifo["redis_cpu_us_per_job"]
             lines[-1] += f"; fair / fifo: commands {calls:.2f}x, CPU {cpu:.2f}x (aim <= 1.10)."
+    if costs:
+        b = costs["before"]
+        lines += ["", f"Redis per job through the stage scripts alone (bench/stage_scripts.py: "
+                  f"8,192 jobs of one tenant, 8 INIT / 64 RUN / 8 EVAL slots; median of "
+                  f"{args.rounds} alternating rounds on one Redis):", "",
+                  "| tree | commands per job | Redis CPU us per job | CPU / before "
+                  "(aim <= 1.10) |", "|---|---|---|---|"]
+        names = {"before": f"before fair share ({args.before})",
+                 "fifo": "this tree, PRORL_FAIR_SHARE=0", "fair": "this tree, fair share"}
+        for mode, c in costs.items():
+            lines.append(f"| {names[mode]} | {c['redis_commands_per_job']:.1f} | "
+                         f"{c['redis_cpu_us_per_job']:.0f} | "
+                         f"{c['redis_cpu_us_per_job'] / b['redis_cpu_us_per_job']:.3f} |")
     report(lines + [""], args.record)
 
 

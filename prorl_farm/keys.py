@@ -86,11 +86,19 @@ def queued(queue: str) -> str:
 # -- fair share (lua/lib/fair.lua, docs/sharing.md) ---------------------------------------
 
 
-def pen(queue: str, tenant: str) -> str:
+def pen(queue: str, flow: str) -> str:
     """Sorted set: job -> its place (when it came, less its priority's head start) among
-    the tenant's jobs waiting for a slot of ``queue``; its message waits in
-    :func:`pen_messages` until the pick pushes it."""
-    return f"{PREFIX}fair:{queue}:pen:{tenant}"
+    the flow's jobs waiting for a slot of ``queue``; its message waits in
+    :func:`pen_messages` until the pick pushes it. A flow is one batch's jobs:
+    ``<tenant>|<head start>|<batch>`` (:func:`flow_tenant`)."""
+    return f"{PREFIX}fair:{queue}:pen:{flow}"
+
+
+def flow_tenant(flow: str) -> str | None:
+    """The tenant of a flow (a field of :func:`held`, a member of :func:`pen_flows`); None
+    for the held table's own fields (``#shared``, ``#reserve``)."""
+    tenant, sep, _ = flow.partition("|")
+    return tenant if sep else None
 
 
 def pen_messages(queue: str) -> str:
@@ -99,14 +107,14 @@ def pen_messages(queue: str) -> str:
     return f"{PREFIX}fair:{queue}:messages"
 
 
-def pen_tenants(queue: str) -> str:
-    """Set: the tenants with jobs in a pen of ``queue``."""
-    return f"{PREFIX}fair:{queue}:tenants"
+def pen_flows(queue: str) -> str:
+    """Set: the flows with jobs in a pen of ``queue``."""
+    return f"{PREFIX}fair:{queue}:flows"
 
 
 def held(queue: str) -> str:
-    """Hash: tenant -> the slots of ``queue`` its jobs hold (a message pushed, until the
-    job leaves the stage), ``*`` -> all of them; ``#shared`` and ``#reserve``: the slots
+    """Hash: flow -> the slots of ``queue`` its jobs hold (a message pushed, until the
+    job leaves the stage); ``#shared`` and ``#reserve``: the slots
     the queue's live pools register, summed at the last registration (lua/fair_fill.lua)."""
     return f"{PREFIX}fair:{queue}:held"
 
@@ -276,7 +284,7 @@ _LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
                   "batch_stream", "queued", "backend", "histogram", "history", "tenant",
-                  "pen", "pen_messages", "pen_tenants", "held", "slots")
+                  "pen", "pen_messages", "pen_flows", "held", "slots")
 
 
 def _lua() -> str:

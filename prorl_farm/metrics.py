@@ -103,16 +103,16 @@ class FarmCounters:
     api: dict[str, list]  # "api:<method>:<route>" -> histogram counters
 
 
-def _depth(r: redis.Redis, queue: str, listed: int, head: list, pen_tenants: set
+def _depth(r: redis.Redis, queue: str, listed: int, head: list, pen_flows: set
            ) -> tuple[int, float | None]:
-    """A queue's jobs waiting (on its list, and in its tenants' pens for a slot) and when
+    """A queue's jobs waiting (on its list, and in its flows' pens for a slot) and when
     the oldest came (a pen's place is in microseconds, less a priority's head start)."""
     oldest = head[0][1] if head else None
-    if pen_tenants:
+    if pen_flows:
         pipe = r.pipeline(transaction=False)
-        for tenant in sorted(pen_tenants):
-            pipe.zcard(keys.pen(queue, tenant))
-            pipe.zrange(keys.pen(queue, tenant), 0, 0, withscores=True)
+        for flow in sorted(pen_flows):
+            pipe.zcard(keys.pen(queue, flow))
+            pipe.zrange(keys.pen(queue, flow), 0, 0, withscores=True)
         got = pipe.execute()
         listed += sum(got[0::2])
         firsts = [rows[0][1] / 1e6 for rows in got[1::2] if rows]
@@ -136,7 +136,7 @@ def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
     for q in queues:
         pipe.zcard(keys.queued(q))
         pipe.zrange(keys.queued(q), 0, 0, withscores=True)
-        pipe.smembers(keys.pen_tenants(q))
+        pipe.smembers(keys.pen_flows(q))
     pipe.zcard(keys.ACTIVE)
     for node in nodes:
         pipe.hlen(keys.sandbox_slots(node))

@@ -31,26 +31,33 @@ def shares(r, weights: dict[str, float] | None = None) -> list[dict]:
     for queue in queues:
         pipe.hgetall(keys.slots(queue))
         pipe.hgetall(keys.held(queue))
-        pipe.smembers(keys.pen_tenants(queue))
+        pipe.smembers(keys.pen_flows(queue))
     pipe.hgetall(keys.WEIGHTS)
     pipe.time()
     raw = pipe.execute()
     stored, (sec, usec) = raw[-2], raw[-1]
     now = sec + usec / 1e6
     weights = {**{t: float(w) for t, w in stored.items()}, **(weights or {})}
-    waiting_of: dict[str, list[str]] = {}
+    flows_of: dict[str, list[str]] = {}
     pipe = r.pipeline(transaction=False)
     for i, queue in enumerate(queues):
-        waiting_of[queue] = sorted(raw[3 * i + 2])
-        for tenant in waiting_of[queue]:
-            pipe.zcard(keys.pen(queue, tenant))
+        flows_of[queue] = sorted(raw[3 * i + 2])
+        for flow in flows_of[queue]:
+            pipe.zcard(keys.pen(queue, flow))
     counts = iter(pipe.execute())
     out = []
     for i, queue in enumerate(queues):
         shared, reserve = _slots(raw[3 * i], now)
-        held = {t: int(n) for t, n in raw[3 * i + 1].items() if not t.startswith("#")}
-        total = max(0, held.pop("*", 0))
-        waiting = {t: next(counts) for t in waiting_of[queue]}
+        held: dict[str, int] = {}
+        total = 0
+        for field, n in raw[3 * i + 1].items():
+            if (tenant := keys.flow_tenant(field)) is not None:
+                held[tenant] = held.get(tenant, 0) + int(n)
+                total += max(0, int(n))
+        waiting: dict[str, int] = {}
+        for flow in flows_of[queue]:
+            tenant = keys.flow_tenant(flow) or flow
+            waiting[tenant] = waiting.get(tenant, 0) + next(counts)
         names = sorted({t for t, n in held.items() if n > 0} | {t for t, n in waiting.items()
                                                                  if n > 0})
         if not names and not shared and not total:

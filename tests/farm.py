@@ -64,7 +64,7 @@ def open_slots(r: redis.Redis, queue: str = "init", n: int = 100_000) -> None:
     from prorl_farm.lua import Scripts
 
     Scripts(r)("fair_fill", slots=keys.slots(queue), held=keys.held(queue),
-               pens=keys.pen_tenants(queue), weights=keys.WEIGHTS, queue=queue,
+               pens=keys.pen_flows(queue), weights=keys.WEIGHTS, queue=queue,
                pool="stand-in", shared=n, reserve=0, ttl_s=3600, limit=n,
                tenant_weights=[])
 
@@ -74,8 +74,8 @@ def waiting_on(r: redis.Redis, queue: str) -> int:
     waiting for a slot (lua/lib/fair.lua)."""
     from prorl_farm import keys
 
-    pens = r.smembers(keys.pen_tenants(queue))
-    return r.zcard(keys.queued(queue)) + sum(r.zcard(keys.pen(queue, t)) for t in pens)
+    pens = r.smembers(keys.pen_flows(queue))
+    return r.zcard(keys.queued(queue)) + sum(r.zcard(keys.pen(queue, f)) for f in pens)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):

@@ -42,9 +42,22 @@ def _on_list(r, queue="init") -> list[str]:
     return [message_args(json.loads(m))[0] for m in r.lrange(queue, 0, -1)[::-1]]
 
 
-def _held(r, queue="init") -> dict:
-    return {k: int(v) for k, v in r.hgetall(keys.held(queue)).items()
-            if not k.startswith("#")}
+def _held(r, queue="init", by="tenant") -> dict:
+    """Slots held, by tenant (or by flow: one batch's jobs), and ``*``: all of them."""
+    out: dict[str, int] = {}
+    for k, v in r.hgetall(keys.held(queue)).items():
+        name = k if by == "flow" else keys.flow_tenant(k)
+        if name is not None and not name.startswith("#"):
+            out[name] = out.get(name, 0) + int(v)
+            out["*"] = out.get("*", 0) + int(v)
+    return out
+
+
+def _penned(r, queue="init", tenant="a") -> list[str]:
+    """The tenant's jobs waiting in its pens for a slot of ``queue``."""
+    return [job for flow in sorted(r.smembers(keys.pen_flows(queue)))
+            if keys.flow_tenant(flow) == tenant
+            for job in r.zrange(keys.pen(queue, flow), 0, -1)]
 
 
 def _take(store, r, job, queue="init"):
@@ -98,6 +111,37 @@ def test_weights_set_the_shares(fair, r):
     assert b_jobs  # still waiting
 
 
+def test_a_tenants_batches_of_one_priority_share_its_slots(fair, r):
+    """Within a tenant, a batch behind another's backlog (a second step, an evaluation of
+    the same priority) gets the freed slots until it holds as many, then they alternate;
+    a batch of higher priority takes them all."""
+    store, messages = fair
+    _register(store, shared=4, reserve=4)
+    backlog = _submit(store, messages, "a", 20, batch="backlog")
+    step = _submit(store, messages, "a", 6, batch="step")
+    assert _on_list(r) == [j.job_id for j in backlog[:4]]  # a tenant alone: no reserve
+
+    def end(job):
+        _take(store, r, job)
+        store.finish(job.job_id, JobState.DONE, token=job.token)
+
+    backlog_flow, step_flow = "a|0|backlog", "a|0|step"  # <tenant>|<head start>|<batch>
+    for job in backlog[:2]:
+        end(job)
+    assert _held(r, by="flow") == {backlog_flow: 2, step_flow: 2, "*": 4}
+    end(backlog[2])  # even: the next goes to the one whose head came first, the backlog
+    assert _held(r, by="flow") == {backlog_flow: 2, step_flow: 2, "*": 4}
+    assert _on_list(r)[-1] == backlog[4].job_id
+    end(step[0])
+    assert _on_list(r)[-1] == step[2].job_id
+    # A batch of higher priority goes before both, however many slots it holds.
+    urgent = _submit(store, messages, "a", 5, batch="urgent", priority=1)
+    for job in (backlog[3], backlog[4], step[1], step[2]):
+        end(job)
+    assert _on_list(r) == [j.job_id for j in urgent[:4]]
+    assert _held(r) == {"a": 4, "*": 4}
+
+
 def test_priority_goes_first_within_a_tenant_and_aging_stops_starvation(fair, r):
     store, messages = fair
     _register(store, shared=1, reserve=0)
@@ -142,7 +186,7 @@ def test_every_way_out_gives_the_slot_back_and_leaves_nothing(fair, r):
     store.finish(first.job_id, JobState.DONE, token=token)
     # A job waiting in a pen, cancelled; a job holding a slot, cancelled.
     waiting = jobs[3]
-    assert r.zscore(keys.pen("init", "a"), waiting.job_id) is not None
+    assert waiting.job_id in _penned(r)
     store.finish(waiting.job_id, JobState.CANCELLED, "cancelled", "by the test")
     assert r.hget(keys.pen_messages("init"), waiting.job_id) is None
     store.finish(second.job_id, JobState.CANCELLED, "cancelled", "by the test")
@@ -157,15 +201,15 @@ def test_every_way_out_gives_the_slot_back_and_leaves_nothing(fair, r):
         if store.state_of(job.job_id) not in ("done", "cancelled"):
             store.finish(job.job_id, JobState.CANCELLED, "cancelled", "by the test")
     for queue in ("init", "run.n"):
-        assert _held(r, queue) in ({}, {"*": 0}), queue
-        assert not r.exists(keys.pen_tenants(queue), keys.pen_messages(queue))
+        assert _held(r, queue) == {}, queue
+        assert not r.exists(keys.pen_flows(queue), keys.pen_messages(queue))
     assert not any(r.hget(keys.job(j.job_id), "slot") for j in jobs)
 
 
 def test_without_pools_jobs_wait_in_their_pens_and_a_pool_takes_them(fair, r):
     store, messages = fair
     jobs = _submit(store, messages, "a", 3)
-    assert r.llen("init") == 0 and r.zcard(keys.pen("init", "a")) == 3
+    assert r.llen("init") == 0 and len(_penned(r)) == 3
     assert store.waiting_in_pens("init") == [j.job_id for j in jobs]
     assert _register(store, shared=8, reserve=0) == 3
     assert _on_list(r) == [j.job_id for j in jobs]

@@ -513,7 +513,7 @@ class JobStore:
         how many got one (lua/fair_fill.lua)."""
         flat = [x for name, w in sorted(weights.items()) for x in (name, repr(float(w)))]
         return int(self.lua("fair_fill", slots=keys.slots(queue), held=keys.held(queue),
-                            pens=keys.pen_tenants(queue), weights=keys.WEIGHTS, queue=queue,
+                            pens=keys.pen_flows(queue), weights=keys.WEIGHTS, queue=queue,
                             pool=pool, shared=shared, reserve=reserve, ttl_s=ttl_s,
                             limit=limit, tenant_weights=flat))
 
@@ -523,8 +523,8 @@ class JobStore:
         a place is in microseconds)."""
         out: list[str] = []
         bound = f"({before * 1e6:.0f}" if before != float("inf") else "+inf"
-        for tenant in sorted(self.r.smembers(keys.pen_tenants(queue))):
-            out += self.r.zrangebyscore(keys.pen(queue, tenant), "-inf", bound,
+        for flow in sorted(self.r.smembers(keys.pen_flows(queue))):
+            out += self.r.zrangebyscore(keys.pen(queue, flow), "-inf", bound,
                                         start=0, num=limit)
         return out[:limit]
 

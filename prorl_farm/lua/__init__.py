@@ -120,8 +120,11 @@ def lua_value(v) -> str:
     raise TypeError(f"no Lua literal for {v!r}")
 
 
-def tables() -> str:
-    """The generated tables every script starts with, from their Python definitions."""
+def tables(code: str | None = None) -> str:
+    """The generated tables a script starts with, from their Python definitions: with
+    ``code`` (the script's libraries and body), only the keys and tables it names. A script
+    builds them at every call, so what it never reads is left out (some microseconds a call
+    for ``K`` alone)."""
     from prorl_farm import keys
     from prorl_farm.metrics import BUCKETS_S, HISTORY_STEP_S, HISTORY_TTL_S, SUM_SLOT
     from prorl_farm.states import ATTEMPT_FIELDS, CLAIM_FIELDS, STATE_SLOT, TERMINAL_STATES
@@ -137,7 +140,14 @@ def tables() -> str:
         "HISTORY_STEP_S": HISTORY_STEP_S,
         "HISTORY_TTL_S": HISTORY_TTL_S,
     }
-    return keys.LUA + "".join(f"local {k} = {lua_value(v)}\n" for k, v in shared.items())
+    lines = keys.LUA.splitlines()
+    if code is not None:
+        used = set(re.findall(r"\bK\.(\w+)", code))
+        lines = [lines[0]] + [line for line in lines[1:]
+                              if re.match(r"(?:function )?K\.(\w+)", line)[1] in used]
+        shared = {k: v for k, v in shared.items() if re.search(rf"\b{k}\b", code)}
+    return "\n".join(lines) + "\n" + "".join(f"local {k} = {lua_value(v)}\n"
+                                            for k, v in shared.items())
 
 
 def _libs(uses: tuple[str, ...], seen: list[str]) -> None:
@@ -152,13 +162,43 @@ def _libs(uses: tuple[str, ...], seen: list[str]) -> None:
         seen.append(lib)
 
 
+_DEFINES = re.compile(r"^local (?:function (\w+)|([\w, ]+?)\s*=)", re.M)
+_WORD = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+def _needed(libs: list[str], body: str) -> str:
+    """Of the libraries' top-level definitions (each from its ``local`` line to the next),
+    those the body uses, directly or through another, in their order."""
+    chunks: list[tuple[set[str], str]] = []
+    for lib in libs:
+        text = (LIB / f"{lib}.lua").read_text()
+        starts = [m.start() for m in _DEFINES.finditer(text)]
+        for a, b in zip(starts, [*starts[1:], len(text)]):
+            m = _DEFINES.match(text, a)
+            names = {m[1]} if m[1] else {n.strip() for n in m[2].split(",")}
+            chunks.append((names, text[a:b]))
+    wanted = set(_WORD.findall(body))
+    taken = [False] * len(chunks)
+    grew = True
+    while grew:
+        grew = False
+        for i, (names, text) in enumerate(chunks):
+            if not taken[i] and names & wanted:
+                taken[i] = grew = True
+                wanted |= set(_WORD.findall(text))
+    return "".join(text for (_, text), t in zip(chunks, taken) if t)
+
+
 @functools.cache
 def source(name: str) -> str:
-    """The script as Redis runs it: the generated tables, its libraries, its body."""
+    """The script as Redis runs it: the generated tables, the definitions of its libraries
+    it uses, its body. (A script runs all of it at every call: what it never uses is left
+    out.)"""
     libs: list[str] = []
     _libs(contract(name).uses, libs)
-    parts = [tables()] + [(LIB / f"{lib}.lua").read_text() for lib in libs]
-    return "\n".join(parts + [(HERE / f"{name}.lua").read_text()])
+    body = (HERE / f"{name}.lua").read_text()
+    code = _needed(libs, body) + "\n" + body
+    return tables(code) + "\n" + code
 
 
 class Scripts:

@@ -13,7 +13,7 @@ local id, from, token, to, new = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local queue, node, field, value, message = ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local jk = K.job(id)
 local j = redis.call('HMGET', jk, 'state', 'phase', 'token', 'batch_id', 't_' .. from .. '_start',
-                     'backend')
+                     'backend', 'slot', 'tenant', 'prio_s')
 if not j[1] then return 'missing' end
 if TERMINAL[j[1]] then return 'terminal' end
 if j[1] ~= from or j[3] ~= token or j[2] ~= 'active' then return 'stale' end
@@ -23,8 +23,9 @@ observe_active(from, j[5], now)
 redis.call('HSET', jk, 'state', to, 't_' .. from .. '_end', fmt(now), 'stage', to,
   'phase', 'waiting', 'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now),
   'node', node, 'holder', '', field, value)
-count_state(j[1], to, j[4])
-fair_release(id, jk, now)  -- the slot of the stage it leaves goes to the next job
+count_state(j[1], to, j[4], j[8])
+-- The slot of the stage it leaves goes to the next job.
+fair_release(id, jk, now, {j[7], j[8], j[9], j[4]}, message ~= nil and message ~= '')
 release_backend(id, j[6])  -- a backend slot is held within a stage, never across a hand-off
 redis.call('SADD', K.QUEUES, queue)
 -- Without a message the caller publishes it and records it (handed_off); until then the

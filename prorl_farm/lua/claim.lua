@@ -19,7 +19,7 @@ local jk = K.job(id)
 local n = #CLAIM_FIELDS
 local fields = {unpack(CLAIM_FIELDS)}
 for _, f in ipairs({'state', 'stage', 'phase', 'token', 'queue', 't_' .. stage .. '_queued',
-                    'instance_id', 'sampling_id'}) do
+                    'instance_id', 'sampling_id', 'tenant'}) do
   fields[#fields + 1] = f
 end
 local v, at = redis.call('HMGET', jk, unpack(fields)), {}
@@ -41,7 +41,7 @@ if queued then
   observe('wait:' .. stage, wait)
   history(now, {'wait_sum:' .. stage, wait, 'wait_n:' .. stage, 1})
 end
-count_state(state, stage, at.batch_id)
+count_state(state, stage, at.batch_id, at.tenant)
 redis.call('ZADD', K.ACTIVE, now, id)
 unqueue(id, queue)
 local function record(key_of, rid)

@@ -1,13 +1,13 @@
 -- create_jobs: a submission's jobs, waiting for INIT: their INIT messages pushed and
 -- recorded on the queue's index while INIT slots are free and nobody waits for one, else
--- kept in the tenant's pen for the pick (lib/fair.lua). Runs inside the submission's MULTI/EXEC (with the instances, the
+-- kept in the batch's pen for the pick (lib/fair.lua). Runs inside the submission's MULTI/EXEC (with the instances, the
 -- sampling record, the batch and the idempotency writes).
 -- uses: jobs
 -- KEYS: (none)
 -- ARGV: batch, handler, sampling_id, deadline_at, mode, created_at, tenant, prio_s, first,
 --   jobs...
 --   deadline_at: epoch s or '' (none). tenant: the batch's. prio_s: the jobs' head start
---   in their tenant's pens (priority times the aging time). first: the index of this call's
+--   in their pens (priority times the aging time). first: the index of this call's
 --   first job in the submission (their places in a pen keep the submission's order). jobs: per job, six values: id, token, instance id,
 --   instance index, sample index, INIT message ('' = the caller publishes it, then records
 --   it with handed_off; until then a heartbeat stands for the job).
@@ -22,49 +22,60 @@ local first = tonumber(ARGV[9])
 local nowf = now_s()
 local now = fmt(nowf)
 local queued = K.queued('init')
--- Free INIT slots these jobs take at once (none while jobs wait in a pen: the pick decides).
-local room = 0
-if redis.call('EXISTS', K.pen_tenants('init')) == 0 then
-  local shared, _, held = fair_slots('init', nowf)
-  room = shared - held
-end
+-- Free INIT slots these jobs take at once (while one is free no job waits in a pen).
+local shared, _, held = fair_slots('init', nowf)
+local room = shared - held
 local pending, pushed, penned = {}, 0, 0
-local pen = K.pen('init', tenant)
+local flow = fair_flow(tenant, prio_s, batch)
+local pen = K.pen('init', flow)
+-- Pushed and indexed, or kept in the pen, a thousand jobs a command.
+local kept, placed, indexed = {}, {}, {}
+local function flush()
+  if #pending > 0 then
+    redis.call('LPUSH', 'init', unpack(pending))
+    redis.call('ZADD', queued, unpack(indexed))
+  end
+  if #kept > 0 then
+    redis.call('HSET', K.pen_messages('init'), unpack(kept))
+    redis.call('ZADD', pen, unpack(placed))
+  end
+  pending, kept, placed, indexed = {}, {}, {}, {}
+end
 for i = 10, #ARGV, 6 do
   local id = ARGV[i]
   local jk = K.job(id)
+  local published = ARGV[i + 5] ~= ''
+  local takes = published and pushed < room
   redis.call('HSET', jk, 'id', id, 'batch_id', batch, 'handler', handler,
     'instance_id', ARGV[i + 2], 'instance_index', ARGV[i + 3], 'sample_index', ARGV[i + 4],
     'sampling_id', sampling_id, 'state', 'queued', 'stage', 'init', 'phase', 'waiting',
     'token', ARGV[i + 1], 'queue', 'init', 'requeues', 0, 'created_at', created,
     't_init_queued', now, 'deadline_at', deadline_at, 'mode', mode, 'tenant', tenant,
-    'prio_s', prio_s)
+    'prio_s', prio_s, unpack(takes and {'slot', 'init'} or {}))
   if deadline_at ~= '' then redis.call('ZADD', K.DEADLINES, tonumber(deadline_at), id) end
-  if ARGV[i + 5] == '' then
+  if not published then
     redis.call('ZADD', K.ACTIVE, nowf, id)
-  elseif pushed < room then
-    redis.call('ZADD', queued, nowf, id)
-    redis.call('HSET', jk, 'slot', 'init')
+  elseif takes then
+    indexed[#indexed + 1] = nowf
+    indexed[#indexed + 1] = id
     pending[#pending + 1] = ARGV[i + 5]
     pushed = pushed + 1
   else
-    redis.call('HSET', K.pen_messages('init'), id, ARGV[i + 5])
-    redis.call('ZADD', pen, fair_place(nowf, prio_s, first + (i - 10) / 6), id)
+    kept[#kept + 1] = id
+    kept[#kept + 1] = ARGV[i + 5]
+    placed[#placed + 1] = fair_place(nowf, prio_s, first + (i - 10) / 6)
+    placed[#placed + 1] = id
     penned = penned + 1
   end
-  if #pending == 1000 then
-    redis.call('LPUSH', 'init', unpack(pending))
-    pending = {}
-  end
+  if #pending == 1000 or #placed == 2000 then flush() end
 end
-if #pending > 0 then redis.call('LPUSH', 'init', unpack(pending)) end
+flush()
 if pushed > 0 then
-  redis.call('HINCRBY', K.held('init'), tenant, pushed)
-  redis.call('HINCRBY', K.held('init'), '*', pushed)
+  redis.call('HINCRBY', K.held('init'), flow, pushed)
   redis.call('HINCRBY', K.FAIR_GIVEN, 'init:' .. tenant, pushed)
 end
 if penned > 0 then
-  redis.call('SADD', K.pen_tenants('init'), tenant)
+  redis.call('SADD', K.pen_flows('init'), flow)
   fair_pick('init', nowf, penned)
 end
 return (#ARGV - 9) / 6

@@ -4,14 +4,14 @@
 -- hands the queue's free slots to the jobs waiting in its pens (lib/fair.lua).
 -- uses: jobs
 -- KEYS: slots, held, pens, weights
---   the queue's K.slots, K.held and K.pen_tenants, and K.WEIGHTS (the pick reads them).
+--   the queue's K.slots, K.held and K.pen_flows, and K.WEIGHTS (the pick reads them).
 -- ARGV: queue, pool, shared, reserve, ttl_s, limit, tenant_weights...
 --   pool: the process's presence name. shared, reserve: its slots (0 and 0: it leaves).
 --   limit: the most jobs given a slot. tenant_weights: tenant, weight, tenant, weight, ...
 -- returns: the number of jobs given a slot
 
 local queue, pool, shared, reserve = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-if KEYS[1] ~= K.slots(queue) or KEYS[2] ~= K.held(queue) or KEYS[3] ~= K.pen_tenants(queue)
+if KEYS[1] ~= K.slots(queue) or KEYS[2] ~= K.held(queue) or KEYS[3] ~= K.pen_flows(queue)
     or KEYS[4] ~= K.WEIGHTS then
   return redis.error_reply('fair_fill: KEYS are not the keys of queue ' .. queue)
 end

@@ -19,7 +19,7 @@ local maxrq, new, ttl, msg = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8]), ARGV
 local keep, message = tonumber(ARGV[10]), ARGV[11]
 local jk = K.job(id)
 local j = redis.call('HMGET', jk, 'state', 'phase', 'queue', 'requeues', 'batch_id', 'stage',
-                     'token', 'node', 'attempts')
+                     'token', 'node', 'attempts', 'slot', 'tenant', 'prio_s')
 if not j[1] or TERMINAL[j[1]] then
   redis.call('ZREM', K.ACTIVE, id)
   unqueue(id, queue)
@@ -51,12 +51,13 @@ table.insert(history, {attempt = n, stage = j[6], node = j[8] or cjson.null, rea
                        at = tonumber(fmt(now))})
 while #history > keep do table.remove(history, 1) end
 unqueue(id, j[3])
-fair_release(id, jk, now)
+-- (With a message the job enters INIT's queue below, which sets or drops its slot field.)
+fair_release(id, jk, now, {j[10], j[11], j[12], j[5]}, message ~= nil and message ~= '')
 redis.call('HDEL', jk, unpack(ATTEMPT_FIELDS))
 redis.call('HSET', jk, 'state', 'queued', 'stage', 'init', 'phase', 'waiting', 'token', new,
   'queue', 'init', 'requeues', mode == 'leave' and n or n + 1, 't_init_queued', fmt(now),
   'attempts', cjson.encode(history))
-count_state(j[1], 'queued', j[5])
+count_state(j[1], 'queued', j[5], j[11])
 release_backend(id)
 if message and message ~= '' then
   push_message('init', id, message, now)

@@ -1,7 +1,7 @@
 """Warm sandboxes: a READY stage between a job's wait for INIT and its INIT.
 
 A node's INIT pool keeps up to ``PRORL_WARM_POOL`` sandboxes ready for the jobs about to
-reach INIT there: the next jobs waiting for INIT (in the tenants' pens and on the queue,
+reach INIT there: the next jobs waiting for INIT (in the pens and on the queue,
 ``PRORL_WARM_SCAN`` of them) are grouped by their *INIT key* (handler and instance: the
 samples of one instance, or the same instance submitted again, share one), and for each key
 with more jobs waiting than warm sandboxes, builders run the handler's own INIT for it, as

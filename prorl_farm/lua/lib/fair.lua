@@ -1,18 +1,23 @@
--- lib fair: each queue's pool slots shared between tenants by weighted fair share.
+-- lib fair: each queue's pool slots shared between tenants by weighted fair share, then
+-- between each tenant's batches.
 --
 -- A job that may run on a queue either takes a slot at once (its message pushed onto the
--- queue's list) or waits in its tenant's pen for that queue (its message kept in the queue's
--- pen messages). A slot is held from the push until the job leaves the stage (hands off, ends or
--- is re-queued); each release runs the pick, which hands the freed slot on:
+-- queue's list) or waits in its flow's pen for that queue (its message kept in the queue's
+-- pen messages). A flow is one batch's jobs: "<tenant>|<head start>|<batch>". A slot is held
+-- from the push until the job leaves the stage (hands off, ends or is re-queued); each
+-- release runs the pick, which hands the freed slot on:
 -- - while fewer slots are held than the queue's live pools share out, to the waiting tenant
---   holding the fewest per weight;
+--   holding the fewest per weight (the slots its flows hold, summed);
 -- - past that, from the pools' reserve, only to a tenant holding less than its due (the
 --   shared slots times its weight over the weights of the tenants holding or waiting), so a
 --   tenant that arrives behind another's flood starts at once, without preempting anything.
--- Within a tenant its jobs go by their place: when they came (in microseconds, the jobs of
--- one submission a microsecond apart, in order), less a head start of `prio_s` (priority
--- times the aging time), so a higher priority goes first and a lower one is overtaken only
--- by jobs that came less than the difference before it (no starvation).
+-- Within the tenant, priority first: the flow whose head has the earliest place sets the
+-- head start that goes now; among the tenant's flows of that head start (batches of the same
+-- priority), the one holding the fewest slots, then the earliest head. A job's place is when
+-- it came (in microseconds, the jobs of one submission a microsecond apart, in order), less
+-- its head start `prio_s` (priority times the aging time), so a higher priority goes first
+-- and a lower one is overtaken only by jobs that came less than the difference before it (no
+-- starvation).
 -- uses: (none)
 
 -- The queue's live slots, summed from its pools' registrations (lapsed ones left out).
@@ -29,13 +34,26 @@ local function fair_count_slots(queue, now)
   return shared, reserve
 end
 
--- The queue's live slots (shared, reserve) and the slots held: the sums fair_fill keeps
--- beside the counts of slots held (renewed each pool beat), or summed here where missing.
+-- The queue's held table (one read): flow -> slots held, and the live slots, `#shared` and
+-- `#reserve`, the sums fair_fill keeps beside them (renewed each pool beat). Returns the
+-- table, the shared and reserve slots (summed here where the sums are missing) and the
+-- slots held in all.
+local function fair_held(queue, now)
+  local flat = redis.call('HGETALL', K.held(queue))
+  local held, total = {}, 0
+  for i = 1, #flat, 2 do
+    local n = tonumber(flat[i + 1])
+    held[flat[i]] = n
+    if string.byte(flat[i]) ~= 35 then total = total + n end  -- not '#shared', '#reserve'
+  end
+  local shared, reserve = held['#shared'], held['#reserve'] or 0
+  if not shared then shared, reserve = fair_count_slots(queue, now) end
+  return held, shared, reserve, total
+end
+
+-- The queue's live slots (shared, reserve) and the slots held.
 local function fair_slots(queue, now)
-  local t = redis.call('HMGET', K.held(queue), '#shared', '#reserve', '*')
-  local total = tonumber(t[3] or '0')
-  if t[1] then return tonumber(t[1]), tonumber(t[2] or '0'), total end
-  local shared, reserve = fair_count_slots(queue, now)
+  local _, shared, reserve, total = fair_held(queue, now)
   return shared, reserve, total
 end
 
@@ -45,107 +63,173 @@ local function fair_weight(w)
   return 1
 end
 
--- Give `id` (of `tenant`) a slot of `queue`: its message onto the list, recorded on the
+-- A flow's name: its tenant, its jobs' head start and its batch.
+local function fair_flow(tenant, head_start, batch)
+  return (tenant or 'default') .. '|' .. tostring(tonumber(head_start) or 0) .. '|' ..
+    (batch or '')
+end
+
+-- A flow's tenant and head start (the `held` table's own entries, '#shared' and '#reserve',
+-- have none).
+local function fair_flow_of(flow)
+  local t, p = string.match(flow, '^([^|]*)|([^|]*)|')
+  return t, tonumber(p)
+end
+
+-- Give `id` (of `flow`) a slot of `queue`: its message onto the list, recorded on the
 -- queue's index with the push time (popped.lua), its slot counted (and, from the reserve,
--- the farm's count of those).
-local function fair_push(queue, id, jk, tenant, message, now, stage, reserve)
+-- the farm's count of those, by tenant).
+local function fair_push(queue, id, jk, flow, message, now, stage, reserve)
   redis.call('LPUSH', queue, message)
   redis.call('ZADD', K.queued(queue), now, id)
   redis.call('HSET', jk, 'slot', queue)
-  redis.call('HINCRBY', K.held(queue), tenant, 1)
-  redis.call('HINCRBY', K.held(queue), '*', 1)
-  if reserve then redis.call('HINCRBY', K.FAIR_GIVEN, stage .. ':' .. tenant .. ':reserve', 1) end
+  redis.call('HINCRBY', K.held(queue), flow, 1)
+  if reserve then
+    redis.call('HINCRBY', K.FAIR_GIVEN, stage .. ':' .. fair_flow_of(flow) .. ':reserve', 1)
+  end
 end
 
 local function stage_of(queue)
   return string.match(queue, '^([a-z]+)')
 end
 
+-- The most flows of one tenant a pick looks at (a tenant with more batches waiting than
+-- this is served from some of them at a time).
+local FAIR_SCAN = 128
+
+-- Of the flows waiting (`waiting`, more than one, or a reserve slot), the one the free slot
+-- goes to and its head job; nil if no tenant may have it. `held`: the queue's held table.
+local function fair_choose(queue, waiting, held, shared, from_reserve)
+  local theld = {}
+  for f, n in pairs(held) do
+    local t = fair_flow_of(f)
+    if t then theld[t] = (theld[t] or 0) + n end
+  end
+  local tenants, flows = {}, {}
+  for _, f in ipairs(waiting) do
+    local t = fair_flow_of(f)
+    if t then
+      if not flows[t] then
+        flows[t] = {}
+        tenants[#tenants + 1] = t
+      end
+      if #flows[t] < FAIR_SCAN then flows[t][#flows[t] + 1] = f end
+    end
+  end
+  -- The tenants holding or waiting, and their weights (none needed for one tenant waiting
+  -- for a shared slot).
+  local weight, sum = {}, 0
+  if #tenants > 1 or from_reserve then
+    local names, seen = {}, {}
+    for _, t in ipairs(tenants) do names[#names + 1] = t; seen[t] = true end
+    for t, n in pairs(theld) do
+      if n > 0 and not seen[t] then names[#names + 1] = t end
+    end
+    local ws = redis.call('HMGET', K.WEIGHTS, unpack(names))
+    for i, t in ipairs(names) do
+      weight[t] = fair_weight(ws[i])
+      sum = sum + weight[t]
+    end
+  end
+  -- The tenant holding the fewest per weight (for a reserve slot, only one under its due);
+  -- ties: the one whose earliest head came first.
+  local heads = {}
+  local best, best_ratio, best_place
+  for _, t in ipairs(tenants) do
+    local h, w = theld[t] or 0, weight[t] or 1
+    if not from_reserve or h < shared * w / sum then
+      local ratio = h / w
+      if not best or ratio <= best_ratio then
+        local first
+        for _, f in ipairs(flows[t]) do
+          local head = redis.call('ZRANGE', K.pen(queue, f), 0, 0, 'WITHSCORES')
+          if #head == 0 then
+            redis.call('SREM', K.pen_flows(queue), f)
+          else
+            heads[f] = {head[1], tonumber(head[2])}
+            if not first or heads[f][2] < first then first = heads[f][2] end
+          end
+        end
+        if first and (not best or ratio < best_ratio or first < best_place) then
+          best, best_ratio, best_place = t, ratio, first
+        end
+      end
+    end
+  end
+  if not best then return nil end
+  -- Within it: the head start of its earliest head goes now; of its flows with that head
+  -- start, the one holding the fewest, then the earliest.
+  local class
+  for _, f in ipairs(flows[best]) do
+    if heads[f] and heads[f][2] == best_place then
+      local _, p = fair_flow_of(f)
+      class = p
+      break
+    end
+  end
+  local flow, flow_held, flow_place
+  for _, f in ipairs(flows[best]) do
+    local hd = heads[f]
+    local _, p = fair_flow_of(f)
+    if hd and p == class then
+      local n = held[f] or 0
+      if not flow or n < flow_held or (n == flow_held and hd[2] < flow_place) then
+        flow, flow_held, flow_place = f, n, hd[2]
+      end
+    end
+  end
+  return flow, heads[flow][1]
+end
+
 -- Hand out free slots of `queue` to waiting jobs, at most `budget`; returns how many.
 local function fair_pick(queue, now, budget)
   local given = 0
   local stage = stage_of(queue)
-  local shared, reserve
   while given < budget do
-    local waiting = redis.call('SMEMBERS', K.pen_tenants(queue))
+    local waiting = redis.call('SMEMBERS', K.pen_flows(queue))
     if #waiting == 0 then break end
-    local flat = redis.call('HGETALL', K.held(queue))
-    local held = {}
-    for i = 1, #flat, 2 do held[flat[i]] = tonumber(flat[i + 1]) end
-    if not shared then
-      shared, reserve = held['#shared'], held['#reserve'] or 0
-      if not shared then shared, reserve = fair_count_slots(queue, now) end
-    end
-    local total = held['*'] or 0
+    local held, shared, reserve, total = fair_held(queue, now)
     if total >= shared + reserve then break end
-    -- The tenants holding or waiting, and their weights (none needed for one tenant waiting
-    -- for a shared slot).
-    local weight, sum = {}, 0
-    if #waiting > 1 or total >= shared then
-      local names, seen = {}, {}
-      for _, t in ipairs(waiting) do names[#names + 1] = t; seen[t] = true end
-      for t, n in pairs(held) do
-        if n > 0 and not seen[t] and string.find(t, '^[#*]') == nil then
-          names[#names + 1] = t
-        end
-      end
-      local ws = redis.call('HMGET', K.WEIGHTS, unpack(names))
-      for i, t in ipairs(names) do
-        weight[t] = fair_weight(ws[i])
-        sum = sum + weight[t]
-      end
-    end
     local from_reserve = total >= shared
-    local best, best_ratio, best_head, best_score
-    local popped = false
+    local flow, id
     if #waiting == 1 and not from_reserve then
-      -- One tenant waits and a shared slot is free: its head job takes it (its pen, found
-      -- empty, leaves the set of tenants waiting).
+      -- One flow waits and a shared slot is free: its head job takes it (its pen, found
+      -- empty, leaves the set of flows waiting).
       local head = redis.call('ZPOPMIN', K.pen(queue, waiting[1]))
       if #head == 0 then
-        redis.call('SREM', K.pen_tenants(queue), waiting[1])
-      else
-        best, best_head, popped = waiting[1], head[1], true
+        redis.call('SREM', K.pen_flows(queue), waiting[1])
+        break
       end
-      waiting = {}
+      flow, id = waiting[1], head[1]
+    else
+      flow, id = fair_choose(queue, waiting, held, shared, from_reserve)
+      if not flow then break end
+      -- (A pen left empty stays in the set of flows waiting until a pick finds it so.)
+      redis.call('ZREM', K.pen(queue, flow), id)
     end
-    for _, t in ipairs(waiting) do
-      local h = held[t] or 0
-      local ok = not from_reserve or h < shared * weight[t] / sum
-      if ok then
-        local ratio = h / weight[t]
-        if not best or ratio <= best_ratio then
-          local head = redis.call('ZRANGE', K.pen(queue, t), 0, 0, 'WITHSCORES')
-          if #head == 0 then
-            redis.call('SREM', K.pen_tenants(queue), t)
-          elseif not best or ratio < best_ratio or tonumber(head[2]) < best_score then
-            best, best_ratio, best_head, best_score = t, ratio, head[1], tonumber(head[2])
-          end
-        end
-      end
-    end
-    if not best then break end
-    -- (A pen left empty stays in the set of tenants waiting until a pick finds it so.)
-    if not popped then redis.call('ZREM', K.pen(queue, best), best_head) end
-    local jk = K.job(best_head)
-    local message = redis.call('HGET', K.pen_messages(queue), best_head)
-    redis.call('HDEL', K.pen_messages(queue), best_head)
+    local jk = K.job(id)
+    local message = redis.call('HGET', K.pen_messages(queue), id)
+    redis.call('HDEL', K.pen_messages(queue), id)
     local j = redis.call('HMGET', jk, 'phase', 'queue')
     if message and j[1] == 'waiting' and j[2] == queue then
-      fair_push(queue, best_head, jk, best, message, now, stage, from_reserve)
+      fair_push(queue, id, jk, flow, message, now, stage, from_reserve)
       given = given + 1
     end
   end
   return given
 end
 
+-- The job fields fair share reads, in this order (a caller that reads the job anyway
+-- reads them with its own and hands them to fair_release).
+local FAIR_FIELDS = {'slot', 'tenant', 'prio_s', 'batch_id'}
+
 -- What fair_release read of a job, for fair_enter in the same script (a hand-off).
 local fair_read = {}
 
--- The job's tenant and head start.
-local function fair_of(jk)
-  local f = fair_read[jk] or redis.call('HMGET', jk, 'slot', 'tenant', 'prio_s')
-  return f[2] or 'default', tonumber(f[3] or '0') or 0
+-- The job's flow, and the queue whose slot it held when last read (or false).
+local function fair_fields(jk)
+  local f = fair_read[jk] or redis.call('HMGET', jk, unpack(FAIR_FIELDS))
+  return fair_flow(f[2], f[3], f[4]), f[1]
 end
 
 -- A job's place in a pen: when it came, in microseconds, less its head start; `k`: its
@@ -155,41 +239,47 @@ local function fair_place(now, head_start, k)
 end
 
 -- A job now waits for a slot of `queue`: it takes one at once if one is free and nobody
--- waits for it, else it waits in its tenant's pen, and the pick runs unless every slot,
+-- waits for it, else it waits in its flow's pen, and the pick runs unless every slot,
 -- reserve too, is held.
+-- (A shared slot is never free while a job waits in a pen: each way a slot frees, or slots
+-- are added, runs the pick.) The job's `slot` field, left by fair_release for a hand-off,
+-- is set or dropped here.
 local function fair_enter(queue, id, jk, message, now)
-  local tenant, head_start = fair_of(jk)
+  local flow, had = fair_fields(jk)
   local shared, reserve, total = fair_slots(queue, now)
-  if total < shared and redis.call('EXISTS', K.pen_tenants(queue)) == 0 then
-    fair_push(queue, id, jk, tenant, message, now, stage_of(queue), false)
+  if total < shared then
+    fair_push(queue, id, jk, flow, message, now, stage_of(queue), false)
     return
   end
+  local _, head_start = fair_flow_of(flow)
+  if had then redis.call('HDEL', jk, 'slot') end
   redis.call('HSET', K.pen_messages(queue), id, message)
-  redis.call('ZADD', K.pen(queue, tenant), fair_place(now, head_start, 0), id)
-  redis.call('SADD', K.pen_tenants(queue), tenant)
+  redis.call('ZADD', K.pen(queue, flow), fair_place(now, head_start, 0), id)
+  redis.call('SADD', K.pen_flows(queue), flow)
   if total < shared + reserve then fair_pick(queue, now, 1) end
 end
 
--- The job leaves the slot it holds, if any, and the pick hands it on.
-local function fair_release(id, jk, now)
-  local f = redis.call('HMGET', jk, 'slot', 'tenant', 'prio_s')
+-- The job leaves the slot it holds, if any, and the pick hands it on. `f`: the job's
+-- FAIR_FIELDS where the caller read them. `entering`: the caller calls fair_enter for the
+-- job next (a hand-off), which sets or drops its `slot` field.
+local function fair_release(id, jk, now, f, entering)
+  f = f or redis.call('HMGET', jk, unpack(FAIR_FIELDS))
   fair_read[jk] = f
   if not f[1] then return end
-  local queue, tenant = f[1], f[2] or 'default'
-  redis.call('HDEL', jk, 'slot')
-  if redis.call('HINCRBY', K.held(queue), tenant, -1) <= 0 then
-    redis.call('HDEL', K.held(queue), tenant)
+  local queue, flow = f[1], fair_flow(f[2], f[3], f[4])
+  if not entering then redis.call('HDEL', jk, 'slot') end
+  if redis.call('HINCRBY', K.held(queue), flow, -1) <= 0 then
+    redis.call('HDEL', K.held(queue), flow)
   end
-  redis.call('HINCRBY', K.held(queue), '*', -1)
   fair_pick(queue, now, 1)
 end
 
 -- The job no longer waits in a pen of `queue` (it ended or moved elsewhere).
 local function fair_unpen(id, jk, queue)
-  local tenant = redis.call('HGET', jk, 'tenant') or 'default'
-  local pen = K.pen(queue, tenant)
+  local flow = fair_fields(jk)
+  local pen = K.pen(queue, flow)
   if redis.call('ZREM', pen, id) == 1 then
     redis.call('HDEL', K.pen_messages(queue), id)
-    if redis.call('ZCARD', pen) == 0 then redis.call('SREM', K.pen_tenants(queue), tenant) end
+    if redis.call('ZCARD', pen) == 0 then redis.call('SREM', K.pen_flows(queue), flow) end
   end
 end

@@ -9,15 +9,15 @@ local function fmt(x) return string.format('%.6f', x) end
 
 -- Count a job's move to another state in its batch's counter array (one BITFIELD) and the
 -- farm's per-state counters (the caller writes the state itself, in its own HSET of the
--- job).
-local function count_state(old, new, batch)
+-- job). `tenant`: the job's (its batch's), where the caller read it.
+local function count_state(old, new, batch, tenant)
   if old == new then return end
   redis.call('BITFIELD', K.batch_counts(batch), 'INCRBY', 'i64', '#' .. STATE_SLOT[old], -1,
              'INCRBY', 'i64', '#' .. STATE_SLOT[new], 1)
   redis.call('HINCRBY', K.STATE_COUNTS, old, -1)
   redis.call('HINCRBY', K.STATE_COUNTS, new, 1)
   -- The batch's tenant's usage (prorl_farm/tenants.py).
-  local tenant = redis.call('HGET', K.batch(batch), 'tenant')
+  tenant = tenant or redis.call('HGET', K.batch(batch), 'tenant')
   if tenant then
     redis.call('HINCRBY', K.tenant(tenant), old, -1)
     redis.call('HINCRBY', K.tenant(tenant), new, 1)
@@ -49,7 +49,7 @@ end
 local function finish_read(jk)
   return redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token',
                     'instance_id', 'sampling_id', 'deadline_at', 't_init_start',
-                    't_run_start', 't_eval_start', 'backend')
+                    't_run_start', 't_eval_start', 'backend', 'slot', 'tenant', 'prio_s')
 end
 
 -- The one way into a terminal state; ``extra``: more field/value pairs to set (a flat
@@ -74,9 +74,9 @@ local function finish(id, jk, state, kind, msg, ttl, now, extra, j)
     if state == 'failed' then redis.call('HINCRBY', K.FAILURE_KINDS, kind, 1) end
   end
   redis.call('HSET', jk, unpack(set))
-  count_state(old, state, batch)
+  count_state(old, state, batch, j[15])
   if phase == 'waiting' then unqueue(id, queue) end
-  fair_release(id, jk, now)
+  fair_release(id, jk, now, {j[14], j[15], j[16], batch})
   local hist = {'ended:' .. state, 1}
   if state == 'failed' and kind ~= '' then
     hist[#hist + 1] = 'failed:' .. kind
