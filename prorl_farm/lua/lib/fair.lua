@@ -98,7 +98,8 @@ end
 local FAIR_SCAN = 128
 
 -- Of the flows waiting (`waiting`, more than one, or a reserve slot), the one the free slot
--- goes to and its head job; nil if no tenant may have it. `held`: the queue's held table.
+-- goes to and its head job; nil if no tenant may have it (and true if flows found empty were
+-- dropped: those beyond the scan may still wait). `held`: the queue's held table.
 local function fair_choose(queue, waiting, held, shared, from_reserve)
   local theld = {}
   for f, n in pairs(held) do
@@ -133,7 +134,7 @@ local function fair_choose(queue, waiting, held, shared, from_reserve)
   end
   -- The tenant holding the fewest per weight (for a reserve slot, only one under its due);
   -- ties: the one whose earliest head came first.
-  local heads = {}
+  local heads, dropped = {}, false
   local best, best_ratio, best_place
   for _, t in ipairs(tenants) do
     local h, w = theld[t] or 0, weight[t] or 1
@@ -145,6 +146,7 @@ local function fair_choose(queue, waiting, held, shared, from_reserve)
           local head = redis.call('ZRANGE', K.pen(queue, f), 0, 0, 'WITHSCORES')
           if #head == 0 then
             redis.call('SREM', K.pen_flows(queue), f)
+            dropped = true
           else
             heads[f] = {head[1], tonumber(head[2])}
             if not first or heads[f][2] < first then first = heads[f][2] end
@@ -156,7 +158,7 @@ local function fair_choose(queue, waiting, held, shared, from_reserve)
       end
     end
   end
-  if not best then return nil end
+  if not best then return nil, dropped end
   -- Within it: the head start of its earliest head goes now; of its flows with that head
   -- start, the one holding the fewest, then the earliest.
   local class
@@ -203,17 +205,22 @@ local function fair_pick(queue, now, budget)
       flow, id = waiting[1], head[1]
     else
       flow, id = fair_choose(queue, waiting, held, shared, from_reserve)
-      if not flow then break end
-      -- (A pen left empty stays in the set of flows waiting until a pick finds it so.)
-      redis.call('ZREM', K.pen(queue, flow), id)
+      if flow then
+        -- (A pen left empty stays in the set of flows waiting until a pick finds it so.)
+        redis.call('ZREM', K.pen(queue, flow), id)
+      elseif not id then
+        break  -- (else it dropped empty flows: look again)
+      end
     end
-    local jk = K.job(id)
-    local message = redis.call('HGET', K.pen_messages(queue), id)
-    redis.call('HDEL', K.pen_messages(queue), id)
-    local j = redis.call('HMGET', jk, 'phase', 'queue')
-    if message and j[1] == 'waiting' and j[2] == queue then
-      fair_push(queue, id, jk, flow, message, now, stage, from_reserve)
-      given = given + 1
+    if flow then
+      local jk = K.job(id)
+      local message = redis.call('HGET', K.pen_messages(queue), id)
+      redis.call('HDEL', K.pen_messages(queue), id)
+      local j = redis.call('HMGET', jk, 'phase', 'queue')
+      if message and j[1] == 'waiting' and j[2] == queue then
+        fair_push(queue, id, jk, flow, message, now, stage, from_reserve)
+        given = given + 1
+      end
     end
   end
   return given
