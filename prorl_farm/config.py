@@ -247,8 +247,9 @@ class Settings:
     warm_builders: int = setting(2, "warm sandboxes each INIT pool builds at once", lo=1,
                                  hi=256)
     fair_share: bool = setting(
-        True, "weighted fair share of every stage's slots between tenants, with priorities "
-        "(docs/sharing.md); off: each stage first come, first served")
+        True, "weighted fair share of every stage's slots between tenants, then between "
+        "each tenant's batches, with priorities (docs/sharing.md); off: each stage first "
+        "come, first served")
     fair_reserve: float = setting(
         1.0, "slots each pool keeps in reserve, as a fraction of its concurrency, for tenants "
         "under their share while others hold every shared slot (the pool runs that many "

@@ -47,7 +47,7 @@ def _held(r, queue="init", by="tenant") -> dict:
     out: dict[str, int] = {}
     for k, v in r.hgetall(keys.held(queue)).items():
         name = k if by == "flow" else keys.flow_tenant(k)
-        if name is not None and not name.startswith("#"):
+        if name is not None and not name.startswith("#") and int(v):
             out[name] = out.get(name, 0) + int(v)
             out["*"] = out.get("*", 0) + int(v)
     return out

@@ -19,17 +19,23 @@ if TERMINAL[j[1]] then return 'terminal' end
 if j[1] ~= from or j[3] ~= token or j[2] ~= 'active' then return 'stale' end
 local now = now_s()
 observe_active(from, j[5], now)
--- No holder until whoever takes the next stage heartbeats it.
-redis.call('HSET', jk, 'state', to, 't_' .. from .. '_end', fmt(now), 'stage', to,
+-- No holder until whoever takes the next stage heartbeats it. (Written with its slot of
+-- the next queue, or its place in a pen, below.)
+local set = {'state', to, 't_' .. from .. '_end', fmt(now), 'stage', to,
   'phase', 'waiting', 'token', new, 'queue', queue, 't_' .. to .. '_queued', fmt(now),
-  'node', node, 'holder', '', field, value)
+  'node', node, 'holder', '', field, value}
+local pushing = message ~= nil and message ~= ''
 count_state(j[1], to, j[4], j[8])
 -- The slot of the stage it leaves goes to the next job.
-fair_release(id, jk, now, {j[7], j[8], j[9], j[4]}, message ~= nil and message ~= '')
+fair_release(id, jk, now, {j[7], j[8], j[9], j[4]}, pushing)
 release_backend(id, j[6])  -- a backend slot is held within a stage, never across a hand-off
 redis.call('SADD', K.QUEUES, queue)
 -- Without a message the caller publishes it and records it (handed_off); until then the
 -- heartbeat the worker left stands for the job: should the publish never happen, it goes
 -- stale and a sweep re-queues the job.
-if message and message ~= '' then push_message(queue, id, message, now) end
+if pushing then
+  push_message(queue, id, message, now, set)
+else
+  redis.call('HSET', jk, unpack(set))
+end
 return 'ok'

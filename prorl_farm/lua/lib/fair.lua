@@ -78,11 +78,15 @@ end
 
 -- Give `id` (of `flow`) a slot of `queue`: its message onto the list, recorded on the
 -- queue's index with the push time (popped.lua), its slot counted (and, from the reserve,
--- the farm's count of those, by tenant).
-local function fair_push(queue, id, jk, flow, message, now, stage, reserve)
+-- the farm's count of those, by tenant). `set`: more field/value pairs of the job to write
+-- with its slot (a flat list, or nil).
+local function fair_push(queue, id, jk, flow, message, now, stage, reserve, set)
   redis.call('LPUSH', queue, message)
   redis.call('ZADD', K.queued(queue), now, id)
-  redis.call('HSET', jk, 'slot', queue)
+  set = set or {}
+  set[#set + 1] = 'slot'
+  set[#set + 1] = queue
+  redis.call('HSET', jk, unpack(set))
   redis.call('HINCRBY', K.held(queue), flow, 1)
   if reserve then
     redis.call('HINCRBY', K.FAIR_GIVEN, stage .. ':' .. fair_flow_of(flow) .. ':reserve', 1)
@@ -250,15 +254,17 @@ end
 -- reserve too, is held.
 -- (A shared slot is never free while a job waits in a pen: each way a slot frees, or slots
 -- are added, runs the pick.) The job's `slot` field, left by fair_release for a hand-off,
--- is set or dropped here.
-local function fair_enter(queue, id, jk, message, now)
+-- is set or dropped here; `set`: the caller's own field/value pairs of the job, written with
+-- it (or nil).
+local function fair_enter(queue, id, jk, message, now, set)
   local flow, had = fair_fields(jk)
   local shared, reserve, total = fair_slots(queue, now)
   if total < shared then
-    fair_push(queue, id, jk, flow, message, now, stage_of(queue), false)
+    fair_push(queue, id, jk, flow, message, now, stage_of(queue), false, set)
     return
   end
   local _, head_start = fair_flow_of(flow)
+  if set then redis.call('HSET', jk, unpack(set)) end
   if had then redis.call('HDEL', jk, 'slot') end
   redis.call('HSET', K.pen_messages(queue), id, message)
   redis.call('ZADD', K.pen(queue, flow), fair_place(now, head_start, 0), id)
@@ -275,9 +281,10 @@ local function fair_release(id, jk, now, f, entering)
   if not f[1] then return end
   local queue, flow = f[1], fair_flow(f[2], f[3], f[4])
   if not entering then redis.call('HDEL', jk, 'slot') end
-  if redis.call('HINCRBY', K.held(queue), flow, -1) <= 0 then
-    redis.call('HDEL', K.held(queue), flow)
-  end
+  -- (A flow's count left at 0 goes at the queue's next registration, fair_fill: one batch's
+  -- jobs passing one by one through a free stage would otherwise delete and write it back
+  -- for each.)
+  redis.call('HINCRBY', K.held(queue), flow, -1)
   fair_pick(queue, now, 1)
 end
 

@@ -33,9 +33,9 @@ end
 -- A stage message of the script that moved its job: pushed on its queue when the job gets a
 -- slot there (lib/fair.lua; recorded with the time of the push, for the reaper's
 -- lost-message test), kept in the job's pen until then; no heartbeat left to go stale.
-local function push_message(queue, id, message, now)
+local function push_message(queue, id, message, now, set)
   redis.call('ZREM', K.ACTIVE, id)
-  fair_enter(queue, id, K.job(id), message, now)
+  fair_enter(queue, id, K.job(id), message, now, set)
 end
 
 -- Drop a job from the queue it waits on: its index, or its pen.

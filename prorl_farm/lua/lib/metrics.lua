@@ -12,11 +12,16 @@ local function observe(name, v)
              'INCRBY', 'i64', '#' .. SUM_SLOT, string.format('%d', math.floor(v * 1e6 + 0.5)))
 end
 
--- Add each (field, amount) pair to the history of the minute holding ``now``.
+-- Add each (field, amount) pair to the history of the minute holding ``now``. The minute's
+-- key gets its expiry when a call creates a field there (the call that creates the key
+-- does), not at every call.
 local function history(now, pairs)
   local hk = K.history(string.format('%d', math.floor(now / HISTORY_STEP_S) * HISTORY_STEP_S))
+  local new = false
   for i = 1, #pairs, 2 do
-    redis.call('HINCRBYFLOAT', hk, pairs[i], pairs[i + 1])
+    local amount = pairs[i + 1]
+    local total = redis.call('HINCRBYFLOAT', hk, pairs[i], amount)
+    if tonumber(total) == tonumber(amount) then new = true end
   end
-  redis.call('EXPIRE', hk, HISTORY_TTL_S)
+  if new then redis.call('EXPIRE', hk, HISTORY_TTL_S) end
 end
