@@ -30,11 +30,8 @@ end
 local total_shared, total_reserve = fair_count_slots(queue, now)
 redis.call('HSET', KEYS[2], '#shared', total_shared, '#reserve', total_reserve)
 -- The flows holding nothing now leave the table of slots held.
-flat = redis.call('HGETALL', KEYS[2])
-for i = 1, #flat, 2 do
-  if string.byte(flat[i]) ~= 35 and tonumber(flat[i + 1]) <= 0 then
-    redis.call('HDEL', KEYS[2], flat[i])
-  end
+for f, n in pairs(fair_held(queue, now)) do
+  if fair_flow_of(f) and n <= 0 then redis.call('HDEL', KEYS[2], f) end
 end
 if #ARGV > 6 then redis.call('HSET', KEYS[4], unpack(ARGV, 7)) end
 return fair_pick(queue, now, tonumber(ARGV[6]))
