@@ -79,15 +79,16 @@ end
 -- Give `id` (of `flow`) a slot of `queue`: its message onto the list, recorded on the
 -- queue's index with the push time (popped.lua), its slot counted (and, from the reserve,
 -- the farm's count of those, by tenant). `set`: more field/value pairs of the job to write
--- with its slot (a flat list, or nil).
-local function fair_push(queue, id, jk, flow, message, now, stage, reserve, set)
+-- with its slot (a flat list, or nil). `counted`: the flow's count is right as it stands
+-- (the slot was left by a job of the same flow, whose count was never lowered).
+local function fair_push(queue, id, jk, flow, message, now, stage, reserve, set, counted)
   redis.call('LPUSH', queue, message)
   redis.call('ZADD', K.queued(queue), now, id)
   set = set or {}
   set[#set + 1] = 'slot'
   set[#set + 1] = queue
   redis.call('HSET', jk, unpack(set))
-  redis.call('HINCRBY', K.held(queue), flow, 1)
+  if not counted then redis.call('HINCRBY', K.held(queue), flow, 1) end
   if reserve then
     redis.call('HINCRBY', K.FAIR_GIVEN, stage .. ':' .. fair_flow_of(flow) .. ':reserve', 1)
   end
@@ -188,13 +189,24 @@ local function fair_choose(queue, waiting, held, shared, from_reserve)
 end
 
 -- Hand out free slots of `queue` to waiting jobs, at most `budget`; returns how many.
-local function fair_pick(queue, now, budget)
+-- `owed`: a flow that has just left a slot and whose count is still to be lowered by one:
+-- if the slot goes back to that flow (a tenant alone with one batch), the count is left as
+-- it is, neither lowered nor raised.
+local function fair_pick(queue, now, budget, owed)
   local given = 0
   local stage = stage_of(queue)
+  local function settle()
+    if owed then redis.call('HINCRBY', K.held(queue), owed, -1) end
+    owed = nil
+  end
   while given < budget do
     local waiting = redis.call('SMEMBERS', K.pen_flows(queue))
     if #waiting == 0 then break end
     local held, shared, reserve, total = fair_held(queue, now)
+    if owed then
+      held[owed] = (held[owed] or 0) - 1
+      total = total - 1
+    end
     if total >= shared + reserve then break end
     local from_reserve = total >= shared
     local flow, id
@@ -222,11 +234,14 @@ local function fair_pick(queue, now, budget)
       redis.call('HDEL', K.pen_messages(queue), id)
       local j = redis.call('HMGET', jk, 'phase', 'queue')
       if message and j[1] == 'waiting' and j[2] == queue then
-        fair_push(queue, id, jk, flow, message, now, stage, from_reserve)
+        local counted = flow == owed
+        if counted then owed = nil else settle() end
+        fair_push(queue, id, jk, flow, message, now, stage, from_reserve, nil, counted)
         given = given + 1
       end
     end
   end
+  settle()
   return given
 end
 
@@ -284,8 +299,7 @@ local function fair_release(id, jk, now, f, entering)
   -- (A flow's count left at 0 goes at the queue's next registration, fair_fill: one batch's
   -- jobs passing one by one through a free stage would otherwise delete and write it back
   -- for each.)
-  redis.call('HINCRBY', K.held(queue), flow, -1)
-  fair_pick(queue, now, 1)
+  fair_pick(queue, now, 1, flow)
 end
 
 -- The job no longer waits in a pen of `queue` (it ended or moved elsewhere).
