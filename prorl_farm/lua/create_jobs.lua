@@ -23,7 +23,7 @@ local nowf = now_s()
 local now = fmt(nowf)
 local queued = K.queued('init')
 -- Free INIT slots these jobs take at once (while one is free no job waits in a pen).
-local shared, _, held = fair_slots('init', nowf)
+local held_by, shared, reserve, held = fair_held('init', nowf)
 local room = shared - held
 local pending, pushed, penned = {}, 0, 0
 local flow = fair_flow(tenant, prio_s, batch)
@@ -76,6 +76,8 @@ if pushed > 0 then
 end
 if penned > 0 then
   redis.call('SADD', K.pen_flows('init'), flow)
-  fair_pick('init', nowf, penned)
+  if held + pushed < shared + reserve and not fair_holds_all(held_by, tenant) then
+    fair_pick('init', nowf, penned)
+  end
 end
 return (#ARGV - 9) / 6

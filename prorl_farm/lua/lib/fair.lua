@@ -51,10 +51,15 @@ local function fair_held(queue, now)
   return held, shared, reserve, total
 end
 
--- The queue's live slots (shared, reserve) and the slots held.
-local function fair_slots(queue, now)
-  local _, shared, reserve, total = fair_held(queue, now)
-  return shared, reserve, total
+-- Whether `tenant` holds every slot of the queue held (`held`: its held table). Such a
+-- tenant is never under its due (at most the shared slots), so no reserve slot is its.
+local function fair_holds_all(held, tenant)
+  for f, n in pairs(held) do
+    if n > 0 and string.byte(f) ~= 35 and string.sub(f, 1, #tenant + 1) ~= tenant .. '|' then
+      return false
+    end
+  end
+  return true
 end
 
 local function fair_weight(w)
@@ -252,10 +257,11 @@ local FAIR_FIELDS = {'slot', 'tenant', 'prio_s', 'batch_id'}
 -- What fair_release read of a job, for fair_enter in the same script (a hand-off).
 local fair_read = {}
 
--- The job's flow, and the queue whose slot it held when last read (or false).
+-- The job's flow, and the queue whose slot it held when last read (or false; a blank mark
+-- is none).
 local function fair_fields(jk)
   local f = fair_read[jk] or redis.call('HMGET', jk, unpack(FAIR_FIELDS))
-  return fair_flow(f[2], f[3], f[4]), f[1]
+  return fair_flow(f[2], f[3], f[4]), f[1] ~= '' and f[1]
 end
 
 -- A job's place in a pen: when it came, in microseconds, less its head start; `k`: its
@@ -266,25 +272,37 @@ end
 
 -- A job now waits for a slot of `queue`: it takes one at once if one is free and nobody
 -- waits for it, else it waits in its flow's pen, and the pick runs unless every slot,
--- reserve too, is held.
+-- reserve too, is held, or its tenant holds all those held.
 -- (A shared slot is never free while a job waits in a pen: each way a slot frees, or slots
 -- are added, runs the pick.) The job's `slot` field, left by fair_release for a hand-off,
--- is set or dropped here; `set`: the caller's own field/value pairs of the job, written with
+-- is set or blanked here; `set`: the caller's own field/value pairs of the job, written with
 -- it (or nil).
 local function fair_enter(queue, id, jk, message, now, set)
   local flow, had = fair_fields(jk)
-  local shared, reserve, total = fair_slots(queue, now)
+  local held, shared, reserve, total = fair_held(queue, now)
   if total < shared then
     fair_push(queue, id, jk, flow, message, now, stage_of(queue), false, set)
     return
   end
-  local _, head_start = fair_flow_of(flow)
-  if set then redis.call('HSET', jk, unpack(set)) end
-  if had then redis.call('HDEL', jk, 'slot') end
+  local tenant, head_start = fair_flow_of(flow)
+  if set then
+    -- (A hand-off: the slot mark it left is blanked in the same write.)
+    if had then
+      set[#set + 1] = 'slot'
+      set[#set + 1] = ''
+    end
+    redis.call('HSET', jk, unpack(set))
+  elseif had then
+    redis.call('HDEL', jk, 'slot')
+  end
   redis.call('HSET', K.pen_messages(queue), id, message)
   redis.call('ZADD', K.pen(queue, flow), fair_place(now, head_start, 0), id)
   redis.call('SADD', K.pen_flows(queue), flow)
-  if total < shared + reserve then fair_pick(queue, now, 1) end
+  -- With reserve slots free, this job may take one, unless its tenant holds every slot
+  -- held (a tenant alone: its job waits for a shared slot, with no pick run for nothing).
+  if total < shared + reserve and not fair_holds_all(held, tenant) then
+    fair_pick(queue, now, 1)
+  end
 end
 
 -- The job leaves the slot it holds, if any, and the pick hands it on. `f`: the job's
@@ -293,7 +311,7 @@ end
 local function fair_release(id, jk, now, f, entering)
   f = f or redis.call('HMGET', jk, unpack(FAIR_FIELDS))
   fair_read[jk] = f
-  if not f[1] then return end
+  if not f[1] or f[1] == '' then return end
   local queue, flow = f[1], fair_flow(f[2], f[3], f[4])
   if not entering then redis.call('HDEL', jk, 'slot') end
   -- (A flow's count left at 0 goes at the queue's next registration, fair_fill: one batch's
