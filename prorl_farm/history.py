@@ -9,10 +9,12 @@ file, of Redis) and costs nothing to keep:
 - ``reward_sum``, ``reward_n``, ``pass_n``: the rewards of jobs that ended done, and how
   many earned the full reward (1.0 or more: a pass);
 - ``wait_sum:<stage>``, ``wait_n:<stage>``: the queue waits of jobs that a stage's pool
-  claimed (lua/claim.lua);
+  claimed, taken every ``SAMPLE_S`` from the stage's wait histogram (which each claim
+  keeps, lua/claim.lua) by the process that leads the reaping (worker/reaper.py,
+  lua/history_waits.lua): a wait counts in the minute of the sample after its claim;
 - ``load_sum:<backend>``, ``latency_sum:<backend>``, ``samples:<backend>``,
   ``capacity:<backend>``: each backend's jobs in flight and latency (its moving average),
-  sampled every ``SAMPLE_S`` by the process that leads the reaping (worker/reaper.py).
+  sampled every ``SAMPLE_S`` by the same process.
 
 Each hash expires ``TTL_S`` after its last write: memory is bounded (a few KiB a minute).
 """
@@ -27,7 +29,13 @@ from prorl_farm.config import STAGES
 from prorl_farm.metrics import HISTORY_STEP_S as STEP_S
 from prorl_farm.metrics import HISTORY_TTL_S as TTL_S
 
-SAMPLE_S = 10.0  # backend load and latency samples
+SAMPLE_S = 10.0  # stage waits, backend load and latency samples
+
+
+def record_waits(store) -> int:
+    """The stage waits of the jobs claimed since the last call, into this minute's history
+    (a JobStore's scripts); returns how many."""
+    return int(store.lua("history_waits", stages=list(STAGES)))
 
 
 def record_backends(r, backends: list[dict], now: float | None = None) -> None:

@@ -180,6 +180,10 @@ def history(minute: str) -> str:
     return f"{PREFIX}history:{minute}"
 
 
+# Hash: ``n:<stage>``, ``sum:<stage>``: the count and sum (microseconds) of each stage's wait
+# histogram when the dashboard's history last took its waits from it (lua/history_waits.lua).
+HISTORY_WAITS_SEEN = f"{PREFIX}history:waits-seen"
+
 # Hash: ``bytes``, ``files``: what the trajectory store holds (jobs/payloads.py), kept up
 # to date as payloads are written and batches acknowledged or expired.
 PAYLOAD_STATS = f"{PREFIX}payloads:stats"
@@ -281,7 +285,7 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 _LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
-                  "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN")
+                  "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN", "HISTORY_WAITS_SEEN")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
                   "batch_stream", "queued", "backend", "histogram", "history", "tenant",
                   "pen", "pen_messages", "pen_flows", "held", "slots")

@@ -124,8 +124,10 @@ def test_the_farm_over_time_survives_an_api_restart_and_is_drawn(redis_server, r
             def read(base: str) -> dict:
                 return FarmClient(base).history(window_s=900)
 
-            # The reaper's leader samples the backends every 10 s.
-            wait_until(lambda: backend in read(url)["backends"], 30, 0.5, "a backend sample")
+            # The reaper's leader samples the backends and the stage waits every 10 s.
+            wait_until(lambda: backend in (h := read(url))["backends"]
+                       and any(w is not None for w in h["wait_s"]["run"]), 30, 0.5,
+                       "a sample of the backends and of the waits")
             h = read(url)
             assert h["step_s"] == 60 and len(h["minutes"]) == 15
             assert h["minutes"] == sorted(h["minutes"])

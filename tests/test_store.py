@@ -378,3 +378,33 @@ def test_a_claim_reads_only_the_records_its_store_does_not_hold(settings, r):
     other, [job] = make(settings, r)
     r.set(keys.instance(r.hget(keys.job(job.job_id), "instance_id")), '{"x": 1}')
     assert store.claim(job.job_id, "init", job.token, "w")[1]["instance"] == '{"x": 1}'
+
+
+def test_the_history_takes_each_stage_wait_once_from_its_histogram(settings, r):
+    """A claim keeps only its stage's wait histogram; each sample puts the waits claimed
+    since the last one into its minute of the dashboard's history, each once (two samplers
+    at once included), and counts again from zero if the histogram starts over."""
+    from prorl_farm import history
+
+    def waits() -> tuple[float, float]:
+        rows = [r.hgetall(k) for k in r.keys(keys.history("*"))]
+        return (sum(float(h.get("wait_n:init", 0)) for h in rows),
+                sum(float(h.get("wait_sum:init", 0)) for h in rows))
+
+    store, jobs = make(settings, r, n=3)
+    for job in jobs:
+        assert store.claim(job.job_id, "init", job.token, "w")[0] == "ok"
+    assert waits() == (0, 0)  # nothing of the claims themselves
+    samplers = [threading.Thread(target=history.record_waits, args=(store,))
+                for _ in range(4)]
+    for t in samplers:
+        t.start()
+    for t in samplers:
+        t.join()
+    n, total = waits()
+    assert n == 3 and total >= 0
+    assert history.record_waits(store) == 0 and waits()[0] == 3
+    r.delete(keys.histogram("wait:init"))  # started over (a flushed metric)
+    store2, [late] = make(settings, r)
+    assert store2.claim(late.job_id, "init", late.token, "w")[0] == "ok"
+    assert history.record_waits(store) == 1 and waits()[0] == 4

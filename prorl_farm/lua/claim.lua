@@ -38,8 +38,8 @@ redis.call('HSET', jk, 'state', stage, 'phase', 'active', 'worker', worker, 'hol
            't_' .. stage .. '_start', fmt(now))
 if queued then
   local wait = math.max(0, now - tonumber(queued))
+  -- (The dashboard's history takes its waits from this histogram: history_waits.lua.)
   observe('wait:' .. stage, wait)
-  history(now, {'wait_sum:' .. stage, wait, 'wait_n:' .. stage, 1})
 end
 count_state(state, stage, at.batch_id, at.tenant)
 redis.call('ZADD', K.ACTIVE, now, id)

@@ -127,12 +127,14 @@ class Reaper:
             if now >= self._next_payload_sweep:
                 self._next_payload_sweep = now + PAYLOAD_SWEEP_S
                 self.sweep_payloads()
-            if now >= self._next_history and self.backends is not None:
+            if now >= self._next_history:
                 self._next_history = now + history.SAMPLE_S
-                try:  # the dashboard's history of backend load and latency
-                    history.record_backends(self.store.r, self.backends.list())
+                try:  # the dashboard's history: stage waits, backend load and latency
+                    history.record_waits(self.store)
+                    if self.backends is not None:
+                        history.record_backends(self.store.r, self.backends.list())
                 except Exception:  # noqa: BLE001 - a missed sample is not a fault
-                    log.debug("backend history sample failed", exc_info=True)
+                    log.debug("history sample failed", exc_info=True)
             if role == "idle":
                 return {}
         counts = self._sweep()
