@@ -19,7 +19,8 @@ get[#get + 1] = 'i64'
 get[#get + 1] = '#' .. SUM_SLOT
 local now = now_s()
 local out, seen, recorded = {}, {}, 0
-for _, stage in ipairs(ARGV) do
+for i = 1, #ARGV do
+  local stage = ARGV[i]
   local v = redis.call('BITFIELD', K.histogram('wait:' .. stage), unpack(get))
   local n = 0
   for i = 1, #BUCKETS + 1 do n = n + v[i] end
