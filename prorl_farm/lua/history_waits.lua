@@ -23,7 +23,7 @@ for i = 1, #ARGV do
   local stage = ARGV[i]
   local v = redis.call('BITFIELD', K.histogram('wait:' .. stage), unpack(get))
   local n = 0
-  for i = 1, #BUCKETS + 1 do n = n + v[i] end
+  for b = 1, #BUCKETS + 1 do n = n + v[b] end
   local sum = v[#BUCKETS + 2]
   local last = redis.call('HMGET', K.HISTORY_WAITS_SEEN, 'n:' .. stage, 'sum:' .. stage)
   local dn, ds = n - (tonumber(last[1]) or 0), sum - (tonumber(last[2]) or 0)

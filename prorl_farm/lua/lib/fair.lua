@@ -51,17 +51,6 @@ local function fair_held(queue, now)
   return held, shared, reserve, total
 end
 
--- Whether `tenant` holds every slot of the queue held (`held`: its held table). Such a
--- tenant is never under its due (at most the shared slots), so no reserve slot is its.
-local function fair_holds_all(held, tenant)
-  for f, n in pairs(held) do
-    if n > 0 and string.byte(f) ~= 35 and string.sub(f, 1, #tenant + 1) ~= tenant .. '|' then
-      return false
-    end
-  end
-  return true
-end
-
 local function fair_weight(w)
   w = tonumber(w)
   if w and w > 0 then return w end
@@ -79,6 +68,16 @@ end
 local function fair_flow_of(flow)
   local t, p = string.match(flow, '^([^|]*)|([^|]*)|')
   return t, tonumber(p)
+end
+
+-- Whether `tenant` holds every slot of the queue held (`held`: its held table). Such a
+-- tenant is never under its due (at most the shared slots), so no reserve slot is its.
+local function fair_holds_all(held, tenant)
+  for f, n in pairs(held) do
+    local t = fair_flow_of(f)
+    if n > 0 and t and t ~= tenant then return false end
+  end
+  return true
 end
 
 -- Give `id` (of `flow`) a slot of `queue`: its message onto the list, recorded on the
