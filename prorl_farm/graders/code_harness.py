@@ -38,7 +38,10 @@ is a plain child, and the tests are still out of its reach; the verdict says whi
   (``Literals``): ``ast.literal_eval`` can take hundreds of times the size of its input,
   here it costs this process only the value (a line is at most ``MAX_LINE``).
 
-After each test every other process of the sandbox's user is killed. Exit status 0 and
+After each test every other process of the sandbox's user is killed and reaped (this process
+is their subreaper) before the next starts: the process cap counts a task until it is reaped,
+so a fork bomb torn down slowly would otherwise leave the next test no process to start.
+Exit status 0 and
 one line ``NONCE {"passed", "total", "jail", "results": [{"ok", "why"}]}``.
 """
 
@@ -61,6 +64,7 @@ import tempfile
 import time
 
 PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
 SOLUTION = "solution.py"
 MAX_LINE = 4 * 1024 * 1024  # one line from the program (a result, its names), at most
 PARSER_MB = 1024  # the literal reader's address space
@@ -77,7 +81,11 @@ PURE_MODULES = frozenset({
 
 def harden():
     try:
-        ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        libc = ctypes.CDLL(None)
+        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        # A killed jail's own init (and whatever else our children leave) is re-parented to
+        # this process, which reaps it at once in kill_others().
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -92,26 +100,40 @@ def limits(memory_mb, file_mb=64):
     return apply
 
 
-def kill_others():
+def kill_others(within_s=30.0):
     """Every process but this one, its literal reader and the sandbox's init: what a test
-    left behind. Only inside a sandbox (never as root, where "every process" would be the
-    host's)."""
+    left behind, killed, and waited for until it is reaped (until then the process cap
+    still counts it), at most ``within_s``. The zombies of the sandbox's init (its shell,
+    killed here too) are its own to reap, not waited for. Only inside a sandbox (never as
+    root, where "every process" would be the host's)."""
     if os.getuid() == 0:
         return
     keep = {os.getpid(), 1, LITERALS.pid}
-    for _ in range(3):
-        found = False
+    end = time.monotonic() + within_s
+    pause = 0.005
+    while True:
+        left = False
         for name in os.listdir("/proc"):
             if not name.isdigit() or int(name) in keep:
                 continue
+            pid = int(name)
             try:
-                os.kill(int(name), signal.SIGKILL)
-                found = True
-            except (ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    state, ppid = f.read().rpartition(b")")[2].split()[:2]
+            except (ProcessLookupError, PermissionError, FileNotFoundError, ValueError):
+                continue
+            if state == b"Z" and ppid == b"1":
+                continue
+            left = True
+            try:
+                os.waitpid(pid, os.WNOHANG)  # ours to reap: a child, or an orphan we adopted
+            except ChildProcessError:
                 pass
-        if not found:
+        if not left or time.monotonic() > end:
             return
-        time.sleep(0.01)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
 
 
 # include: jail.py

@@ -64,15 +64,25 @@ class Jail:
 
     def popen(self, argv, binds=(), cwd="/workspace", pass_fds=(), **kwargs):
         if not self.works:
-            return subprocess.Popen(argv, pass_fds=pass_fds, cwd=cwd, **kwargs)
+            return self._start(argv, pass_fds=pass_fds, cwd=cwd, **kwargs)
         r, w = os.pipe()
         try:
-            proc = subprocess.Popen(self.argv(binds, cwd, w) + argv,
-                                    pass_fds=(*pass_fds, w), **kwargs)
+            proc = self._start(self.argv(binds, cwd, w) + argv, pass_fds=(*pass_fds, w),
+                               **kwargs)
+        except BaseException:
+            os.close(r)
+            raise
         finally:
             os.close(w)
         self._status[proc.pid] = r
         return proc
+
+    @staticmethod
+    def _start(argv, **kwargs):
+        try:
+            return subprocess.Popen(argv, **kwargs)
+        except BlockingIOError as e:  # fork's EAGAIN: the process cap is full for now
+            raise JailError(f"could not start the program ({e})") from None
 
     def run(self, argv, binds=(), cwd="/workspace", **kwargs):
         """Like ``subprocess.run`` with ``capture_output``, text; checked."""
@@ -82,17 +92,18 @@ class Jail:
         self.check(proc)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
-    def retrying(self, attempt, tries=3):
-        """``attempt()``, again after a pause if the jail could not run the program: that
-        is transient where the process cap still counts the processes of a jail that just
-        ended (the kernel releases them a little after they are reaped)."""
+    def retrying(self, attempt, tries=6):
+        """``attempt()``, again after a pause (doubling from 0.25 s: 7.75 s in all) if the
+        jail could not run the program: that is transient where the process cap still
+        counts the processes of a jail that just ended (the kernel releases them a little
+        after they are reaped, later still on a loaded machine)."""
         for i in range(tries):
             try:
                 return attempt()
             except JailError:
                 if i == tries - 1:
                     raise
-                time.sleep(0.25 * (i + 1))
+                time.sleep(0.25 * 2 ** i)
 
     def check(self, proc, killed=False):
         fd = self._status.pop(proc.pid, None)
