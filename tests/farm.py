@@ -209,6 +209,12 @@ class Pools:
         wait_until(lambda: (self.r.zscore("prorl:pools", f"{stage}:{node}") or 0) >= after, 30,
                    what=f"{stage} pool heartbeat")
 
+    def pause(self, stage: str) -> None:
+        """SIGSTOP to the stage's pool, its whole process group: it ends no job and its
+        Redis connections stay open (the reaper learns nothing) until it is killed, so what
+        it holds can be read exactly before a kill."""
+        os.killpg(self.procs[stage].pid, signal.SIGSTOP)
+
     def kill(self, stage: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(stage)
         try:

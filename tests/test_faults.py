@@ -88,6 +88,7 @@ def test_kill_9_of_a_pool_mid_batch(faulty, stage):
     sub = _submit(client, [slow], n=24)
     wait_until(lambda: sum(1 for i in sub["job_ids"] if r.hmget(keys.job(i), "state", "phase")
                            == [stage, "active"]) >= 4, 30, what=f"jobs active in {stage}")
+    pools.pause(stage)  # what it holds, read exactly
     held = {i for i in sub["job_ids"]
             if r.hmget(keys.job(i), "state", "phase") == [stage, "active"]}
     killed_at = float(r.time()[0]) + r.time()[1] / 1e6

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -126,10 +125,7 @@ def test_sigkill_of_run_pool_mid_batch_leaves_no_job_stuck(farm, r):
 
     wait_until(lambda: len(running()) >= 4, 60, what="jobs running")
     run_pid = pools.procs["run"].pid
-    # The pool is stopped (its whole process group) before it is killed, so that what it
-    # holds is read exactly: a stopped pool ends no job, and its Redis connections, still
-    # open, tell the reaper nothing until the kill.
-    os.killpg(run_pid, signal.SIGSTOP)
+    pools.pause("run")  # what it holds, read exactly
     held = running()
     pools.kill("run", signal.SIGKILL)
     assert not psutil.pid_exists(run_pid) or psutil.Process(run_pid).status() == "zombie"
