@@ -69,6 +69,13 @@ def open_slots(r: redis.Redis, queue: str = "init", n: int = 100_000) -> None:
                tenant_weights=[])
 
 
+def active_in(r: redis.Redis, job_ids, stage: str) -> set[str]:
+    """Those of ``job_ids`` a pool of ``stage`` is running now (claimed, not yet ended)."""
+    from prorl_farm import keys
+
+    return {i for i in job_ids if r.hmget(keys.job(i), "state", "phase") == [stage, "active"]}
+
+
 def waiting_on(r: redis.Redis, queue: str) -> int:
     """Jobs waiting on ``queue``: its messages not yet claimed, and the jobs in its pens
     waiting for a slot (lua/lib/fair.lua)."""

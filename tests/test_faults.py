@@ -14,7 +14,7 @@ import redis
 
 from prorl_farm import keys
 from prorl_farm.llm.registry import BackendRegistry
-from tests.farm import Pools, RedisServer, farm_env, wait_until
+from tests.farm import Pools, RedisServer, active_in, farm_env, wait_until
 from tests.policy_server import PolicyServer
 
 # kill -9 of pools and of Redis, with recovery times printed: on a machine of its own
@@ -86,11 +86,10 @@ def test_kill_9_of_a_pool_mid_batch(faulty, stage):
     r = redis.Redis.from_url(server.url, decode_responses=True)
     slow = {"init_s": 0.0, "run_s": 0.0, "eval_s": 0.0, stage + "_s": 2.0, "llm_turns": 2}
     sub = _submit(client, [slow], n=24)
-    wait_until(lambda: sum(1 for i in sub["job_ids"] if r.hmget(keys.job(i), "state", "phase")
-                           == [stage, "active"]) >= 4, 30, what=f"jobs active in {stage}")
+    wait_until(lambda: len(active_in(r, sub["job_ids"], stage)) >= 4, 30,
+               what=f"jobs active in {stage}")
     pools.pause(stage)  # what it holds, read exactly
-    held = {i for i in sub["job_ids"]
-            if r.hmget(keys.job(i), "state", "phase") == [stage, "active"]}
+    held = active_in(r, sub["job_ids"], stage)
     killed_at = float(r.time()[0]) + r.time()[1] / 1e6
     pools.kill(stage, signal.SIGKILL)
     time.sleep(0.5)

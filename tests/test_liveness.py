@@ -11,7 +11,7 @@ import pytest
 from api import create_app
 from prorl_farm.config import load_settings
 from tests.conftest import make_pools
-from tests.farm import farm_env, scrape, wait_until, waiting_on
+from tests.farm import active_in, farm_env, scrape, wait_until, waiting_on
 
 pytestmark = pytest.mark.slow
 
@@ -118,15 +118,10 @@ def test_stage_time_limit_fails_with_timeout(farm):
 def test_sigkill_of_run_pool_mid_batch_leaves_no_job_stuck(farm, r):
     pools, client = farm(run_concurrency=8, max_requeues=1)
     sub = submit(client, [{"init_s": 0.05, "run_s": 2.0, "eval_s": 0.05}], n=40)
-
-    def running() -> set[str]:
-        return {i for i in sub["job_ids"]
-                if r.hmget(f"prorl:job:{i}", "state", "phase") == ["run", "active"]}
-
-    wait_until(lambda: len(running()) >= 4, 60, what="jobs running")
+    wait_until(lambda: len(active_in(r, sub["job_ids"], "run")) >= 4, 60, what="jobs running")
     run_pid = pools.procs["run"].pid
     pools.pause("run")  # what it holds, read exactly
-    held = running()
+    held = active_in(r, sub["job_ids"], "run")
     pools.kill("run", signal.SIGKILL)
     assert not psutil.pid_exists(run_pid) or psutil.Process(run_pid).status() == "zombie"
     assert held
