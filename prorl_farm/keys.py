@@ -149,6 +149,10 @@ ACTIVE = f"{PREFIX}active"
 DEADLINES = f"{PREFIX}deadlines"
 # Sorted set: "<stage>:<node>" -> last heartbeat of any pool of that stage on that node.
 POOLS = f"{PREFIX}pools"
+# Hash: "<stage>.<node>" queue -> when the last pool consuming it left its node (epoch s,
+# Redis's clock): lua/leave_sweep.lua marks it, a pool registering slots of it clears it; the
+# reaper hands back at once what waits there with no live pool (worker/reaper.py).
+LEFT = f"{PREFIX}left"
 # Client name of each worker process's presence connection (worker/liveness.py):
 # "<prefix><stage>:<node>:<host>:<pid>:<random>".
 PRESENCE_PREFIX = "prorl-worker:"
@@ -285,7 +289,7 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 _LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
                   "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
-                  "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN", "HISTORY_WAITS_SEEN")
+                  "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN", "HISTORY_WAITS_SEEN", "LEFT")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
                   "batch_stream", "queued", "backend", "histogram", "history", "tenant",
                   "pen", "pen_messages", "pen_flows", "held", "slots")

@@ -270,3 +270,101 @@ def test_a_real_farm_serves_a_step_behind_another_tenants_flood(redis_server, r,
         wait_until(lambda: a.batch(flood)["complete"], 60, 0.2, "a's flood")
         assert a.batch(flood)["counts"]["done"] == 12
         wait_until(lambda: _held(r, queue) in ({}, {"*": 0}), 10, what="every slot back")
+
+
+def _after_first_read_of(store, queue, then):
+    """Run ``then()`` once, right after the first read of what waits on ``queue`` (the list's
+    index or the one-step sweep of list and pens) returns: a deterministic interleaving of
+    another process's write between a leaving pool's reads."""
+    import hashlib
+
+    from prorl_farm import lua
+
+    try:
+        sweep_sha = hashlib.sha1(lua.source("leave_sweep").encode()).hexdigest()
+    except KeyError:
+        sweep_sha = None
+    original = store.r.execute_command
+    fired = []
+
+    def execute(*args, **options):
+        out = original(*args, **options)
+        reads = ((args[0] == "ZRANGE" and args[1] == keys.queued(queue))
+                 or (args[0] == "EVALSHA" and args[1] == sweep_sha))
+        if reads and not fired:
+            fired.append(True)
+            then()
+        return out
+
+    store.r.execute_command = execute
+    return fired
+
+
+def _on_run_n(store, messages, r, tenant="a", n=1):
+    """``n`` jobs of ``tenant`` through INIT and handed to queue run.n."""
+    jobs = _submit(store, messages, tenant, n)
+    for job in jobs:
+        _take(store, r, job)
+    return [(job, store.advance(job.job_id, "init", job.token, "run", "run.n", "n", "h",
+                                "{}", messages)) for job in jobs]
+
+
+def test_a_leaving_pool_hands_back_a_job_moved_from_a_pen_onto_the_list_as_it_reads(
+        fair, r, settings):
+    """Issue: a pool leaving its node read its queue's list, then its pens; a slot given
+    between the two reads (here: a pool beat's registration racing with the leave's
+    withdrawal) moved a pen job onto the list, in neither read, and it waited there for
+    ever. The sweep reads both in one step and again until a read finds nothing; a job that
+    enters the queue after its last read (a stage ending on the node as its pools stop) the
+    reaper hands back at its next look, without the stale time or a re-queue spent."""
+    from prorl_farm.worker.pool import hand_back_waiting
+    from prorl_farm.worker.reaper import Reaper
+
+    store, messages = fair
+    settings = dataclasses.replace(settings, heartbeat_stale_s=120.0, max_requeues=0)
+    store.settings = settings
+    _register(store, shared=8, reserve=0)  # INIT
+    store.fair_fill("run.n", "pool-1", 1, 0, 60, {})
+    jobs = [job for job, _ in _on_run_n(store, messages, r, n=3)]
+    assert _on_list(r, "run.n") == [jobs[0].job_id]
+    assert _penned(r, "run.n") == [j.job_id for j in jobs[1:]]
+    r.zadd(keys.POOLS, {"run:n": store.server_time()})
+    # The leave: slots withdrawn; as it reads, the racing beat registers them again.
+    store.fair_fill("run.n", "pool-1", 0, 0, 60, {})
+    fired = _after_first_read_of(
+        store, "run.n", lambda: store.fair_fill("run.n", "pool-1", 2, 0, 60, {}))
+    n = hand_back_waiting(store, messages, "run", "n")
+    assert fired and n == 3
+    # A job that INIT hands to the queue after the leave's last read.
+    del store.r.execute_command
+    store.fair_fill("run.n", "pool-1", 0, 0, 60, {})
+    late = [job for job, _ in _on_run_n(store, messages, r, tenant="b")]
+    r.zrem(keys.POOLS, "run:n")  # the pool is gone (its last act)
+    counts = Reaper(store, settings, messages).sweep(force=True)
+    assert counts.get("requeue") == 1 and "failed" not in counts
+    for job in jobs + late:
+        raw = store.get_raw(job.job_id)
+        assert (raw["state"], raw["queue"], raw["requeues"]) == ("queued", "init", "0"), raw
+        assert "node n left" in raw["attempts"]
+    assert store.leave_sweep("run.n", mark=False) == []
+    # A pool that serves the queue again clears its mark.
+    store.fair_fill("run.n", "pool-2", 1, 0, 60, {})
+    assert not r.hexists(keys.LEFT, "run.n")
+
+
+def test_a_pool_beat_after_the_leave_registers_nothing(settings, r):
+    """The leave withdraws the pool's slots from a thread of its own while the liveness
+    thread still beats: a beat after it (or one that had read the slots just before it)
+    must not register them again, or the pick hands the queue's pen jobs to no pool."""
+    from prorl_farm.worker.liveness import Liveness
+
+    store = JobStore.from_settings(settings)
+    live = Liveness(store, settings, "run")
+    live.slots = ("run.n", 2, 0)
+    live.register_slots()
+    assert list(r.hgetall(keys.slots("run.n"))) == [live.presence.name]
+    live.register_slots(leaving=True)
+    live.slots = ("run.n", 2, 0)  # a ready signal that came late
+    live.register_slots()
+    assert not r.hlen(keys.slots("run.n"))
+    live.presence.close()

@@ -517,6 +517,13 @@ class JobStore:
                             pool=pool, shared=shared, reserve=reserve, ttl_s=ttl_s,
                             limit=limit, tenant_weights=flat))
 
+    def leave_sweep(self, queue: str, mark: bool = True, limit: int = 100_000
+                    ) -> list[tuple[str, str]]:
+        """(job, token) of every job waiting on ``queue``, its list and its pens read in one
+        step; ``mark``: the queue is marked left, in the same step (lua/leave_sweep.lua)."""
+        flat = self.lua("leave_sweep", queue=queue, mark=int(mark), limit=limit)
+        return list(zip(flat[::2], flat[1::2]))
+
     def waiting_in_pens(self, queue: str, before: float = float("inf"), limit: int = 100_000
                         ) -> list[str]:
         """Jobs waiting in ``queue``'s pens for a slot, placed before ``before`` (epoch s;

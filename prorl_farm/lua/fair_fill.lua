@@ -1,7 +1,8 @@
 -- fair_fill: a pool process registers the slots it takes of its queue (renewed at each pool
 -- beat, lapsing if it stops) and the queue's live slots are summed again (fields `#shared`
 -- and `#reserve` of its held counts, read by every pick), the farm's tenant weights are written, and the pick
--- hands the queue's free slots to the jobs waiting in its pens (lib/fair.lua).
+-- hands the queue's free slots to the jobs waiting in its pens (lib/fair.lua). A registration
+-- clears the queue's left mark (lua/leave_sweep.lua).
 -- uses: jobs
 -- KEYS: slots, held, pens, weights
 --   the queue's K.slots, K.held and K.pen_flows, and K.WEIGHTS (the pick reads them).
@@ -18,6 +19,7 @@ end
 local now = now_s()
 if shared + reserve > 0 then
   redis.call('HSET', KEYS[1], pool, shared .. ' ' .. reserve .. ' ' .. fmt(now + tonumber(ARGV[5])))
+  redis.call('HDEL', K.LEFT, queue)  -- a pool serves the queue (again): not left
 else
   redis.call('HDEL', KEYS[1], pool)
 end

@@ -110,6 +110,8 @@ class Liveness:
         # The slots this pool process takes of its queue, (queue, shared, reserve): set in the
         # main process once its consumer runs, registered each pool beat (lua/fair_fill.lua).
         self.slots: tuple[str, int, int] | None = None
+        self._slots_lock = threading.Lock()
+        self._left = False
         self._next_beat = self._next_janitor = self._next_clock = 0.0
         self._clock_offset = 0.0  # Redis's clock less this host's
         self._running: dict[tuple[str, str], JobContext] = {}
@@ -195,15 +197,22 @@ class Liveness:
     def register_slots(self, leaving: bool = False) -> None:
         """(Re)register this process's slots of its queue, lapsing unless renewed within
         the stale time, and hand free ones to waiting jobs; ``leaving``: withdraw them."""
-        if self.slots is None:
-            return
-        queue, shared, reserve = self.slots
-        weights = {name: t.weight for name, t in parse_tenants(self.settings.tenants).items()}
-        if leaving:
-            self.slots = None
-        self.store.fair_fill(queue, self.presence.name, 0 if leaving else shared,
-                             0 if leaving else reserve, self.settings.heartbeat_stale_s,
-                             weights)
+        # Under a lock: a pool beat's registration that read the slots just before a leave
+        # withdrew them would register them again after it (the leave runs in a thread of
+        # its own), and the pick would hand them to jobs in the pens of a queue no pool
+        # serves any more.
+        with self._slots_lock:
+            self._left = self._left or leaving  # once left, never registered again
+            if self.slots is None or (self._left and not leaving):
+                return
+            queue, shared, reserve = self.slots
+            weights = {name: t.weight
+                       for name, t in parse_tenants(self.settings.tenants).items()}
+            if leaving:
+                self.slots = None
+            self.store.fair_fill(queue, self.presence.name, 0 if leaving else shared,
+                                 0 if leaving else reserve, self.settings.heartbeat_stale_s,
+                                 weights)
 
     def _expire(self, ctx: JobContext) -> None:
         """A stage that does not stop by itself at its deadline still ends the job, within

@@ -31,7 +31,7 @@ from prorl_farm.watchdog import Watchdog
 from prorl_farm.worker import logs
 from prorl_farm.worker.broker import TRANSPORT
 from prorl_farm.worker.liveness import Liveness, present
-from prorl_farm.worker.reaper import Reaper
+from prorl_farm.worker.reaper import Reaper, left_reason
 from prorl_farm.worker.runner import StageRunner
 from prorl_farm.worker.warm import WarmPool
 
@@ -43,6 +43,8 @@ IDLE_POLL_S = 5
 # The slots a pool registers without fair share: more than any queue holds, so every job
 # takes one at once (first come, first served, as the queue's list has them).
 UNGATED = 1 << 30
+# The most reads of its queue a leaving pool makes (each hands back what the last one left).
+LEAVE_SWEEPS = 20
 
 
 class WorkerFarm:
@@ -92,24 +94,41 @@ class WorkerFarm:
         node = self.settings.node
         held = set(self.liveness.running_pairs()) | set(_reserved_requests())
         self.liveness.register_slots(leaving=True)  # nothing more is handed to this node
+        n = sum(hand_back(self.store, self.messages, self.stage, node, job_id, token)
+                for job_id, token in sorted(held))
         if self.stage != "init":
-            queue = queue_for(self.stage, node)
-            waiting = self.store.r.zrange(keys.queued(queue), 0, -1)
-            waiting += self.store.waiting_in_pens(queue)
-            held |= {(j, t) for j, t in zip(waiting, self.store.tokens(waiting)) if t}
-        n = sum(self.hand_back(job_id, token) for job_id, token in sorted(held))
+            n += hand_back_waiting(self.store, self.messages, self.stage, node)
         self.liveness.tick()  # aborts the stages still running those jobs
         log.warning("%s pool on %s leaving: %d job(s) re-queued for other nodes", self.stage,
                     node, n)
         return n
 
-    def hand_back(self, job_id: str, token: str) -> bool:
-        """Re-queue one job at INIT for another node (this one is leaving)."""
-        outcome, _ = self.store.reap(
-            job_id, "leave", float("inf"), token, queue_for(self.stage, self.settings.node),
-            f"node {self.settings.node} left: its {self.stage} pool was stopped",
-            self.messages)
-        return outcome is Reap.REQUEUE
+
+def hand_back(store: JobStore, messages: StageMessages, stage: str, node: str, job_id: str,
+              token: str) -> bool:
+    """Re-queue one job at INIT for another node (``stage``'s pool on ``node`` is leaving):
+    lua/reap.lua's 'leave', which spends none of its re-queues."""
+    outcome, _ = store.reap(job_id, "leave", float("inf"), token, queue_for(stage, node),
+                            left_reason(stage, node), messages)
+    return outcome is Reap.REQUEUE
+
+
+def hand_back_waiting(store: JobStore, messages: StageMessages, stage: str, node: str,
+                      rounds: int = LEAVE_SWEEPS) -> int:
+    """Hand back every job waiting on the queue of ``stage``'s pool on ``node``, its list
+    and its pens read in one step (lua/leave_sweep.lua, which also marks the queue left),
+    again until a read finds nothing: a stage that finished on the node meanwhile may have
+    handed it one more. What arrives after the last read the reaper hands back (the queue's
+    left mark). Returns how many were re-queued."""
+    queue = queue_for(stage, node)
+    n = 0
+    for _ in range(rounds):
+        waiting = store.leave_sweep(queue)
+        if not waiting:
+            break
+        n += sum(hand_back(store, messages, stage, node, job_id, token)
+                 for job_id, token in waiting)
+    return n
 
 
 def _sandbox_manager(r, settings: Settings):

@@ -85,6 +85,11 @@ def pool_beat_s(settings) -> float:
     return min(POOL_BEAT_S, settings.heartbeat_stale_s / 4)
 
 
+def left_reason(stage: str, node: str) -> str:
+    """The reason a job handed back by a leaving pool (or for it) gives."""
+    return f"node {node} left: its {stage} pool was stopped"
+
+
 class Reaper:
     def __init__(self, store: JobStore, settings: Settings, messages: StageMessages,
                  backends=None, present: Callable | None = None, payloads=None):
@@ -212,6 +217,9 @@ class Reaper:
             stage, _, node = queue.partition(".")
             if f"{stage}:{node}" in live:
                 continue
+            left = r.hget(keys.LEFT, queue)
+            if left is not None:
+                self._hand_back_left(counts, queue, float(left) + self.settings.heartbeat_stale_s)
             # A queued job lost nothing with its pool: it waits the stale time for the pool to
             # come back (a container's restart policy, `up`'s supervisor, take seconds)
             # before a move spends one of its requeues.
@@ -235,6 +243,20 @@ class Reaper:
                            gone)
         self._reap_lost(counts, queues, {m.token for m in reserved}, cutoff)
         return counts
+
+    def _hand_back_left(self, counts: dict, queue: str, until: float) -> None:
+        """A queue whose pools left their node (lua/leave_sweep.lua's mark) and none came
+        back: what waits there arrived while they stopped (a stage that ended on the node as
+        its pools left) and goes back to INIT at once, as the leave's own hand-back would,
+        without spending a re-queue. What arrives later than ``until`` (a node's INIT pool
+        still up without its RUN pool) waits the stale time, as on any dead node's queue."""
+        stage, _, node = queue.partition(".")
+        waiting = self.store.leave_sweep(queue, mark=False, limit=BATCH)
+        came = self.store.job_fields([job_id for job_id, _ in waiting], f"t_{stage}_queued")
+        for (job_id, token), (at,) in zip(waiting, came):
+            if at is not None and float(at) <= until:
+                self._reap(counts, job_id, "leave", float("inf"), token, queue,
+                           left_reason(stage, node))
 
     def _withdraw_gone(self, queues, present: dict) -> None:
         """The slots registered by pool processes that are gone (killed: they could not
