@@ -17,7 +17,7 @@ from api.schemas import (
 from api.services import json_body, services
 from prorl_farm.access import backend_url_refusal
 from prorl_farm.llm import weights
-from prorl_farm.llm.registry import BackendSpec, context_length, probe
+from prorl_farm.llm.registry import BackendSpec, context_length, probe, tokenizer_error
 
 bp = Blueprint("backends", __name__)
 log = logging.getLogger(__name__)
@@ -25,16 +25,20 @@ log = logging.getLogger(__name__)
 
 @bp.post("/v1/backends")
 def register():
-    """Probe the backend's health route, then register it: healthy and in the heap if it
-    answered, else ``healthy: false`` with the error (it joins the heap once a later probe
-    succeeds). With ``?probe=strict`` an unhealthy backend is refused (422, nothing stored).
-    """
+    """Check that its tokenizer loads here as the pools load it (400 ``invalid_tokenizer``,
+    the path named, if not), probe the backend's health route, then register it: healthy
+    and in the heap if it answered, else ``healthy: false`` with the error (it joins the
+    heap once a later probe succeeds). With ``?probe=strict`` an unhealthy backend is
+    refused (422, nothing stored)."""
     query = RegisterQuerySchema().load(request.args.to_dict())
     spec = BackendSpec(**BackendRegisterSchema().load(json_body()))
     svc = services()
     refusal = backend_url_refusal(spec.url, svc.allow_list, svc.settings.redis_url)
     if refusal:
         raise ApiError(403, "backend_not_allowed", f"url: {refusal}", {"url": [refusal]})
+    why = tokenizer_error(spec.tokenizer)
+    if why:  # every job pinned to it would fail: refused, nothing stored
+        raise ApiError(400, "invalid_tokenizer", f"tokenizer: {why}", {"tokenizer": [why]})
     error = probe(spec.url)
     if error and query["probe"] == "strict":
         raise ApiError(422, "backend_unhealthy", f"url: {error}", {"url": [error]})

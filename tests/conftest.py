@@ -223,6 +223,17 @@ def pools(redis_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory) -> str:
+    """The path of a real tokenizer (character-level, ChatML template), for backends whose
+    jobs never render a prompt: a registration's tokenizer must load."""
+    from prorl_farm.dev.tiny import build_char_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    build_char_tokenizer(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny random Qwen2 and a BPE tokenizer with a ChatML template, built offline."""
     from prorl_farm.dev.tiny import build_tiny_model

@@ -69,8 +69,9 @@ def test_the_token_admits_and_reads_stay_open_unless_configured(guarded, setting
 
 
 def test_backend_urls_outside_the_allow_list_are_refused_with_the_rule(client, r,
-                                                                        redis_server):
-    spec = {"kind": "vllm", "model": "m", "tokenizer": "t"}
+                                                                        redis_server,
+                                                                        tokenizer):
+    spec = {"kind": "vllm", "model": "m", "tokenizer": tokenizer}
     resp = client.post("/v1/backends", json={"url": "http://10.1.2.3:8000", **spec})
     assert resp.status_code == 403
     error = resp.get_json()["error"]

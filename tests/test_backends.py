@@ -141,7 +141,7 @@ def test_terminal_transitions_release_the_slot(settings, r):
     assert registry.acquire(jobs[1].job_id) == bid  # not terminal: pins as before
 
 
-def test_backend_api(client, r):
+def test_backend_api(client, r, tokenizer, tmp_path):
     bad = [({"url": "ftp://x", "kind": "vllm", "model": "m", "tokenizer": "t"}, "url"),
            ({"url": "http://x:1", "kind": "tgi", "model": "m", "tokenizer": "t"}, "kind"),
            ({"url": "http://x:1", "kind": "vllm", "model": "m"}, "tokenizer"),
@@ -153,8 +153,19 @@ def test_backend_api(client, r):
     assert r.scard("prorl:backends:all") == 0
     # Probed at registration: an unreachable backend is registered unhealthy, out of the heap,
     # with the reason; ?probe=strict refuses it and stores nothing.
+    # A tokenizer that does not load is refused, the path named, and nothing is stored.
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    for path, why in (("/t", "no such directory"), (str(tmp_path), "none of"),
+                      (str(tmp_path / "broken"), "does not load")):
+        resp = client.post("/v1/backends", json={"url": "http://127.0.0.1:9", "kind": "vllm",
+                                                 "model": "m", "tokenizer": path})
+        error = resp.get_json()["error"]
+        assert resp.status_code == 400 and error["code"] == "invalid_tokenizer", error
+        assert path in error["details"]["tokenizer"][0] and why in error["message"]
+    assert r.scard("prorl:backends:all") == 0
     dead = {"url": f"http://127.0.0.1:{free_port()}", "kind": "vllm", "model": "m",
-            "tokenizer": "/t"}
+            "tokenizer": tokenizer}
     strict = client.post("/v1/backends?probe=strict", json=dead)
     assert strict.status_code == 422 and "unreachable" in strict.get_json()["error"]["message"]
     assert r.scard("prorl:backends:all") == 0
@@ -166,7 +177,7 @@ def test_backend_api(client, r):
     server = PolicyServer()
     try:
         made = client.post("/v1/backends?probe=strict", json={
-            "url": server.url, "kind": "sglang", "model": "m", "tokenizer": "/t",
+            "url": server.url, "kind": "sglang", "model": "m", "tokenizer": tokenizer,
             "capacity": 3})
     finally:
         server.kill()
@@ -210,9 +221,16 @@ def llm_pools(redis_server, tmp_path_factory):
     pools.stop()
 
 
+class Servers(dict):
+    """name -> PolicyServer, and the tokenizer their registrations name."""
+
+    tokenizer = ""
+
+
 @pytest.fixture
-def servers():
-    made: dict[str, PolicyServer] = {}
+def servers(tokenizer):
+    made = Servers()
+    made.tokenizer = tokenizer
     yield made
     for s in made.values():
         try:
@@ -237,7 +255,7 @@ def finish(client, sub, timeout_s=120):
 def register(client, servers, name, capacity=1, kind="vllm", delay_s=0.0):
     servers[name] = PolicyServer(delay_s=delay_s)
     resp = client.post("/v1/backends", json={"url": servers[name].url, "kind": kind,
-                                             "model": "m", "tokenizer": "/t",
+                                             "model": "m", "tokenizer": servers.tokenizer,
                                              "capacity": capacity})
     return resp.get_json()["id"]
 
@@ -407,3 +425,78 @@ def test_latency_is_recorded_for_every_request(settings, r):
         assert registry.in_flight() == {b: 1}  # the job stays pinned until it ends
     finally:
         server.kill()
+
+
+def _tokenizer_copy(tiny_model, dest):
+    """A directory holding only the tiny model's tokenizer (a backend's own)."""
+    import shutil
+
+    dest.mkdir()
+    for f in tiny_model.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "vocab",
+                              "merges")):
+            shutil.copy(f, dest / f.name)
+    return str(dest)
+
+
+@pytest.mark.slow
+def test_a_farm_restarted_over_dead_registrations_serves_on_its_healthy_backend(
+        tmp_path, dev_server, tiny_model):
+    """Issue: a farm whose Redis kept the backends of an earlier run (their servers gone,
+    their tokenizer directories deleted) failed every job of a new run ``run_error`` though
+    the run had registered a healthy backend. Now the RUN pool checks the registrations as
+    it starts, a backend whose tokenizer does not load when a job meets it leaves the heap
+    and the job moves on (no fail-over spent), and the batch has no failure."""
+    import shutil
+
+    import redis
+
+    from tests.farm import Pools, RedisServer
+
+    server = RedisServer(tmp_path / "redis", appendonly=True)
+    pools = None
+    try:
+        # The earlier run's registrations, left in the registry as they were (healthy).
+        registry = BackendRegistry(redis.Redis.from_url(server.url, decode_responses=True))
+        stale = []
+        for i, (url, gone_tokenizer) in enumerate([
+                (f"http://127.0.0.1:{free_port()}", False),   # its server gone
+                (f"http://127.0.0.1:{free_port()}", True),    # both gone
+                (str(dev_server), True)]):                     # its tokenizer deleted
+            path = _tokenizer_copy(tiny_model, tmp_path / f"old-{i}")
+            if gone_tokenizer:
+                shutil.rmtree(path)
+            stale.append(registry.register(BackendSpec(url, "vllm", "tiny", path, 64)))
+        env = farm_env(server.url, run_concurrency=8)
+        (tmp_path / "pools").mkdir()
+        pools = Pools(env, tmp_path / "pools")
+        pools.start()
+        client = create_app(load_settings(env)).test_client()
+        # This run's backends: one healthy, one whose tokenizer is deleted after it was
+        # registered (no probe has seen it yet when the jobs meet it).
+        ids = {}
+        for name in ("good", "doomed"):
+            resp = client.post("/v1/backends", json={
+                "url": dev_server, "kind": "vllm", "model": "tiny", "capacity": 64,
+                "tokenizer": _tokenizer_copy(tiny_model, tmp_path / name)})
+            assert resp.status_code == 201, resp.get_json()
+            ids[name] = resp.get_json()["id"]
+        shutil.rmtree(tmp_path / "doomed")
+        instances = [{"messages": [{"role": "user", "content": f"hello {i}"}],
+                      "observations": ["more"], "answer": "x"} for i in range(4)]
+        resp = client.post("/v1/jobs", json={"handler": "chat", "instances": instances,
+                                             "n": 4, "sampling": {"max_tokens": 8}})
+        assert resp.status_code == 202, resp.get_json()
+        jobs = finish(client, resp.get_json())
+        assert [j["failure"] for j in jobs if j["failure"]] == []
+        assert {t["backend"] for j in jobs for t in j["result"]["turns"]} == {ids["good"]}
+        listed = {b["id"]: b for b in client.get("/v1/backends").get_json()["backends"]}
+        for backend_id in [*stale, ids["doomed"]]:
+            b = listed[backend_id]
+            assert not b["healthy"] and not b["in_heap"] and b["last_error"], b
+        assert "tokenizer" in listed[ids["doomed"]]["last_error"]
+        assert BackendRegistry(registry.r).in_flight() == {b: 0 for b in listed}
+    finally:
+        if pools is not None:
+            pools.stop()
+        server.stop()

@@ -103,7 +103,8 @@ def test_dashboard_asks_for_the_token_when_reads_need_it(redis_server, r, tmp_pa
         assert "the API token is needed" in dom
 
 
-def test_the_farm_over_time_survives_an_api_restart_and_is_drawn(redis_server, r, tmp_path):
+def test_the_farm_over_time_survives_an_api_restart_and_is_drawn(redis_server, r, tmp_path,
+                                                                 tokenizer):
     """GET /v1/history: jobs ended per minute by state, failures by kind, mean reward and
     pass rate, stage waits, backend load and latency; kept in Redis, so a restarted API
     reads the same; drawn on the dashboard's home page in SVG (no library, no network)."""
@@ -114,7 +115,7 @@ def test_the_farm_over_time_survives_an_api_restart_and_is_drawn(redis_server, r
         with http_farm(redis_server.url, tmp_path, "dash-hist", run_concurrency=8) as (url,
                                                                                       env):
             farm = FarmClient(url)
-            backend = farm.register_backend(server.url, "vllm", "m", "t", capacity=8)["id"]
+            backend = farm.register_backend(server.url, "vllm", "m", tokenizer, capacity=8)["id"]
             subs = [farm.submit("synthetic", [{"rewards": [1.0, 0.0, 0.5, 1.0]}], n=4),
                     farm.submit("synthetic", [{"fail_stage": "eval"}], n=2),
                     farm.submit("synthetic", [{"llm_turns": 2, "reward": 0.25}], n=3)]

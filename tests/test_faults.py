@@ -26,7 +26,7 @@ TERMINAL = ("done", "failed", "cancelled")
 
 
 @pytest.fixture
-def faulty(tmp_path):
+def faulty(tmp_path, tokenizer):
     """Its own Redis (append-only, fsync always), pools, API client and two backends."""
     from api import create_app
     from prorl_farm.config import load_settings
@@ -41,7 +41,7 @@ def faulty(tmp_path):
         pools.start()
         for b in backends:
             resp = client.post("/v1/backends", json={"url": b.url, "kind": "vllm",
-                                                     "model": "m", "tokenizer": "/t",
+                                                     "model": "m", "tokenizer": tokenizer,
                                                      "capacity": 16})
             assert resp.status_code == 201
         yield server, pools, client

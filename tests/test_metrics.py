@@ -23,12 +23,12 @@ def _run(client, body: dict) -> dict:
 
 
 def test_metrics_count_jobs_stages_failures_sandboxes_backends_and_requests(pools, app, client,
-                                                                           r):
+                                                                           r, tokenizer):
     app.extensions["prorl"].latency.flush_s = 0.0  # every request reaches Redis at once
     server = PolicyServer()
     try:
         resp = client.post("/v1/backends", json={"url": server.url, "kind": "vllm",
-                                                 "model": "m", "tokenizer": "t",
+                                                 "model": "m", "tokenizer": tokenizer,
                                                  "capacity": 4, "policy_version": 7})
         assert resp.status_code == 201
         backend = resp.get_json()["id"]

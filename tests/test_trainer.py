@@ -131,14 +131,14 @@ def test_an_api_restart_mid_batch_loses_and_duplicates_nothing(farm, tmp_path):
         stop_process(api)
 
 
-def test_policy_versions_grow_through_drain_wait_and_resume(farm):
+def test_policy_versions_grow_through_drain_wait_and_resume(farm, tokenizer):
     url, _ = farm
     client = FarmClient(url)
     server = PolicyServer(delay_s=0.2)
     try:
         for b in client.backends():
             client.unregister_backend(b["id"])
-        b = client.register_backend(server.url, "vllm", "m", "t", capacity=8,
+        b = client.register_backend(server.url, "vllm", "m", tokenizer, capacity=8,
                                     policy_version=3)["id"]
         sub = client.submit("synthetic", [{"llm_turns": 3}], n=4)
         # every job pinned (one turn at version 3) before the drain; a job that had not
@@ -160,7 +160,7 @@ def test_policy_versions_grow_through_drain_wait_and_resume(farm):
         server.kill()
 
 
-def test_a_job_that_finds_every_backend_drained_waits_for_the_resume(farm):
+def test_a_job_that_finds_every_backend_drained_waits_for_the_resume(farm, tokenizer):
     """A weight sync (drain, load, resume) is not a failure: jobs that reach RUN while the
     only backend is drained wait for its resume and run at the new version; a cancel still
     ends them at once; a drain longer than PRORL_LLM_DRAIN_WAIT_S (4 s here) fails them
@@ -171,7 +171,7 @@ def test_a_job_that_finds_every_backend_drained_waits_for_the_resume(farm):
     try:
         for b in client.backends():
             client.unregister_backend(b["id"])
-        b = client.register_backend(server.url, "vllm", "m", "t", capacity=8,
+        b = client.register_backend(server.url, "vllm", "m", tokenizer, capacity=8,
                                     policy_version=5)["id"]
         client.drain_backend(b)
         sub = client.submit("synthetic", [{"llm_turns": 2}], n=3)

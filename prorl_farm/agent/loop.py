@@ -91,9 +91,9 @@ def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser:
     session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
                              request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
     with session:
-        first = session.backend()
+        first, chat = session.first_backend(load_chat_tokens)
         offered = [(schemas or {}).get(t) or SCHEMAS[t] for t in tools] or None
-        traj = Trajectory.start(load_chat_tokens(first.tokenizer), messages, offered)
+        traj = Trajectory.start(chat, messages, offered)
         ep = Episode()
         offered = set(tools)
         try:

@@ -505,8 +505,8 @@ def run_harness(ctx: JobContext, options: dict, prompt: str) -> dict:
         return Sampled(got.generation, b.id, b.policy_version, b.logprobs_mode, got.versions)
 
     with session:
-        first = session.backend()
-        capture = Capture(load_chat_tokens(first.tokenizer), get_parser(inst["parser"]),
+        first, chat = session.first_backend(load_chat_tokens)
+        capture = Capture(chat, get_parser(inst["parser"]),
                           context_length=session.context_limit(limits.context_length))
         job = JobGateway(ctx.job_id, capture, sampler, dict(ctx.sampling), first.model,
                          max_tokens=limits.max_tokens_per_turn, max_calls=limits.max_turns,

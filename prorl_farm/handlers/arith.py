@@ -43,8 +43,8 @@ class ArithHandler(AgentHandler):
                                  request_timeout_s=s.llm_request_timeout_s,
                                  retries=s.llm_retries)
         with session:
-            backend = session.backend()
-            traj = Trajectory.start(load_chat_tokens(backend.tokenizer),
+            _, chat = session.first_backend(load_chat_tokens)
+            traj = Trajectory.start(chat,
                                     prompt_messages(ctx.instance["a"], ctx.instance["b"]))
             sent = traj.context()
             t = session.generate(sent, dict(ctx.sampling, seed=turn_seed(ctx, 0)))

@@ -58,8 +58,8 @@ class ChatHandler(AgentHandler):
         session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
                                  request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
         with session:
-            first = session.backend()
-            traj = Trajectory.start(load_chat_tokens(first.tokenizer), inst["messages"])
+            first, chat = session.first_backend(load_chat_tokens)
+            traj = Trajectory.start(chat, inst["messages"])
             observations = inst.get("observations") or []
             max_turns = inst.get("max_turns") or len(observations) + 1
             requested = int(ctx.sampling.get("context_length") or CONTEXT_LENGTH)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
@@ -65,6 +66,37 @@ def context_length(url: str, model: str, timeout_s: float = 2.0) -> int | None:
         return int(value) if isinstance(value, int) and value > 0 else None
     except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
         return None
+
+
+# Files one of which a tokenizer directory holds (transformers' fast and slow formats).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_missing(path: str) -> str | None:
+    """Why the tokenizer at ``path`` is gone, by a look at its files (cheap: the probes of
+    registered backends make it), or None where it is still there."""
+    if not path:
+        return "tokenizer: no path"
+    if not os.path.isdir(path):
+        return f"tokenizer {path}: no such directory"
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return f"tokenizer {path}: none of {', '.join(TOKENIZER_FILES)} is there"
+    return None
+
+
+def tokenizer_error(path: str) -> str | None:
+    """Why the tokenizer at ``path`` cannot be loaded as the pools load it (transformers, from
+    the local path only), or None if it loads (a registration's check)."""
+    missing = tokenizer_missing(path)
+    if missing:
+        return missing
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, it does not load
+        return f"tokenizer {path} does not load: {type(e).__name__}: {e}"[:500]
+    return None
 
 
 @dataclass(frozen=True)
@@ -282,15 +314,30 @@ class BackendRegistry:
     # -- health ---------------------------------------------------------------------------
 
     def probe_unhealthy(self, timeout_s: float = 1.0) -> list[str]:
-        """Probe every unhealthy backend's health route; return those back in the heap."""
-        recovered = []
+        """Probe every unhealthy backend (its health route, its tokenizer's files); return
+        those back in the heap."""
+        return self.probe_all(timeout_s, healthy=False)[1]
+
+    def probe_all(self, timeout_s: float = 1.0, healthy: bool = True
+                  ) -> tuple[list[str], list[str]]:
+        """Probe the registered backends, the healthy ones too unless ``healthy`` is False:
+        one whose server does not answer its health route or whose tokenizer is gone
+        leaves the heap (jobs are never pinned to it); an unhealthy one that passes both
+        comes back. Run at a pool's start over what a previous life of the farm left
+        registered, and every HEALTH_EVERY_S by the reaper. Returns (marked down, back
+        up)."""
+        down, up = [], []
         for b in self.list():
-            if b["healthy"]:
+            if b["healthy"] and not healthy:
                 continue
-            if probe(b["url"], timeout_s) is None:
+            why = tokenizer_missing(b["tokenizer"]) or probe(b["url"], timeout_s)
+            if why and b["healthy"]:
+                self.mark_unhealthy(b["id"], why)
+                down.append(b["id"])
+            elif not why and not b["healthy"]:
                 length = context_length(b["url"], b["model"], timeout_s)
                 if length and length != b["max_model_len"]:
                     self.set_fields(b["id"], max_model_len=length)
                 self.mark_healthy(b["id"])
-                recovered.append(b["id"])
-        return recovered
+                up.append(b["id"])
+        return down, up

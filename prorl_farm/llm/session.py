@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prorl_farm.context import JobContext
 from prorl_farm.errors import BackendError, BackendUnavailable, InvalidInstance, NotFound
@@ -21,6 +23,9 @@ from prorl_farm.llm.registry import Backend, BackendRegistry
 log = logging.getLogger(__name__)
 
 PIN_TTL_S = 0.25
+# Backends a job may move past before its first turn (their tokenizer did not load).
+MAX_SETUP_MOVES = 8
+T = TypeVar("T")
 # Interruptions of one turn (weight updates in place) after which it fails.
 MAX_INTERRUPTIONS = 16
 # How long a turn sampled by weights loaded in place waits for the farm's check of them
@@ -108,6 +113,23 @@ class BackendSession:
             raise BackendUnavailable(f"fail-over backend {backend.id} uses another "
                                      f"tokenizer ({backend.tokenizer})")
         return backend
+
+    def first_backend(self, load: Callable[[str], T]) -> tuple[Backend, T]:
+        """The job's backend and its tokenizer, loaded by ``load`` (from the backend's
+        tokenizer path). A backend whose tokenizer does not load (its directory deleted or
+        broken since it was registered) leaves the heap and the job moves to another: no
+        fail-over is counted, nothing was sampled yet."""
+        for _ in range(MAX_SETUP_MOVES):
+            backend = self.backend()
+            try:
+                return backend, load(backend.tokenizer)
+            except Exception as e:  # noqa: BLE001 - whatever the load raised, not the job's
+                self.ctx.check()
+                self.tokenizer = None
+                self._fail_over(backend.id, f"tokenizer {backend.tokenizer} does not load: "
+                                f"{type(e).__name__}: {e}"[:500], mark=True, counted=False)
+        raise BackendUnavailable(f"no backend's tokenizer loaded in {MAX_SETUP_MOVES} tries: "
+                                 f"{self._last_failure}")
 
     def context_limit(self, requested: int) -> int:
         """The context a turn may fill: ``requested`` (the job's), or the pinned engine's
@@ -271,7 +293,8 @@ class BackendSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _fail_over(self, backend_id: str, why: str, mark: bool) -> None:
+    def _fail_over(self, backend_id: str, why: str, mark: bool, counted: bool = True
+                   ) -> None:
         self.close_client()
         self._pinned = None
         if mark:
@@ -279,6 +302,10 @@ class BackendSession:
         self.registry.release(self.ctx.job_id)
         self._exclude = backend_id
         self._last_failure = f"backend {backend_id}: {why}"
+        if not counted:
+            log.warning("job %s: backend %s left the heap (%s); moving to another",
+                        self.ctx.job_id, backend_id, why)
+            return
         self.failovers += 1
         log.warning("job %s: backend %s failed (%s); fail-over %d/%d", self.ctx.job_id,
                     backend_id, why, self.failovers, self.max_failovers)

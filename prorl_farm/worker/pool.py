@@ -289,6 +289,25 @@ def _leave(farm: WorkerFarm) -> None:
         farm.store.r.zrem(keys.POOLS, f"{farm.stage}:{farm.settings.node}")
 
 
+def _check_backends(settings: Settings) -> None:
+    """Before a RUN pool takes a job: the backends registered (by this run, or by a
+    previous life of the farm whose Redis kept them) whose server or tokenizer is gone
+    leave the heap, so no job is pinned to them (the reaper probes them again later)."""
+    import redis
+
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True,
+                                  socket_timeout=10, socket_connect_timeout=10)
+    try:
+        down, up = BackendRegistry(client).probe_all()
+        if down or up:
+            log.warning("backends checked at start: out of the heap %s, back in it %s",
+                        down, up)
+    except Exception as e:  # noqa: BLE001 - Redis not up yet: the reaper's probes do it
+        log.warning("could not check the registered backends at start: %s", e)
+    finally:
+        client.close()
+
+
 def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     """Run the pool for ``stage`` in the foreground until SIGTERM."""
     global _app, _stage, _main_pid, _watchdog, _reserving
@@ -316,6 +335,8 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
         # eventlet pools poll (and sleep between polls), so they keep the default.
         _app.conf.broker_transport_options = {**_app.conf.broker_transport_options,
                                               "polling_interval": IDLE_POLL_S}
+    if stage == "run":
+        _check_backends(settings)
     argv = [
         "worker", "-Q", queue_for(stage, settings.node), "-P", pool.pool,
         "-c", str(pool.concurrency + settings.reserve_slots(stage)),

@@ -73,6 +73,10 @@ LEASE_SWEEPS = 5
 FOLLOW_SWEEPS = 10
 # Seconds between probes of the failed backends (they run on the leader, even when idle).
 PROBE_EVERY_S = 2.0
+# Seconds between probes of every backend, the healthy ones too (their server's health
+# route, their tokenizer's files): one gone since it was registered leaves the heap before a
+# job meets it.
+HEALTH_EVERY_S = 10.0
 # Seconds between sweeps of the trajectory store (on the leader): the payloads of batches
 # whose records expired (unacknowledged at the result TTL) go, and what writers that died
 # mid-write left.
@@ -103,6 +107,7 @@ class Reaper:
         self._me = uuid.uuid4().hex
         self._next = 0.0  # monotonic time of this process's next look
         self._next_probe = 0.0
+        self._next_health = 0.0
         self._next_payload_sweep = 0.0
         self._next_history = 0.0
         # (job, token) -> when a sweep of this process first saw its message popped and the
@@ -332,6 +337,13 @@ class Reaper:
 
     def _probe(self) -> None:
         try:
-            self.backends.probe_unhealthy()
+            now = time.monotonic()
+            if now >= self._next_health:  # every backend (the first time: at start-up)
+                self._next_health = now + HEALTH_EVERY_S
+                down, _ = self.backends.probe_all()
+                if down:
+                    log.warning("backends out of the heap after a probe: %s", down)
+            else:
+                self.backends.probe_unhealthy()
         except Exception:
             log.warning("backend probe failed", exc_info=True)
