@@ -40,7 +40,7 @@ TEST_WORKERS ?= 4
 # its wheels (two versions, which cannot share an environment), imported from the files.
 SWEBENCH_WHEELS := .prorl/swebench/.fetched
 
-.PHONY: up test check installs bootstrap system lint bench grpo vllm verl gym harnesses lock clean \
+.PHONY: up test soak check installs bootstrap system lint bench grpo vllm verl gym harnesses lock clean \
 	swebench
 
 up: bootstrap
@@ -59,6 +59,15 @@ test:
 	REQUIRE_GYM=$$(test -f $(GYM_STAMP) && echo 1 || echo 0) \
 	REQUIRE_DOCKER=$$([ "$$(id -u)" = 0 ] && command -v dockerd >/dev/null && echo 1 || echo 0) \
 	$(PY) tests/suite.py --installs-since $$start --workers $(TEST_WORKERS) -- $(PYTEST_ARGS)
+
+# The tests that break only under load (faults, liveness and leaving, Slurm, compose, fair
+# share), SOAK_RUNS times (5) beside a CPU hog on every core; a tally of failures per test
+# at the end (tests/soak.py). PYTEST_ARGS: another selection.
+SOAK_RUNS ?= 5
+soak:
+	@$(MAKE) --no-print-directory -j5 installs && \
+	REQUIRE_DOCKER=$$([ "$$(id -u)" = 0 ] && command -v dockerd >/dev/null && echo 1 || echo 0) \
+	$(PY) tests/soak.py --runs $(SOAK_RUNS) -- $(PYTEST_ARGS)
 
 # The inner loop: ruff and the fast tests (no real engine, Docker, Slurm or GRPO run).
 check: bootstrap
