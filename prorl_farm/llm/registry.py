@@ -40,8 +40,10 @@ def _float(raw: dict, name: str) -> float | None:
     return float(raw[name]) if raw.get(name) else None
 
 
-def probe(url: str, timeout_s: float = 2.0) -> str | None:
-    """GET the backend's health route: None if it answers 200, else what went wrong."""
+def probe(url: str, timeout_s: float = 2.0, slow_ok: bool = False) -> str | None:
+    """GET the backend's health route: None if it answers 200, else what went wrong.
+    ``slow_ok``: no answer within ``timeout_s`` is not a failure (an engine busy serving
+    may answer its health route late; a refused connection or an error status is one)."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + HEALTH_PATH, timeout=timeout_s) as resp:
             if resp.status == 200:
@@ -51,6 +53,8 @@ def probe(url: str, timeout_s: float = 2.0) -> str | None:
         return f"{HEALTH_PATH} answered {e.code}"
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
+        if slow_ok and isinstance(reason, TimeoutError):
+            return None
         return f"{HEALTH_PATH} unreachable: {reason}"
 
 
@@ -318,7 +322,7 @@ class BackendRegistry:
         those back in the heap."""
         return self.probe_all(timeout_s, healthy=False)[1]
 
-    def probe_all(self, timeout_s: float = 1.0, healthy: bool = True
+    def probe_all(self, timeout_s: float = 2.0, healthy: bool = True
                   ) -> tuple[list[str], list[str]]:
         """Probe the registered backends, the healthy ones too unless ``healthy`` is False:
         one whose server does not answer its health route or whose tokenizer is gone
@@ -330,7 +334,10 @@ class BackendRegistry:
         for b in self.list():
             if b["healthy"] and not healthy:
                 continue
-            why = tokenizer_missing(b["tokenizer"]) or probe(b["url"], timeout_s)
+            # A healthy backend leaves only on a sure sign (its tokenizer's files gone, its
+            # connection refused, an error status), never for a slow answer under load.
+            why = tokenizer_missing(b["tokenizer"]) or probe(b["url"], timeout_s,
+                                                             slow_ok=b["healthy"])
             if why and b["healthy"]:
                 self.mark_unhealthy(b["id"], why)
                 down.append(b["id"])

@@ -199,7 +199,7 @@ def execute_stage(stage: str, job_id: str, token: str) -> str:
     farm = get_farm(stage)
     if _shutdown_requested and farm.settings.requeue_on_stop:
         # Delivered while this node leaves: never start it here (its sandboxes are going).
-        farm.hand_back(job_id, token)
+        hand_back(farm.store, farm.messages, stage, farm.settings.node, job_id, token)
         return "handed back: this node is leaving"
     result = farm.runner(stage, job_id, token)
     if result.outcome is StageOutcome.FAILED and result.failure is not None:
