@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -9,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import redis
@@ -25,6 +27,8 @@ KINDS = ("vllm", "sglang")
 # SGLANG_RETURN_ORIGINAL_LOGPROB=1).
 DEFAULT_LOGPROBS_MODE = {"vllm": "raw_logprobs", "sglang": "processed_logprobs"}
 HEALTH_PATH = "/health"
+# Backends probed at once by BackendRegistry.probe_all.
+PROBE_THREADS = 16
 
 
 def _version(raw: str | None) -> int:
@@ -90,10 +94,19 @@ def tokenizer_missing(path: str) -> str | None:
 
 def tokenizer_error(path: str) -> str | None:
     """Why the tokenizer at ``path`` cannot be loaded as the pools load it (transformers, from
-    the local path only), or None if it loads (a registration's check)."""
+    the local path only), or None if it loads (a registration's check). Loaded once per
+    version of its files: a trainer registering many engines of one model pays one load."""
     missing = tokenizer_missing(path)
     if missing:
         return missing
+    stamp = tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                  for e in sorted(os.scandir(path), key=lambda e: e.name) if e.is_file())
+    return _tokenizer_load_error(path, stamp)
+
+
+@functools.lru_cache(maxsize=64)
+def _tokenizer_load_error(path: str, stamp: tuple) -> str | None:
+    """:func:`tokenizer_error`'s load, for the files ``stamp`` describes."""
     try:
         from transformers import AutoTokenizer
 
@@ -331,13 +344,21 @@ class BackendRegistry:
         registered, and every HEALTH_EVERY_S by the reaper. Returns (marked down, back
         up)."""
         down, up = [], []
-        for b in self.list():
-            if b["healthy"] and not healthy:
-                continue
+        targets = [b for b in self.list() if healthy or not b["healthy"]]
+        if not targets:
+            return down, up
+
+        def check(b: dict) -> str | None:
             # A healthy backend leaves only on a sure sign (its tokenizer's files gone, its
             # connection refused, an error status), never for a slow answer under load.
-            why = tokenizer_missing(b["tokenizer"]) or probe(b["url"], timeout_s,
-                                                             slow_ok=b["healthy"])
+            return tokenizer_missing(b["tokenizer"]) or probe(b["url"], timeout_s,
+                                                              slow_ok=b["healthy"])
+
+        # Side by side: a farm of many engines is probed in about one timeout, not one
+        # each (a RUN pool waits for this before it takes a job).
+        with ThreadPoolExecutor(max_workers=max(1, min(PROBE_THREADS, len(targets)))) as ex:
+            found = list(ex.map(check, targets))
+        for b, why in zip(targets, found):
             if why and b["healthy"]:
                 self.mark_unhealthy(b["id"], why)
                 down.append(b["id"])
