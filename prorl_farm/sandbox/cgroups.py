@@ -106,15 +106,14 @@ def shares_of(weight: float) -> int:
 
 
 def tenant_cpu(tenant: str, weight: float = 1.0) -> Path | None:
-    """The CPU group of ``tenant`` (made, and its shares set, on first use in this process,
-    when its weight changed or when it was removed), or None where CPU groups are not ours
-    to use."""
+    """The CPU group of ``tenant`` (made, and its shares set, on first use in this process
+    or when its weight changed), or None where CPU groups are not ours to use."""
     if _CPU_ROOT is None:
         return None
     shares = shares_of(weight)
     with _cpu_lock:
         known = _cpu_groups.get(tenant)
-        if known is not None and known[1] == shares and known[0].is_dir():
+        if known is not None and known[1] == shares:
             return known[0]
         # A directory name of the tenant's, safe whatever the tenant is called.
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", tenant)[:48]

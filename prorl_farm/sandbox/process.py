@@ -134,15 +134,10 @@ def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
         os.setsid()
         if limits.nice:
             os.nice(limits.nice)
-        if procs_file is not None:  # the process cap: joined, or no sandbox
-            with open(procs_file, "w") as f:
-                f.write(str(os.getpid()))
-        if cpu_file is not None:
-            try:  # a share of CPU: where the group cannot be joined, the sandbox runs anyway
-                with open(cpu_file, "w") as f:
+        for group in (procs_file, cpu_file):
+            if group is not None:
+                with open(group, "w") as f:
                     f.write(str(os.getpid()))
-            except OSError:
-                pass
         if run_as is not None:
             os.setgroups([])
             os.setgid(run_as[1])
