@@ -236,10 +236,6 @@ class Settings:
     tenants: str = setting(
         "", "tenants, their API keys, weights and quotas: a JSON object or @FILE "
         "(docs/sharing.md)", shown="one, `default`")
-    tenant_cpu: bool = setting(
-        True, "the processes a node starts for a tenant's jobs (sandboxes, graders, answer "
-        "checking) share the CPU by the tenant's weight: a cgroup per tenant (v1 `cpu."
-        "shares`; root only, nothing where it cannot be made: docs/sharing.md)")
     warm_pool: int = setting(
         0, "warm sandboxes each node's INIT pool keeps ready for the jobs about to reach "
         "INIT (a READY stage: the handler's INIT run ahead for their instances; each used "

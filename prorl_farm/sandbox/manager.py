@@ -213,8 +213,7 @@ class SandboxManager:
                 gw.mkdir()
                 os.chmod(gw, 0o777)  # the RUN pool puts its socket here
             node = {k: v for k, v in (("scratch_bytes", self.scratch_bytes),
-                                      ("workspace_bytes", self.workspace_bytes),
-                                      ("cpu_group", getattr(ctx, "cpu_group", "") or None))
+                                      ("workspace_bytes", self.workspace_bytes))
                     if v is not None}
             if node:
                 spec = dataclasses.replace(spec, limits=dataclasses.replace(spec.limits,

@@ -41,9 +41,6 @@ class Limits:
     # The workspace as a whole (a directory on the node's disk): the tool server measures it
     # and kills what writes past this (PRORL_SANDBOX_WORKSPACE_MB; toolserver/quota.py).
     workspace_bytes: int = 4 * 1024**3
-    # The CPU group (sandbox/cgroups.py: its tenant's) every process of the sandbox joins at
-    # its start, or "" for none.
-    cpu_group: str = ""
 
     @property
     def workspace_mb(self) -> int:
@@ -116,9 +113,8 @@ def user_task_count(uid: int) -> int:
 def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
             run_as: tuple[int, int] | None = None, nproc_inside: bool = False):
     """Runs in the child between fork and exec: new session, join the sandbox's pids
-    cgroup and its tenant's CPU group (``limits.cpu_group``), rlimits, then (``run_as``,
-    when the farm is root) the unprivileged host uid and gid the sandbox runs as, with no
-    supplementary groups. Without a cgroup the process cap
+    cgroup, rlimits, then (``run_as``, when the farm is root) the unprivileged host uid and
+    gid the sandbox runs as, with no supplementary groups. Without a cgroup the process cap
     is RLIMIT_NPROC, which counts every task (thread) of the uid: the sandbox gets its budget
     on top of what the uid runs now (and root, whom RLIMIT_NPROC does not bind, needs the
     cgroup). That budget is shared by every sandbox of the uid: one that forks without end
@@ -128,16 +124,14 @@ def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
     uid = run_as[0] if run_as else os.geteuid()
     nproc = user_task_count(uid) + limits.processes
     procs_file = str(cgroup / "cgroup.procs") if cgroup is not None else None
-    cpu_file = os.path.join(limits.cpu_group, "cgroup.procs") if limits.cpu_group else None
 
     def run() -> None:
         os.setsid()
         if limits.nice:
             os.nice(limits.nice)
-        for group in (procs_file, cpu_file):
-            if group is not None:
-                with open(group, "w") as f:
-                    f.write(str(os.getpid()))
+        if procs_file is not None:
+            with open(procs_file, "w") as f:
+                f.write(str(os.getpid()))
         if run_as is not None:
             os.setgroups([])
             os.setgid(run_as[1])
