@@ -1,7 +1,7 @@
 """Sharing one farm between tenants: a flood by tenant A beside tenant B's batch, each
 against the same work alone, and one tenant's throughput on its own.
 
-    .venv/bin/python bench/sharing.py [--scenarios eval run single] [--modes fifo fair]
+    .venv/bin/python bench/sharing.py [--scenarios eval run single cpu] [--modes fifo fair]
                                       [--record]
 
 A real farm (private redis-server, the three pools, the API under gunicorn) with two
@@ -18,6 +18,9 @@ measured is the order in which the farm hands out slots, not the CPU):
 - ``priority``: one tenant queues 8,192 jobs of 0.05 s INIT, then 8 of priority 1: how
   long those wait for INIT, and the 8,192 still completing.
 - ``single``: one tenant, 8,192 jobs with every stage 0 s: jobs/s (the median of three).
+- ``cpu``: A submits 64 ``code`` jobs whose grading burns CPU (4 s per test), then B 16
+  honest ones; B's batch time against B alone, with the tenants' CPU groups off and on
+  (``PRORL_TENANT_CPU``; root, cgroup v1).
 - ``cost``: what Redis spends per job on the stage scripts (bench/stage_scripts.py drives
   8,192 jobs of one tenant through them as the pools would), for this tree with fair share
   on and off and for the tree before fair share (``--before``, a commit of this
@@ -52,11 +55,12 @@ KEYS = {"a": "tenant-a-key-0123456789", "b": "tenant-b-key-0123456789"}
 TENANTS = {"a": {"token": KEYS["a"]}, "b": {"token": KEYS["b"]}}
 
 
-def timed_batch(farm: FarmClient, instance: dict, n: int, cut_s: float) -> float | None:
+def timed_batch(farm: FarmClient, instance: dict, n: int, cut_s: float,
+                handler: str = "synthetic", mode: str = "policy") -> float | None:
     """Submit ``n`` jobs of ``instance``; seconds until the batch is complete (None: not
     within ``cut_s``)."""
     t = time.monotonic()
-    sub = farm.submit("synthetic", [instance], n=n)
+    sub = farm.submit(handler, [instance], n=n, mode=mode)
     while time.monotonic() - t < cut_s:
         if farm.batch(sub["batch_id"])["complete"]:
             return time.monotonic() - t
@@ -73,6 +77,58 @@ def flood(a: FarmClient, b: FarmClient, flood_job: dict, flood_n: int, step: dic
     beside = timed_batch(b, step, 64, cut_s)
     a.cancel_batch(sub["batch_id"])
     return {"alone_s": alone, "beside_s": beside}
+
+
+# The ``cpu`` scenario's work: ``code`` jobs graded on their own reference program (no
+# policy), in the farm's grading sandboxes. A's program spends CPU_BURN_S of CPU before it
+# answers, for each of its two tests (answers costly to check); B's answers at once.
+CPU_BURN_S = 4.0
+CPU_PROGRAM = ("import time\nt = time.process_time()\nwhile time.process_time() - t < {s}:\n"
+               "    pass\nprint(2 * int(input()))\n")
+
+
+def _code_job(burn_s: float) -> dict:
+    return {"statement": "Double the number.", "tools": [], "time_limit_s": 30,
+            "memory_mb": 256, "tests": [{"input": "2", "output": "4"},
+                                        {"input": "21", "output": "42"}],
+            "canonical_solution": CPU_PROGRAM.format(s=burn_s)}
+
+
+def cpu_flood(a: FarmClient, b: FarmClient, n: int, cut_s: float) -> dict:
+    """B's ``n`` honest code jobs alone, then beside A's 4n whose grading burns CPU."""
+    def step() -> float | None:
+        return timed_batch(b, _code_job(0.0), n, cut_s, "code", "reference")
+
+    alone = step()
+    sub = a.submit("code", [_code_job(CPU_BURN_S)], n=4 * n, mode="reference")
+    time.sleep(5.0)  # A's graders are burning CPU
+    beside = step()
+    a.cancel_batch(sub["batch_id"])
+    return {"alone_s": alone, "beside_s": beside}
+
+
+def cpu_modes(cut_s: float, n: int = 16) -> dict:
+    """The ``cpu`` scenario on a fresh farm with the tenants' CPU groups off (processes
+    share the CPU one by one: the baseline) and on (PRORL_TENANT_CPU)."""
+    out = {}
+    for on in (False, True):
+        tmp = Path(tempfile.mkdtemp(prefix="prorl-bench-cpu-"))
+        procs = Processes()
+        os.environ["PRORL_TENANTS"] = json.dumps(TENANTS)
+        os.environ["PRORL_TENANT_CPU"] = "1" if on else "0"
+        try:
+            with private_redis() as url:
+                base = start_farm_api(procs, url, POOLS, tmp)
+                a, b = (FarmClient(base, token=KEYS[t]) for t in ("a", "b"))
+                timed_batch(b, _code_job(0.0), 4, cut_s, "code", "reference")  # warm-up
+                out["groups" if on else "none"] = cpu_flood(a, b, n, cut_s)
+                print("cpu", on, out, file=sys.stderr, flush=True)
+                time.sleep(3)  # the cancelled flood's graders stop
+        finally:
+            procs.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.environ.pop("PRORL_TENANT_CPU", None)
+    return out
 
 
 def redis_cost(url: str) -> tuple[float, int]:
@@ -213,18 +269,19 @@ def _ratio(r: dict, cut_s: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", nargs="+",
-                    default=["eval", "run", "priority", "single", "cost"],
-                    choices=["eval", "run", "priority", "single", "cost"])
+                    default=["eval", "run", "priority", "single", "cost", "cpu"],
+                    choices=["eval", "run", "priority", "single", "cost", "cpu"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--cut-s", type=float, default=90.0)
     ap.add_argument("--before", default=BEFORE, help="the commit the cost compares with")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
-    farm_scenarios = [s for s in args.scenarios if s != "cost"]
+    farm_scenarios = [s for s in args.scenarios if s not in ("cost", "cpu")]
     results = {mode: run_mode(mode, farm_scenarios, args.cut_s) for mode in args.modes
                } if farm_scenarios else {}
     costs = stage_cost(args.before, args.rounds) if "cost" in args.scenarios else None
+    cpu = cpu_modes(args.cut_s) if "cpu" in args.scenarios else None
     lines = [f"### sharing — {date.today()} — {machine()}", "",
              f"Two tenants on one farm (pools {POOLS}, the fair share's reserve "
              "PRORL_FAIR_RESERVE=1; `synthetic` jobs holding their stage's slot for a set "
@@ -281,6 +338,17 @@ def main() -> None:
                          f"{c['redis_cpu_us_per_job']:.0f} | "
                          f"{c['redis_cpu_us_per_job'] / b['redis_cpu_us_per_job']:.3f} | "
                          f"{c['paired']:.3f} |")
+    if cpu:
+        lines += ["", f"CPU: A submits 64 `code` jobs whose grading burns {CPU_BURN_S:g} s of "
+                  "CPU per test (two tests), B then 16 honest ones (reference mode, the "
+                  "farm's grading sandboxes); B's batch beside A's against B alone, with "
+                  "the tenants' CPU groups off (processes share the CPU one by one) and on "
+                  "(PRORL_TENANT_CPU: cgroup v1 cpu.shares by weight, here 1:1):", "",
+                  "| CPU groups | B alone s | B beside A's grading s | ratio (aim <= 2) |",
+                  "|---|---|---|---|"]
+        for mode, r in cpu.items():
+            lines.append(f"| {mode} | {_s(r['alone_s'], args.cut_s)} | "
+                         f"{_s(r['beside_s'], args.cut_s)} | {_ratio(r, args.cut_s)} |")
     report(lines + [""], args.record)
 
 

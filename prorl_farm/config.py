@@ -52,6 +52,16 @@ def setting(default: Any, doc: str, *, lo: float | None = None, hi: float | None
     return field(default=default, metadata=meta)
 
 
+def memory_mb() -> int:
+    """The node's memory (MemTotal), in MiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f
+                        if line.startswith("MemTotal:")) // 1024
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+
+
 def _short_hostname() -> str:
     return socket.gethostname().split(".")[0] or "localhost"
 
@@ -189,16 +199,23 @@ class Settings:
         "to 107 bytes)")
     sandbox_max: int = setting(64, "live sandboxes per node", lo=1, hi=65_000)
     sandbox_scratch_mb: int = setting(
-        512, "size of each memory-backed scratch directory of a sandbox (`/tmp`, `/var/tmp`, "
-        "`/run`, `/dev/shm`; bwrap and docker): writing past it fails inside", lo=1,
-        hi=1 << 20)
+        64, "size of each memory-backed directory of a sandbox (`/dev/shm`, `/run`; bwrap "
+        "and docker; `/tmp` and `/var/tmp` are on disk, counted in the workspace's size): "
+        "writing past it fails inside; cut to fit the node's budget (`PRORL_NODE_SCRATCH_MB`)",
+        lo=1, hi=1 << 20)
     sandbox_workspace_mb: int = setting(
         4096, "size of a sandbox's workspace as a whole (on the node's disk; RUN's and "
         "graders'): the tool server measures it and kills what writes past it",
         lo=16, hi=1 << 24)
     grade_scratch_mb: int = setting(
-        1024, "size of the `/tmp` and of the `/dev/shm` of a grader's jail (`swe`, `code`): "
-        "writing past it fails inside", lo=16, hi=1 << 20)
+        64, "size of the `/dev/shm` (memory) of a grader's jail (`swe`, `code`; its `/tmp` is "
+        "on disk, in the grader's workspace): writing past it fails inside; cut to fit the "
+        "node's budget (`PRORL_NODE_SCRATCH_MB`)", lo=1, hi=1 << 20)
+    node_scratch_mb: int = setting(
+        0, "the node's budget of memory-backed scratch: every tmpfs of `PRORL_SANDBOX_MAX` "
+        "sandboxes (`/dev/shm`, `/run`, a grader's jail's `/dev/shm`) fits in it, each cut "
+        "to a third of its share when the settings above ask more; 0: a quarter of the "
+        "node's memory", lo=0, hi=1 << 30, shown="a quarter of the memory")
     sandbox_user: str = setting(
         "auto", "host user a sandbox runs as: `auto` = `nobody` when the farm is root (if "
         "`nobody` can read the farm's installation; else the farm's own, with a warning), "
@@ -236,6 +253,10 @@ class Settings:
     tenants: str = setting(
         "", "tenants, their API keys, weights and quotas: a JSON object or @FILE "
         "(docs/sharing.md)", shown="one, `default`")
+    tenant_cpu: bool = setting(
+        True, "the processes a node starts for a tenant's jobs (sandboxes, graders, answer "
+        "checking) share the CPU by the tenant's weight: a cgroup per tenant (v1 `cpu."
+        "shares`; root only, nothing where it cannot be made: docs/sharing.md)")
     warm_pool: int = setting(
         0, "warm sandboxes each node's INIT pool keeps ready for the jobs about to reach "
         "INIT (a READY stage: the handler's INIT run ahead for their instances; each used "
@@ -273,6 +294,16 @@ class Settings:
     def harness_path(self) -> str:
         """The harness environments' directory, absolute."""
         return os.path.abspath(self.harness_dir or os.path.join(self.home, "harnesses"))
+
+    def memory_scratch_mb(self) -> tuple[int, int]:
+        """The size of each memory-backed directory of a sandbox (/dev/shm, /run) and of a
+        grader's jail's /dev/shm, in MiB: the settings', cut so that the three of each of
+        ``sandbox_max`` sandboxes fit the node's budget (``node_scratch_mb``; 0: a quarter
+        of its memory). A tmpfs takes memory only as it is written; the bound is what it
+        may take."""
+        budget = self.node_scratch_mb or memory_mb() // 4
+        share = max(1, budget // (3 * self.sandbox_max))
+        return min(self.sandbox_scratch_mb, share), min(self.grade_scratch_mb, share)
 
     def reserve_slots(self, stage: str) -> int:
         """Worker slots a pool of ``stage`` runs beyond its concurrency (``fair_reserve``)."""

@@ -39,6 +39,9 @@ class JobContext:
     # Whether the job had a sandbox started for it before this stage (on any node, in any
     # attempt): its end then looks for sandboxes of it to stop.
     sandboxed: bool = False
+    # The CPU group of the job's tenant (sandbox/cgroups.py), which the processes started
+    # for it join: its sandboxes, and a grading helper while it grades for it ("": none).
+    cpu_group: str = ""
     # "policy", or "reference": no policy; RUN hands the instance's own reference to EVAL.
     mode: str = "policy"
     state: dict = field(default_factory=dict)

@@ -246,23 +246,35 @@ def _shmem_kb() -> int:
 
 
 def test_scratch_space_is_bounded_and_a_write_past_it_fails_inside(manager_for):
-    """Every memory-backed directory of a sandbox (/tmp, /var/tmp, /run, /dev/shm) holds at
-    most PRORL_SANDBOX_SCRATCH_MB: a 1 GiB write into each fails inside with ENOSPC, the
-    sandbox and its tool server go on, and the node's shared memory grows by no more than
-    the bounds (it would grow by the whole 4 GiB without them)."""
-    manager = manager_for("bwrap", scratch_mb=16)
+    """A sandbox's memory-backed directories (/dev/shm, /run) hold at most
+    PRORL_SANDBOX_SCRATCH_MB each: a 1 GiB write into each fails inside with ENOSPC. Its
+    /tmp and /var/tmp are on the node's disk, beside the workspace and counted in its bound:
+    a 1 GiB write into them is stopped at the workspace's limit (``workspace_full``), and
+    the node's shared memory grows by no more than the bounds (by 4 GiB without them)."""
+    from prorl_farm.toolserver.quota import disk_usage
+
+    manager = manager_for("bwrap", scratch_mb=16, workspace_mb=64)
     sb = manager.start(SandboxSpec(limits=Limits(processes=64)))
     c = ToolConnection(sb.socket)
     try:
         before = _shmem_kb()
-        for scratch in ("/tmp", "/var/tmp", "/run", "/dev/shm"):
+        for scratch in ("/run", "/dev/shm"):
             out = c.bash(f"df -k --output=size {scratch} | tail -1; dd if=/dev/zero "
                          f"of={scratch}/fill bs=1M count=1024 2>&1 | head -1", timeout_s=120)
             size_kb, message = out["output"].strip().split("\n", 1)
             assert int(size_kb) == 16 * 1024, (scratch, out)
             assert "No space left on device" in message, (scratch, out)
+        for scratch in ("/tmp", "/var/tmp"):
+            out = c.bash(f"for i in $(seq 128); do head -c 8M /dev/zero > {scratch}/f$i; "
+                         f"done; echo wrote-it-all", timeout_s=300)
+            assert "wrote-it-all" not in out["output"], (scratch, out)
+            assert out["workspace_full"]["limit_mb"] == 64, (scratch, out)
+            host = Path(sb.workspace).parent / scratch.strip("/").replace("/", "-")
+            assert 64 < disk_usage(str(host)) / 2**20 < 512, scratch  # on the disk, here
+            done = c.bash(f"rm -f {scratch}/f*; echo alive")
+            assert done["output"] == "alive\n" and "workspace_full" not in done, done
         grew_mb = (_shmem_kb() - before) / 1024
-        assert grew_mb < 1024, grew_mb  # 4 x 16 MiB, and whatever runs beside the test
+        assert grew_mb < 256, grew_mb  # 2 x 16 MiB, and whatever runs beside the test
         assert c.bash("echo alive")["output"] == "alive\n"
     finally:
         c.close()
@@ -559,7 +571,12 @@ def test_docker_and_bwrap_command_lines(tmp_path):
                  "--as-pid-1"):
         assert flag in b
     assert b[b.index("--uid") + 1] == "1000" and b[b.index("--cap-drop") + 1] == "ALL"
-    assert b[b.index("--bind") + 1:b.index("--bind") + 3] == [str(tmp_path / "ws"), "/workspace"]
+    binds = [b[i + 1:i + 3] for i, flag in enumerate(b) if flag == "--bind"]
+    # Writable: the workspace, and /tmp and /var/tmp on disk beside it; nothing else.
+    assert binds == [[str(tmp_path / "tmp"), "/tmp"], [str(tmp_path / "var-tmp"), "/var/tmp"],
+                     [str(tmp_path / "ws"), "/workspace"]], binds
+    tmpfs = [b[i + 1] for i, flag in enumerate(b) if flag == "--tmpfs"]
+    assert "/tmp" not in tmpfs and "/dev/shm" in tmpfs and "/run" in tmpfs
     # An allow-list: only these host paths are bound, read-only.
     sources = {b[i + 1] for i, flag in enumerate(b) if flag == "--ro-bind"}
     allowed = ("/usr", "/etc/", str(tmp_path)) + tuple(h for h, _ in python.binds)

@@ -7,6 +7,8 @@ and submits again once there is room. Against a real Redis, through the API's ro
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -18,7 +20,7 @@ from prorl_farm.config import load_settings
 from prorl_farm.errors import ConfigError
 from prorl_farm.tenants import parse_tenants, usage
 from prorl_farm.trainer import FarmClient
-from tests.farm import farm_env, scrape
+from tests.farm import farm_env, scrape, wait_until
 
 OPERATOR = "operator-key-0123456789"
 KEY_A, KEY_B = "team-a-key-0123456789", "team-b-key-0123456789"
@@ -207,3 +209,111 @@ def test_a_tenants_live_sandboxes_count_until_they_stop(farm, r, tmp_path):
     assert usage(r, ["team-b"])["team-b"]["sandboxes"] == 0
     assert _submit(client, KEY_B).status_code == 202
     assert r.hlen(keys.sandbox_tenants("tenant-node")) == 0
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:  # gone meanwhile
+        return b"prorl_farm.graders.answers"
+
+
+def _sleeping(seconds: str) -> int | None:
+    """The pid of a ``sleep <seconds>`` on this host, if one runs."""
+    wanted = b"sleep\0" + seconds.encode() + b"\0"
+    with os.scandir("/proc") as entries:
+        pids = [int(e.name) for e in entries if e.name.isdigit()]
+    return next((pid for pid in pids if _cmdline(pid) == wanted), None)
+
+
+def _cpu_line(text: str) -> str:
+    """The cpu controller's path in a /proc/<pid>/cgroup text (cgroup v1)."""
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return path
+    return ""
+
+
+@pytest.mark.slow
+def test_a_tenants_sandboxes_and_graders_take_cpu_by_its_weight(redis_server, r, tmp_path):
+    """Real pools (root) with two tenants of weights 3 and 1: every process a node starts
+    for a job (its RUN sandbox, its grading sandbox, the answer-grading helper while it grades
+    for it) is in its tenant's CPU group, whose cpu.shares is 1024 times the weight, so a
+    contended node gives each tenant's work CPU by weight, not by how many processes it
+    started."""
+    import uuid
+
+    from api import create_app
+    from prorl_farm.sandbox import cgroups
+    from tests.conftest import make_pools
+
+    if cgroups._CPU_BASE is None:
+        pytest.skip("no cgroup v1 cpu controller writable here (not root, or cgroup v2)")
+    tag = uuid.uuid4().hex[:6]
+    heavy, light = f"heavy-{tag}", f"light-{tag}"
+    tenants = {heavy: {"token": KEY_A, "weight": 3}, light: {"token": KEY_B}}
+    (tmp_path / "pools").mkdir()
+    node = f"cpunode{tag}"
+    pools = make_pools(redis_server, tmp_path / "pools", api_token=OPERATOR,
+                       tenants=json.dumps(tenants), node=node)
+    pools.start()
+    groups = {}
+    # The groups of this farm's node: another farm on this host (or another node) has its own.
+    farm = cgroups.farm_cpu_id(redis_server.url, node)
+    try:
+        app = create_app(load_settings(farm_env(redis_server.url, api_token=OPERATOR,
+                                                tenants=json.dumps(tenants))))
+        client = app.test_client()
+        for seq, (tenant, key) in enumerate(((heavy, KEY_A), (light, KEY_B))):
+            groups[tenant] = cgroups.tenant_cpu(tenant, tenants[tenant].get("weight", 1),
+                                                farm)
+            where = "/" + str(groups[tenant].relative_to(cgroups._CPU_BASE))
+            # The sandbox's own view of its cgroups is a namespace's: looked at from here.
+            run_s, check_s = f"60{seq}", f"70{seq}"
+            shell = {"commands": [f"sleep {run_s}"], "check": f"sleep {check_s}; true"}
+            math = {"problem": "2 + 2?", "answer": "4", "tools": []}
+            subs = []
+            for handler, inst in (("shell", shell), ("math", math)):
+                resp = client.post("/v1/jobs", headers=_auth(key), json={
+                    "handler": handler, "instances": [inst], "mode": "reference"
+                    if handler == "math" else "policy", "deadline_s": 300})
+                assert resp.status_code == 202, resp.get_json()
+                subs.append(resp.get_json())
+            # The RUN sandbox's command, then the grading sandbox's check, each in its group.
+            for seconds in (run_s, check_s):
+                pid = wait_until(lambda s=seconds: _sleeping(s), 120, 0.2, f"sleep {seconds}")
+                with open(f"/proc/{pid}/cgroup") as f:
+                    assert _cpu_line(f.read()) == where, seconds
+                os.kill(pid, signal.SIGKILL)  # the command goes on
+            jobs = []
+            for sub in subs:
+                wait_until(lambda s=sub, k=key: client.get(
+                    f"/v1/batches/{s['batch_id']}", headers=_auth(k)).get_json()["complete"],
+                    120, 0.2, f"{tenant}'s job")
+                jobs.append(client.get(f"/v1/jobs/{sub['job_ids'][0]}",
+                                       headers=_auth(key)).get_json())
+            assert [j["state"] for j in jobs] == ["done", "done"], [j["failure"] for j in jobs]
+            assert jobs[1]["reward"] == 1.0
+            # Once the job's sandboxes are stopped, the group holds the helper that graded
+            # its answer (it stays until it grades for another tenant) and nothing else: no
+            # process of the farm's own.
+            def helpers_only(group=groups[tenant]) -> bool:
+                cmdlines = [_cmdline(pid) for pid in cgroups.pids(group)]
+                return bool(cmdlines) and all(b"prorl_farm.graders.answers" in c
+                                              for c in cmdlines)
+            wait_until(helpers_only, 30, 0.2, f"{tenant}'s group to hold only its helper")
+            assert (groups[tenant] / "cpu.shares").read_text().strip() == \
+                str(1024 * tenants[tenant].get("weight", 1))
+        # The farm's node weighs, against the host's other processes, one busy process per CPU.
+        assert (cgroups.farm_cpu_group(farm) / "cpu.shares").read_text().strip() == \
+            str(1024 * len(os.sched_getaffinity(0)))
+        pools.stop()
+        # Its last pool gone, the node's groups are too: none is left on the host.
+        assert not cgroups.farm_cpu_group(farm).exists()
+    finally:
+        pools.stop()
+        for group in groups.values():
+            if group is not None:
+                cgroups.kill_all_and_remove(group)

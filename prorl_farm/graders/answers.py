@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from prorl_farm.sandbox import cgroups
 from prorl_farm.sandbox.process import kill_group
 
 GRADE_TIMEOUT_S = 10.0  # per answer, the helper's CPU seconds (PRORL_GRADE_TIMEOUT_S)
@@ -346,13 +347,16 @@ def close_helpers() -> None:
 
 def grade(request: dict, timeout_s: float = GRADE_TIMEOUT_S,
           check: Callable[[], None] | None = None,
-          memory_mb: int = GRADE_MEMORY_MB) -> tuple[float, str]:
+          memory_mb: int = GRADE_MEMORY_MB, cpu_group: str = "") -> tuple[float, str]:
     """(reward, why) for ``request`` (``kind`` ``math``: text, reference, max_chars; or
     ``choice``: text, reference, n_choices), graded in a helper process within
     ``timeout_s`` of the helper's CPU time. ``check`` (e.g. ``ctx.check``) runs while
-    waiting and may raise to abandon the grading (the helper is then killed)."""
+    waiting and may raise to abandon the grading (the helper is then killed).
+    ``cpu_group``: the CPU group (the job's tenant's) the helper grades in."""
     for attempt in (1, 2):
         helper = _take(memory_mb)
+        if cpu_group:  # a helper kept idle may last have graded for another tenant
+            cgroups.join(cpu_group, helper.proc.pid)
         try:
             verdict = helper.ask({**request, "cpu_s": timeout_s}, timeout_s, check)
         except BaseException:
@@ -375,7 +379,8 @@ def grade_for(ctx, request: dict) -> tuple[float, str]:
     deadline."""
     settings = ctx.settings
     return grade(request, getattr(settings, "grade_timeout_s", GRADE_TIMEOUT_S), ctx.check,
-                 getattr(settings, "grade_memory_mb", GRADE_MEMORY_MB))
+                 getattr(settings, "grade_memory_mb", GRADE_MEMORY_MB),
+                 getattr(ctx, "cpu_group", ""))
 
 
 if __name__ == "__main__":

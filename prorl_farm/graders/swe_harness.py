@@ -71,7 +71,7 @@ def main():
         sys.stdout.flush()
         os._exit(0)
 
-    jail = Jail(tmp_mb=int(spec.get("tmp_mb", 2048)), enabled=spec.get("jail", True))  # noqa: F821 - from jail.py
+    jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True))  # noqa: F821 - from jail.py
     in_repo = [(repo, True)]
     # The files the grading pytest reads as configuration: from its own source, not a list
     # (pytest 9 reads pytest.toml and .pytest.toml too). Probed before anything of the
@@ -230,7 +230,8 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                                   if os.path.isfile(os.path.join(repo, f))]
     r, w = os.pipe()
     # The run's output: read from a pipe, its last ``log_bytes`` kept in memory. Never a
-    # file: this sandbox's /tmp is memory too, and what the tests print is theirs to size.
+    # file: what the tests print is theirs to size, and a file would count in the
+    # workspace's bound, which the candidate's own writes use.
     log_r, log_w = os.pipe()
     keep = int(spec.get("log_bytes", OUTPUT_TAIL))
     request = {"key": key, "fd": w, "repo": repo, "tests": wanted, "files": files,

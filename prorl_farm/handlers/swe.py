@@ -35,7 +35,7 @@ from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHa
 from prorl_farm.handlers.base import JobContext, run_setup
 from prorl_farm.sandbox.abstract import Limits
 from prorl_farm.sandbox.connection import ToolConnection
-from prorl_farm.sandbox.grading import required_verdict, run_isolated
+from prorl_farm.sandbox.grading import jail_shm_mb, required_verdict, run_isolated
 from prorl_farm.sandbox.manager import under_mount_roots
 from prorl_farm.swebench import repos
 from prorl_farm.swebench.instance import (
@@ -226,11 +226,11 @@ def patched(base: dict[str, bytes], patch: str) -> dict[str, bytes] | None:
 
 def protection(ctx: JobContext, base: dict[str, bytes], test_files: set[str]) -> dict:
     """What the grader's spec says of protected files and scratch space: the rule's names,
-    suffixes and directories, the jail's /tmp, and (a policy's tree) the base contents of
+    suffixes and directories, the jail's /dev/shm, and (a policy's tree) the base contents of
     the protected files, for the grader to put back after the setup commands."""
     spec = {"protected_names": sorted(PROTECTED_NAMES),
             "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
-            "tmp_mb": getattr(ctx.settings, "grade_scratch_mb", 1024)}
+            "shm_mb": jail_shm_mb(ctx)}
     if ctx.mode != "reference":
         spec["protected_base"] = protected_base(base, test_files)
     return spec

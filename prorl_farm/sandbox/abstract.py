@@ -34,7 +34,8 @@ from prorl_farm.toolserver.protocol import (
 )
 
 __all__ = ["GATEWAY_PORT", "GATEWAY_SOCKET", "INSIDE_GATEWAY_DIR", "INSIDE_HARNESSES",
-           "INSIDE_RUN", "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "Limits", "Runtime",
+           "INSIDE_RUN", "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "DISK_SCRATCH", "Limits",
+           "Runtime", "disk_scratch",
            "Sandbox", "SandboxError", "SandboxSpec", "chown_tree", "gateway_dir", "gateway_env",
            "gateway_relay", "kill_group", "pid_alive", "processes_of", "reap"]
 
@@ -44,6 +45,19 @@ def chown_tree(path: Path, uid: int, gid: int) -> None:
     for dirpath, dirnames, filenames in os.walk(path):
         for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
             os.lchown(name, uid, gid)
+
+
+# A sandbox's scratch on the node's disk, not in its memory: its /tmp and /var/tmp are
+# directories beside its workspace (inside -> the host name), gone with it, and counted
+# with the workspace against its limit (toolserver/quota.py). Only /dev/shm and /run are
+# memory (tmpfs, PRORL_SANDBOX_SCRATCH_MB each).
+DISK_SCRATCH = {"/tmp": "tmp", "/var/tmp": "var-tmp"}
+
+
+def disk_scratch(workspace: str | Path) -> dict[str, Path]:
+    """Where, on the host, a sandbox's /tmp and /var/tmp are (inside -> host)."""
+    base = Path(workspace).parent
+    return {inside: base / name for inside, name in DISK_SCRATCH.items()}
 
 
 def gateway_dir(workspace: str | Path) -> Path:

@@ -43,6 +43,13 @@ def run_isolated(ctx: JobContext, files: dict[str, str | bytes], argv: list[str]
         sandboxes.stop(sandbox)
 
 
+def jail_shm_mb(ctx: JobContext) -> int:
+    """The size of a grader's jail's /dev/shm (memory), in MiB: ``grade_scratch_mb`` cut to
+    the node's budget (config.Settings.memory_scratch_mb). Its /tmp is on disk."""
+    settings = getattr(ctx, "settings", None)
+    return settings.memory_scratch_mb()[1] if settings is not None else 64
+
+
 def tagged_verdict(stdout: str, nonce: str) -> dict | None:
     """A grader's verdict: the JSON on its last stdout line that starts with ``nonce`` (which
     only the grader read, from its stdin, before anything under test ran); None if there is

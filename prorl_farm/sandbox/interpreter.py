@@ -25,14 +25,16 @@ def server_argv(socket: str | int, workspace: str, runtime_dir: str,
                 python: str = sys.executable, ready_fd: int | str | None = None,
                 pythonpath: str | None = None, nproc: int | None = None,
                 gateway: str | None = None, lifeline: str | None = None,
-                workspace_mb: int | None = None) -> list[str]:
+                workspace_mb: int | None = None,
+                measured: tuple[str, ...] = ()) -> list[str]:
     """The tool server's command line: ``socket`` is a path to bind, or the fd of a
     listening socket made by the host (:func:`listen_socket`); ``pythonpath``: where its
     packages are (default: the farm's own import path); ``nproc``: the process cap the
     server sets on itself (inside its own user namespace) before it starts anything;
     ``ready_fd``: the readiness pipe's fd, or the path of a FIFO (containers);
     ``lifeline``: a FIFO whose EOF (its host end closed) stops the server (containers);
-    ``workspace_mb``: the workspace's size limit as a whole, which the server holds it to."""
+    ``workspace_mb``: the workspace's size limit as a whole, which the server holds it to,
+    with the directories ``measured`` (the sandbox's /tmp and /var/tmp) counted in it."""
     import prorl_farm
 
     if pythonpath is None:
@@ -45,6 +47,8 @@ def server_argv(socket: str | int, workspace: str, runtime_dir: str,
     ready += ["--gateway", gateway] if gateway else []
     ready += ["--lifeline", lifeline] if lifeline else []
     ready += ["--workspace-mb", str(workspace_mb)] if workspace_mb else []
+    for path in measured if workspace_mb else ():
+        ready += ["--measure-also", path]
     return [python, "-I", "-c", _BOOT, pythonpath, *where, *ready,
             "--workspace", workspace, "--runtime-dir", runtime_dir]
 

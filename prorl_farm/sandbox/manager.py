@@ -25,6 +25,7 @@ from prorl_farm.sandbox.abstract import (
     SandboxError,
     SandboxSpec,
     chown_tree,
+    disk_scratch,
     gateway_dir,
     processes_of,
 )
@@ -204,6 +205,9 @@ class SandboxManager:
         try:
             workspace.mkdir(parents=True)
             run_dir.mkdir()
+            for scratch in disk_scratch(workspace).values():  # /tmp and /var/tmp, on disk
+                scratch.mkdir()
+                os.chmod(scratch, 0o1777)
             if spec.gateway:
                 if not self.runtime.serves_gateway:
                     raise SandboxError(f"the model gateway is not served to "
@@ -213,7 +217,8 @@ class SandboxManager:
                 gw.mkdir()
                 os.chmod(gw, 0o777)  # the RUN pool puts its socket here
             node = {k: v for k, v in (("scratch_bytes", self.scratch_bytes),
-                                      ("workspace_bytes", self.workspace_bytes))
+                                      ("workspace_bytes", self.workspace_bytes),
+                                      ("cpu_group", getattr(ctx, "cpu_group", "") or None))
                     if v is not None}
             if node:
                 spec = dataclasses.replace(spec, limits=dataclasses.replace(spec.limits,
@@ -232,6 +237,8 @@ class SandboxManager:
                     target.write_text(text)
             if self.run_as is not None:
                 chown_tree(workspace, *self.run_as)
+                for scratch in disk_scratch(workspace).values():
+                    os.chown(scratch, *self.run_as)
             cgroup = cgroups.create(sandbox_id, spec.limits.processes)
             sandbox = self.runtime.start(spec, sandbox_id, workspace, run_dir / "tools.sock",
                                          slot_ip(slot), cgroup)

@@ -34,13 +34,17 @@ class Limits:
     # Scheduling priority: below the farm's own processes, so that whatever a sandbox runs
     # (a fork bomb, a busy loop) cannot starve the pools' heartbeats or Redis.
     nice: int = 15
-    # Each memory-backed scratch directory (/tmp, /var/tmp, /run, /dev/shm) holds at most
-    # this much: writing past it fails with ENOSPC inside, and the node's memory stays as it
-    # was (PRORL_SANDBOX_SCRATCH_MB sets it for every sandbox of a node).
-    scratch_bytes: int = 512 * 1024**2
+    # Each memory-backed directory (/dev/shm, /run) holds at most this much: writing past it
+    # fails with ENOSPC inside, and the node's memory stays as it was (PRORL_SANDBOX_SCRATCH_MB
+    # sets it for every sandbox of a node, cut to the node's budget). /tmp and /var/tmp are
+    # on disk, in the workspace's bound.
+    scratch_bytes: int = 64 * 1024**2
     # The workspace as a whole (a directory on the node's disk): the tool server measures it
     # and kills what writes past this (PRORL_SANDBOX_WORKSPACE_MB; toolserver/quota.py).
     workspace_bytes: int = 4 * 1024**3
+    # The CPU group (sandbox/cgroups.py: its tenant's) every process of the sandbox joins at
+    # its start, or "" for none.
+    cpu_group: str = ""
 
     @property
     def workspace_mb(self) -> int:
@@ -113,8 +117,9 @@ def user_task_count(uid: int) -> int:
 def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
             run_as: tuple[int, int] | None = None, nproc_inside: bool = False):
     """Runs in the child between fork and exec: new session, join the sandbox's pids
-    cgroup, rlimits, then (``run_as``, when the farm is root) the unprivileged host uid and
-    gid the sandbox runs as, with no supplementary groups. Without a cgroup the process cap
+    cgroup and its tenant's CPU group (``limits.cpu_group``), rlimits, then (``run_as``,
+    when the farm is root) the unprivileged host uid and gid the sandbox runs as, with no
+    supplementary groups. Without a cgroup the process cap
     is RLIMIT_NPROC, which counts every task (thread) of the uid: the sandbox gets its budget
     on top of what the uid runs now (and root, whom RLIMIT_NPROC does not bind, needs the
     cgroup). That budget is shared by every sandbox of the uid: one that forks without end
@@ -124,14 +129,21 @@ def preexec(limits: Limits, cgroup: Path | None, die_with_parent: bool = True,
     uid = run_as[0] if run_as else os.geteuid()
     nproc = user_task_count(uid) + limits.processes
     procs_file = str(cgroup / "cgroup.procs") if cgroup is not None else None
+    cpu_file = os.path.join(limits.cpu_group, "cgroup.procs") if limits.cpu_group else None
 
     def run() -> None:
         os.setsid()
         if limits.nice:
             os.nice(limits.nice)
-        if procs_file is not None:
+        if procs_file is not None:  # the process cap: joined, or no sandbox
             with open(procs_file, "w") as f:
                 f.write(str(os.getpid()))
+        if cpu_file is not None:
+            try:  # a share of CPU: where the group cannot be joined, the sandbox runs anyway
+                with open(cpu_file, "w") as f:
+                    f.write(str(os.getpid()))
+            except OSError:
+                pass
         if run_as is not None:
             os.setgroups([])
             os.setgid(run_as[1])

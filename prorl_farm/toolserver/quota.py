@@ -1,4 +1,6 @@
 """The workspace as a whole, held to a size: the in-sandbox half of ``Limits.workspace_bytes``.
+The sandbox's ``/tmp`` and ``/var/tmp`` (directories on the node's disk beside it) count
+with it.
 
 The workspace is a directory on the node's disk (the repository of a ``swe`` task lives
 there), so no tmpfs bound applies, and a quota needs privileges a farm may not have. The
@@ -59,8 +61,12 @@ def disk_usage(root: str) -> int:
 
 
 class WorkspaceGuard:
-    def __init__(self, root: str, limit_bytes: int, groups=lambda: set()):
+    def __init__(self, root: str, limit_bytes: int, groups=lambda: set(),
+                 also: tuple[str, ...] = ()):
         self.root, self.limit = root, limit_bytes
+        # Measured with the workspace, against the same limit: the sandbox's /tmp and
+        # /var/tmp, directories on the node's disk beside the workspace (not memory).
+        self.also = tuple(also)
         self.groups = groups  # process groups its tools started (where it is not pid 1)
         self.used = 0
         self.kills = 0
@@ -87,7 +93,7 @@ class WorkspaceGuard:
         workspace that stays over without growing is left to the agent to clean up: its
         tools keep working). Whether it is past."""
         before, started = self.used, time.monotonic()
-        self.used = disk_usage(self.root)
+        self.used = sum(disk_usage(root) for root in (self.root, *self.also))
         self.checked_at = time.monotonic()
         cost = self.checked_at - started
         self.every = min(MAX_EVERY_S, max(MIN_EVERY_S, cost / COST_SHARE))

@@ -39,7 +39,8 @@ log = logging.getLogger("prorl_farm.toolserver.server")
 
 
 class Tools:
-    def __init__(self, workspace: str, runtime_dir: str, workspace_mb: int | None = None):
+    def __init__(self, workspace: str, runtime_dir: str, workspace_mb: int | None = None,
+                 measured: tuple[str, ...] = ()):
         self.workspace = workspace
         self.bash = BashSession(workspace)
         self.bash.start()
@@ -51,7 +52,8 @@ class Tools:
         self._locks = {name: threading.Lock() for name in ("bash", "ipython", "files")}
         self.guard = None
         if workspace_mb:
-            self.guard = WorkspaceGuard(workspace, workspace_mb << 20, groups=self.children)
+            self.guard = WorkspaceGuard(workspace, workspace_mb << 20, groups=self.children,
+                                        also=measured)
             self.guard.start()
 
     def call(self, tool: str, args: dict):
@@ -229,6 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runtime-dir", default=None)
     ap.add_argument("--workspace-mb", type=int, default=None,
                     help="hold the workspace as a whole to this many MiB (toolserver/quota.py)")
+    ap.add_argument("--measure-also", action="append", default=[], metavar="DIR",
+                    help="a directory whose files count against the workspace's limit "
+                    "(the sandbox's /tmp on disk)")
     ap.add_argument("--nproc", type=int, default=None,
                     help="cap the tasks of this sandbox's user namespace (RLIMIT_NPROC)")
     args = ap.parse_args(argv)
@@ -249,7 +254,7 @@ def main(argv=None) -> int:
         port, _, path = args.gateway.partition(":")
         serve_relay(os.environ.get(IP_ENV) or "127.0.0.1", int(port), path)
     tools = Tools(args.workspace, args.runtime_dir or os.path.join(args.workspace, ".prorl"),
-                  args.workspace_mb)
+                  args.workspace_mb, tuple(args.measure_also))
     if args.socket_fd is not None:
         server = make_server(None, tools, socket_fd=args.socket_fd)
     else:

@@ -21,11 +21,13 @@ from prorl_farm import keys
 from prorl_farm.celery_app import create_celery_app, queue_for, stage_of_queue
 from prorl_farm.config import STAGES, Settings, load_settings
 from prorl_farm.errors import StageFailed
+from prorl_farm.graders import answers
 from prorl_farm.handlers.registry import HandlerRegistry
 from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.payloads import open_store
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
+from prorl_farm.sandbox import cgroups
 from prorl_farm.states import Reap, StageOutcome
 from prorl_farm.watchdog import Watchdog
 from prorl_farm.worker import logs
@@ -144,7 +146,7 @@ def _sandbox_manager(r, settings: Settings):
                               allow_network=settings.sandbox_network,
                               image=settings.sandbox_image,
                               trusted_roots=(settings.swe_env_dir,),
-                              scratch_mb=settings.sandbox_scratch_mb,
+                              scratch_mb=settings.memory_scratch_mb()[0],
                               workspace_mb=settings.sandbox_workspace_mb)
     except Exception:
         log.exception("sandboxes are unavailable on this node")
@@ -337,6 +339,8 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
                                               "polling_interval": IDLE_POLL_S}
     if stage == "run":
         _check_backends(settings)
+    if settings.tenant_cpu:  # the node's pools in a CPU group of their own (docs/sharing.md)
+        cgroups.join_farm_cpu(cgroups.farm_cpu_id(settings.redis_url, settings.node))
     argv = [
         "worker", "-Q", queue_for(stage, settings.node), "-P", pool.pool,
         "-c", str(pool.concurrency + settings.reserve_slots(stage)),
@@ -354,6 +358,10 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     if _leaving is not None:
         _leaving.join(LEAVE_WAIT_S)
+    # The node's CPU groups of tenants (sandbox/cgroups.py), if this was its last pool: the
+    # answer-grading helpers, which sit in the group they last graded for, go first.
+    answers.close_helpers()
+    cgroups.release_farm_cpu(cgroups.farm_cpu_id(settings.redis_url, settings.node))
     if code == 0 and not _shutdown_requested:
         # Celery gave up by itself (e.g. "Unrecoverable error" while reconnecting after a
         # Redis restart) and would exit 0: a supervisor that restarts on failure (systemd,

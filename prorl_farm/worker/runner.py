@@ -40,7 +40,9 @@ from prorl_farm.jobs.payloads import (
     split_payload,
 )
 from prorl_farm.jobs.store import JobStore
+from prorl_farm.sandbox import cgroups
 from prorl_farm.states import NEXT_STAGE, Claim, FailureKind, JobState, StageOutcome
+from prorl_farm.tenants import parse_tenants
 from prorl_farm.worker.liveness import Liveness
 from prorl_farm.worker.logs import job_log_context
 
@@ -112,6 +114,8 @@ class StageRunner:
         self.messages = messages
         self.worker_name = worker_name
         self.warm = None  # the node's warm sandboxes (worker/warm.py), for INIT
+        self._weights = {name: t.weight for name, t in parse_tenants(settings.tenants).items()}
+        self._cpu_farm = cgroups.farm_cpu_id(settings.redis_url or "", settings.node)
 
     def __call__(self, stage: str, job_id: str, token: str) -> StageResult:
         with job_log_context(job_id):
@@ -127,10 +131,19 @@ class StageRunner:
         with job_log_context(job_id, raw.get("batch_id", "")):
             return self._run_claimed(stage, raw, token)
 
+    def _cpu_group(self, batch_id: str) -> str:
+        """The CPU group of the batch's tenant, weighted by its share ("" where none)."""
+        if not self.settings.tenant_cpu:
+            return ""
+        tenant = self.store.tenant_of(batch_id) or "default"
+        return str(cgroups.tenant_cpu(tenant, self._weights.get(tenant, 1.0),
+                                      self._cpu_farm) or "")
+
     def _run_claimed(self, stage: str, raw: dict, token: str) -> StageResult:
         ctx = build_context(raw, stage, token, self.settings.node,
                             self.settings.pool(stage).timeout_s)
         ctx.backends, ctx.sandboxes, ctx.settings = self.backends, self.sandboxes, self.settings
+        ctx.cpu_group = self._cpu_group(ctx.batch_id)
         handler: AgentHandler | None = None
         result = StageResult(StageOutcome.FAILED, "error")
         self.liveness.track(ctx)

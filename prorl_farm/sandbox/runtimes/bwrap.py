@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
+    DISK_SCRATCH,
     INSIDE_GATEWAY_DIR,
     INSIDE_HARNESSES,
     INSIDE_RUN,
@@ -40,6 +41,7 @@ from prorl_farm.sandbox.abstract import (
     Sandbox,
     SandboxError,
     SandboxSpec,
+    disk_scratch,
     gateway_dir,
     gateway_env,
     gateway_relay,
@@ -119,8 +121,10 @@ def bwrap_argv(spec: SandboxSpec, sandbox_id: str, workspace: Path, ip: str,
              "--ro-bind", str(identity / "group"), "/etc/group", "--remount-ro", "/etc"]
     size = str(spec.limits.scratch_bytes)  # every tmpfs bounded: it is the node's memory
     argv += ["--dev", "/dev", "--proc", "/proc"]
-    for scratch in ("/dev/shm", "/tmp", "/var/tmp", "/run"):
+    for scratch in ("/dev/shm", "/run"):
         argv += ["--size", size, "--tmpfs", scratch]
+    for inside, host in disk_scratch(workspace).items():  # on disk, beside the workspace
+        argv += ["--bind", str(host), inside]
     argv += ["--dir", INSIDE_RUN]
     if spec.gateway:  # the directory where the job's gateway puts its socket
         argv += ["--bind", str(gateway_dir(workspace)), INSIDE_GATEWAY_DIR]
@@ -131,7 +135,7 @@ def bwrap_argv(spec: SandboxSpec, sandbox_id: str, workspace: Path, ip: str,
     for inside, host in sorted((ro_paths or {}).items()):
         argv += ["--ro-bind", host, inside]
     argv += ["--bind", str(workspace), INSIDE_WORKSPACE, "--chdir", INSIDE_WORKSPACE,
-             # Nothing writable but the workspace and the fresh /tmp, /var/tmp and /run.
+             # Nothing writable but the workspace, /tmp, /var/tmp and the fresh /run.
              "--remount-ro", "/"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
@@ -171,7 +175,8 @@ class BwrapRuntime(Runtime):
                                                pythonpath=self.python.pythonpath,
                                                nproc=None if cgroup else spec.limits.processes,
                                                gateway=gateway,
-                                               workspace_mb=spec.limits.workspace_mb)
+                                               workspace_mb=spec.limits.workspace_mb,
+                                               measured=tuple(DISK_SCRATCH))
 
         # Without a pids cgroup, the cap is set inside the sandbox's own user namespace (a
         # cap per sandbox), not on the host uid that every sandbox shares.

@@ -35,6 +35,7 @@ import subprocess
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
+    DISK_SCRATCH,
     INSIDE_GATEWAY_DIR,
     INSIDE_HARNESSES,
     INSIDE_RUN,
@@ -43,6 +44,7 @@ from prorl_farm.sandbox.abstract import (
     Sandbox,
     SandboxSpec,
     chown_tree,
+    disk_scratch,
     gateway_dir,
 )
 from prorl_farm.sandbox.interpreter import python_binds, sandbox_python
@@ -65,7 +67,8 @@ def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path
                 run_dir: Path, ip: str, python: str, user: tuple[int, int] = NOBODY,
                 image: str = "", ready: str | None = None, root_mask: Path | None = None,
                 lifeline: str | None = None) -> list[str]:
-    image_name, command, *args = inside_server(spec, python, ready, image, lifeline)
+    image_name, command, *args = inside_server(spec, python, ready, image, lifeline,
+                                               tuple(DISK_SCRATCH))
     lim = spec.limits
     argv = [binary, "run", "--rm", "--name", f"prorl-{sandbox_id}",
             "--label", f"prorl.sandbox={sandbox_id}",
@@ -73,8 +76,6 @@ def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path
             "--security-opt", "no-new-privileges", "--security-opt", "seccomp=unconfined",
             "--security-opt", "apparmor=unconfined", "--security-opt",
             "systempaths=unconfined", "--read-only",
-            "--tmpfs", f"/tmp:mode=1777,size={lim.scratch_bytes}",
-            "--tmpfs", f"/var/tmp:mode=1777,size={lim.scratch_bytes}",
             "--tmpfs", f"/run:mode=0755,size={lim.scratch_bytes}", "--ipc", "private",
             "--shm-size", str(lim.scratch_bytes),
             "--hostname", f"sandbox-{sandbox_id[:8]}",
@@ -83,6 +84,8 @@ def docker_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path
             "--ulimit", f"nofile={lim.open_files}", "--ulimit", "core=0",
             "--cpu-shares", str(CPU_SHARES),
             "-v", f"{workspace}:{INSIDE_WORKSPACE}", "-v", f"{run_dir}:{INSIDE_RUN}",
+            *(x for inside, host in disk_scratch(workspace).items()
+              for x in ("-v", f"{host}:{inside}")),
             "-w", INSIDE_WORKSPACE, "--entrypoint", command]
     if not spec.network:
         argv += ["--network", "none"]

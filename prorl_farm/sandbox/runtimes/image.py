@@ -28,7 +28,8 @@ def inside_env(spec: SandboxSpec, sandbox_id: str, ip: str) -> dict[str, str]:
 
 
 def inside_server(spec: SandboxSpec, python: str, ready_fd: int | str | None = None,
-                  image: str = "", lifeline: str | None = None) -> list[str]:
+                  image: str = "", lifeline: str | None = None,
+                  measured: tuple[str, ...] = ()) -> list[str]:
     """The image (the spec's, else ``image``: the node's), then the tool server run by the
     farm's own (bound-in) interpreter (with the gateway's relay where the spec asks for
     it)."""
@@ -40,7 +41,8 @@ def inside_server(spec: SandboxSpec, python: str, ready_fd: int | str | None = N
                                 f"{INSIDE_RUN}/jupyter", python=python, ready_fd=ready_fd,
                                 pythonpath=sandbox_python().pythonpath,
                                 gateway=gateway_relay() if spec.gateway else None,
-                                lifeline=lifeline, workspace_mb=spec.limits.workspace_mb)]
+                                lifeline=lifeline, workspace_mb=spec.limits.workspace_mb,
+                                measured=measured)]
 
 
 class ImageRuntime(Runtime):
