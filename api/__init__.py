@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from celery import Celery
 from flask import Flask, g, request
 
-from prorl_farm.access import AllowList, parse_allow_list, token_ok
+from prorl_farm.access import AllowList, parse_allow_list
 from prorl_farm.celery_app import create_celery_app
 from prorl_farm.config import Settings, load_settings
 from prorl_farm.errors import ConfigError
@@ -18,7 +18,7 @@ from prorl_farm.jobs.payloads import TrajectoryStore, open_store
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
 from prorl_farm.metrics import LatencyRecorder
-from prorl_farm.tenants import DEFAULT, Tenant, parse_tenants, tenant_of_token
+from prorl_farm.tenants import Tenant, parse_tenants
 
 
 @dataclass
@@ -44,12 +44,6 @@ class FarmServices:
         self.store.r.close()
 
 
-# Never behind the token: liveness and readiness probes, and the dashboard's page itself
-# (it holds no data; it asks for the token when the farm's reads need one).
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/"})
-READS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-
 def _time_requests(app: Flask, recorder: LatencyRecorder) -> None:
     @app.before_request
     def _start():
@@ -64,42 +58,10 @@ def _time_requests(app: Flask, recorder: LatencyRecorder) -> None:
         return resp
 
 
-def _require_token(app: Flask, settings: Settings, tenants: dict[str, Tenant]) -> None:
-    """Who is calling: the operator's key (PRORL_API_TOKEN: tenant ``default``, may act for
-    any tenant), a tenant's own key (PRORL_TENANTS), or, on a farm with no key at all,
-    anyone as the operator. A call that needs a key and has none of these is a 401."""
-    from api.errors import error_response
-
-    keyed = bool(settings.api_token) or any(t.token_sha256 for t in tenants.values())
-
-    @app.before_request
-    def _check():
-        g.prorl_tenant, g.prorl_operator = DEFAULT, not keyed
-        if not keyed:
-            return None
-        header = request.headers.get("Authorization")
-        if settings.api_token and token_ok(header, settings.api_token):
-            g.prorl_operator = True
-            return None
-        scheme, _, given = (header or "").partition(" ")
-        tenant = tenant_of_token(tenants, given.strip()) if scheme.lower() == "bearer" \
-            else None
-        if tenant is not None:
-            g.prorl_tenant = tenant.name
-            return None
-        if request.path in OPEN_PATHS or (request.method in READS
-                                          and not settings.api_read_auth):
-            return None
-        resp, status = error_response(401, "unauthorized", "this farm needs "
-                                      "'Authorization: Bearer <token>' (PRORL_API_TOKEN, or "
-                                      "a tenant's key: PRORL_TENANTS)")
-        resp.headers["WWW-Authenticate"] = 'Bearer realm="prorl-farm"'
-        return resp, status
-
-
 def create_app(settings: Settings | None = None) -> Flask:
     """Build the API. ``settings`` defaults to the PRORL_* environment (tests pass their own)."""
     from api import (
+        access,
         backends,
         batches,
         dashboard,
@@ -132,7 +94,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         tenants=parse_tenants(settings.tenants),
     )
     _time_requests(app, app.extensions["prorl"].latency)
-    _require_token(app, settings, app.extensions["prorl"].tenants)
+    access.install(app, settings, app.extensions["prorl"].tenants, store)
     for module in (jobs, batches, handlers, health, openapi, backends, dashboard, tenants):
         app.register_blueprint(module.bp)
     errors.register_error_replies(app)

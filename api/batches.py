@@ -12,6 +12,7 @@ import time
 
 from flask import Blueprint, Response, request
 
+from api.access import batch_visible, sees
 from api.errors import ApiError
 from api.schemas import BatchListQuerySchema, ManyResultsQuerySchema, ResultsQuerySchema
 from api.services import json_body, services
@@ -26,7 +27,7 @@ bp = Blueprint("batches", __name__)
 def recent():
     """The newest batches still stored, newest first, with their counts."""
     q = BatchListQuerySchema().load(request.args.to_dict())
-    return {"batches": services().store.recent_batches(q["limit"])}
+    return {"batches": services().store.recent_batches(q["limit"], sees())}
 
 
 @bp.get("/v1/batches/<batch_id>")
@@ -74,7 +75,10 @@ def many_results():
     until any incomplete one has a result. A batch not stored comes back ``found: false``."""
     svc = services()
     q = ManyResultsQuerySchema().load(json_body())
-    pages = svc.store.many_batch_results(q["cursors"], q["limit"], q["wait"])
+    # Another tenant's batch is answered as one not stored: found false, never read.
+    mine = {b: c for b, c in q["cursors"].items() if batch_visible(svc.store, b)}
+    pages = {**dict.fromkeys(q["cursors"]),
+             **svc.store.many_batch_results(mine, q["limit"], q["wait"])}
     metas = {b: ({"found": True, **_meta(p["cursor"], p["summary"])} if p is not None
                  else {"found": False}) for b, p in pages.items()}
     if _binary():

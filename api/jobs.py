@@ -146,6 +146,9 @@ def submit():
                                                         "_ . -"]})
         digest = hashlib.sha256(json.dumps({**req, "tenant": tenant.name},
                                            sort_keys=True).encode()).hexdigest()
+        # Each tenant's keys are its own: another's same key neither replays its batch nor
+        # says that it exists.
+        key = f"{tenant.name}/{key}"
         record = svc.store.reserve_idempotency(key, digest)
         if record is not None:
             return _replay(record, digest)
@@ -154,9 +157,10 @@ def submit():
     try:
         owner = svc.store.tenant_of(batch_id) if req["batch_id"] else None
         if owner is not None and owner != tenant.name:
-            raise ApiError(409, "batch_of_another_tenant", f"batch {batch_id} belongs to "
-                           f"tenant {owner!r}", {"batch_id": [f"belongs to tenant {owner!r}, "
-                                                              f"not {tenant.name!r}"]})
+            raise ApiError(409, "batch_of_another_tenant", f"batch id {batch_id!r} is "
+                           f"taken by another tenant's batch: choose another",
+                           {"batch_id": [f"taken by another tenant's batch, not "
+                                         f"{tenant.name!r}'s"]})
         # One transaction: the jobs, their INIT messages and the idempotency record land
         # together or not at all (jobs/messages.py).
         with _admitted(svc, tenant, len(req["instances"]) * req["n"]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import threading
 
 from apispec import APISpec
@@ -11,7 +12,6 @@ from flask import Blueprint, current_app
 
 from api import schemas as s
 from prorl_farm import __version__
-from prorl_farm.tenants import parse_tenants
 
 bp = Blueprint("openapi", __name__)
 
@@ -184,12 +184,22 @@ def build_openapi(registry, settings=None) -> dict:
                              "properties": {"handler": {"type": "string", "enum": [name]},
                                             key: value}})
     submit["oneOf"] = variants
-    if settings is not None:
-        # The tenants this farm knows (which of them a key may name is the key's business).
-        submit["properties"]["tenant"] = {
-            **submit["properties"]["tenant"],
-            "enum": [*sorted(parse_tenants(settings.tenants)), None]}
     return doc
+
+
+def for_caller(doc: dict, tenants) -> dict:
+    """The document as the caller reads it: the tenants its key may submit for as the
+    ``tenant`` field's values (the operator: all of them; a tenant's key: its own and
+    those its ``may_use`` names; nothing of the others: api/access.py)."""
+    from api.access import sees
+
+    visible = sees()
+    names = sorted(tenants if visible is None else set(tenants) & visible)
+    submit = doc["components"]["schemas"]["Submit"]
+    tenant = {**submit["properties"]["tenant"], "enum": [*names, None]}
+    submit = {**submit, "properties": {**submit["properties"], "tenant": tenant}}
+    schemas = {**doc["components"]["schemas"], "Submit": submit}
+    return {**doc, "components": {**doc["components"], "schemas": schemas}}
 
 
 _docs_lock = threading.Lock()
@@ -201,6 +211,25 @@ def openapi():
     if "prorl_openapi" not in ext:
         with _docs_lock:
             if "prorl_openapi" not in ext:
-                ext["prorl_openapi"] = build_openapi(ext["prorl"].registry,
-                                                     ext["prorl"].settings)
-    return ext["prorl_openapi"]
+                ext["prorl_openapi"] = with_access(build_openapi(
+                    ext["prorl"].registry, ext["prorl"].settings), current_app.url_map)
+    return for_caller(ext["prorl_openapi"], ext["prorl"].tenants)
+
+
+def with_access(doc: dict, url_map) -> dict:
+    """Each operation's access rule (api/access.py) as ``x-prorl-access`` (``open``, ``key``,
+    ``owner``, ``operator``), and the bearer key it needs (when the farm has keys)."""
+    from api.access import OPEN, RULES
+
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for rule in url_map.iter_rules():
+        path = re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule.rule)
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            op = doc["paths"].get(path, {}).get(method.lower())
+            if op is None:
+                continue
+            access = RULES.get(rule.endpoint, "refused")
+            op["x-prorl-access"] = access
+            if access != OPEN:
+                op["security"] = [{"bearer": []}]
+    return doc

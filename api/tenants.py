@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from flask import Blueprint, g
 
+from api.access import may_see, sees
 from api.services import services
 from prorl_farm import sharing as fair
 from prorl_farm.tenants import DEFAULT, tenant_rows
@@ -14,9 +15,14 @@ bp = Blueprint("tenants", __name__)
 
 @bp.get("/v1/tenants")
 def list_tenants():
+    """Every tenant for the operator; a tenant's key sees its own rows (and those of the
+    tenants its ``may_use`` names), and each queue's share of them, nothing of the others."""
     svc = services()
-    return {"tenants": tenant_rows(svc.store.r, svc.tenants),
-            "fair_share": fair.shares(svc.store.r,
-                                      {n: t.weight for n, t in svc.tenants.items()}),
-            "you": g.get("prorl_tenant", DEFAULT),
+    rows = [row for row in tenant_rows(svc.store.r, svc.tenants) if may_see(row["tenant"])]
+    shares = fair.shares(svc.store.r, {n: t.weight for n, t in svc.tenants.items()})
+    if sees() is not None:
+        shares = [{**q, "tenants": [t for t in q["tenants"] if may_see(t["tenant"])]}
+                  for q in shares]
+    return {"tenants": rows, "fair_share": shares,
+            "you": g.get("prorl_tenant") or DEFAULT,
             "operator": bool(g.get("prorl_operator", True))}

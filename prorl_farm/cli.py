@@ -74,6 +74,15 @@ def _cmd_api(args) -> int:
     if not s.redis_url:
         print("PRORL_REDIS_URL must be set for the API", file=sys.stderr)
         return 2
+    from prorl_farm.access import is_loopback
+    from prorl_farm.tenants import parse_tenants
+
+    keyed = bool(s.api_token) or any(t.token_sha256 for t in parse_tenants(s.tenants).values())
+    if not keyed and not is_loopback(s.api_host):
+        print(f"the API on {s.api_host} (not loopback) without a key would let anyone read "
+              "and run everything: set PRORL_API_TOKEN (or tenants' keys, PRORL_TENANTS), or "
+              "bind it to loopback (`prorl-farm up` makes a key up)", file=sys.stderr)
+        return 2
     argv = [sys.executable, "-m", "gunicorn", "--worker-class", "gthread",
             "--workers", str(s.api_workers), "--threads", str(s.api_threads),
             "--bind", f"{s.api_host}:{s.api_port}",
@@ -328,8 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default="raw_logprobs", help="what --model's logprobs are (and the backend "
                     "is registered with): processed for VeRL's actor (docs/trainers.md)")
     up.add_argument("--auth", action="store_true",
-                    help="require an API token for mutating calls: PRORL_API_TOKEN, or one "
-                    "made up and printed (always so when PRORL_API_HOST is not loopback)")
+                    help="require an API token for every call but the probes: PRORL_API_TOKEN, "
+                    "or one made up and printed (always so when PRORL_API_HOST is not "
+                    "loopback)")
     up.set_defaults(func=_cmd_up)
     w = sub.add_parser("worker", help="run one stage's worker pool in the foreground")
     w.add_argument("stage", choices=STAGES)

@@ -245,7 +245,10 @@ class Settings:
     handlers: str = setting("", "extra handlers without packaging, `name=module:Class,...`")
     api_token: str = setting(
         "", "Bearer token for every mutating API call (clients send it too)", shown="unset")
-    api_read_auth: bool = setting(False, "the token for every read too, but the probes")
+    api_denials_per_min: int = setting(
+        120, "refusals for want of a key or of a visible id (401, 404) a client address may "
+        "have within a minute before it is answered 429 (keys configured only); 0: no "
+        "limit", lo=0, hi=1 << 30)
     backend_allow: str = setting(
         "", "hosts and CIDRs (besides loopback) whose URLs may be registered as LLM backends "
         "or named as Gym resources servers (`gym` jobs)",

@@ -31,6 +31,7 @@ from prorl_farm.access import is_loopback
 from prorl_farm.config import STAGES, Settings
 from prorl_farm.errors import FarmError
 from prorl_farm.sandbox.process import parent_death_signal
+from prorl_farm.tenants import parse_tenants
 
 log = logging.getLogger(__name__)
 
@@ -148,14 +149,18 @@ class Supervisor:
     def __init__(self, settings: Settings, dev_model: str | None = None, auth: bool = False,
                  engine: str = "dev", logprobs_mode: str = "raw_logprobs"):
         # Off loopback, the API needs a token and Flower a password: made up if not given.
+        # With tenants' keys, the operator's too (the farm's own surfaces are its: api/
+        # access.py), and Flower, whose pages show every tenant's tasks, is behind it.
         exposed = not is_loopback(settings.api_host)
+        keyed = any(t.token_sha256 for t in parse_tenants(settings.tenants).values())
         self.generated: list[str] = []
-        if (auth or exposed) and not settings.api_token:
+        if (auth or exposed or keyed) and not settings.api_token:
             settings = dataclasses.replace(settings, api_token=secrets.token_urlsafe(24))
             self.generated.append("api_token")
-        if exposed and not settings.flower_basic_auth:
+        if (exposed or keyed) and not settings.flower_basic_auth:
             settings = dataclasses.replace(
-                settings, flower_basic_auth=f"prorl:{secrets.token_urlsafe(16)}")
+                settings, flower_basic_auth=f"operator:{settings.api_token}" if keyed
+                else f"prorl:{secrets.token_urlsafe(16)}")
             self.generated.append("flower_basic_auth")
         self.settings = settings
         self.dev_model = str(Path(dev_model).resolve()) if dev_model else None
@@ -380,7 +385,7 @@ class Supervisor:
             lines.append(f"  token   {s.api_token}   (Authorization: Bearer; also in "
                          f"{self.home / 'api-token'}; clients read PRORL_API_TOKEN)"
                          if "api_token" in self.generated else
-                         "  token   from PRORL_API_TOKEN (mutating calls need it)")
+                         "  token   from PRORL_API_TOKEN (every call needs it)")
         if "flower_basic_auth" in self.generated:
             lines.append(f"  Flower login  {s.flower_basic_auth}")
         if self.dev_model:

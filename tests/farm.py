@@ -499,19 +499,21 @@ def run_batch(client, body: dict, timeout_s: float = 120) -> list[dict]:
     return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
 
 
-def scrape(client) -> dict[tuple, float]:
-    """GET /metrics through a Flask test client (or a URL): {(sample name, sorted labels):
-    value}, parsed by prometheus_client's own parser (a malformed exposition fails here)."""
+def scrape(client, token: str = "") -> dict[tuple, float]:
+    """GET /metrics through a Flask test client (or a URL), with the operator's ``token``
+    where the farm has keys: {(sample name, sorted labels): value}, parsed by
+    prometheus_client's own parser (a malformed exposition fails here)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     if isinstance(client, str):
         import requests
 
-        resp = requests.get(client.rstrip("/") + "/metrics", timeout=10)
+        resp = requests.get(client.rstrip("/") + "/metrics", timeout=10, headers=headers)
         assert resp.status_code == 200
         text = resp.text
     else:
-        resp = client.get("/metrics")
+        resp = client.get("/metrics", headers=headers)
         assert resp.status_code == 200
         text = resp.get_data(as_text=True)
     return {(s.name, tuple(sorted(s.labels.items()))): s.value

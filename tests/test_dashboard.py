@@ -96,8 +96,7 @@ def test_dashboard_pages_in_chromium(redis_server, r, tmp_path, tiny_model):
 
 
 def test_dashboard_asks_for_the_token_when_reads_need_it(redis_server, r, tmp_path):
-    with http_farm(redis_server.url, tmp_path, "dash-auth", api_token="t0k",
-                   api_read_auth=1) as (url, _):
+    with http_farm(redis_server.url, tmp_path, "dash-auth", api_token="t0k") as (url, _):
         dom = chromium_dom(url + "/", tmp_path / "profile")
         assert 'id="auth" style="display: block;"' in dom
         assert "the API token is needed" in dom

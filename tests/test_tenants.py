@@ -78,7 +78,8 @@ def test_a_batch_belongs_to_its_keys_tenant_or_one_it_may_use(farm):
     _, client = farm
     a = _submit(client, KEY_A, n=3)
     assert a.status_code == 202, a.get_json()
-    batch = client.get(f"/v1/batches/{a.get_json()['batch_id']}").get_json()
+    batch = client.get(f"/v1/batches/{a.get_json()['batch_id']}",
+                       headers=_auth(KEY_A)).get_json()
     assert batch["tenant"] == "team-a"
     assert _submit(client, KEY_A, tenant="team-a-eval").status_code == 202
     assert _submit(client, OPERATOR, tenant="team-b").status_code == 202
@@ -87,7 +88,7 @@ def test_a_batch_belongs_to_its_keys_tenant_or_one_it_may_use(farm):
     assert (now["team-a"]["queued"], now["team-a-eval"]["queued"],
             now["team-b"]["queued"], now["default"]["queued"]) == (3, 1, 1, 1)
     # The same on /metrics, with the quotas.
-    m = scrape(client)
+    m = scrape(client, OPERATOR)
     assert m[("prorl_tenant_jobs", (("state", "queued"), ("tenant", "team-a")))] == 3
     assert m[("prorl_tenant_quota", (("quota", "max_queued"), ("tenant", "team-a")))] == 10
     assert ("prorl_tenant_quota", (("quota", "max_queued"), ("tenant", "team-b"))) not in m
@@ -120,7 +121,9 @@ def test_a_batch_of_one_tenant_takes_no_jobs_of_another(farm, r):
     resp = _submit(client, KEY_B, batch_id="shared-step-1")
     assert resp.status_code == 409, resp.get_json()
     assert "batch_id" in resp.get_json()["error"]["details"]
-    assert client.get("/v1/batches/shared-step-1").get_json()["total"] == 1
+    assert "team-a" not in resp.get_json()["error"]["message"]  # nor whose it is
+    assert client.get("/v1/batches/shared-step-1",
+                      headers=_auth(KEY_A)).get_json()["total"] == 1
 
 
 def test_over_quota_is_a_429_that_enqueues_nothing_until_there_is_room(farm, r):

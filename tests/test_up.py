@@ -70,7 +70,7 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         anonymous = FarmClient(f"http://127.0.0.1:{api_port}", token="")
-        wait_until(anonymous.ready, 60, 0.25, "readyz")  # reads need no token by default
+        wait_until(anonymous.ready, 60, 0.25, "readyz")  # the probes need no token
         # --auth made up a token: written for the operator (owner-only), and required
         token_file = tmp_path / "farm" / "api-token"
         assert token_file.stat().st_mode & 0o077 == 0
@@ -80,8 +80,10 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         with pytest.raises(FarmUnauthorized):
             FarmClient(f"http://127.0.0.1:{api_port}", token=token + "x").submit(
                 "synthetic", [{"run_s": 0}])
-        assert anonymous.batches() == []  # nothing was enqueued
+        with pytest.raises(FarmUnauthorized):  # reads need it too
+            anonymous.batches()
         farm = FarmClient(f"http://127.0.0.1:{api_port}", token=token)
+        assert farm.batches() == []  # nothing was enqueued
 
         def flower_up() -> bool:  # Flower starts once the farm is ready
             try:

@@ -33,7 +33,8 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 from tornado.httpserver import HTTPServer
 from tornado.web import Application, HTTPError, RequestHandler
 
-from prorl_farm.errors import FarmError
+from prorl_farm.access import is_loopback, token_ok
+from prorl_farm.errors import ConfigError, FarmError
 from prorl_farm.gym.rows import (
     RowError,
     Submission,
@@ -287,9 +288,20 @@ def _request_locs(err: dict) -> list[tuple[tuple, str]]:
 class _Base(RequestHandler):
     farm: Farm
 
-    def initialize(self, farm: Farm, sessions: dict, resources_server: str = ""):
+    def initialize(self, farm: Farm, sessions: dict, resources_server: str = "",
+                   guard: str = ""):
         self.farm, self.sessions = farm, sessions
         self.resources_server = resources_server
+        self.guard = guard
+
+    def prepare(self):
+        # Off loopback, the server is not an open door to the farm with its key: a caller
+        # shows the same key (the probes excepted).
+        if self.guard and not isinstance(self, HealthHandler) and not token_ok(
+                self.request.headers.get("Authorization"), self.guard):
+            self.set_header("WWW-Authenticate", 'Bearer realm="prorl-farm-gym"')
+            raise HTTPError(401, "this server needs 'Authorization: Bearer <the key it "
+                            "submits with>'")
 
     def _json(self):
         try:
@@ -410,9 +422,11 @@ class HealthHandler(_Base):
         self.reply(200, {"status": "ok"})
 
 
-def make_app(farm_url: str, token: str = "", resources_server: str = "") -> Application:
+def make_app(farm_url: str, token: str = "", resources_server: str = "",
+             guard: bool = False) -> Application:
+    """``guard``: callers must show ``token`` (a server off loopback)."""
     shared = {"farm": Farm(farm_url, token), "sessions": {},
-              "resources_server": resources_server}
+              "resources_server": resources_server, "guard": token if guard else ""}
     return Application([
         (r"/run", RunHandler, shared),
         (r"/aggregate_metrics", AggregateHandler, shared),
@@ -425,9 +439,15 @@ def make_app(farm_url: str, token: str = "", resources_server: str = "") -> Appl
 async def serve(host: str, port: int, farm_url: str, token: str = "",
                 ready=None, resources_server: str = "") -> None:
     """Serve until cancelled. ``resources_server``: the Gym resources server that rows
-    naming no farm task run on (rows.py)."""
-    server = HTTPServer(make_app(farm_url, token, resources_server), max_body_size=64 << 20,
-                        idle_connection_timeout=3600)
+    naming no farm task run on (rows.py). Off loopback it needs ``token`` and asks its
+    callers for it."""
+    exposed = not is_loopback(host)
+    if exposed and not token:
+        raise ConfigError(f"the Gym server on {host} (not loopback) would submit to the farm "
+                          "for anyone: give it a key (PRORL_API_TOKEN), which its callers "
+                          "then show, or bind it to loopback")
+    server = HTTPServer(make_app(farm_url, token, resources_server, guard=exposed),
+                        max_body_size=64 << 20, idle_connection_timeout=3600)
     server.listen(port, host, backlog=1024)
     log.info("gym agent server on http://%s:%d, the farm at %s%s", host, port, farm_url,
              f", rows to the resources server {resources_server}" if resources_server else "")

@@ -366,24 +366,35 @@ class JobStore:
             raise NotFound(f"batch {batch_id!r} not found")
         return self._summary(batch_id, meta, counts)
 
-    def recent_batches(self, limit: int) -> list[dict]:
-        """The newest batches (by creation) still stored, with their counts."""
-        ids = self.r.zrevrange(keys.BATCHES, 0, limit - 1)
-        pipe = self.r.pipeline(transaction=False)
-        for batch_id in ids:
-            pipe.hgetall(keys.batch(batch_id))
-            _read_counts(pipe, batch_id)
-        rows = pipe.execute()
-        out, gone = [], []
-        for i, batch_id in enumerate(ids):
-            meta, counts = rows[2 * i], rows[2 * i + 1]
-            if meta:
-                out.append(self._summary(batch_id, meta, counts))
-            else:
-                gone.append(batch_id)  # expired: drop it from the index
-        if gone:
-            self.r.zrem(keys.BATCHES, *gone)
-        return out
+    def recent_batches(self, limit: int, tenants: frozenset[str] | None = None
+                       ) -> list[dict]:
+        """The newest batches (by creation) still stored, with their counts; with
+        ``tenants``, only those of these tenants (read a page of the index at a time)."""
+        out: list[dict] = []
+        start, page = 0, limit if tenants is None else max(limit, 256)
+        while len(out) < limit:
+            ids = self.r.zrevrange(keys.BATCHES, start, start + page - 1)
+            if not ids:
+                break
+            start += page
+            pipe = self.r.pipeline(transaction=False)
+            for batch_id in ids:
+                pipe.hgetall(keys.batch(batch_id))
+                _read_counts(pipe, batch_id)
+            rows = pipe.execute()
+            gone = []
+            for i, batch_id in enumerate(ids):
+                meta, counts = rows[2 * i], rows[2 * i + 1]
+                if not meta:
+                    gone.append(batch_id)  # expired: drop it from the index
+                elif tenants is None or meta.get("tenant", "default") in tenants:
+                    out.append(self._summary(batch_id, meta, counts))
+            if gone:
+                self.r.zrem(keys.BATCHES, *gone)
+                start -= len(gone)
+            if tenants is None:
+                break
+        return out[:limit]
 
     @staticmethod
     def _summary(batch_id: str, meta: dict, counts: list[int]) -> dict:

@@ -1,0 +1,185 @@
+"""Who may call what: every endpoint's rule, checked before it runs (docs/security.md,
+"Tenants are walls").
+
+A caller is the operator (``PRORL_API_TOKEN``), a tenant (its key in ``PRORL_TENANTS``) or
+nobody. On a farm with no key at all every caller is the operator (a laptop's farm, bound
+to loopback: off loopback `up` makes a key up). With keys, every route but the probes
+needs one, and each endpoint has one of these rules:
+
+- ``open``: the probes (``/healthz``, ``/readyz``: they say nothing of tenants) and the
+  dashboard's page (it holds no data; it asks for the key its data needs);
+- ``key``: any key; what the route answers is the caller's (``GET /v1/batches`` lists
+  the batches it may see, the multi-batch read answers ``found: false`` for the others,
+  ``/v1/tenants`` shows a tenant its own);
+- ``owner``: a route on one batch or job (its summary, results, stats, cancel, ack): the
+  key of its tenant, or of a tenant whose ``may_use`` names it, or the operator's. Any
+  other key gets the very 404 an unknown id gets, and nothing is done;
+- ``operator``: the farm's own surfaces (backends, weights, the dashboard's farm-wide
+  documents, ``/metrics``): the operator's key; a tenant's is a 403.
+
+An endpoint without a rule is refused (500): a new route cannot be open by omission, and
+``tests/test_walls.py`` tries every route of the OpenAPI document with every kind of key.
+
+A client whose calls keep failing for want of a key or of a visible id (401 and 404) is
+answered 429 once it has had ``PRORL_API_DENIALS_PER_MIN`` of them within a minute (per
+address), so that ids and keys cannot be tried cheaply; ids carry 128 random bits anyway.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flask import Flask, g, request
+
+from prorl_farm import keys
+from prorl_farm.access import token_ok
+from prorl_farm.config import Settings
+from prorl_farm.errors import NotFound
+from prorl_farm.tenants import DEFAULT, Tenant, tenant_of_token
+
+OPEN, KEY, OWNER, OPERATOR = "open", "key", "owner", "operator"
+
+RULES: dict[str, str] = {
+    "health.healthz": OPEN,
+    "health.readyz": OPEN,
+    "dashboard.page": OPEN,
+    "static": OPEN,
+    "openapi.openapi": KEY,
+    "handlers.list_handlers": KEY,
+    "jobs.submit": KEY,
+    "batches.recent": KEY,
+    "batches.many_results": KEY,
+    "tenants.list_tenants": KEY,
+    "jobs.get_job": OWNER,
+    "jobs.cancel_job": OWNER,
+    "batches.summary": OWNER,
+    "batches.results": OWNER,
+    "batches.cancel": OWNER,
+    "batches.ack": OWNER,
+    "dashboard.stats": OWNER,
+    "dashboard.overview": OPERATOR,
+    "dashboard.farm_history": OPERATOR,
+    "health.metrics": OPERATOR,
+    "backends.register": OPERATOR,
+    "backends.list_backends": OPERATOR,
+    "backends.get_backend": OPERATOR,
+    "backends.unregister": OPERATOR,
+    "backends.drain": OPERATOR,
+    "backends.resume": OPERATOR,
+    "backends.sync_weights": OPERATOR,
+    "backends.sync_all_weights": OPERATOR,
+}
+
+DENIAL_WINDOW_S = 60
+
+
+def sees() -> frozenset[str] | None:
+    """The tenants whose batches the caller may see: None for all (the operator)."""
+    return g.get("prorl_sees")
+
+
+def may_see(tenant: str | None) -> bool:
+    visible = sees()
+    return visible is None or (tenant or DEFAULT) in visible
+
+
+def batch_visible(store, batch_id: str) -> bool:
+    """Whether the caller may see the batch (an unknown batch counts as visible: its own
+    route answers the 404 an unknown id gets)."""
+    if sees() is None:
+        return True
+    tenant = store.tenant_of(batch_id)
+    if tenant is None and not store.r.exists(keys.batch(batch_id)):
+        return True
+    return may_see(tenant)
+
+
+def _job_batch(store, job_id: str) -> str | None:
+    return store.r.hget(keys.job(job_id), "batch_id")
+
+
+def _unauthorized():
+    from api.errors import error_response
+
+    resp, status = error_response(401, "unauthorized", "this farm needs "
+                                  "'Authorization: Bearer <token>' (PRORL_API_TOKEN, or a "
+                                  "tenant's key: PRORL_TENANTS)")
+    resp.headers["WWW-Authenticate"] = 'Bearer realm="prorl-farm"'
+    return resp, status
+
+
+def install(app: Flask, settings: Settings, tenants: dict[str, Tenant], store) -> None:
+    """Check every request against its endpoint's rule (see the module's docstring)."""
+    from api.errors import ApiError, error_response
+
+    keyed = bool(settings.api_token) or any(t.token_sha256 for t in tenants.values())
+
+    def who() -> None:
+        g.prorl_tenant, g.prorl_operator, g.prorl_sees = DEFAULT, not keyed, None
+        if not keyed:
+            return
+        header = request.headers.get("Authorization")
+        if settings.api_token and token_ok(header, settings.api_token):
+            g.prorl_operator = True
+            return
+        scheme, _, given = (header or "").partition(" ")
+        tenant = tenant_of_token(tenants, given.strip()) if scheme.lower() == "bearer" \
+            else None
+        if tenant is None:
+            g.prorl_tenant = None
+            g.prorl_sees = frozenset()
+            return
+        g.prorl_tenant = tenant.name
+        g.prorl_sees = frozenset({tenant.name, *tenant.may_use})
+
+    @app.before_request
+    def _check():
+        who()
+        if request.endpoint is None:  # no such route: Flask's own 404
+            return None
+        rule = RULES.get(request.endpoint)
+        if rule is None:
+            return error_response(500, "no_access_rule", f"route {request.endpoint!r} has "
+                                  "no access rule (api/access.py): refused")
+        if rule == OPEN or g.prorl_operator:
+            return None
+        if g.prorl_tenant is None:
+            return _unauthorized()
+        if rule == OPERATOR:
+            raise ApiError(403, "operator_only", "this route is the farm operator's: it "
+                           "needs PRORL_API_TOKEN, not a tenant's key")
+        if rule == OWNER:
+            args = request.view_args or {}
+            if "batch_id" in args and not batch_visible(store, args["batch_id"]):
+                raise NotFound(f"batch {args['batch_id']!r} not found")
+            if "job_id" in args:
+                batch_id = _job_batch(store, args["job_id"])
+                if batch_id is not None and not batch_visible(store, batch_id):
+                    raise NotFound(f"job {args['job_id']!r} not found")
+        return None
+
+    limit = settings.api_denials_per_min
+
+    @app.after_request
+    def _count_denials(resp):
+        if not keyed or not limit or resp.status_code not in (401, 404):
+            return resp
+        client = request.remote_addr or "?"
+        window = int(time.time() // DENIAL_WINDOW_S)
+        key = f"{keys.PREFIX}denials:{client}:{window}"
+        try:
+            pipe = store.r.pipeline(transaction=False)
+            pipe.incr(key)
+            pipe.expire(key, 2 * DENIAL_WINDOW_S)
+            n = pipe.execute()[0]
+        except Exception:  # noqa: BLE001 - Redis away: the reply stands
+            return resp
+        if n <= limit:
+            return resp
+        slow, status = error_response(429, "too_many_denials", f"{n} calls from this "
+                                      f"address were refused (401/404) within a minute "
+                                      f"(at most {limit}: PRORL_API_DENIALS_PER_MIN); try "
+                                      f"again later")
+        slow.status_code = status
+        slow.headers["Retry-After"] = str(DENIAL_WINDOW_S - int(time.time()) % DENIAL_WINDOW_S)
+        return slow

@@ -1,0 +1,267 @@
+"""Tenants are walls (docs/security.md): two tenants and the operator, every route of the
+OpenAPI document tried with each key and with none, against a table of what each may do
+that this test holds itself (a route the table does not name fails it, as does a Flask
+route without an access rule). Tenant B's every try on tenant A's work is the very 404 an
+unknown id gets, and changes nothing of A's; no key at all is a 401 but on the probes;
+the farm's own surfaces are the operator's (403 for a tenant's key)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from prorl_farm.config import load_settings
+from prorl_farm.llm.registry import BackendRegistry, BackendSpec
+from tests.farm import farm_env
+
+OPERATOR = "operator-key-0123456789"
+KEY_A, KEY_B = "team-a-key-0123456789", "team-b-key-0123456789"
+TENANTS = {"team-a": {"token": KEY_A}, "team-b": {"token": KEY_B}}
+UNKNOWN = "0" * 32
+
+# (method, path) -> who may: open (anyone), key (any key; the answer is the caller's),
+# owner (the batch's or job's tenant, or the operator), operator.
+TABLE = {
+    ("get", "/healthz"): "open",
+    ("get", "/readyz"): "open",
+    ("get", "/metrics"): "operator",
+    ("post", "/v1/jobs"): "key",
+    ("get", "/v1/jobs/{job_id}"): "owner",
+    ("post", "/v1/jobs/{job_id}/cancel"): "owner",
+    ("get", "/v1/batches"): "key",
+    ("post", "/v1/batches/results"): "key",
+    ("get", "/v1/batches/{batch_id}"): "owner",
+    ("get", "/v1/batches/{batch_id}/results"): "owner",
+    ("get", "/v1/batches/{batch_id}/stats"): "owner",
+    ("post", "/v1/batches/{batch_id}/cancel"): "owner",
+    ("post", "/v1/batches/{batch_id}/ack"): "owner",
+    ("get", "/v1/overview"): "operator",
+    ("get", "/v1/history"): "operator",
+    ("get", "/v1/handlers"): "key",
+    ("get", "/v1/tenants"): "key",
+    ("post", "/v1/backends"): "operator",
+    ("get", "/v1/backends"): "operator",
+    ("get", "/v1/backends/{backend_id}"): "operator",
+    ("delete", "/v1/backends/{backend_id}"): "operator",
+    ("post", "/v1/backends/{backend_id}/drain"): "operator",
+    ("post", "/v1/backends/{backend_id}/resume"): "operator",
+    ("post", "/v1/backends/{backend_id}/weights"): "operator",
+    ("post", "/v1/weights"): "operator",
+}
+# Tried last by the allowed callers: they change what the others read.
+LAST = {("delete", "/v1/backends/{backend_id}"), ("post", "/v1/batches/{batch_id}/cancel"),
+        ("post", "/v1/jobs/{job_id}/cancel")}
+
+
+def _auth(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@pytest.fixture
+def walls(redis_server, r, tokenizer):
+    from api import create_app
+
+    settings = load_settings(farm_env(redis_server.url, api_token=OPERATOR,
+                                      tenants=json.dumps(TENANTS)))
+    app = create_app(settings)
+    client = app.test_client()
+    sub = client.post("/v1/jobs", headers=_auth(KEY_A), json={
+        "handler": "synthetic", "instances": [{"run_s": 0}], "n": 2}).get_json()
+    backend = BackendRegistry(r).register(BackendSpec("http://127.0.0.1:9", "vllm", "m",
+                                                      tokenizer, capacity=4))
+    ids = {"batch_id": sub["batch_id"], "job_id": sub["job_ids"][0], "backend_id": backend}
+    yield client, ids, tokenizer
+    app.extensions["prorl"].close()
+
+
+def _call(client, method, path, ids, key, tokenizer, unknown=False):
+    filled = path
+    for name, value in ids.items():
+        filled = filled.replace("{" + name + "}", UNKNOWN if unknown else value)
+    body = {
+        ("post", "/v1/jobs"): {"handler": "synthetic", "instances": [{"run_s": 0}]},
+        ("post", "/v1/batches/results"): {"cursors": {ids["batch_id"]: "0-0"}, "wait": 0},
+        ("post", "/v1/backends"): {"url": "http://127.0.0.1:9", "kind": "vllm",
+                                   "model": "m", "tokenizer": tokenizer},
+        ("post", "/v1/backends/{backend_id}/resume"): {"policy_version": 0},
+        ("post", "/v1/backends/{backend_id}/weights"): {"path": "/nonexistent",
+                                                        "policy_version": 1},
+        ("post", "/v1/weights"): {"path": "/nonexistent", "policy_version": 1},
+    }.get((method, path))
+    query = "?wait=0" if path.endswith("/results") and method == "get" else ""
+    return getattr(client, method)(filled + query, headers=_auth(key),
+                                   **({"json": body} if body is not None else {}))
+
+
+def _a_view(client, ids) -> dict:
+    """What A's work looks like to A: its batch, its jobs, the backend (the operator's)."""
+    a = _auth(KEY_A)
+    return {"batch": client.get(f"/v1/batches/{ids['batch_id']}", headers=a).get_json(),
+            "job": client.get(f"/v1/jobs/{ids['job_id']}", headers=a).get_json()["state"],
+            "backends": client.get("/v1/backends", headers=_auth(OPERATOR)).get_json()}
+
+
+def test_every_route_with_every_key_and_none(walls):
+    client, ids, tokenizer = walls
+    doc = client.get("/openapi.json", headers=_auth(KEY_B)).get_json()
+    assert "team-a" not in json.dumps(doc)
+    routes = [(m, p) for p, ops in doc["paths"].items() for m in ops]
+    assert set(routes) == set(TABLE), ("routes without a rule in this test's table, or "
+                                       f"gone: {set(routes) ^ set(TABLE)}")
+    for method, path in routes:  # the document says the rule the farm applies
+        assert doc["paths"][path][method]["x-prorl-access"] == TABLE[(method, path)]
+    before = _a_view(client, ids)
+    # No key, and tenant B's: nothing of A's is reached, nothing changes.
+    for method, path in routes:
+        rule = TABLE[(method, path)]
+        got = _call(client, method, path, ids, None, tokenizer)
+        assert (got.status_code == 401) == (rule != "open"), (method, path, got.status_code)
+        got = _call(client, method, path, ids, KEY_B, tokenizer)
+        if rule == "operator":
+            assert got.status_code == 403, (method, path, got.get_json())
+        elif rule == "owner":
+            unknown = _call(client, method, path, ids, KEY_B, tokenizer, unknown=True)
+            assert got.status_code == unknown.status_code == 404, (method, path)
+            assert json.dumps(got.get_json()).replace(ids["batch_id"], UNKNOWN).replace(
+                ids["job_id"], UNKNOWN) == json.dumps(unknown.get_json()), (method, path)
+        else:
+            assert got.status_code not in (401, 403, 404), (method, path, got.get_json())
+            text = got.get_data(as_text=True)
+            if path == "/v1/batches/results":  # asked of A's batch: not stored, for B
+                assert got.get_json()["batches"] == {ids["batch_id"]: {"found": False}}
+            else:
+                assert ids["batch_id"] not in text and "team-a" not in text, (path, text)
+    assert _a_view(client, ids) == before
+    # A and the operator: allowed where the table says (what they send may still be
+    # refused for what it is: a 400, a 409; never for who sends it).
+    for key in (KEY_A, OPERATOR):
+        for method, path in sorted(routes, key=lambda mp: mp in LAST):
+            rule = TABLE[(method, path)]
+            if rule == "operator" and key != OPERATOR:
+                continue
+            got = _call(client, method, path, ids, key, tokenizer)
+            assert got.status_code not in (401, 403, 404), (key, method, path, got.get_json())
+
+
+def test_lists_and_many_results_hold_only_what_the_key_may_see(walls):
+    client, ids, _ = walls
+    # One of A's jobs ends (cancelled): it is on A's results stream from now on.
+    assert client.post(f"/v1/jobs/{ids['job_id']}/cancel",
+                       headers=_auth(KEY_A)).status_code == 200
+    b_sub = client.post("/v1/jobs", headers=_auth(KEY_B), json={
+        "handler": "synthetic", "instances": [{"run_s": 0}]}).get_json()
+    seen = {key: {b["batch_id"] for b in client.get("/v1/batches", headers=_auth(key))
+                  .get_json()["batches"]} for key in (KEY_A, KEY_B, OPERATOR)}
+    assert seen[KEY_A] == {ids["batch_id"]} and seen[KEY_B] == {b_sub["batch_id"]}
+    assert seen[OPERATOR] == {ids["batch_id"], b_sub["batch_id"]}
+    many = client.post("/v1/batches/results", headers=_auth(KEY_B), json={
+        "cursors": {ids["batch_id"]: "0-0", b_sub["batch_id"]: "0-0"}, "wait": 0}).get_json()
+    assert many["batches"][ids["batch_id"]] == {"found": False}
+    assert many["batches"][b_sub["batch_id"]]["found"] is True
+    # The same read as Arrow pages: nothing of A's job in them; A reads it.
+    arrow = {"Accept": "application/vnd.apache.arrow.stream"}
+    for key, has in ((KEY_B, False), (KEY_A, True)):
+        page = client.post("/v1/batches/results", headers={**_auth(key), **arrow}, json={
+            "cursors": {ids["batch_id"]: "0-0"}, "wait": 0})
+        assert page.status_code == 200 and page.mimetype == arrow["Accept"]
+        assert (ids["job_id"].encode() in page.data) == has, key
+    assert client.get(f"/v1/batches/{ids['batch_id']}/results?wait=0",
+                      headers={**_auth(KEY_B), **arrow}).status_code == 404
+    tenants = client.get("/v1/tenants", headers=_auth(KEY_B)).get_json()
+    assert [t["tenant"] for t in tenants["tenants"]] == ["team-b"]
+    assert "team-a" not in json.dumps(tenants["fair_share"])
+
+
+def test_a_flood_of_refusals_is_slowed(redis_server, r):
+    """Past PRORL_API_DENIALS_PER_MIN refusals (401, 404) within a minute, an address is
+    answered 429 with Retry-After, whatever it asks; its allowed calls are not counted."""
+    from api import create_app
+
+    app = create_app(load_settings(farm_env(redis_server.url, api_token=OPERATOR,
+                                            tenants=json.dumps(TENANTS),
+                                            api_denials_per_min=5)))
+    client = app.test_client()
+    try:
+        for _ in range(10):
+            assert client.get("/v1/handlers", headers=_auth(KEY_A)).status_code == 200
+        codes = [client.get(f"/v1/batches/{i:032x}", headers=_auth(KEY_A)).status_code
+                 for i in range(5)]
+        assert codes == [404] * 5
+        slowed = client.get("/v1/batches", headers={})
+        assert slowed.status_code == 429 and int(slowed.headers["Retry-After"]) > 0
+    finally:
+        app.extensions["prorl"].close()
+
+
+def test_every_flask_route_has_an_access_rule(settings):
+    from api import create_app
+    from api.access import RULES
+
+    app = create_app(settings)
+    try:
+        endpoints = {rule.endpoint for rule in app.url_map.iter_rules()}
+        assert endpoints <= set(RULES), endpoints - set(RULES)
+    finally:
+        app.extensions["prorl"].close()
+
+
+def test_the_gym_server_off_loopback_asks_for_the_key(redis_server):
+    """Off loopback, the Gym agent server (which submits with the farm key it is given)
+    refuses to start without a key, and asks its callers for that key."""
+    import asyncio
+
+    from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+    from tornado.httpserver import HTTPServer
+
+    from prorl_farm.errors import ConfigError
+    from prorl_farm.gym.server import make_app, serve
+    from tests.farm import free_port
+
+    with pytest.raises(ConfigError, match="not loopback"):
+        asyncio.run(serve("0.0.0.0", free_port(), "http://127.0.0.1:9", token=""))
+
+    async def attempt() -> list[int]:
+        port = free_port()
+        server = HTTPServer(make_app("http://127.0.0.1:9", OPERATOR, guard=True))
+        server.listen(port, "127.0.0.1")
+        codes = []
+        try:
+            for headers in ({}, _auth(KEY_B), _auth(OPERATOR)):
+                try:
+                    resp = await AsyncHTTPClient().fetch(
+                        f"http://127.0.0.1:{port}/aggregate_metrics", method="POST",
+                        body="[]", headers=headers, raise_error=False)
+                    codes.append(resp.code)
+                except HTTPClientError as e:
+                    codes.append(e.code)
+            resp = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{port}/healthz")
+            codes.append(resp.code)
+        finally:
+            server.stop()
+        return codes
+
+    codes = asyncio.run(attempt())
+    assert codes[:2] == [401, 401] and codes[2] != 401 and codes[3] == 200, codes
+
+
+def test_ids_carry_128_random_bits():
+    from prorl_farm.jobs.store import new_id
+
+    ids = {new_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+
+
+def test_the_api_off_loopback_refuses_to_start_without_a_key():
+    import os
+    import subprocess
+    import sys
+
+    from tests.farm import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
+    env.update(PRORL_REDIS_URL="redis://127.0.0.1:1/0", PRORL_API_HOST="0.0.0.0")
+    out = subprocess.run([sys.executable, "-m", "prorl_farm.cli", "api"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not loopback" in out.stderr, out
