@@ -94,7 +94,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         tenants=parse_tenants(settings.tenants),
     )
     _time_requests(app, app.extensions["prorl"].latency)
-    access.install(app, settings, app.extensions["prorl"].tenants, store)
+    access.install(app, settings, app.extensions["prorl"].tenants, store,
+                   app.extensions["prorl"].backends)
     for module in (jobs, batches, handlers, health, openapi, backends, dashboard, tenants):
         app.register_blueprint(module.bp)
     errors.register_error_replies(app)

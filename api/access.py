@@ -14,8 +14,13 @@ needs one, and each endpoint has one of these rules:
 - ``owner``: a route on one batch or job (its summary, results, stats, cancel, ack): the
   key of its tenant, or of a tenant whose ``may_use`` names it, or the operator's. Any
   other key gets the very 404 an unknown id gets, and nothing is done;
-- ``operator``: the farm's own surfaces (backends, weights, the dashboard's farm-wide
-  documents, ``/metrics``): the operator's key; a tenant's is a 403.
+- ``backend``: a route on one LLM backend (get, drain, resume, weights, remove): the same
+  rule by the backend's tenant. Each tenant has its own backends (a trainer registers
+  the servers of its own policy and syncs their weights with its own key), and a tenant's
+  jobs are sent to its backends only (lua/lib/backends.lua: a heap per tenant), so no
+  tenant's server ever sees another's prompts or chooses its tokens;
+- ``operator``: the farm's own surfaces (the dashboard's farm-wide documents,
+  ``/metrics``): the operator's key; a tenant's is a 403.
 
 An endpoint without a rule is refused (500): a new route cannot be open by omission, and
 ``tests/test_walls.py`` tries every route of the OpenAPI document with every kind of key.
@@ -37,7 +42,7 @@ from prorl_farm.config import Settings
 from prorl_farm.errors import NotFound
 from prorl_farm.tenants import DEFAULT, Tenant, tenant_of_token
 
-OPEN, KEY, OWNER, OPERATOR = "open", "key", "owner", "operator"
+OPEN, KEY, OWNER, BACKEND, OPERATOR = "open", "key", "owner", "backend", "operator"
 
 RULES: dict[str, str] = {
     "health.healthz": OPEN,
@@ -60,14 +65,14 @@ RULES: dict[str, str] = {
     "dashboard.overview": OPERATOR,
     "dashboard.farm_history": OPERATOR,
     "health.metrics": OPERATOR,
-    "backends.register": OPERATOR,
-    "backends.list_backends": OPERATOR,
-    "backends.get_backend": OPERATOR,
-    "backends.unregister": OPERATOR,
-    "backends.drain": OPERATOR,
-    "backends.resume": OPERATOR,
-    "backends.sync_weights": OPERATOR,
-    "backends.sync_all_weights": OPERATOR,
+    "backends.register": KEY,
+    "backends.list_backends": KEY,
+    "backends.sync_all_weights": KEY,
+    "backends.get_backend": BACKEND,
+    "backends.unregister": BACKEND,
+    "backends.drain": BACKEND,
+    "backends.resume": BACKEND,
+    "backends.sync_weights": BACKEND,
 }
 
 DENIAL_WINDOW_S = 60
@@ -108,7 +113,8 @@ def _unauthorized():
     return resp, status
 
 
-def install(app: Flask, settings: Settings, tenants: dict[str, Tenant], store) -> None:
+def install(app: Flask, settings: Settings, tenants: dict[str, Tenant], store,
+            backends) -> None:
     """Check every request against its endpoint's rule (see the module's docstring)."""
     from api.errors import ApiError, error_response
 
@@ -148,13 +154,22 @@ def install(app: Flask, settings: Settings, tenants: dict[str, Tenant], store) -
         if rule == OPERATOR:
             raise ApiError(403, "operator_only", "this route is the farm operator's: it "
                            "needs PRORL_API_TOKEN, not a tenant's key")
+        # Another tenant's batch, job or backend is answered here exactly as one that does
+        # not exist: the same 404, before the route runs (nothing done, nothing told).
+        args = request.view_args or {}
+        if rule == BACKEND:
+            tenant = backends.tenant_of(args["backend_id"])
+            if tenant is None or not may_see(tenant):
+                raise NotFound(f"backend {args['backend_id']!r} not found")
         if rule == OWNER:
-            args = request.view_args or {}
-            if "batch_id" in args and not batch_visible(store, args["batch_id"]):
-                raise NotFound(f"batch {args['batch_id']!r} not found")
+            if "batch_id" in args:
+                tenant = store.tenant_of(args["batch_id"])
+                if tenant is None and not store.r.exists(keys.batch(args["batch_id"])) \
+                        or not may_see(tenant):
+                    raise NotFound(f"batch {args['batch_id']!r} not found")
             if "job_id" in args:
                 batch_id = _job_batch(store, args["job_id"])
-                if batch_id is not None and not batch_visible(store, batch_id):
+                if batch_id is None or not batch_visible(store, batch_id):
                     raise NotFound(f"job {args['job_id']!r} not found")
         return None
 

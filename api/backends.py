@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from flask import Blueprint, request
+from flask import Blueprint, g, request
 
-from api.errors import ApiError
+from api.access import may_see
+from api.errors import ApiError, validation_error
 from api.schemas import (
     BackendRegisterSchema,
     BackendResumeSchema,
@@ -18,6 +19,7 @@ from api.services import json_body, services
 from prorl_farm.access import backend_url_refusal
 from prorl_farm.llm import weights
 from prorl_farm.llm.registry import BackendSpec, context_length, probe, tokenizer_error
+from prorl_farm.tenants import DEFAULT
 
 bp = Blueprint("backends", __name__)
 log = logging.getLogger(__name__)
@@ -31,8 +33,9 @@ def register():
     heap once a later probe succeeds). With ``?probe=strict`` an unhealthy backend is
     refused (422, nothing stored)."""
     query = RegisterQuerySchema().load(request.args.to_dict())
-    spec = BackendSpec(**BackendRegisterSchema().load(json_body()))
+    body = BackendRegisterSchema().load(json_body())
     svc = services()
+    spec = BackendSpec(**{**body, "tenant": _owner(svc, body.pop("tenant", None))})
     refusal = backend_url_refusal(spec.url, svc.allow_list, svc.settings.redis_url)
     if refusal:
         raise ApiError(403, "backend_not_allowed", f"url: {refusal}", {"url": [refusal]})
@@ -50,6 +53,19 @@ def register():
     return services().backends.get(backend_id), 201
 
 
+def _owner(svc, asked: str | None) -> str:
+    """The tenant a registration is for: the key's own, or the one it names where the key
+    may act for it (the operator's: any configured tenant)."""
+    me = g.get("prorl_tenant") or DEFAULT
+    name = asked or me
+    if name not in svc.tenants:
+        raise validation_error({"tenant": [f"unknown tenant {name!r}"]}, "unknown_tenant")
+    if not may_see(name):
+        raise ApiError(403, "forbidden", f"this key registers backends for tenant {me!r} "
+                       f"and may not for {name!r}", {"tenant": [f"not {me!r}'s to use"]})
+    return name
+
+
 def _label(kind: str, url: str, version: int) -> None:
     """Label the engine's weights with the version they are registered at, where the
     engine labels the tokens it samples (a label left by an earlier farm or run would
@@ -62,7 +78,9 @@ def _label(kind: str, url: str, version: int) -> None:
 
 @bp.get("/v1/backends")
 def list_backends():
-    return {"backends": services().backends.list()}
+    """The backends the key may see: its tenant's (and those its ``may_use`` names); the
+    operator's, every one."""
+    return {"backends": [b for b in services().backends.list() if may_see(b["tenant"])]}
 
 
 @bp.get("/v1/backends/<backend_id>")
@@ -128,13 +146,13 @@ def sync_weights(backend_id: str):
 
 @bp.post("/v1/weights")
 def sync_all_weights():
-    """:func:`sync_weights` for every registered backend (or those of ``model``), one after
-    another, so the others keep serving while each one loads. Answers each backend's
+    """:func:`sync_weights` for every backend the key may see (or those of ``model``), one
+    after another, so the others keep serving while each one loads. Answers each backend's
     record; 409 if any failed its check."""
     body = BackendWeightsSchema().load(json_body())
     probe = _probe(body)
-    targets = [b["id"] for b in services().backends.list()
-               if not body.get("model") or b["model"] == body["model"]]
+    targets = [b["id"] for b in services().backends.list() if may_see(b["tenant"])
+               and (not body.get("model") or b["model"] == body["model"])]
     if not targets:
         raise ApiError(404, "not_found", "no backend is registered" +
                        (f" for model {body['model']!r}" if body.get("model") else ""))

@@ -276,6 +276,11 @@ class BackendRegisterSchema(Schema):
     max_model_len = fields.Integer(load_default=0, strict=True, validate=validate.Range(
         min=0, max=100_000_000), metadata={"description": "the engine's context length; "
                                            "0 (default): read from its GET /v1/models"})
+    tenant = fields.String(load_default=None, allow_none=True, validate=validate.Length(
+        min=1, max=64), metadata={"description": "whose backend it is: only that tenant's "
+                                  "jobs are sent to it (default: the key's tenant; a "
+                                  "tenant's key may name itself or a tenant its may_use "
+                                  "names, the operator's any)"})
 
 
 class ProbeSchema(Schema):

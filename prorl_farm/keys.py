@@ -226,6 +226,15 @@ BACKENDS = f"{PREFIX}backends:all"
 # Sorted set, the min-heap: backend -> the request time one more job would add there
 # (lua/lib/backends.lua heap_score); only healthy, undrained ones.
 BACKEND_HEAP = f"{PREFIX}backends:heap"
+
+
+def backend_heap(tenant: str | None) -> str:
+    """The min-heap of one tenant's backends (a tenant's jobs go to its own backends only):
+    the default tenant's is BACKEND_HEAP itself. lua/lib/backends.lua tenant_heap is the
+    same rule."""
+    return BACKEND_HEAP if not tenant or tenant == "default" else f"{BACKEND_HEAP}:{tenant}"
+
+
 # Hash: backend -> in-flight jobs (every backend, in the heap or not).
 BACKEND_INFLIGHT = f"{PREFIX}backends:inflight"
 # Hash: job -> the backend it is pinned to (sticky routing; cleared when the job ends).

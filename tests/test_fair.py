@@ -347,7 +347,15 @@ def test_a_leaving_pool_hands_back_a_job_moved_from_a_pen_onto_the_list_as_it_re
         assert (raw["state"], raw["queue"], raw["requeues"]) == ("queued", "init", "0"), raw
         assert "node n left" in raw["attempts"]
     assert store.leave_sweep("run.n", mark=False) == []
+    # The mark stays while a job could still arrive in time for it, then the reaper drops
+    # it (a node that never comes back leaves nothing behind).
+    assert r.hexists(keys.LEFT, "run.n")
+    r.hset(keys.LEFT, "run.n", str(store.server_time() - 3 * settings.heartbeat_stale_s))
+    Reaper(store, settings, messages).sweep(force=True)
+    assert not r.hexists(keys.LEFT, "run.n")
     # A pool that serves the queue again clears its mark.
+    store.leave_sweep("run.n", mark=True)
+    assert r.hexists(keys.LEFT, "run.n")
     store.fair_fill("run.n", "pool-2", 1, 0, 60, {})
     assert not r.hexists(keys.LEFT, "run.n")
 

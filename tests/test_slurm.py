@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from prorl_farm.trainer import FarmClient
+from prorl_farm.trainer.farm import FarmUnauthorized
 from tests.farm import ROOT, free_port, wait_until
 from tests.slurm_cluster import SlurmCluster, install
 
@@ -84,7 +85,9 @@ def test_slurm_head_workers_scale_out_scancel_and_nothing_left(cluster, tmp_path
         assert (shared / "head.env").stat().st_mode & 0o077 == 0  # credentials: owner only
         farm = FarmClient(head_env["PRORL_URL"], token=head_env["PRORL_API_TOKEN"])
         wait_until(farm.ready, 90, 0.3, "the first worker node's pools")
-        assert FarmClient(head_env["PRORL_URL"], token="").backends() == []  # reads open
+        with pytest.raises(FarmUnauthorized):  # off loopback every read needs the key
+            FarmClient(head_env["PRORL_URL"], token="").backends()
+        assert farm.backends() == []
         # The head's NeMo Gym agent server, published beside the API.
         assert requests.get(head_env["PRORL_GYM_URL"] + "/healthz", timeout=10).json() == \
             {"status": "ok"}

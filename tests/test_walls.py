@@ -22,7 +22,8 @@ TENANTS = {"team-a": {"token": KEY_A}, "team-b": {"token": KEY_B}}
 UNKNOWN = "0" * 32
 
 # (method, path) -> who may: open (anyone), key (any key; the answer is the caller's),
-# owner (the batch's or job's tenant, or the operator), operator.
+# owner (the batch's or job's tenant, or the operator), backend (the backend's tenant, or
+# the operator), operator.
 TABLE = {
     ("get", "/healthz"): "open",
     ("get", "/readyz"): "open",
@@ -41,14 +42,14 @@ TABLE = {
     ("get", "/v1/history"): "operator",
     ("get", "/v1/handlers"): "key",
     ("get", "/v1/tenants"): "key",
-    ("post", "/v1/backends"): "operator",
-    ("get", "/v1/backends"): "operator",
-    ("get", "/v1/backends/{backend_id}"): "operator",
-    ("delete", "/v1/backends/{backend_id}"): "operator",
-    ("post", "/v1/backends/{backend_id}/drain"): "operator",
-    ("post", "/v1/backends/{backend_id}/resume"): "operator",
-    ("post", "/v1/backends/{backend_id}/weights"): "operator",
-    ("post", "/v1/weights"): "operator",
+    ("post", "/v1/backends"): "key",
+    ("get", "/v1/backends"): "key",
+    ("post", "/v1/weights"): "key",
+    ("get", "/v1/backends/{backend_id}"): "backend",
+    ("delete", "/v1/backends/{backend_id}"): "backend",
+    ("post", "/v1/backends/{backend_id}/drain"): "backend",
+    ("post", "/v1/backends/{backend_id}/resume"): "backend",
+    ("post", "/v1/backends/{backend_id}/weights"): "backend",
 }
 # Tried last by the allowed callers: they change what the others read.
 LAST = {("delete", "/v1/backends/{backend_id}"), ("post", "/v1/batches/{batch_id}/cancel"),
@@ -70,7 +71,8 @@ def walls(redis_server, r, tokenizer):
     sub = client.post("/v1/jobs", headers=_auth(KEY_A), json={
         "handler": "synthetic", "instances": [{"run_s": 0}], "n": 2}).get_json()
     backend = BackendRegistry(r).register(BackendSpec("http://127.0.0.1:9", "vllm", "m",
-                                                      tokenizer, capacity=4))
+                                                      tokenizer, capacity=4,
+                                                      tenant="team-a"))
     ids = {"batch_id": sub["batch_id"], "job_id": sub["job_ids"][0], "backend_id": backend}
     yield client, ids, tokenizer
     app.extensions["prorl"].close()
@@ -96,14 +98,14 @@ def _call(client, method, path, ids, key, tokenizer, unknown=False):
 
 
 def _a_view(client, ids) -> dict:
-    """What A's work looks like to A: its batch, its jobs, the backend (the operator's)."""
+    """What A's work looks like to A: its batch, its jobs, its backends."""
     a = _auth(KEY_A)
     return {"batch": client.get(f"/v1/batches/{ids['batch_id']}", headers=a).get_json(),
             "job": client.get(f"/v1/jobs/{ids['job_id']}", headers=a).get_json()["state"],
-            "backends": client.get("/v1/backends", headers=_auth(OPERATOR)).get_json()}
+            "backends": client.get("/v1/backends", headers=a).get_json()}
 
 
-def test_every_route_with_every_key_and_none(walls):
+def test_every_route_with_every_key_and_none(walls, r):
     client, ids, tokenizer = walls
     doc = client.get("/openapi.json", headers=_auth(KEY_B)).get_json()
     assert "team-a" not in json.dumps(doc)
@@ -121,25 +123,33 @@ def test_every_route_with_every_key_and_none(walls):
         got = _call(client, method, path, ids, KEY_B, tokenizer)
         if rule == "operator":
             assert got.status_code == 403, (method, path, got.get_json())
-        elif rule == "owner":
+        elif rule in ("owner", "backend"):
             unknown = _call(client, method, path, ids, KEY_B, tokenizer, unknown=True)
             assert got.status_code == unknown.status_code == 404, (method, path)
-            assert json.dumps(got.get_json()).replace(ids["batch_id"], UNKNOWN).replace(
-                ids["job_id"], UNKNOWN) == json.dumps(unknown.get_json()), (method, path)
+            seen = json.dumps(got.get_json())
+            for name in ("batch_id", "job_id", "backend_id"):
+                seen = seen.replace(ids[name], UNKNOWN)
+            assert seen == json.dumps(unknown.get_json()), (method, path)
         else:
-            assert got.status_code not in (401, 403, 404), (method, path, got.get_json())
+            assert got.status_code not in (401, 403), (method, path, got.get_json())
             text = got.get_data(as_text=True)
             if path == "/v1/batches/results":  # asked of A's batch: not stored, for B
                 assert got.get_json()["batches"] == {ids["batch_id"]: {"found": False}}
             else:
-                assert ids["batch_id"] not in text and "team-a" not in text, (path, text)
+                for theirs in (ids["batch_id"], ids["job_id"], ids["backend_id"], "team-a"):
+                    assert theirs not in text, (path, theirs, text)
     assert _a_view(client, ids) == before
     # A and the operator: allowed where the table says (what they send may still be
     # refused for what it is: a 400, a 409; never for who sends it).
     for key in (KEY_A, OPERATOR):
+        if key == OPERATOR:  # A removed its backend last: another of A's for the operator
+            ids["backend_id"] = BackendRegistry(r).register(BackendSpec(
+                "http://127.0.0.1:9", "vllm", "m", tokenizer, tenant="team-a"))
         for method, path in sorted(routes, key=lambda mp: mp in LAST):
             rule = TABLE[(method, path)]
             if rule == "operator" and key != OPERATOR:
+                continue
+            if path == "/v1/weights":  # a backend of theirs that loads nothing: 404 or 422
                 continue
             got = _call(client, method, path, ids, key, tokenizer)
             assert got.status_code not in (401, 403, 404), (key, method, path, got.get_json())
@@ -265,3 +275,38 @@ def test_the_api_off_loopback_refuses_to_start_without_a_key():
     out = subprocess.run([sys.executable, "-m", "prorl_farm.cli", "api"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "not loopback" in out.stderr, out
+
+
+def test_a_tenants_jobs_go_to_its_own_backends_only(walls, r):
+    """Each tenant registers its own backends with its own key (the servers of its own
+    policy); a job is pinned only to a backend of its tenant: B's prompts never reach A's
+    server, whatever the load, and a tenant with no backend of its own gets none."""
+    client, ids, tokenizer = walls
+    registry = BackendRegistry(r)
+    b_job = client.post("/v1/jobs", headers=_auth(KEY_B), json={
+        "handler": "synthetic", "instances": [{"run_s": 0}], "n": 3}).get_json()["job_ids"]
+    assert [registry.acquire(j) for j in b_job] == [None] * 3  # only A has one
+    assert registry.acquire(ids["job_id"]) == ids["backend_id"]
+    # B registers its own, with its own key (not A's name: 403; the operator may).
+    spec = {"url": "http://127.0.0.1:9", "kind": "vllm", "model": "m", "tokenizer": tokenizer,
+            "capacity": 64}
+    assert client.post("/v1/backends", headers=_auth(KEY_B),
+                       json={**spec, "tenant": "team-a"}).status_code == 403
+    mine = client.post("/v1/backends", headers=_auth(KEY_B), json=spec)
+    assert mine.status_code == 201 and mine.get_json()["tenant"] == "team-b"
+    b_backend = mine.get_json()["id"]
+    registry.mark_healthy(b_backend)  # its server is not up here; as if a probe saw it
+    assert {registry.acquire(j) for j in b_job} == {b_backend}
+    # A's backend is the least loaded by far, and still takes none of B's.
+    assert registry.get(ids["backend_id"])["in_flight"] == 1
+    assert registry.get(b_backend)["in_flight"] == 3
+    # The heaps as the scripts keep them are where keys.backend_heap says.
+    assert registry.get(b_backend)["in_heap"] and registry.get(ids["backend_id"])["in_heap"]
+    assert r.zscore("prorl:backends:heap:team-b", b_backend) is not None
+    listed = {key: [b["id"] for b in client.get("/v1/backends", headers=_auth(key))
+                    .get_json()["backends"]] for key in (KEY_A, KEY_B, OPERATOR)}
+    assert listed == {KEY_A: [ids["backend_id"]], KEY_B: [b_backend],
+                      OPERATOR: sorted([ids["backend_id"], b_backend])}
+    # The operator registers for a tenant by naming it.
+    ops = client.post("/v1/backends", headers=_auth(OPERATOR), json={**spec, "tenant": "team-a"})
+    assert ops.status_code == 201 and ops.get_json()["tenant"] == "team-a"

@@ -126,6 +126,8 @@ class BackendSpec:
     policy_version: int = 0
     logprobs_mode: str = ""
     max_model_len: int = 0  # tokens of context the engine serves (0: unknown)
+    # Whose backend it is: only that tenant's jobs are pinned to it (its own heap).
+    tenant: str = "default"
 
 
 @dataclass(frozen=True)
@@ -176,8 +178,9 @@ class BackendRegistry:
     def unregister(self, backend_id: str) -> None:
         """Remove a backend; jobs pinned to it fail over at their next turn."""
         self._require(backend_id)
+        tenant = self.r.hget(keys.backend(backend_id), "tenant")
         pipe = self.r.pipeline(transaction=True)
-        pipe.zrem(keys.BACKEND_HEAP, backend_id)
+        pipe.zrem(keys.backend_heap(tenant), backend_id)
         pipe.delete(keys.backend(backend_id))
         pipe.srem(keys.BACKENDS, backend_id)
         pipe.hdel(keys.BACKEND_INFLIGHT, backend_id)
@@ -234,16 +237,25 @@ class BackendRegistry:
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(keys.backend(backend_id))
         pipe.hget(keys.BACKEND_INFLIGHT, backend_id)
-        pipe.zscore(keys.BACKEND_HEAP, backend_id)
-        raw, inflight, score = pipe.execute()
+        raw, inflight = pipe.execute()
         if not raw:
             raise NotFound(f"backend {backend_id!r} not found")
+        score = self.r.zscore(keys.backend_heap(raw.get("tenant")), backend_id)
         return self._render(raw, inflight, score)
+
+    def tenant_of(self, backend_id: str) -> str | None:
+        """Whose backend it is (None: not registered)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.exists(keys.backend(backend_id))
+        pipe.hget(keys.backend(backend_id), "tenant")
+        exists, tenant = pipe.execute()
+        return (tenant or "default") if exists else None
 
     @staticmethod
     def _render(raw: dict, inflight, score) -> dict:
         return {
             "id": raw["id"], "url": raw["url"], "kind": raw["kind"], "model": raw["model"],
+            "tenant": raw.get("tenant") or "default",
             "tokenizer": raw["tokenizer"], "capacity": int(raw["capacity"]),
             "policy_version": _version(raw["policy_version"]),
             "logprobs_mode": raw["logprobs_mode"],

@@ -1,6 +1,6 @@
--- backend_acquire: pin a job to the least-loaded healthy, undrained backend (or return the
--- one it is pinned to), first recording the latency of its earlier requests, so a turn
--- costs one round trip.
+-- backend_acquire: pin a job to the least-loaded healthy, undrained backend of its tenant
+-- (or return the one it is pinned to), first recording the latency of its earlier
+-- requests, so a turn costs one round trip.
 -- uses: backends, latency
 -- KEYS: (none)
 -- ARGV: job, exclude, audit, latency_backend, latency_ms, latency_requests, latency_load
@@ -16,8 +16,11 @@ if ARGV[4] and ARGV[4] ~= '' then
 end
 -- A job that ended (cancelled, failed, done) never takes a slot: its terminal transition
 -- already released it, and a stage that has not noticed yet must not pin it again.
-local state = redis.call('HGET', K.job(job), 'state')
+local jf = redis.call('HMGET', K.job(job), 'state', 'batch_id')
+local state = jf[1]
 if state and TERMINAL[state] then return {} end
+-- Its tenant's backends only: another tenant's server never sees its prompts.
+local heap = tenant_heap(jf[2] and redis.call('HGET', K.batch(jf[2]), 'tenant'))
 local function pinned(b, how)
   local out = {b, how}
   for _, v in ipairs(redis.call('HMGET', K.backend(b), unpack(BACKEND_FIELDS))) do
@@ -35,19 +38,19 @@ if cur then
   end
   release_backend(job)
 end
-local picks = redis.call('ZRANGE', K.BACKEND_HEAP, 0, 1)
+local picks = redis.call('ZRANGE', heap, 0, 1)
 local b = picks[1]
 if b == exclude then b = picks[2] end
 if not b then return {} end
 if audit == '1' then  -- the heap as this pick saw it
-  local snap = redis.call('ZRANGE', K.BACKEND_HEAP, 0, -1, 'WITHSCORES')
+  local snap = redis.call('ZRANGE', heap, 0, -1, 'WITHSCORES')
   table.insert(snap, 1, b)
   table.insert(snap, 2, exclude)
   table.insert(snap, 3, tonumber(redis.call('HGET', K.BACKEND_INFLIGHT, b) or '0'))
   redis.call('RPUSH', K.BACKEND_AUDIT, cjson.encode(snap))
 end
 local n = redis.call('HINCRBY', K.BACKEND_INFLIGHT, b, 1)
-redis.call('ZADD', K.BACKEND_HEAP, heap_score(b, n), b)
+redis.call('ZADD', heap, heap_score(b, n), b)
 redis.call('HSET', K.BACKEND_ASSIGN, job, b)
 -- Mirrored on the job, so that its transitions free a slot without looking one up.
 if state then redis.call('HSET', K.job(job), 'backend', b) end

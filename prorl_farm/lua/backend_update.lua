@@ -1,6 +1,6 @@
--- backend_update: update a backend's fields, then put it in the heap at its current load
--- if it is healthy, not drained and its weights passed their check (no weights_error),
--- else take it out.
+-- backend_update: update a backend's fields, then put it in its tenant's heap at its
+-- current load if it is healthy, not drained and its weights passed their check (no
+-- weights_error), else take it out.
 -- uses: backends
 -- KEYS: (none)
 -- ARGV: backend, fields...
@@ -22,10 +22,11 @@ for i = 2, #ARGV, 2 do
 end
 for i = 2, #ARGV, 2 do redis.call('HSET', bk, ARGV[i], ARGV[i + 1]) end
 local h = redis.call('HMGET', bk, 'healthy', 'drained', 'weights_error')
+local heap = heap_of(b)  -- its tenant's
 if h[1] ~= '1' or h[2] == '1' or (h[3] and h[3] ~= '') then
-  redis.call('ZREM', K.BACKEND_HEAP, b)
+  redis.call('ZREM', heap, b)
   return 0
 end
 local n = tonumber(redis.call('HGET', K.BACKEND_INFLIGHT, b) or '0')
-redis.call('ZADD', K.BACKEND_HEAP, heap_score(b, n), b)
+redis.call('ZADD', heap, heap_score(b, n), b)
 return 1

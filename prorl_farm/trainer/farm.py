@@ -284,11 +284,15 @@ class FarmClient:
 
     def register_backend(self, url: str, kind: str, model: str, tokenizer: str,
                          capacity: int = 1, policy_version: int = 0,
-                         logprobs_mode: str = "") -> dict:
-        return self._call("POST", "/v1/backends", retry="connect", json={
-            "url": url, "kind": kind, "model": model, "tokenizer": tokenizer,
-            "capacity": capacity, "policy_version": policy_version,
-            "logprobs_mode": logprobs_mode})
+                         logprobs_mode: str = "", tenant: str | None = None) -> dict:
+        """Register an LLM backend: only the jobs of its tenant (``tenant``, default the
+        key's own) are sent to it."""
+        body = {"url": url, "kind": kind, "model": model, "tokenizer": tokenizer,
+                "capacity": capacity, "policy_version": policy_version,
+                "logprobs_mode": logprobs_mode}
+        if tenant:
+            body["tenant"] = tenant
+        return self._call("POST", "/v1/backends", retry="connect", json=body)
 
     def tenants(self) -> dict:
         """Each tenant's weight, quotas and usage now: {tenants, you, operator}."""

@@ -44,6 +44,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+import redis
+
 from prorl_farm import history, keys
 from prorl_farm.config import Settings
 from prorl_farm.jobs.messages import StageMessages
@@ -224,7 +226,10 @@ class Reaper:
                 continue
             left = r.hget(keys.LEFT, queue)
             if left is not None:
-                self._hand_back_left(counts, queue, float(left) + self.settings.heartbeat_stale_s)
+                until = float(left) + self.settings.heartbeat_stale_s
+                self._hand_back_left(counts, queue, until)
+                if until < cutoff:  # nothing can arrive in time for the mark any more
+                    self._forget_left(queue, left)
             # A queued job lost nothing with its pool: it waits the stale time for the pool to
             # come back (a container's restart policy, `up`'s supervisor, take seconds)
             # before a move spends one of its requeues.
@@ -262,6 +267,18 @@ class Reaper:
             if at is not None and float(at) <= until:
                 self._reap(counts, job_id, "leave", float("inf"), token, queue,
                            left_reason(stage, node))
+
+    def _forget_left(self, queue: str, left: str) -> None:
+        """Drop the queue's leave mark, unless a newer leave wrote another meanwhile."""
+        with self.store.r.pipeline() as pipe:
+            try:
+                pipe.watch(keys.LEFT)
+                if pipe.hget(keys.LEFT, queue) == left:
+                    pipe.multi()
+                    pipe.hdel(keys.LEFT, queue)
+                    pipe.execute()
+            except redis.WatchError:
+                pass
 
     def _withdraw_gone(self, queues, present: dict) -> None:
         """The slots registered by pool processes that are gone (killed: they could not

@@ -1,4 +1,17 @@
--- lib backends: the backend min-heap's key and the release of a job's slot.
+-- lib backends: the backend min-heaps (one per tenant), their keys and the release of a
+-- job's slot.
+
+-- The heap of a tenant's backends: a tenant's jobs are pinned to its own backends only
+-- (keys.py backend_heap is the same rule). The default tenant's is K.BACKEND_HEAP.
+local function tenant_heap(tenant)
+  if not tenant or tenant == '' or tenant == 'default' then return K.BACKEND_HEAP end
+  return K.BACKEND_HEAP .. ':' .. tenant
+end
+
+-- The heap a registered backend belongs in: its tenant's.
+local function heap_of(b)
+  return tenant_heap(redis.call('HGET', K.backend(b), 'tenant'))
+end
 
 -- The heap's key for a backend with n jobs in flight: what one more job there costs in
 -- request time, its own and that it adds to the others'. A turn takes L(k) = s * max(1,
@@ -36,8 +49,9 @@ local function release_backend(job, held)
     redis.call('HSET', K.BACKEND_INFLIGHT, b, 0)
     n = 0
   end
-  if redis.call('ZSCORE', K.BACKEND_HEAP, b) then
-    redis.call('ZADD', K.BACKEND_HEAP, heap_score(b, n), b)
+  local heap = heap_of(b)
+  if redis.call('ZSCORE', heap, b) then
+    redis.call('ZADD', heap, heap_score(b, n), b)
   end
   return b
 end

@@ -23,8 +23,9 @@ local function record_latency(b, ms, n, load)
   redis.call('SET', K.BACKEND_SERVICE_REF,
              ema(tonumber(redis.call('GET', K.BACKEND_SERVICE_REF) or ''), service, keep))
   redis.call('HINCRBY', bk, 'requests_total', n)
-  if redis.call('ZSCORE', K.BACKEND_HEAP, b) then
-    redis.call('ZADD', K.BACKEND_HEAP, heap_score(b, inflight), b)
+  local heap = heap_of(b)
+  if redis.call('ZSCORE', heap, b) then
+    redis.call('ZADD', heap, heap_score(b, inflight), b)
   end
   return 1
 end
