@@ -188,17 +188,18 @@ def build_openapi(registry, settings=None) -> dict:
 
 
 def for_caller(doc: dict, tenants) -> dict:
-    """The document as the caller reads it: the tenants its key may submit for as the
-    ``tenant`` field's values (the operator: all of them; a tenant's key: its own and
-    those its ``may_use`` names; nothing of the others: api/access.py)."""
+    """The document as the caller reads it: the tenants its key may submit (and register
+    backends) for as the ``tenant`` fields' values (the operator: all of them; a tenant's
+    key: its own and those its ``may_use`` names; nothing of the others: api/access.py)."""
     from api.access import sees
 
     visible = sees()
     names = sorted(tenants if visible is None else set(tenants) & visible)
-    submit = doc["components"]["schemas"]["Submit"]
-    tenant = {**submit["properties"]["tenant"], "enum": [*names, None]}
-    submit = {**submit, "properties": {**submit["properties"], "tenant": tenant}}
-    schemas = {**doc["components"]["schemas"], "Submit": submit}
+    schemas = dict(doc["components"]["schemas"])
+    for name in ("Submit", "BackendRegister"):
+        schema = schemas[name]
+        tenant = {**schema["properties"]["tenant"], "enum": [*names, None]}
+        schemas[name] = {**schema, "properties": {**schema["properties"], "tenant": tenant}}
     return {**doc, "components": {**doc["components"], "schemas": schemas}}
 
 
