@@ -261,13 +261,13 @@ def test_a_tenants_sandboxes_and_graders_take_cpu_by_its_weight(redis_server, r,
     node = f"cpunode{tag}"
     pools = make_pools(redis_server, tmp_path / "pools", api_token=OPERATOR,
                        tenants=json.dumps(tenants), node=node)
+    app = create_app(load_settings(farm_env(redis_server.url, api_token=OPERATOR,
+                                            tenants=json.dumps(tenants))))
     pools.start()
     groups = {}
     # The groups of this farm's node: another farm on this host (or another node) has its own.
     farm = cgroups.farm_cpu_id(redis_server.url, node)
     try:
-        app = create_app(load_settings(farm_env(redis_server.url, api_token=OPERATOR,
-                                                tenants=json.dumps(tenants))))
         client = app.test_client()
         for seq, (tenant, key) in enumerate(((heavy, KEY_A), (light, KEY_B))):
             groups[tenant] = cgroups.tenant_cpu(tenant, tenants[tenant].get("weight", 1),
@@ -316,6 +316,7 @@ def test_a_tenants_sandboxes_and_graders_take_cpu_by_its_weight(redis_server, r,
         # Its last pool gone, the node's groups are too: none is left on the host.
         assert not cgroups.farm_cpu_group(farm).exists()
     finally:
+        app.extensions["prorl"].close()  # its Redis and broker connections
         pools.stop()
         for group in groups.values():
             if group is not None:
