@@ -40,7 +40,7 @@ from prorl_farm import keys
 from prorl_farm.access import token_ok
 from prorl_farm.config import Settings
 from prorl_farm.errors import NotFound
-from prorl_farm.tenants import DEFAULT, Tenant, tenant_of_token
+from prorl_farm.tenants import DEFAULT, Tenant, any_key, tenant_of_token
 
 OPEN, KEY, OWNER, BACKEND, OPERATOR = "open", "key", "owner", "backend", "operator"
 
@@ -89,18 +89,11 @@ def may_see(tenant: str | None) -> bool:
 
 
 def batch_visible(store, batch_id: str) -> bool:
-    """Whether the caller may see the batch (an unknown batch counts as visible: its own
-    route answers the 404 an unknown id gets)."""
-    if sees() is None:
-        return True
+    """Whether the batch is stored and the caller may see it."""
     tenant = store.tenant_of(batch_id)
     if tenant is None and not store.r.exists(keys.batch(batch_id)):
-        return True
+        return False
     return may_see(tenant)
-
-
-def _job_batch(store, job_id: str) -> str | None:
-    return store.r.hget(keys.job(job_id), "batch_id")
 
 
 def _unauthorized():
@@ -118,7 +111,7 @@ def install(app: Flask, settings: Settings, tenants: dict[str, Tenant], store,
     """Check every request against its endpoint's rule (see the module's docstring)."""
     from api.errors import ApiError, error_response
 
-    keyed = bool(settings.api_token) or any(t.token_sha256 for t in tenants.values())
+    keyed = any_key(settings.api_token, tenants)
 
     def who() -> None:
         g.prorl_tenant, g.prorl_operator, g.prorl_sees = DEFAULT, not keyed, None
@@ -162,13 +155,10 @@ def install(app: Flask, settings: Settings, tenants: dict[str, Tenant], store,
             if tenant is None or not may_see(tenant):
                 raise NotFound(f"backend {args['backend_id']!r} not found")
         if rule == OWNER:
-            if "batch_id" in args:
-                tenant = store.tenant_of(args["batch_id"])
-                if tenant is None and not store.r.exists(keys.batch(args["batch_id"])) \
-                        or not may_see(tenant):
-                    raise NotFound(f"batch {args['batch_id']!r} not found")
+            if "batch_id" in args and not batch_visible(store, args["batch_id"]):
+                raise NotFound(f"batch {args['batch_id']!r} not found")
             if "job_id" in args:
-                batch_id = _job_batch(store, args["job_id"])
+                batch_id = store.r.hget(keys.job(args["job_id"]), "batch_id")
                 if batch_id is None or not batch_visible(store, batch_id):
                     raise NotFound(f"job {args['job_id']!r} not found")
         return None

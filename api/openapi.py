@@ -219,7 +219,8 @@ def openapi():
 
 def with_access(doc: dict, url_map) -> dict:
     """Each operation's access rule (api/access.py) as ``x-prorl-access`` (``open``, ``key``,
-    ``owner``, ``operator``), and the bearer key it needs (when the farm has keys)."""
+    ``owner``, ``backend``, ``operator``), and the bearer key it needs (when the farm has
+    keys)."""
     from api.access import OPEN, RULES
 
     doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

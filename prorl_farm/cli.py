@@ -75,10 +75,9 @@ def _cmd_api(args) -> int:
         print("PRORL_REDIS_URL must be set for the API", file=sys.stderr)
         return 2
     from prorl_farm.access import is_loopback
-    from prorl_farm.tenants import parse_tenants
+    from prorl_farm.tenants import any_key, parse_tenants
 
-    keyed = bool(s.api_token) or any(t.token_sha256 for t in parse_tenants(s.tenants).values())
-    if not keyed and not is_loopback(s.api_host):
+    if not any_key(s.api_token, parse_tenants(s.tenants)) and not is_loopback(s.api_host):
         print(f"the API on {s.api_host} (not loopback) without a key would let anyone read "
               "and run everything: set PRORL_API_TOKEN (or tenants' keys, PRORL_TENANTS), or "
               "bind it to loopback (`prorl-farm up` makes a key up)", file=sys.stderr)

@@ -13,6 +13,7 @@ Every duration is in seconds and says so in its name (``*_s``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -52,8 +53,9 @@ def setting(default: Any, doc: str, *, lo: float | None = None, hi: float | None
     return field(default=default, metadata=meta)
 
 
+@functools.cache
 def memory_mb() -> int:
-    """The node's memory (MemTotal), in MiB."""
+    """The node's memory (MemTotal), in MiB (read once: every grade asks for it)."""
     try:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) for line in f

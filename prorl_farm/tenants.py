@@ -117,6 +117,12 @@ def parse_tenants(raw: str) -> dict[str, Tenant]:
     return out
 
 
+def any_key(api_token: str, tenants: dict[str, Tenant]) -> bool:
+    """Whether a farm has keys (the operator's or a tenant's): then every call but the
+    probes needs one (api/access.py)."""
+    return bool(api_token) or any(t.token_sha256 for t in tenants.values())
+
+
 def tenant_of_token(tenants: dict[str, Tenant], token: str) -> Tenant | None:
     """The tenant whose key ``token`` is (constant time per tenant), or None."""
     digest = _digest(token).encode()

@@ -499,6 +499,12 @@ def run_batch(client, body: dict, timeout_s: float = 120) -> list[dict]:
     return [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
 
 
+def shmem_kb() -> int:
+    """The node's shared memory now (``Shmem``: what every tmpfs holds), in KiB."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+
+
 def scrape(client, token: str = "") -> dict[tuple, float]:
     """GET /metrics through a Flask test client (or a URL), with the operator's ``token``
     where the farm has keys: {(sample name, sorted labels): value}, parsed by

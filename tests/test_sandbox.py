@@ -17,7 +17,7 @@ import pytest
 from prorl_farm.sandbox.abstract import Limits, SandboxError, SandboxSpec, processes_of
 from prorl_farm.sandbox.connection import ToolConnection, ToolRejected
 from prorl_farm.sandbox.manager import SandboxManager
-from tests.farm import ROOT, sandbox_processes, wait_until
+from tests.farm import ROOT, sandbox_processes, shmem_kb, wait_until
 
 RUNTIMES = ["local", "bwrap"]
 
@@ -240,11 +240,6 @@ def test_bwrap_contains_fork_bomb_and_memory_hog(bwrap_box, manager_for):
         manager.stop(other)
 
 
-def _shmem_kb() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
-
-
 def test_scratch_space_is_bounded_and_a_write_past_it_fails_inside(manager_for):
     """A sandbox's memory-backed directories (/dev/shm, /run) hold at most
     PRORL_SANDBOX_SCRATCH_MB each: a 1 GiB write into each fails inside with ENOSPC. Its
@@ -257,7 +252,7 @@ def test_scratch_space_is_bounded_and_a_write_past_it_fails_inside(manager_for):
     sb = manager.start(SandboxSpec(limits=Limits(processes=64)))
     c = ToolConnection(sb.socket)
     try:
-        before = _shmem_kb()
+        before = shmem_kb()
         for scratch in ("/run", "/dev/shm"):
             out = c.bash(f"df -k --output=size {scratch} | tail -1; dd if=/dev/zero "
                          f"of={scratch}/fill bs=1M count=1024 2>&1 | head -1", timeout_s=120)
@@ -273,7 +268,7 @@ def test_scratch_space_is_bounded_and_a_write_past_it_fails_inside(manager_for):
             assert 64 < disk_usage(str(host)) / 2**20 < 512, scratch  # on the disk, here
             done = c.bash(f"rm -f {scratch}/f*; echo alive")
             assert done["output"] == "alive\n" and "workspace_full" not in done, done
-        grew_mb = (_shmem_kb() - before) / 1024
+        grew_mb = (shmem_kb() - before) / 1024
         assert grew_mb < 256, grew_mb  # 2 x 16 MiB, and whatever runs beside the test
         assert c.bash("echo alive")["output"] == "alive\n"
     finally:

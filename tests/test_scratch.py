@@ -10,7 +10,6 @@ Serial: ``Shmem`` is the whole node's, and the suite's other workers start sandb
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -20,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_pools
-from tests.farm import ROOT, farm_env, needs_bwrap_and_git, run_batch
+from tests.farm import farm_env, needs_bwrap_and_git, run_batch, shmem_kb
+from tests.test_swe import build_repos
 
 pytestmark = [*needs_bwrap_and_git(), pytest.mark.serial]
 
@@ -45,21 +45,13 @@ def _new_file_diff(path: str, text: str) -> str:
             + "".join(f"+{line}\n" for line in lines))
 
 
-def _shmem_kb() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
-
-
 def test_a_1_gib_log_in_a_graders_tmp_leaves_shared_memory_flat(redis_server, r, tmp_path):
     from api import create_app
     from prorl_farm.config import load_settings
 
-    spec = importlib.util.spec_from_file_location("swe_build", ROOT / "examples/swe/build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
     repos = Path(tempfile.mkdtemp(prefix="prs-scratch-repos-"))
     os.chmod(repos, 0o755)
-    instance = build.build(repos)[0]
+    instance = build_repos(repos)[0]
     instance = {**instance, "test_timeout_s": 120,
                 "test_patch": instance["test_patch"] + _new_file_diff("tests/test_log.py",
                                                                       LOG_TEST),
@@ -73,11 +65,11 @@ def test_a_1_gib_log_in_a_graders_tmp_leaves_shared_memory_flat(redis_server, r,
 
     def watch() -> None:
         while not stop.wait(0.05):
-            peak[0] = max(peak[0], _shmem_kb())
+            peak[0] = max(peak[0], shmem_kb())
 
     try:
         client = create_app(load_settings(farm_env(redis_server.url, **settings))).test_client()
-        before = _shmem_kb()
+        before = shmem_kb()
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         (job,) = run_batch(client, {"handler": "swe", "instances": [instance],

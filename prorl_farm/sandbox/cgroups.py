@@ -128,6 +128,16 @@ def shares_of(weight: float) -> int:
     return max(2, min(262_144, round(1024 * weight)))
 
 
+def _make(parent: Path, group: Path, shares: int) -> None:
+    """Make ``group`` (with ``shares``) in the farm node's group ``parent``, made first if
+    it is not there (with the node's weight). OSError where it cannot be."""
+    if not parent.is_dir():
+        parent.mkdir(exist_ok=True)
+        (parent / "cpu.shares").write_text(str(farm_shares()))
+    group.mkdir(exist_ok=True)
+    (group / "cpu.shares").write_text(str(shares))
+
+
 def tenant_cpu(tenant: str, weight: float = 1.0, farm: str = "") -> Path | None:
     """The CPU group of ``tenant`` on ``farm``'s node (made, and its shares set, on first
     use in this process, when its weight changed or when it was removed), or None where CPU
@@ -144,11 +154,7 @@ def tenant_cpu(tenant: str, weight: float = 1.0, farm: str = "") -> Path | None:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", tenant)[:48]
         path = parent / f"{safe}-{hashlib.sha1(tenant.encode()).hexdigest()[:8]}"
         try:
-            if not parent.is_dir():
-                parent.mkdir(exist_ok=True)
-                (parent / "cpu.shares").write_text(str(farm_shares()))
-            path.mkdir(exist_ok=True)
-            (path / "cpu.shares").write_text(str(shares))
+            _make(parent, path, shares)
         except OSError as e:
             log.warning("no CPU group for tenant %s: %s", tenant, e)
             return None
@@ -173,11 +179,7 @@ def join_farm_cpu(farm: str) -> bool:
     group = parent / POOLS_GROUP
     try:
         with _cpu_lock:
-            if not parent.is_dir():
-                parent.mkdir(exist_ok=True)
-                (parent / "cpu.shares").write_text(str(farm_shares()))
-            group.mkdir(exist_ok=True)
-            (group / "cpu.shares").write_text(str(farm_shares()))
+            _make(parent, group, farm_shares())
     except OSError as e:
         log.warning("the pools' CPU group could not be made: %s", e)
         return False

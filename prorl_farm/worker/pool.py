@@ -339,8 +339,9 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
                                               "polling_interval": IDLE_POLL_S}
     if stage == "run":
         _check_backends(settings)
+    cpu_farm = cgroups.farm_cpu_id(settings.redis_url, settings.node)
     if settings.tenant_cpu:  # the node's pools in a CPU group of their own (docs/sharing.md)
-        cgroups.join_farm_cpu(cgroups.farm_cpu_id(settings.redis_url, settings.node))
+        cgroups.join_farm_cpu(cpu_farm)
     argv = [
         "worker", "-Q", queue_for(stage, settings.node), "-P", pool.pool,
         "-c", str(pool.concurrency + settings.reserve_slots(stage)),
@@ -361,7 +362,7 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     # The node's CPU groups of tenants (sandbox/cgroups.py), if this was its last pool: the
     # answer-grading helpers, which sit in the group they last graded for, go first.
     answers.close_helpers()
-    cgroups.release_farm_cpu(cgroups.farm_cpu_id(settings.redis_url, settings.node))
+    cgroups.release_farm_cpu(cpu_farm)
     if code == 0 and not _shutdown_requested:
         # Celery gave up by itself (e.g. "Unrecoverable error" while reconnecting after a
         # Redis restart) and would exit 0: a supervisor that restarts on failure (systemd,
