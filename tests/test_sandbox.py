@@ -266,6 +266,9 @@ def test_scratch_space_is_bounded_and_a_write_past_it_fails_inside(manager_for):
             assert out["workspace_full"]["limit_mb"] == 64, (scratch, out)
             host = Path(sb.workspace).parent / scratch.strip("/").replace("/", "-")
             assert 64 < disk_usage(str(host)) / 2**20 < 512, scratch  # on the disk, here
+            # As for the workspace: the next call still says so (and starts the shell the
+            # kill ended again), then the agent removes the files and goes on.
+            assert c.bash("echo still")["workspace_full"]["used_mb"] > 64, scratch
             done = c.bash(f"rm -f {scratch}/f*; echo alive")
             assert done["output"] == "alive\n" and "workspace_full" not in done, done
         grew_mb = (shmem_kb() - before) / 1024
