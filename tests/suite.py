@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / ".prorl" / "test-results"
 LINTED = ["prorl_farm", "api", "workers", "tests", "bench", "examples"]
 NO_TESTS = 5  # pytest's exit status when a selection holds no test
+# Side by side, more workers than cores: an OpenMP thread (torch's in the tests' own models
+# and trainers) spins for a core another worker is using while it waits for its peers. One
+# thread each halves the CPU of a torch-heavy module under load (tests/test_tokens.py, beside
+# a hog on every core: 50 s to 26 s of CPU). Unless the caller sets them.
+SIDE_BY_SIDE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     fast = ["-m", "not slow and not serial"] if args.check else ["-m", "not serial"]
     workers = ["-n", str(args.workers), "--dist", "loadgroup"] if args.workers > 1 else []
     phases.append(_timed("tests, side by side", [
-        *base, *workers, *fast, f"--junitxml={RESULTS / 'parallel.xml'}", *args.pytest_args]))
+        *base, *workers, *fast, f"--junitxml={RESULTS / 'parallel.xml'}", *args.pytest_args],
+        SIDE_BY_SIDE_ENV if args.workers > 1 else {}))
     if not args.check:
         phases.append(_timed("tests, alone (serial)", [
             *base, "-m", "serial", f"--junitxml={RESULTS / 'serial.xml'}",
@@ -61,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     return failed[0] if failed else 0
 
 
-def _timed(name: str, argv: list[str]) -> tuple[str, float, int]:
+def _timed(name: str, argv: list[str], env: dict | None = None) -> tuple[str, float, int]:
     print(f"\n=== {name}: {' '.join(argv[2:])}", flush=True)
     t = time.monotonic()
-    rc = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    env = {**{k: v for k, v in (env or {}).items() if k not in os.environ}, **os.environ}
+    rc = subprocess.run(argv, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}).returncode
     return name, time.monotonic() - t, rc
 
 

@@ -56,3 +56,20 @@ def test_separators_leave_lists_and_tuples_alone():
     reward, why = answer({"kind": "math", "text": "\\boxed{1,000, 2}", "reference": "1000",
                           "max_chars": 200})
     assert reward == 0.0 and why == "several candidate answers"
+
+
+def test_a_helper_the_kernel_ends_at_its_cpu_bound_is_a_time_bound_not_a_memory_one(
+        monkeypatch):
+    """A pool process starved of CPU may not see the bound pass before the kernel's own
+    (RLIMIT_CPU) ends the helper with SIGXCPU: that is the time bound, said as such, never
+    'the grader died twice'. Stands in for the starvation: the pool never sees CPU spent."""
+    from prorl_farm.graders import answers
+
+    monkeypatch.setattr(answers, "_cpu_seconds", lambda pid: 0.0)
+    tower = "\\boxed{9^{9^{9^{9}}}}"
+    try:
+        verdict = grade({"kind": "math", "text": tower, "reference": "4",
+                         "max_chars": 10_000}, timeout_s=1.0)
+    finally:
+        close_helpers()
+    assert verdict == (0.0, "grading exceeded its time bound (1 s of CPU)")

@@ -2,10 +2,10 @@
 Lite from 4 repositories, their commits as shallow git bundles, their environments from
 pinned locks), graded with SWE-bench's semantics and checked against swebench's own code:
 
-- for every instance the gold patch is resolved, and an agent that replays the gold patch
-  through its tools (the built-in loop on the scripted policy) is resolved through RUN and
-  EVAL; the empty patch and a known-wrong patch are not, on one instance of each
-  repository;
+- for every instance the gold patch is resolved; on one instance of each repository, an
+  agent that replays the gold patch through its tools (the built-in loop on the scripted
+  policy) is resolved through RUN and EVAL, and the empty patch and a known-wrong patch
+  are not;
 - the log of every one of those runs, read by swebench 5.0.2's ``get_eval_report``, gives
   the farm's verdict and the farm's per-test lists;
 - the farm's eval steps are SWE-bench 4.1.0's ``make_eval_script_list_py``'s, but for the
@@ -126,18 +126,19 @@ def _base_file(row: dict) -> str:
 
 
 def test_real_instances_grade_as_swebench_grades_them(bench_farm, r):
-    # Every instance's gold patch, by reference and by the agent; a wrong and an empty patch
-    # on one instance of each repository (a fail is a fail of the same tests: more of them
-    # would cost the suite minutes and show nothing more).
+    # Every instance's gold patch by reference; the agent's replay of it, a wrong and an empty
+    # patch on one instance of each repository (the agent's diff is graded as the reference
+    # is, and a fail is a fail of the same tests: more of them would cost the suite minutes
+    # and show nothing more).
     firsts = [row for i, row in enumerate(ROWS)
               if row["repo"] not in {earlier["repo"] for earlier in ROWS[:i]}]
     wrong = [{**row, "patch": wrong_patch(row, _base_file(row))} for row in firsts]
     reference = _batch(bench_farm, [*ROWS, *wrong], mode="reference")
-    policy = _batch(bench_farm, [_case(row, f"gold-{row['instance_id']}") for row in ROWS]
+    policy = _batch(bench_farm, [_case(row, f"gold-{row['instance_id']}") for row in firsts]
                     + [_case(row, "empty") for row in firsts])
-    n = len(ROWS)
+    n, k = len(ROWS), len(firsts)
     runs = {"gold": (ROWS, reference[:n]), "wrong": (firsts, reference[n:]),
-            "agent": (ROWS, policy[:n]), "empty": (firsts, policy[n:])}
+            "agent": (firsts, policy[:k]), "empty": (firsts, policy[k:])}
     table = []
     for kind, (rows, jobs) in runs.items():
         assert len(rows) == len(jobs)

@@ -13,7 +13,9 @@ not wall time, because the helper runs at the lowest priority: on a loaded node 
 for a core far longer than it computes, and a right answer must not earn 0 for the node's
 load (a wall-clock backstop, ``GRADE_WALL_FACTOR`` times the bound, still ends a helper
 that never gets to run). The helper also holds each answer to that many seconds of CPU
-itself (``RLIMIT_CPU``), so a computation goes even if the pool process dies under it.
+itself (``RLIMIT_CPU``, a second or two past the bound), so a computation goes even if
+the pool process dies under it; a helper the kernel ended for it (``SIGXCPU``, when the
+pool process was too starved to see the bound pass first) exceeded its time bound.
 It lowers its own priority only once it is ready: importing math-verify at the lowest
 priority could take minutes on a busy node.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import re
 import resource
@@ -222,7 +225,7 @@ def serve() -> None:
             return
         request = json.loads(line)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = int(usage.ru_utime + usage.ru_stime + request.get("cpu_s", HELPER_CPU_S)) + 1
+        cpu = math.ceil(usage.ru_utime + usage.ru_stime + request.get("cpu_s", HELPER_CPU_S)) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
         try:
             reward, why = answer(request)
@@ -248,6 +251,7 @@ class Helper:
 
     def __init__(self, memory_mb: int = GRADE_MEMORY_MB, timeout_s: float = START_TIMEOUT_S):
         self.memory_mb = memory_mb
+        self.ended = False  # its output ended: it exited (or was killed) by itself
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prorl_farm.graders.answers"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -275,7 +279,10 @@ class Helper:
             ready, _, _ = select.select([fd], [], [], min(left, 0.2))
             if ready:
                 line = fd.readline()
-                return line.decode().rstrip("\n") if line else None
+                if not line:
+                    self.ended = True
+                    return None
+                return line.decode().rstrip("\n")
 
     def ask(self, request: dict, cpu_s: float, check) -> tuple[float, str] | None:
         """The verdict, or None if the helper died or spent ``cpu_s`` of CPU (or
@@ -284,12 +291,20 @@ class Helper:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
         except OSError:
+            self.ended = True
             return None
         line = self._line(cpu_s * GRADE_WALL_FACTOR, check, cpu_s)
         if line is None:
             return None
         reward, why = json.loads(line)
         return float(reward), str(why)
+
+    def exit_code(self) -> int | None:
+        """How the helper ended, once its output did (None: it has not, within seconds)."""
+        try:
+            return self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -365,7 +380,10 @@ def grade(request: dict, timeout_s: float = GRADE_TIMEOUT_S,
         if verdict is not None:
             _give(helper)
             return verdict
-        timed_out = helper.alive()
+        # Our bound passed (we kill the helper), or the helper ended by itself: at the
+        # kernel's bound (SIGXCPU: this process was too starved to see ours pass first, a
+        # time bound too) or for another reason (memory, most likely).
+        timed_out = not helper.ended or helper.exit_code() == -signal.SIGXCPU
         helper.kill()
         if timed_out:
             return 0.0, f"grading exceeded its time bound ({timeout_s:g} s of CPU)"
