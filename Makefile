@@ -82,12 +82,13 @@ bootstrap: system $(STAMP)
 # One apt-get for what is missing: redis-server for the private Redis and the tests;
 # bubblewrap for sandboxes; tmux for the tool benchmark's baseline; chromium for the tests
 # that look at Flower's pages; git and the system Python's pytest for `swe` repositories and
-# their tests inside sandboxes; its venv module for environments of the system's Python; as
-# root, a Docker engine, Debian's docker-compose and debootstrap (the images are built from
-# Debian packages: deploy/base-image.sh; the tests run the engine themselves).
+# their tests inside sandboxes; its venv module for environments of the system's Python; gcc
+# for the red-team suite's native code; as root, a Docker engine, Debian's docker-compose and
+# debootstrap (the images are built from Debian packages: deploy/base-image.sh; the tests run
+# the engine themselves).
 system:
 	@missing=""; \
-	for c in redis-server:redis-server bwrap:bubblewrap tmux:tmux chromium:chromium git:git strace:strace; do \
+	for c in redis-server:redis-server bwrap:bubblewrap tmux:tmux chromium:chromium git:git strace:strace gcc:gcc; do \
 		command -v $${c%%:*} >/dev/null || missing="$$missing $${c#*:}"; done; \
 	/usr/bin/python3 -c 'import pytest, ensurepip' 2>/dev/null \
 		|| missing="$$missing python3-pytest python3-venv"; \

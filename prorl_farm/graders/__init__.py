@@ -6,12 +6,21 @@ own stdout in a way no program under test can forge."""
 from pathlib import Path
 
 INCLUDE = "# include: "
+INCLUDE_TEXT = "# include-text: "
 
 
 def source(name: str) -> str:
     """The text of a grader script shipped with the farm (e.g. ``code_harness.py``), with
     each ``# include: NAME`` line replaced by that file's text (a grader runs with nothing
-    importable beside it)."""
-    lines = (Path(__file__).parent / name).read_text().splitlines(keepends=True)
-    return "".join(source(line[len(INCLUDE):].strip()) if line.startswith(INCLUDE) else line
-                   for line in lines)
+    importable beside it), and each ``# include-text: NAME VARIABLE`` line by an assignment
+    of that text to VARIABLE (code a grader hands to ``python3 -c``)."""
+    out = []
+    for line in (Path(__file__).parent / name).read_text().splitlines(keepends=True):
+        if line.startswith(INCLUDE):
+            out.append(source(line[len(INCLUDE):].strip()))
+        elif line.startswith(INCLUDE_TEXT):
+            included, variable = line[len(INCLUDE_TEXT):].split()
+            out.append(f"{variable} = {source(included)!r}\n")
+        else:
+            out.append(line)
+    return "".join(out)

@@ -551,7 +551,8 @@ def main():
     time_s, memory_mb = spec.get("time_s", 5.0), spec.get("memory_mb", 512)
     wall_s = spec.get("wall_s", WALL_FACTOR * time_s)
     # Jail is from jail.py, included when the harness is shipped.
-    jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True))  # noqa: F821
+    jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True),  # noqa: F821
+                noexec_binds=True)  # a program is Python: nothing it writes is executed
     # The program's own directory: a private copy, so the jail binds it alone.
     where = tempfile.mkdtemp(prefix="candidate-")
     shutil.copy(SOLUTION, os.path.join(where, SOLUTION))

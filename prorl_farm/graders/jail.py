@@ -6,10 +6,16 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
+# include: confine.py
+# include-text: confine.py CONFINE_SOURCE
+
 JAIL_UID = 1001  # inside the jail's own user namespace: not the grader's uid there
+# The jail's writable places besides its binds: made noexec by its first stage.
+SCRATCH = ("/tmp", "/dev/shm", "/run", "/workspace")
 
 
 class JailError(RuntimeError):
@@ -30,21 +36,35 @@ class Jail:
     cannot be made (no bubblewrap, or no user namespaces here), the program runs as a plain
     child and ``name`` is ``"none"``.
 
+    The kernel's part (confine.py): in the jail, a first stage runs as the jail's root
+    (bubblewrap keeps CAP_SYS_ADMIN and CAP_SETFCAP for it alone), makes the jail's
+    scratch places noexec (and the writable binds, with ``noexec_binds``), moves into a user
+    namespace of its own as JAIL_UID, applies Landlock and seccomp, says so on a pipe of
+    its own (closed when it executes the program) and executes the program with no
+    capability. Without the jail, the program's process applies Landlock and seccomp before
+    its exec (no noexec, no user of its own). A program whose confinement failed never
+    runs: ``check`` raises :class:`JailError`.
+
     After the program ends, ``check(proc)`` raises :class:`JailError` if bubblewrap never
     ran it to its end (bubblewrap reports the program's exit on a status pipe, which the
     program does not hold); call ``check(proc, killed=True)`` when the grader killed it."""
 
-    def __init__(self, shm_mb=64, enabled=True):
+    def __init__(self, shm_mb=64, enabled=True, noexec_binds=False):
         self.shm_bytes = str(shm_mb << 20)  # the jail's /dev/shm is memory: bounded
+        self.noexec_binds = noexec_binds
         self.bwrap = shutil.which("bwrap")
         self.works = False
-        # enabled=False (the spec's "jail": false): no jail, the tests of the fallback.
-        if enabled and self.bwrap and os.getuid() != 0:
-            probe = subprocess.run(self.argv([], "/", None, "/tmp") + ["/bin/true"],
-                                   capture_output=True, stdin=subprocess.DEVNULL, timeout=30)
-            self.works = probe.returncode == 0
         self._status = {}
         self._scratch = {}  # pid -> the program's /tmp on disk
+        self._confined = {}  # pid -> the read end of the first stage's report
+        # enabled=False (the spec's "jail": false): no jail, the tests of the fallback.
+        if enabled and self.bwrap and os.getuid() != 0:
+            # Its first stage included: where bubblewrap runs but the kernel's part cannot be
+            # had, the program runs without the jail, confined all the same (no noexec).
+            probe = subprocess.run(self.argv([], "/", None, "/tmp") + self.stage([], None)
+                                   + ["/bin/true"], capture_output=True,
+                                   stdin=subprocess.DEVNULL, timeout=30)
+            self.works = probe.returncode == 0
 
     @property
     def name(self):
@@ -52,8 +72,9 @@ class Jail:
 
     def argv(self, binds, cwd, status_fd, scratch):
         argv = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net",
-                "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--uid",
-                str(JAIL_UID), "--gid", str(JAIL_UID), "--cap-drop", "ALL",
+                "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--uid", "0",
+                "--gid", "0", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add",
+                "CAP_SETFCAP",
                 "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--proc", "/proc",
                 "--dev", "/dev", "--size", self.shm_bytes, "--tmpfs", "/dev/shm",
                 "--bind", scratch, "/tmp",
@@ -65,22 +86,35 @@ class Jail:
             argv += ["--bind" if writable else "--ro-bind", path, path]
         return argv + ["--chdir", cwd, "--"]
 
+    def stage(self, binds, report_fd):
+        """The first stage's command line (confine.py's ``stage0``)."""
+        noexec = list(SCRATCH) + [path for path, writable in binds
+                                  if writable and self.noexec_binds]
+        request = {"noexec": noexec, "uid": JAIL_UID, "report": report_fd}
+        return [sys.executable, "-I", "-S", "-c", CONFINE_SOURCE + "\nstage0()\n",  # noqa: F821 - included
+                json.dumps(request)]
+
     def popen(self, argv, binds=(), cwd="/workspace", pass_fds=(), **kwargs):
         if not self.works:
-            return self._start(argv, pass_fds=pass_fds, cwd=cwd, **kwargs)
+            return self._start(argv, pass_fds=pass_fds, cwd=cwd,
+                               preexec_fn=_confined(kwargs.pop("preexec_fn", None)), **kwargs)
         scratch = tempfile.mkdtemp(prefix="jail-")
         r, w = os.pipe()
+        cr, cw = os.pipe()
         try:
-            proc = self._start(self.argv(binds, cwd, w, scratch) + argv,
-                               pass_fds=(*pass_fds, w), **kwargs)
+            proc = self._start(self.argv(binds, cwd, w, scratch) + self.stage(binds, cw)
+                               + argv, pass_fds=(*pass_fds, w, cw), **kwargs)
         except BaseException:
             os.close(r)
+            os.close(cr)
             shutil.rmtree(scratch, ignore_errors=True)
             raise
         finally:
             os.close(w)
+            os.close(cw)
         self._status[proc.pid] = r
         self._scratch[proc.pid] = scratch
+        self._confined[proc.pid] = cr
         return proc
 
     @staticmethod
@@ -89,6 +123,8 @@ class Jail:
             return subprocess.Popen(argv, **kwargs)
         except BlockingIOError as e:  # fork's EAGAIN: the process cap is full for now
             raise JailError(f"could not start the program ({e})") from None
+        except subprocess.SubprocessError as e:  # the confinement before the exec failed
+            raise JailError(f"could not confine the program ({e})") from None
 
     def run(self, argv, binds=(), cwd="/workspace", **kwargs):
         """Like ``subprocess.run`` with ``capture_output``, text; checked."""
@@ -115,6 +151,11 @@ class Jail:
         scratch = self._scratch.pop(proc.pid, None)
         if scratch is not None:  # the program has ended: its /tmp goes
             shutil.rmtree(scratch, ignore_errors=True)
+        report = self._confined.pop(proc.pid, None)
+        said = ""
+        if report is not None:
+            with os.fdopen(report, "rb") as f:
+                said = f.read(4096).decode(errors="replace")
         fd = self._status.pop(proc.pid, None)
         if fd is None:
             return
@@ -125,3 +166,13 @@ class Jail:
         if not ended and not killed:
             raise JailError(f"the jail did not run the program to its end (bwrap exit "
                             f"status {proc.returncode})")
+        if said != "confined\n" and not (killed and not said):
+            raise JailError(f"the program was not confined: {said.strip() or 'no word'}")
+
+def _confined(preexec_fn):
+    """A ``preexec_fn`` that runs ``preexec_fn``, then confines the child (no jail)."""
+    def run():
+        if preexec_fn is not None:
+            preexec_fn()
+        confine_self()  # noqa: F821 - from confine.py
+    return run

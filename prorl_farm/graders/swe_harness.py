@@ -71,7 +71,8 @@ def main():
         sys.stdout.flush()
         os._exit(0)
 
-    jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True))  # noqa: F821 - from jail.py
+    jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True),  # noqa: F821 - from jail.py
+                noexec_binds=spec.get("noexec", False))
     in_repo = [(repo, True)]
     # The files the grading pytest reads as configuration: from its own source, not a list
     # (pytest 9 reads pytest.toml and .pytest.toml too). Probed before anything of the

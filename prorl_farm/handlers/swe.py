@@ -68,6 +68,13 @@ PROTECTED_SUFFIXES = (".pth", ".pyc", ".pyo")
 SKIP_DIRS = (".git", "__pycache__")
 GIT_IDENTITY = "-c user.name=prorl -c user.email=prorl@localhost"
 MAX_DIFF = 200_000
+# Native code: sources a build compiles, and object code (docs/security.md, "No native code
+# of the candidate's"). A repository whose base holds none of these builds no native code:
+# its tree is mounted noexec when its tests run, and a change that adds any is refused.
+NATIVE_SUFFIXES = (".c", ".cc", ".cpp", ".cxx", ".c++", ".m", ".mm", ".pyx", ".pxd", ".pxi",
+                   ".f", ".f90", ".f95", ".for", ".rs", ".go", ".s", ".S", ".asm", ".cu",
+                   ".so", ".o", ".a", ".pyd", ".dylib", ".dll")
+OBJECT_MAGIC = (b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"!<arch>\n")
 SETUP_TIMEOUT_S = 600.0  # per setup command
 
 
@@ -166,9 +173,50 @@ _PATCH_PATH = re.compile(r"^(?:diff --git a/(\S+) b/(\S+)|[-+]{3} [ab]/(\S+))", 
 
 
 def patch_paths(patch: str) -> set[str]:
-    """Every path a unified diff touches."""
-    return {posixpath.normpath(p) for m in _PATCH_PATH.finditer(patch) for p in m.groups()
-            if p}
+    """Every path a patch touches, as ``git apply -p1`` (the grader's) reads it: git's own
+    parse, whatever the prefixes (``x/``, ``y/``) or quoting of the names, renames' both
+    sides. A patch git cannot parse does not apply; its paths are then the headers'."""
+    out = subprocess.run(["git", "apply", "--numstat", "-z", "-p1", "-"],
+                         input=patch.encode(), capture_output=True)
+    if out.returncode != 0:
+        return {posixpath.normpath(p) for m in _PATCH_PATH.finditer(patch)
+                for p in m.groups() if p}
+    paths, fields_ = set(), out.stdout.decode("utf-8", "surrogateescape").split("\0")
+    i = 0
+    while i < len(fields_):
+        entry = fields_[i]
+        if not entry:
+            i += 1
+            continue
+        path = entry.split("\t", 2)[2] if entry.count("\t") >= 2 else ""
+        if path:
+            paths.add(path)
+            i += 1
+        else:  # a rename or copy: its two names follow
+            paths.update(p for p in fields_[i + 1:i + 3] if p)
+            i += 3
+    return {posixpath.normpath(p) for p in paths}
+
+
+def builds_native(base: dict[str, bytes]) -> bool:
+    """Whether the base holds native code: sources a build compiles, or object code."""
+    return any(p.endswith(NATIVE_SUFFIXES) or data.startswith(OBJECT_MAGIC)
+               for p, data in base.items())
+
+
+def native_change(base: dict[str, bytes], tree: dict[str, bytes], paths) -> str | None:
+    """Why the change refuses to be graded in a repository that builds no native code: a
+    path of ``paths`` whose content in ``tree`` differs from the base and is native code
+    (by its name or its first bytes); None if there is none."""
+    for path in sorted(paths):
+        data = tree.get(path)
+        if data is None or data == base.get(path):
+            continue
+        if path.endswith(NATIVE_SUFFIXES) or data.startswith(OBJECT_MAGIC):
+            return (f"the change adds native code ({path}) to a repository that builds "
+                    f"none: its tree is noexec when the tests run, and such a change is "
+                    f"refused")
+    return None
 
 
 def is_protected(path: str, test_files: set[str]) -> bool:
@@ -230,26 +278,37 @@ def protection(ctx: JobContext, base: dict[str, bytes], test_files: set[str]) ->
     the protected files, for the grader to put back after the setup commands."""
     spec = {"protected_names": sorted(PROTECTED_NAMES),
             "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
-            "shm_mb": jail_shm_mb(ctx)}
+            "shm_mb": jail_shm_mb(ctx), "noexec": not builds_native(base)}
     if ctx.mode != "reference":
         spec["protected_base"] = protected_base(base, test_files)
     return spec
 
 
-def screened(base: dict[str, bytes], tree: dict[str, bytes] | None, patch: str,
-             test_files: set[str], guard: bool = True) -> str | None:
-    """Why the candidate's change is flagged before any test runs (``graders/screen.py``),
-    or None. ``tree``: the candidate's tree, or None for a reference ``patch``."""
-    if not guard:
+def reference_tree(base: dict[str, bytes], patch: str) -> dict[str, bytes] | None:
+    """The tree a reference ``patch`` makes of the base (None if it does not apply)."""
+    after = patched(base, patch)
+    if after is None:
         return None
+    tree = {**base, **after}
+    for path in patch_paths(patch) - set(after):
+        tree.pop(path, None)
+    return tree
+
+
+def refused(base: dict[str, bytes], tree: dict[str, bytes] | None, changed: set[str],
+            test_files: set[str], guard: bool = True) -> tuple[str, bool] | None:
+    """Why the candidate's change earns 0 before any test runs, and whether that is
+    ``suspicious``: flagged by the screen (``graders/screen.py``), or native code added to a
+    repository that builds none. ``tree``: the candidate's (None: the patch does not
+    apply, which the harness says)."""
     if tree is None:
-        after = patched(base, patch)
-        if after is None:
-            return None  # the harness says it does not apply
-        tree = {**base, **after}
-        for path in patch_paths(patch) - set(after):
-            tree.pop(path, None)
-    return screen(base, tree, skip=test_files)
+        return None
+    if not builds_native(base):
+        why = native_change(base, tree, changed)
+        if why:
+            return why, False
+    flagged = screen(base, tree, skip=test_files) if guard else None
+    return (f"the change was screened out: {flagged}", True) if flagged else None
 
 
 def unified_diff(base: dict[str, bytes], tree: dict[str, bytes]) -> str:
@@ -352,14 +411,13 @@ class SweHandler(ToolAgentHandler):
             tree, discarded, diff = self._candidate(ctx, base, patch_paths(inst["test_patch"]))
         tests = {"FAIL_TO_PASS": inst["FAIL_TO_PASS"], "PASS_TO_PASS": inst["PASS_TO_PASS"]}
         test_files = patch_paths(inst["test_patch"])
-        flagged = screened(base, None if ctx.mode == "reference" else tree,
-                           inst.get("patch", ""), test_files, guard=inst["screen"])
-        if flagged:
-            return {"reward": 0.0, "resolved": False, "suspicious": True,
-                    "diff": diff[:MAX_DIFF], "discarded": discarded,
-                    "verdict": f"the change was screened out: {flagged}"}
         changed = (patch_paths(inst["patch"]) if ctx.mode == "reference" else
                    {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)})
+        why = refused(base, reference_tree(base, inst["patch"]) if ctx.mode == "reference"
+                      else tree, changed, test_files, guard=inst["screen"])
+        if why:
+            return {"reward": 0.0, "resolved": False, "suspicious": why[1],
+                    "diff": diff[:MAX_DIFF], "discarded": discarded, "verdict": why[0]}
         spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"],
                 "changed": sorted(changed - test_files), "test_files": sorted(test_files),
                 "timeout_s": inst["test_timeout_s"], **protection(ctx, base, test_files)}
@@ -425,14 +483,13 @@ class SweHandler(ToolAgentHandler):
         else:
             tree, discarded, diff = self._candidate(ctx, base, test_paths, frozenset(overlay))
             changed = {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)}
-        flagged = screened(base, None if ctx.mode == "reference" else tree, inst["patch"],
-                           test_paths,
-                           guard=inst["screen"] and inst["repo"] not in RUNNER_REPOS)
-        if flagged:
-            return {"reward": 0.0, "resolved": False, "suspicious": True,
+        why = refused(base, reference_tree(base, inst["patch"]) if ctx.mode == "reference"
+                      else tree, changed, test_paths,
+                      guard=inst["screen"] and inst["repo"] not in RUNNER_REPOS)
+        if why:
+            return {"reward": 0.0, "resolved": False, "suspicious": why[1],
                     "diff": diff[:MAX_DIFF], "discarded": discarded,
-                    "environment": os.path.basename(prep.env.path),
-                    "verdict": f"the change was screened out: {flagged}"}
+                    "environment": os.path.basename(prep.env.path), "verdict": why[0]}
         spec = grading_spec(inst, prep, changed, test_paths,
                             protection(ctx, base, test_paths))
         files.update(tree)
