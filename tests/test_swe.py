@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -197,3 +198,80 @@ def test_bad_instances_are_refused_or_fail_never_score(swe_farm):
     (job,) = _swe(client, [{**_case(instances[0], "good"), "repo_path": "/etc"}])
     assert job["state"] == "failed" and job["failure"]["kind"] == "invalid_instance", job
     assert job["reward"] is None
+
+
+def _harness_functions() -> dict:
+    """swe_harness.py's functions, as the grader ships them (no main run)."""
+    from prorl_farm.graders import source
+
+    namespace = {"__name__": "swe_harness"}
+    exec(compile(source("swe_harness.py"), "swe_harness.py", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+WITNESS_TESTS = '''import pytest
+
+def test_ok():
+    pass
+
+def test_bad():
+    assert 1 == 2
+
+@pytest.mark.xfail
+def test_expected():
+    assert 0
+
+@pytest.mark.xfail
+def test_lucky():
+    pass
+
+@pytest.mark.skip
+def test_skipped():
+    pass
+
+@pytest.mark.parametrize("x", ["a b", "a c"])
+def test_spaced(x):
+    assert x == "a b"
+'''
+
+
+def test_pytests_own_report_is_a_second_witness(tmp_path):
+    """The harness reads pytest's -rA summary as SWE-bench's log parser reads a log: on a
+    real run it agrees with honest records test by test (nothing changed, nothing flagged);
+    records that say a failing test passed are not a pass and are a contradiction, as is a
+    report that says passed where the records do not; a test the report does not name is
+    not a pass."""
+    import subprocess
+
+    h = _harness_functions()
+    (tmp_path / "test_w.py").write_text(WITNESS_TESTS)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                          *h["with_summary"](["-q"]), "test_w.py"], cwd=tmp_path,
+                         capture_output=True)
+    report, rest = {}, b""
+    for i in range(0, len(out.stdout), 7):  # in pieces, as the pipe hands them over
+        rest = h["read_report"](rest + out.stdout[i:i + 7], report)
+    h["read_report"](rest + b"\n", report)
+    assert report["test_w.py::test_ok"] == "PASSED"
+    assert report["test_w.py::test_bad"] == "FAILED"
+    assert report["test_w.py::test_expected"] == "XFAIL"
+    assert report["test_w.py::test_lucky"] == "XPASS"
+    honest = {"test_w.py::test_ok": "passed", "test_w.py::test_bad": "failed",
+              "test_w.py::test_expected": "xfail", "test_w.py::test_lucky": "xpass",
+              "test_w.py::test_skipped": "skipped", "test_w.py::test_spaced[a b]": "passed",
+              "test_w.py::test_spaced[a c]": "failed"}
+    assert h["witnessed"](honest, report) == (honest, [])
+    # Where the records do not tell expected failures apart (the plain `swe` run).
+    plain = {**honest, "test_w.py::test_expected": "skipped",
+             "test_w.py::test_lucky": "passed"}
+    assert h["witnessed"](plain, report) == (plain, [])
+    forged = {**honest, "test_w.py::test_bad": "passed"}
+    outcomes, contradicted = h["witnessed"](forged, report)
+    assert outcomes["test_w.py::test_bad"] == "failed"
+    assert contradicted == [("test_w.py::test_bad", "FAILED")]
+    outcomes, contradicted = h["witnessed"]({**honest, "test_w.py::test_ok": "failed"},
+                                            report)
+    assert contradicted == [("test_w.py::test_ok", "PASSED")]
+    unnamed = {k: v for k, v in report.items() if k != "test_w.py::test_ok"}
+    outcomes, contradicted = h["witnessed"](honest, unnamed)
+    assert outcomes["test_w.py::test_ok"] == "missing" and contradicted == []

@@ -21,7 +21,12 @@ record prefixed with a key it got on its stdin; this process decides:
 - a ``suspicious`` record (the child's audit hook or integrity checks caught the candidate's
   code reaching into the test process), or any line on the pipe without the key, makes
   the whole verdict ``suspicious``;
-- a test with no records (the child died, exited early, or ran out of time) is ``missing``.
+- a test with no records (the child died, exited early, or ran out of time) is ``missing``;
+- a second witness: pytest's own report of the run (its ``-rA`` summary, read from the
+  run's output line by line as SWE-bench's log parser reads a log) must agree: a test the
+  records say passed counts only if the report says so too (else ``missing``), and a report
+  that contradicts the records (passed where they say otherwise, or another status where
+  they say passed) makes the verdict ``suspicious``.
 
 The verdict: ``NONCE {"outcomes": {test: outcome}, "suspicious": null | why, "jail",
 "exit_code", "output"}``, or ``NONCE {"error": ...}`` when the instance or the environment
@@ -41,6 +46,15 @@ import time
 PR_SET_DUMPABLE = 4
 OUTPUT_TAIL = 4000
 MAX_RECORD = 1 << 20
+# What SWE-bench's pytest log parser reads: a line that starts with a status word names a
+# test (its next word) and says its status; a later line for a name overwrites an earlier.
+STATUS_WORDS = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")
+MAX_WITNESS = 200_000  # names kept from the report
+MAX_LINE = 1 << 16  # a longer line names no test
+STATUS_WORDS_B = tuple(w.encode() for w in STATUS_WORDS)
+# The report's words for each outcome the records call a pass (a non-strict unexpected pass
+# is XPASS in the report where the records do not tell expected failures apart).
+PASS_WORDS = {"passed": ("PASSED", "XPASS"), "xfail": ("XFAIL",), "xpass": ("XPASS",)}
 
 
 # include: jail.py
@@ -131,7 +145,7 @@ def main():
     deadline = started + max(5.0, float(spec.get("timeout_s", 900)) - 5.0)
     runner = kept["swe_runner.py"].decode()
     try:
-        records, suspicious, code, output, late = jail.retrying(
+        records, suspicious, code, output, late, report = jail.retrying(
             lambda: run_tests(jail, repo, runner, spec, wanted, key, deadline))
     except JailError as e:  # noqa: F821 - from jail.py
         verdict(error=str(e))
@@ -139,9 +153,13 @@ def main():
         collected = next((r["tests"] for r in records if r.get("kind") == "collected"), [])
         reported = [r["test"] for r in records if r.get("kind") == "report"]
         wanted = list(dict.fromkeys([*collected, *reported, *wanted]))
-    verdict(outcomes=decide(wanted, records, spec.get("every_test", False)),
-            suspicious=suspicious, jail=jail.name, exit_code=code, timed_out=late,
-            output=output, discarded=discarded)
+    outcomes, contradicted = witnessed(decide(wanted, records, spec.get("every_test", False)),
+                                       report)
+    if contradicted and not suspicious:
+        suspicious = ("pytest's own report of the run disagrees with the runner's records on "
+                      + ", ".join(f"{t} ({said})" for t, said in contradicted[:3]))
+    verdict(outcomes=outcomes, suspicious=suspicious, jail=jail.name, exit_code=code,
+            timed_out=late, output=output, discarded=discarded)
 
 
 def is_protected(path, spec):
@@ -239,7 +257,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
                "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
                "plugins": spec.get("plugins", []), "defs": definitions(repo, spec),
-               "pytest_args": spec.get("pytest_args", ["-q"])}
+               "pytest_args": with_summary(spec.get("pytest_args", ["-q"]))}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
     # The runner's code under a name of its own, which no other code may compile under.
@@ -255,6 +273,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     child.stdin.close()
     records, suspicious, buffer, late = [], None, b"", False
     tail = bytearray()
+    report, line = {}, b""  # pytest's own word on each test, from the run's output
     prefix = (key + " ").encode()
     evidence_open, log_open, drain_until = True, True, None
     while evidence_open or log_open:
@@ -276,6 +295,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                 tail += chunk
                 if len(tail) > 2 * keep:
                     del tail[:len(tail) - keep]
+                line = read_report(line + chunk, report)
             else:
                 log_open = False
         if r not in ready:
@@ -316,8 +336,53 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     child.wait()
     jail.check(child, killed=killed)
     output = bytes(tail[-keep:]).decode("utf-8", errors="replace")
+    read_report(line + b"\n", report)
     done = next((rec for rec in records if rec.get("kind") == "done"), None)
-    return records, suspicious, done["exit_code"] if done else None, output, late
+    return records, suspicious, done["exit_code"] if done else None, output, late, report
+
+
+def with_summary(args):
+    """pytest's options with its short summary of every test (``-rA``) where they ask for
+    none: the report the second witness reads."""
+    return list(args) if any(a.startswith("-r") for a in args) else [*args, "-rA"]
+
+
+def read_report(data, report):
+    """Read the complete lines of ``data`` into ``report`` (name -> status word) as SWE-bench's
+    pytest log parser reads a log; returns what is left of an incomplete last line."""
+    *lines, rest = data.split(b"\n")
+    for raw in lines:
+        if not raw.startswith(STATUS_WORDS_B) or len(raw) > MAX_LINE:
+            continue
+        words = raw.decode("utf-8", errors="replace").replace(" - ", " ").split()
+        if len(words) > 1 and words[0] in STATUS_WORDS and (
+                words[1] in report or len(report) < MAX_WITNESS):
+            report[words[1]] = words[0]
+    return b"" if len(rest) > MAX_LINE else rest
+
+
+def witnessed(outcomes, report):
+    """The outcomes with pytest's report as a second witness, and the tests on which the two
+    contradict each other (test, what the report said). A test is known in the report by
+    its name up to its first blank (as SWE-bench keys a log); a name several tests share
+    is not read."""
+    names = {}
+    for test in outcomes:
+        names.setdefault((test.split() or [test])[0], []).append(test)
+    out, contradicted = dict(outcomes), []
+    for name, tests in names.items():
+        if len(tests) > 1:
+            continue
+        test = tests[0]
+        said, want = report.get(name), PASS_WORDS.get(outcomes[test])
+        if want is not None and said is None:
+            out[test] = "missing"  # pytest did not say it passed: no pass
+        elif want is not None and said not in want:
+            out[test] = "failed"
+            contradicted.append((test, said))
+        elif want is None and said == "PASSED":  # pytest says passed, the records do not
+            contradicted.append((test, said))
+    return out, contradicted
 
 
 def decide(wanted, records, xfail=False):
