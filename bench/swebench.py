@@ -1,7 +1,7 @@
 """Real SWE-bench instances (examples/swe-bench): the instance table, and what the farm's
 grading and INIT cost against the bare work in the same run.
 
-  python bench/swebench.py [--rounds 3] [--record]
+  python bench/swebench.py [--rounds 3] [--before REV] [--record]
 
 Per instance, in bubblewrap sandboxes like the pools' (the environment bound read-only):
 
@@ -9,9 +9,11 @@ Per instance, in bubblewrap sandboxes like the pools' (the environment bound rea
   node that built any environment before) and cached (the lookup a job does);
 - INIT with the environment cached: the repository's files and the base commit's ``.git``,
   the sandbox started, the index made (``git reset``): what the ``swe`` handler's INIT does;
-- grading: the farm's harness on the gold patch (jail, audit hook, evidence pipe, every
-  test of SWE-bench's test files), against the floor: SWE-bench's eval steps run bare in
-  the same kind of sandbox (apply both patches, ``pytest -rA`` on the same files);
+- grading: the farm's harness on the gold patch (jail with the kernel's boundary, audit
+  hook, evidence pipe, pytest's report as a second witness, every test of SWE-bench's test
+  files), against the floor: SWE-bench's eval steps run bare in the same kind of sandbox
+  (apply both patches, ``pytest -rA`` on the same files); and, with ``--before REV``, the
+  harness as it was at git revision REV, in turns in the same run;
 - the verdicts of the gold patch, the empty patch and a wrong one (half the gold hunks, or
   a comment), and swebench 5.0.2's own verdict on the farm's log of each.
 """
@@ -25,6 +27,7 @@ import os
 import secrets
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +41,9 @@ from prorl_farm.handlers.swe import (  # noqa: E402
     PROTECTED_NAMES,
     PROTECTED_SUFFIXES,
     SKIP_DIRS,
+    builds_native,
     patch_paths,
+    trusted_code,
 )
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec  # noqa: E402
 from prorl_farm.sandbox.connection import ToolConnection  # noqa: E402
@@ -67,19 +72,31 @@ def run(manager, files, argv, env, stdin=None) -> tuple[float, dict]:
         manager.stop(sb)
 
 
-def grade(manager, row, prep, patch: str | None) -> tuple[float, dict]:
-    """The farm's harness on ``patch`` (None: the base tree): seconds, verdict."""
+def graders_at(rev: str | None) -> dict[str, str]:
+    """The harness and runner as shipped (``rev`` None: this checkout's; else the files at
+    that git revision)."""
+    def read(name):
+        return subprocess.run(["git", "show", f"{rev}:prorl_farm/graders/{name}"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+    return {n: source(n, read if rev else None) for n in ("swe_harness.py", "swe_runner.py")}
+
+
+def grade(manager, row, prep, patch: str | None, graders: dict | None = None
+          ) -> tuple[float, dict]:
+    """The farm's harness (``graders``: its sources, default this checkout's) on ``patch``
+    (None: the base tree): seconds, verdict."""
+    graders = graders or graders_at(None)
     tree = {**prep.base, **prep.overlay}
     test_paths = patch_paths(row["test_patch"])
     spec = grading_spec({**row, "test_timeout_s": 900}, prep,
                         patch_paths(patch or ""), test_paths,
                         {"protected_names": sorted(PROTECTED_NAMES),
                          "protected_suffixes": list(PROTECTED_SUFFIXES),
-                         "skip_dirs": list(SKIP_DIRS)})
+                         "skip_dirs": list(SKIP_DIRS), "noexec": not builds_native(tree),
+                         "trusted": trusted_code(tree)})
     files = {**tree, f"{GRADER_DIR}/spec.json": json.dumps(spec),
              f"{GRADER_DIR}/test.patch": row["test_patch"],
-             f"{GRADER_DIR}/swe_harness.py": source("swe_harness.py"),
-             f"{GRADER_DIR}/swe_runner.py": source("swe_runner.py")}
+             **{f"{GRADER_DIR}/{n}": text for n, text in graders.items()}}
     if patch:
         files[f"{GRADER_DIR}/model.patch"] = patch
     nonce = secrets.token_hex(8)
@@ -104,8 +121,11 @@ def bare(manager, row, prep) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--before", metavar="REV",
+                    help="also grade with the harness of this git revision, in turns")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
+    now, before = graders_at(None), graders_at(args.before) if args.before else None
     rows = [json.loads(line) for line in (DATA / "instances.jsonl").read_text().splitlines()
             if line.strip()]
     work = Path(tempfile.mkdtemp(prefix="prs-swebench-", dir="/var/tmp"))
@@ -113,7 +133,7 @@ def main() -> None:
     builder = EnvBuilder(str(work / "envs"))
     cache = str(work / "repos")
     os.makedirs(cache)
-    table, ratios, inits = [], [], []
+    table, ratios, inits, against = [], [], [], []
     with private_redis() as url:
         r = redis.Redis.from_url(url, decode_responses=True)
         manager = SandboxManager(r, "bench", "bwrap", root=f"/tmp/prs-sbench-{os.getpid()}",
@@ -151,11 +171,13 @@ def main() -> None:
                     assert out["exit_code"] == 0, out
                     client.close()
                     manager.stop(sb)
-                farm_s, bare_s = [], []
+                farm_s, bare_s, before_s = [], [], []
                 for _ in range(args.rounds):  # in turns
-                    took, gold = grade(manager, row, prep, row["patch"])
+                    took, gold = grade(manager, row, prep, row["patch"], now)
                     farm_s.append(took)
                     bare_s.append(bare(manager, row, prep))
+                    if before:
+                        before_s.append(grade(manager, row, prep, row["patch"], before)[0])
                 _, empty = grade(manager, row, prep, None)
                 base_file = prep.base[row["patch"].split("diff --git a/", 1)[1].split(" ")[0]]
                 _, wrong = grade(manager, row, prep, wrong_patch(row, base_file.decode()))
@@ -170,11 +192,16 @@ def main() -> None:
                     verdicts[kind] = (d["resolved"], theirs["resolved"])
                 ratio = statistics.median(farm_s) / statistics.median(bare_s)
                 ratios.append(ratio)
+                then = (f" {statistics.median(before_s):.1f} | "
+                        f"{statistics.median(farm_s) / statistics.median(before_s):.2f} |"
+                        if before else "")
+                if before:
+                    against.append(statistics.median(farm_s) / statistics.median(before_s))
                 table.append(
                     f"| {row['instance_id']} | {env.manifest['python_version']} | "
                     f"{cold_text} / "
                     f"{cached * 1000:.0f} ms | {statistics.median(farm_s):.1f} | "
-                    f"{statistics.median(bare_s):.1f} | {ratio:.2f} | "
+                    f"{statistics.median(bare_s):.1f} | {ratio:.2f} |{then} "
                     + " | ".join(f"{'resolved' if ours else 'no'}"
                                  f"{' (=)' if ours == theirs else ' (DIFFERS)'}"
                                  for ours, theirs in verdicts.values()) + " |")
@@ -190,12 +217,17 @@ def main() -> None:
              "the same sandbox. Verdicts: ours, and (=) where swebench 5.0.2's "
              "`get_eval_report` on our log says the same.", "",
              "| instance | Python | environment cold (s) / cached | farm grading (s) | "
-             "bare (s) | farm / bare | gold | empty | wrong |",
-             "|---|---|---|---|---|---|---|---|---|", *table, "",
+             "bare (s) | farm / bare | " + (f"farm at {args.before} (s) | now / then | "
+                                            if before else "") + "gold | empty | wrong |",
+             "|---|---|---|---|---|---|" + ("---|---|" if before else "") + "---|---|---|",
+             *table, "",
              f"Grading, farm / bare: median **{statistics.median(ratios):.2f}x** (max "
              f"{max(ratios):.2f}x). INIT with the environment cached (files, .git of the "
              f"base commit, sandbox start, `git reset`): p50 **{statistics.median(init_ms):.0f}"
-             f" ms**, max {max(init_ms):.0f} ms.", ""]
+             f" ms**, max {max(init_ms):.0f} ms."
+             + (f" Grading, this harness / the harness at {args.before}: median "
+                f"**{statistics.median(against):.2f}x** (max {max(against):.2f}x)."
+                if before else ""), ""]
     report(lines, args.record)
 
 

@@ -9,18 +9,20 @@ INCLUDE = "# include: "
 INCLUDE_TEXT = "# include-text: "
 
 
-def source(name: str) -> str:
+def source(name: str, read=None) -> str:
     """The text of a grader script shipped with the farm (e.g. ``code_harness.py``), with
     each ``# include: NAME`` line replaced by that file's text (a grader runs with nothing
     importable beside it), and each ``# include-text: NAME VARIABLE`` line by an assignment
-    of that text to VARIABLE (code a grader hands to ``python3 -c``)."""
+    of that text to VARIABLE (code a grader hands to ``python3 -c``). ``read``: name -> text
+    (default: the files beside this one; a benchmark reads another revision's)."""
+    read = read or (lambda n: (Path(__file__).parent / n).read_text())
     out = []
-    for line in (Path(__file__).parent / name).read_text().splitlines(keepends=True):
+    for line in read(name).splitlines(keepends=True):
         if line.startswith(INCLUDE):
-            out.append(source(line[len(INCLUDE):].strip()))
+            out.append(source(line[len(INCLUDE):].strip(), read))
         elif line.startswith(INCLUDE_TEXT):
             included, variable = line[len(INCLUDE_TEXT):].split()
-            out.append(f"{variable} = {source(included)!r}\n")
+            out.append(f"{variable} = {source(included, read)!r}\n")
         else:
             out.append(line)
     return "".join(out)

@@ -34,6 +34,7 @@ is at fault, or ``NONCE {"applied": false, ...}`` when the candidate patch does 
 """
 
 import ctypes
+import hashlib
 import json
 import os
 import secrets
@@ -139,6 +140,14 @@ def main():
     ok, why = apply(kept["test.patch"])
     if not ok:
         verdict(error=f"the test patch does not apply: {why}")
+    # The code the run trusts, by content: the base's (the farm hashed it), and the test
+    # files as this process just wrote them.
+    if "trusted" in spec:
+        for path in spec.get("test_files", []):
+            full = os.path.join(repo, path)
+            if path.endswith(".py") and os.path.isfile(full) and not os.path.islink(full):
+                with open(full, "rb") as f:
+                    spec["trusted"][path] = hashlib.sha256(f.read()).hexdigest()
 
     wanted = list(dict.fromkeys(spec["tests"]))
     key = secrets.token_hex(24)
@@ -153,13 +162,15 @@ def main():
         collected = next((r["tests"] for r in records if r.get("kind") == "collected"), [])
         reported = [r["test"] for r in records if r.get("kind") == "report"]
         wanted = list(dict.fromkeys([*collected, *reported, *wanted]))
-    outcomes, contradicted = witnessed(decide(wanted, records, spec.get("every_test", False)),
-                                       report)
+    first = decide(wanted, records, spec.get("every_test", False))
+    outcomes, contradicted = witnessed(first, report)
     if contradicted and not suspicious:
         suspicious = ("pytest's own report of the run disagrees with the runner's records on "
                       + ", ".join(f"{t} ({said})" for t, said in contradicted[:3]))
+    unwitnessed = [t for t, o in outcomes.items() if o == "missing" and o != first[t]]
     verdict(outcomes=outcomes, suspicious=suspicious, jail=jail.name, exit_code=code,
-            timed_out=late, output=output, discarded=discarded)
+            timed_out=late, output=output, discarded=discarded,
+            unwitnessed=unwitnessed[:20])
 
 
 def is_protected(path, spec):
@@ -257,7 +268,8 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
                "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
                "plugins": spec.get("plugins", []), "defs": definitions(repo, spec),
-               "pytest_args": with_summary(spec.get("pytest_args", ["-q"]))}
+               "pytest_args": with_summary(spec.get("pytest_args", ["-q"])),
+               "trusted": spec.get("trusted")}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
     # The runner's code under a name of its own, which no other code may compile under.
@@ -273,7 +285,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     child.stdin.close()
     records, suspicious, buffer, late = [], None, b"", False
     tail = bytearray()
-    report, line = {}, b""  # pytest's own word on each test, from the run's output
+    report, partial = {}, b""  # pytest's own word on each test, from the run's output
     prefix = (key + " ").encode()
     evidence_open, log_open, drain_until = True, True, None
     while evidence_open or log_open:
@@ -295,7 +307,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                 tail += chunk
                 if len(tail) > 2 * keep:
                     del tail[:len(tail) - keep]
-                line = read_report(line + chunk, report)
+                partial = read_report(partial + chunk, report)
             else:
                 log_open = False
         if r not in ready:
@@ -336,7 +348,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     child.wait()
     jail.check(child, killed=killed)
     output = bytes(tail[-keep:]).decode("utf-8", errors="replace")
-    read_report(line + b"\n", report)
+    read_report(partial + b"\n", report)
     done = next((rec for rec in records if rec.get("kind") == "done"), None)
     return records, suspicious, done["exit_code"] if done else None, output, late, report
 

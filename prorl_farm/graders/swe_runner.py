@@ -8,9 +8,11 @@ and the harness decides.
 Before pytest or the repository is imported, an audit hook (PEP 578: it cannot be removed
 from Python code) watches the process. *Untrusted* code is code that is not the
 interpreter's, the environment's, this runner's (compiled under a name the harness made up)
-or one of the repository's files as they were when the run started (path, size, mtime,
-inode): a file the candidate changed (the harness names them), a file the run wrote, code
-compiled from a string. When untrusted code obtains a frame or a frame's code (directly, or
+or one of the repository's files whose content is the base's or the test patch's (by
+SHA-256, the hashes from the farm and the harness), as they were when the run started
+(path, size, mtime, inode): a file the candidate changed, one that setup or the run wrote,
+a link, code compiled from a string. A path is compared as code names it, never resolved.
+When untrusted code obtains a frame or a frame's code (directly, or
 through a standard-library function that hands frames back), walks the heap, installs a
 trace, profile or signal function, builds code objects (``compile``, ``exec``,
 ``code.replace``, ``marshal.loads``), reads memory through ``ctypes``, opens
@@ -66,16 +68,28 @@ def main():
     sys.dont_write_bytecode = True
     prefix = (request.pop("key") + " ").encode()
     fd = request["fd"]
-    repo = os.path.realpath(request["repo"])
+    given = os.path.normpath(request["repo"])
+    repo = os.path.realpath(given)
     wanted = set(request["tests"])
     changed = {os.path.realpath(os.path.join(repo, p)) for p in request["changed"]}
     test_files = {os.path.realpath(os.path.join(repo, p)) for p in request["test_files"]}
-    stdlib = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep
-                    for k in ("stdlib", "platstdlib")})
-    site = tuple({os.path.realpath(p) + os.sep for p in sys.path if "-packages" in p})
+    # Trusted places by the paths the interpreter gives them, as given and resolved (both
+    # read-only here): a path is compared as code names it, never resolved (a link the
+    # candidate makes, or re-points after an import, does not make its code trusted).
+    stdlib = tuple({q + os.sep for k in ("stdlib", "platstdlib")
+                    for q in (os.path.normpath(sysconfig.get_paths()[k]),
+                              os.path.realpath(sysconfig.get_paths()[k]))})
+    site = tuple({q + os.sep for p in sys.path if "-packages" in p
+                  for q in (os.path.normpath(p), os.path.realpath(p))})
     # The repository's own code: its Python files as they are now, before anything of it
-    # runs, less what the candidate changed. Code from anywhere else (a file the run writes,
-    # a string compiled under any name) is the candidate's as much as a changed file is.
+    # runs, whose content is the base's (the farm hashed it before any instance command
+    # ran) or the test patch's (the harness's), under either spelling of the repository's
+    # path, links left out. Code from anywhere else (a file the candidate changed, one that
+    # setup or the run wrote, a string compiled under any name) is the candidate's.
+    import hashlib
+
+    trusted = request.get("trusted")
+
     def stamp(path):
         """(size, mtime, inode) of a file, or None if it is not there."""
         try:
@@ -84,15 +98,29 @@ def main():
             return None
         return st.st_size, st.st_mtime_ns, st.st_ino
 
+    def content_is_trusted(path, rel):
+        if trusted is None:  # a spec without hashes: the files less the changed ones
+            return os.path.realpath(path) not in changed
+        try:
+            with open(path, "rb") as f:
+                return trusted.get(rel) == hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            return False
+
     original = {}  # path -> stamp: a file rewritten during the run is not the original
     bytecode = {}  # the same for the compiled files there at the start (an environment's)
     for root, dirs, names in os.walk(repo):
         dirs[:] = [d for d in dirs if d != ".git"]
         for n in names:
-            if n.endswith((".py", ".pyc")):
-                path = os.path.realpath(os.path.join(root, n))
-                if path not in changed:
-                    (original if n.endswith(".py") else bytecode)[path] = stamp(path)
+            full = os.path.join(root, n)
+            if not n.endswith((".py", ".pyc")) or os.path.islink(full):
+                continue
+            rel = os.path.relpath(full, repo)
+            if n.endswith(".pyc"):
+                bytecode[os.path.realpath(full)] = stamp(full)
+            elif content_is_trusted(full, rel):
+                for spelling in {repo, given}:
+                    original[os.path.join(spelling, rel)] = stamp(full)
 
     def emit(kind, **fields):
         os.write(fd, prefix + (json.dumps({"kind": kind, **fields}) + "\n").encode())
@@ -113,11 +141,12 @@ def main():
     known = {}
 
     def path_of(code):
-        """The resolved path of a code object's file (or its ``<...>`` name)."""
+        """The path of a code object's file as it names it, made absolute (or its ``<...>``
+        name): never resolved through links."""
         name = code.co_filename
         path = known.get(name)
         if path is None:
-            path = name if name.startswith("<") else os.path.realpath(os.path.join(repo, name))
+            path = name if name.startswith("<") else os.path.normpath(os.path.join(repo, name))
             known[name] = path
         return path
 
@@ -130,7 +159,7 @@ def main():
 
     runner_name = request.get("runner", "")
     import ast
-    ast_file = os.path.realpath(ast.__file__)
+    ast_files = {os.path.normpath(ast.__file__), os.path.realpath(ast.__file__)}
 
     def untrusted(path):
         """Code that is not the interpreter's, the environment's, the repository's own or
@@ -147,7 +176,7 @@ def main():
         if not isinstance(filename, str):
             return None
         path = filename if filename.startswith("<") else \
-            os.path.realpath(os.path.join(repo, filename))
+            os.path.normpath(os.path.join(repo, filename))
         if untrusted(path) or path.startswith("<frozen "):
             return None
         if path in original and stamp(path) != original[path]:  # not the file of the start
@@ -155,7 +184,7 @@ def main():
         made_by = file_of(caller)
         # The import system, the environment's packages (pytest's assertion rewriting), and
         # ast.parse (a tree, not code) compile trusted files; nothing else does.
-        if made_by.startswith("<frozen importlib") or made_by == ast_file or (
+        if made_by.startswith("<frozen importlib") or made_by in ast_files or (
                 made_by.startswith(site) and not untrusted(made_by)):
             return None
         return f"{path} (by {made_by})"
@@ -504,13 +533,13 @@ def main():
     # own): a change there is pytest's if the new value is defined in pytest's package.
     patched_by_pytest = {"_getini_unknown_type", "invocation_dir", "rootdir", "inifile",
                          "startdir", "fspath", "makedir"}
-    pytest_dirs = tuple(os.path.dirname(os.path.realpath(m.__file__)) + os.sep
-                        for m in (_pytest, pluggy))
+    pytest_dirs = tuple({os.path.dirname(q(m.__file__)) + os.sep for m in (_pytest, pluggy)
+                         for q in (os.path.normpath, os.path.realpath)})
 
     def pytests_own(value):
         function = value.fget if isinstance(value, property) else value
         code = getattr(function, "__code__", None)
-        return code is not None and os.path.realpath(code.co_filename).startswith(pytest_dirs)
+        return code is not None and path_of(code).startswith(pytest_dirs)
 
     def tampered():
         for name, module in guarded.items():
@@ -533,12 +562,12 @@ def main():
     # path -> {line: [(name, "Cls::name", fixture names)]}.
     defined, at_line = {}, {}
     for rel, found in request.get("defs", {}).items():
-        path = os.path.realpath(os.path.join(repo, rel))
-        for qual, lines, names in found:
-            defined.setdefault(path, {}).setdefault(qual, set()).update(lines)
-            for line in lines:
-                at_line.setdefault(path, {}).setdefault(line, []).append(
-                    (qual.rsplit("::", 1)[-1], qual, names))
+        for path in {os.path.normpath(os.path.join(spelling, rel)) for spelling in (repo, given)}:
+            for qual, lines, names in found:
+                defined.setdefault(path, {}).setdefault(qual, set()).update(lines)
+                for line in lines:
+                    at_line.setdefault(path, {}).setdefault(line, []).append(
+                        (qual.rsplit("::", 1)[-1], qual, names))
 
     import functools
     import types
@@ -607,7 +636,7 @@ def main():
         left out)."""
         file_part, _, rest = nodeid.partition("::")
         parts = [p for p in rest.split("[", 1)[0].split("::") if p and p != "()"]
-        return os.path.realpath(os.path.join(repo, file_part)), "::".join(parts)
+        return os.path.normpath(os.path.join(repo, file_part)), "::".join(parts)
 
     def from_untrusted(value):
         return next((path for path, _, _, _ in reachable(value) if untrusted(path)), None)

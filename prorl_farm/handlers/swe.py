@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -198,6 +199,13 @@ def patch_paths(patch: str) -> set[str]:
     return {posixpath.normpath(p) for p in paths}
 
 
+def trusted_code(base: dict[str, bytes]) -> dict[str, str]:
+    """The repository's own Python at the base, by content (path -> SHA-256): the only
+    repository code the test run trusts is a file whose content is one of these, at its
+    path (a file setup writes, or one the candidate changed, is the candidate's)."""
+    return {p: hashlib.sha256(d).hexdigest() for p, d in base.items() if p.endswith(".py")}
+
+
 def builds_native(base: dict[str, bytes]) -> bool:
     """Whether the base holds native code: sources a build compiles, or object code."""
     return any(p.endswith(NATIVE_SUFFIXES) or data.startswith(OBJECT_MAGIC)
@@ -278,7 +286,8 @@ def protection(ctx: JobContext, base: dict[str, bytes], test_files: set[str]) ->
     the protected files, for the grader to put back after the setup commands."""
     spec = {"protected_names": sorted(PROTECTED_NAMES),
             "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
-            "shm_mb": jail_shm_mb(ctx), "noexec": not builds_native(base)}
+            "shm_mb": jail_shm_mb(ctx), "noexec": not builds_native(base),
+            "trusted": trusted_code(base)}
     if ctx.mode != "reference":
         spec["protected_base"] = protected_base(base, test_files)
     return spec
@@ -446,7 +455,8 @@ class SweHandler(ToolAgentHandler):
         resolved = all(o == "passed" for o in outcomes.values()) and bool(outcomes)
         return {"reward": 1.0 if resolved else 0.0, "resolved": resolved, "suspicious": False,
                 **kept, "tests": by_kind, "jail": verdict.get("jail"),
-                "timed_out": verdict.get("timed_out", False)}
+                "timed_out": verdict.get("timed_out", False),
+                "unwitnessed": verdict.get("unwitnessed", [])}
 
     @staticmethod
     def _candidate(ctx: JobContext, base: dict[str, bytes], test_paths: set[str],
@@ -516,4 +526,5 @@ class SweHandler(ToolAgentHandler):
                     "verdict": f"the candidate reached into the test process: "
                                f"{verdict['suspicious']}", "output": verdict.get("output", "")}
         return {**read_verdict(inst, verdict), "suspicious": False, **kept,
-                "jail": verdict.get("jail"), "timed_out": verdict.get("timed_out", False)}
+                "jail": verdict.get("jail"), "timed_out": verdict.get("timed_out", False),
+                "unwitnessed": verdict.get("unwitnessed", [])}
