@@ -34,7 +34,8 @@ Add a class of attack here when you find one: the test is the claim.
   ``/dev/fd/../mem`` and by a ``dir_fd``, a child that reads the test process's memory
   (``process_vm_readv``, ``/proc/PPID/mem``), traces it or takes its descriptors, io_uring;
   native code shipped in the patch or built by the setup from a C source; the package
-  changed under ``x/``/``y/`` and quoted patch headers.
+  changed under ``x/``/``y/`` and quoted patch headers; a module imported through a link
+  re-pointed at the standard library, and a module the setup command writes.
 - the graders' parts: the tests out of reach without the jail too; a jail that cannot run
   the program is an error (the job fails), never a zero.
 - ``math``: an answer whose evaluation never ends (a power tower, a huge factorial) earns 0
