@@ -467,6 +467,13 @@ SETUP_WRITES_A_MODULE = (
     "        _f.write(" + repr(FRAME_WALK) + ")\nelif _o.path.exists(_m):\n"
     "    from calc import _made\n")
 
+# Round four, the test module's own namespace: the name the asserts' equality helper is
+# looked up by, shadowed in the (half-imported) test module: every == then holds.
+SWE_ATTACKS["assert-helper-shadowed-in-the-test-module"] = (
+    TEST_MODULE + "import builtins as _b\nif _mod is not None:\n"
+    "    for _n in dir(_b):\n        if _n.startswith('_prorl_eq_'):\n"
+    "            setattr(_mod, _n, lambda a, b: True)\n", True)
+
 # Files the candidate adds beside the bug (not code in calc/__init__.py).
 SWE_FILES = {
     "entry-point-plugin": {  # a distribution on sys.path naming a pytest11 plugin

@@ -478,6 +478,7 @@ def main():
         import _pytest.assertion.rewrite as rewrite
 
         setattr(builtins, eq_name, checked_eq)
+        rewrite_module = rewrite
         rewriter = rewrite.AssertionRewriter
         pytests_run = rewriter.run
 
@@ -541,10 +542,19 @@ def main():
         code = getattr(function, "__code__", None)
         return code is not None and path_of(code).startswith(pytest_dirs)
 
+    test_modules = []  # the collected tests' modules (pytest rewrote their asserts)
+
     def tampered():
         for name, module in guarded.items():
             if sys.modules.get(name) is not module:
                 return f"sys.modules[{name!r}] replaced"
+        for module in test_modules:  # the helpers their asserts look up by name
+            names = vars(module)
+            if eq_name in names:
+                return f"{module.__name__}.{eq_name}: the assert helper shadowed"
+            if names.get("@py_builtins", builtins) is not builtins or names.get(
+                    "@pytest_ar", rewrite_module) is not rewrite_module:
+                return f"{module.__name__}: its assertion helpers replaced"
         for owner, saved in snapshot:
             current = vars(owner)
             for key, value in saved.items():
@@ -736,6 +746,10 @@ def main():
 
         @pytest.hookimpl(trylast=True)
         def pytest_collection_finish(self, session):
+            for item in session.items:
+                module = getattr(item, "module", None)
+                if module is not None and all(module is not m for m in test_modules):
+                    test_modules.append(module)
             check("collected", session=session)
             emit("collected", tests=[i.nodeid for i in session.items])
 
