@@ -31,7 +31,12 @@ import redis
 from common import machine, private_redis, report  # noqa: E402
 
 from prorl_farm.graders import answers, source  # noqa: E402
-from prorl_farm.handlers.swe import _git_tree, patch_paths  # noqa: E402
+from prorl_farm.handlers.swe import (  # noqa: E402
+    _git_tree,
+    builds_native,
+    patch_paths,
+    trusted_code,
+)
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec  # noqa: E402
 from prorl_farm.sandbox.connection import ToolConnection  # noqa: E402
 from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
@@ -82,7 +87,8 @@ def bench_swe(manager, rounds: int) -> dict:
     tests = inst["FAIL_TO_PASS"] + inst["PASS_TO_PASS"]
     grader = {"grader/spec.json": json.dumps({
                   "tests": tests, "setup": [], "changed": sorted(patch_paths(inst["patch"])),
-                  "test_files": sorted(patch_paths(inst["test_patch"])), "timeout_s": 120}),
+                  "test_files": sorted(patch_paths(inst["test_patch"])), "timeout_s": 120,
+                  "noexec": not builds_native(base), "trusted": trusted_code(base)}),
               "grader/test.patch": inst["test_patch"], "grader/model.patch": inst["patch"],
               "grader/swe_harness.py": source("swe_harness.py"),
               "grader/swe_runner.py": source("swe_runner.py")}

@@ -47,24 +47,24 @@ NAMESPACES = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0
 EPERM, ENOSYS = 1, 38
 PROT_EXEC, MAP_ANONYMOUS = 0x4, 0x20
 
+# The numbers the generic table gives every machine alike (those added since Linux 5.0).
+_GENERIC = dict(pidfd_getfd=438, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
+                open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432,
+                fspick=433, mount_setattr=442, clone3=435, memfd_secret=447,
+                landlock_create_ruleset=444, landlock_add_rule=445,
+                landlock_restrict_self=446)
 # (audit arch, {name: number}) per machine: the calls refused, and those looked at.
 _CALLS = {
     "x86_64": (0xC000003E, dict(
-        ptrace=101, process_vm_readv=310, process_vm_writev=311, pidfd_getfd=438, kcmp=312,
-        userfaultfd=323, perf_event_open=298, bpf=321, io_uring_setup=425,
-        io_uring_enter=426, io_uring_register=427, mount=165, umount2=166, pivot_root=155,
-        setns=308, open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432,
-        fspick=433, mount_setattr=442, unshare=272, clone=56, clone3=435,
-        memfd_create=319, memfd_secret=447, mmap=9, mprotect=10, pkey_mprotect=329,
-        landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446)),
+        _GENERIC, ptrace=101, process_vm_readv=310, process_vm_writev=311, kcmp=312,
+        userfaultfd=323, perf_event_open=298, bpf=321, mount=165, umount2=166,
+        pivot_root=155, setns=308, unshare=272, clone=56, memfd_create=319, mmap=9,
+        mprotect=10, pkey_mprotect=329)),
     "aarch64": (0xC00000B7, dict(
-        ptrace=117, process_vm_readv=270, process_vm_writev=271, pidfd_getfd=438, kcmp=272,
-        userfaultfd=282, perf_event_open=241, bpf=280, io_uring_setup=425,
-        io_uring_enter=426, io_uring_register=427, mount=40, umount2=39, pivot_root=41,
-        setns=268, open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432,
-        fspick=433, mount_setattr=442, unshare=97, clone=220, clone3=435,
-        memfd_create=279, memfd_secret=447, mmap=222, mprotect=226, pkey_mprotect=288,
-        landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446)),
+        _GENERIC, ptrace=117, process_vm_readv=270, process_vm_writev=271, kcmp=272,
+        userfaultfd=282, perf_event_open=241, bpf=280, mount=40, umount2=39, pivot_root=41,
+        setns=268, unshare=97, clone=220, memfd_create=279, mmap=222, mprotect=226,
+        pkey_mprotect=288)),
 }
 REFUSED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
            "userfaultfd", "perf_event_open", "bpf", "io_uring_setup", "io_uring_enter",
@@ -151,13 +151,6 @@ def _seccomp(libc):
     fbuf = ctypes.create_string_buffer(fprog)
     if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fbuf, 0, 0) != 0:
         _fail("seccomp")
-
-
-def landlock_abi():
-    """Landlock's ABI version here (0: none)."""
-    libc = _libc()
-    abi = libc.syscall(_calls()[1]["landlock_create_ruleset"], None, 0, 1)
-    return max(abi, 0)
 
 
 def _landlock(libc):

@@ -91,8 +91,8 @@ class Jail:
         noexec = list(SCRATCH) + [path for path, writable in binds
                                   if writable and self.noexec_binds]
         request = {"noexec": noexec, "uid": JAIL_UID, "report": report_fd}
-        return [sys.executable, "-I", "-S", "-c", CONFINE_SOURCE + "\nstage0()\n",  # noqa: F821 - included
-                json.dumps(request)]
+        source = CONFINE_SOURCE  # noqa: F821 - included
+        return [sys.executable, "-I", "-S", "-c", source + "\nstage0()\n", json.dumps(request)]
 
     def popen(self, argv, binds=(), cwd="/workspace", pass_fds=(), **kwargs):
         if not self.works:
@@ -168,6 +168,7 @@ class Jail:
                             f"status {proc.returncode})")
         if said != "confined\n" and not (killed and not said):
             raise JailError(f"the program was not confined: {said.strip() or 'no word'}")
+
 
 def _confined(preexec_fn):
     """A ``preexec_fn`` that runs ``preexec_fn``, then confines the child (no jail)."""

@@ -256,10 +256,10 @@ def graded_tree(base: dict[str, bytes], agent: dict[str, bytes], test_files: set
     return tree, sorted(discarded)
 
 
-def patched(base: dict[str, bytes], patch: str) -> dict[str, bytes] | None:
-    """The files ``patch`` touches, as ``git apply`` leaves them over ``base`` (in a
-    directory of its own; None if it does not apply): a reference patch, for the screen."""
-    touched = patch_paths(patch)
+def patched(base: dict[str, bytes], patch: str, touched: set[str]) -> dict[str, bytes] | None:
+    """The files ``patch`` touches (``touched``: its :func:`patch_paths`), as ``git apply``
+    leaves them over ``base`` (in a directory of its own; None if it does not apply): a
+    reference patch, for the screen."""
     with tempfile.TemporaryDirectory(prefix="prorl-screen-") as d:
         for path in touched:
             if path in base:
@@ -280,39 +280,45 @@ def patched(base: dict[str, bytes], patch: str) -> dict[str, bytes] | None:
         return tree
 
 
-def protection(ctx: JobContext, base: dict[str, bytes], test_files: set[str]) -> dict:
+def protection(ctx: JobContext, base: dict[str, bytes], test_files: set[str],
+               native: bool) -> dict:
     """What the grader's spec says of protected files and scratch space: the rule's names,
-    suffixes and directories, the jail's /dev/shm, and (a policy's tree) the base contents of
-    the protected files, for the grader to put back after the setup commands."""
+    suffixes and directories, the jail's /dev/shm, the repository noexec unless ``native``
+    (its base builds native code), the base's Python by content, and (a policy's tree) the
+    base contents of the protected files, for the grader to put back after the setup
+    commands."""
     spec = {"protected_names": sorted(PROTECTED_NAMES),
             "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
-            "shm_mb": jail_shm_mb(ctx), "noexec": not builds_native(base),
+            "shm_mb": jail_shm_mb(ctx), "noexec": not native,
             "trusted": trusted_code(base)}
     if ctx.mode != "reference":
         spec["protected_base"] = protected_base(base, test_files)
     return spec
 
 
-def reference_tree(base: dict[str, bytes], patch: str) -> dict[str, bytes] | None:
-    """The tree a reference ``patch`` makes of the base (None if it does not apply)."""
-    after = patched(base, patch)
+def reference_tree(base: dict[str, bytes], patch: str,
+                   touched: set[str]) -> dict[str, bytes] | None:
+    """The tree a reference ``patch`` (touching ``touched``) makes of the base (None if it
+    does not apply)."""
+    after = patched(base, patch, touched)
     if after is None:
         return None
     tree = {**base, **after}
-    for path in patch_paths(patch) - set(after):
+    for path in touched - set(after):
         tree.pop(path, None)
     return tree
 
 
 def refused(base: dict[str, bytes], tree: dict[str, bytes] | None, changed: set[str],
-            test_files: set[str], guard: bool = True) -> tuple[str, bool] | None:
+            test_files: set[str], native: bool, guard: bool = True
+            ) -> tuple[str, bool] | None:
     """Why the candidate's change earns 0 before any test runs, and whether that is
     ``suspicious``: flagged by the screen (``graders/screen.py``), or native code added to a
-    repository that builds none. ``tree``: the candidate's (None: the patch does not
-    apply, which the harness says)."""
+    repository that builds none (``native``: the base does). ``tree``: the candidate's
+    (None: the patch does not apply, which the harness says)."""
     if tree is None:
         return None
-    if not builds_native(base):
+    if not native:
         why = native_change(base, tree, changed)
         if why:
             return why, False
@@ -413,23 +419,26 @@ class SweHandler(ToolAgentHandler):
         base = base_tree(inst, ctx.sandboxes.mount_roots)
         files: dict[str, str | bytes] = {}
         discarded: list[str] = []
+        test_files = patch_paths(inst["test_patch"])
         if ctx.mode == "reference":
             tree, diff = base, inst["patch"]
             files["grader/model.patch"] = inst["patch"]
         else:
-            tree, discarded, diff = self._candidate(ctx, base, patch_paths(inst["test_patch"]))
+            tree, discarded, diff = self._candidate(ctx, base, test_files)
         tests = {"FAIL_TO_PASS": inst["FAIL_TO_PASS"], "PASS_TO_PASS": inst["PASS_TO_PASS"]}
-        test_files = patch_paths(inst["test_patch"])
         changed = (patch_paths(inst["patch"]) if ctx.mode == "reference" else
                    {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)})
-        why = refused(base, reference_tree(base, inst["patch"]) if ctx.mode == "reference"
-                      else tree, changed, test_files, guard=inst["screen"])
+        native = builds_native(base)
+        why = refused(base, reference_tree(base, inst["patch"], changed)
+                      if ctx.mode == "reference" else tree, changed, test_files, native,
+                      guard=inst["screen"])
         if why:
             return {"reward": 0.0, "resolved": False, "suspicious": why[1],
                     "diff": diff[:MAX_DIFF], "discarded": discarded, "verdict": why[0]}
         spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"],
                 "changed": sorted(changed - test_files), "test_files": sorted(test_files),
-                "timeout_s": inst["test_timeout_s"], **protection(ctx, base, test_files)}
+                "timeout_s": inst["test_timeout_s"],
+                **protection(ctx, base, test_files, native)}
         files.update({f"repo/{p}": data for p, data in tree.items()})
         files.update({"grader/spec.json": json.dumps(spec), "grader/test.patch":
                       inst["test_patch"], "grader/swe_harness.py": source("swe_harness.py"),
@@ -493,15 +502,16 @@ class SweHandler(ToolAgentHandler):
         else:
             tree, discarded, diff = self._candidate(ctx, base, test_paths, frozenset(overlay))
             changed = {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)}
-        why = refused(base, reference_tree(base, inst["patch"]) if ctx.mode == "reference"
-                      else tree, changed, test_paths,
+        native = builds_native(base)
+        why = refused(base, reference_tree(base, inst["patch"], changed)
+                      if ctx.mode == "reference" else tree, changed, test_paths, native,
                       guard=inst["screen"] and inst["repo"] not in RUNNER_REPOS)
         if why:
             return {"reward": 0.0, "resolved": False, "suspicious": why[1],
                     "diff": diff[:MAX_DIFF], "discarded": discarded,
                     "environment": os.path.basename(prep.env.path), "verdict": why[0]}
         spec = grading_spec(inst, prep, changed, test_paths,
-                            protection(ctx, base, test_paths))
+                            protection(ctx, base, test_paths, native))
         files.update(tree)
         files.update({f"{GRADER_DIR}/spec.json": json.dumps(spec),
                       f"{GRADER_DIR}/test.patch": inst["test_patch"],
