@@ -14,10 +14,11 @@ SHA-256, the hashes from the farm and the harness), as they were when the run st
 a link, code compiled from a string. A path is compared as code names it, never resolved.
 When untrusted code obtains a frame or a frame's code (directly, or
 through a standard-library function that hands frames back), walks the heap, installs a
-trace, profile or signal function, builds code objects (``compile``, ``exec``,
-``code.replace``, ``marshal.loads``), reads memory through ``ctypes``, opens
+trace, profile, audit or signal function, builds code objects under names of its choosing
+(``code.replace``, ``marshal.loads``), reads memory through ``ctypes``, opens
 ``/proc/*/mem``, or opens a test file by any spelling of its path; when anything but the
-import system or the environment's packages compiles code under a trusted name; when a
+import system or the environment's packages compiles code under a trusted name (code
+compiled from a string under its own name stays its maker's, and may run); when a
 repository file rewritten during the run, or bytecode that was not there at the start, is
 loaded, the hook sends a ``suspicious`` record and ends the process at once: the candidate
 gets reward 0.
@@ -134,7 +135,7 @@ def main():
                "ctypes.wstring_at", "ctypes.cdata", "ctypes.addressof", "code.__new__",
                "object.__getattr__", "object.__setattr__", "open", "compile", "exec",
                "os.link", "os.rename", "os.symlink",
-               "marshal.loads"}
+               "marshal.loads", "sys.addaudithook"}
     local = threading.local()
     getframe = sys._getframe
 
@@ -286,13 +287,16 @@ def main():
                 where = None
             elif event in frame_events:
                 where = frame_origin(caller)
-            elif event in direct_events:
-                where = file_of(caller) if untrusted(file_of(caller)) else None
-                if where is None and event == "compile" and len(args) > 1:
-                    forged = forged_name(caller, args[1])
-                    where = f"code compiled as {forged}" if forged else None
-                if where is None and event == "marshal.loads":
-                    where = cached_code_in_repo(caller)
+            elif event == "compile":
+                # Code compiled from a string is its maker's: untrusted under its own name
+                # (``<string>``), whoever compiles it; only a trusted name is forged.
+                forged = forged_name(caller, args[1]) if len(args) > 1 else None
+                where = f"code compiled as {forged}" if forged else None
+            elif event == "exec":
+                where = None  # a code object keeps the name it was compiled under
+            elif event == "marshal.loads":  # code objects under any name they like
+                where = file_of(caller) if untrusted(file_of(caller)) else \
+                    cached_code_in_repo(caller)
             else:
                 where = first_origin(caller)
             if where is not None:
