@@ -1,9 +1,11 @@
 """The child that runs a repository's tests for ``swe_harness.py`` (run as ``python3 -I -c``
-with this text, in the jail where it can make one). The repository's code runs in this
-process (the tests import it), so nothing here decides the verdict: this process only
-sends evidence, test by test, to the harness over a pipe, each record prefixed with a key
-it read from its stdin before any repository code ran (raw ``os.read``, kept in a closure),
-and the harness decides.
+with this text, in the jail where it can make one, in a globals dict of its own with a copy
+of the builtins: no module holds what this code looks names up in). The repository's code
+runs in this process (the tests import it), so nothing here decides the verdict: this
+process only sends evidence, test by test, to the harness over a pipe, each record prefixed
+with a key it read from its stdin before any repository code ran (raw ``os.read``, kept in
+a closure), and the harness decides (with pytest's own report of the run as a second
+witness).
 
 Before pytest or the repository is imported, an audit hook (PEP 578: it cannot be removed
 from Python code) watches the process. *Untrusted* code is code that is not the
@@ -29,29 +31,38 @@ package, a plugin named by ``pytest_plugins`` set there, a test function swapped
 module's class) is ``suspicious`` too; so is a test whose file defines the function its id
 names (the harness parsed the protected files before the tests started) and that runs
 anything else (another test of the file, a helper, a callable without code), and a
-fixture or hook of a protected file that serves under another name than its own. In
-pytest's rewritten asserts (``==``) and unittest's ``assertEqual``, an object whose class's
-``__eq__`` is untrusted, found equal to a value of a built-in type, is asked about values it
-cannot honestly equal, the real question at a random place among them: agreeing with any
-is ``suspicious``.
+fixture or hook of a protected file that serves under another name than its own.
 
-Before each named test runs, and at each of its reports, the functions and classes of
-pytest, pluggy, unittest, numpy.testing (where installed) and the builtins are checked
-against the objects they were before any repository code ran (a module, a class attribute
-or ``sys.modules`` entry replaced, or an item's ``runtest`` overridden on the instance, is
-``suspicious``). And a test counts as
-passed only if this process's own wrapper around its call saw it return, besides pytest's
-reports of its setup, call and teardown.
+Equality: in pytest's rewritten asserts (``==``) and unittest's ``assertEqual``, an object
+of any but a built-in value type, found equal to a value of a built-in type, is asked about
+values it cannot honestly equal, the real question at a random place among them: agreeing
+with any is ``suspicious``, wherever its ``__eq__`` was defined (``mock.ANY`` written by the
+test itself excepted).
+
+Frozen: each test module and its classes are kept as the module's own code left them, as
+soon as its body has run; untrusted code that sets or deletes a test module's attribute is
+``suspicious`` at once, and a test module's name, a class's method or the asserts' helpers
+rebound by any route is found before and after each test's call, at each of its asserts and
+at each report. So are the functions and classes of pytest, pluggy, unittest, numpy.testing
+(where installed) and the builtins, against the objects they were before any repository
+code ran (a module, a class attribute or ``sys.modules`` entry replaced, or an item's
+``runtest`` overridden on the instance). And a test counts as passed only if this process's
+own wrapper around its call saw it return, besides pytest's reports of its setup, call and
+teardown.
 """
+# The runner is built by the functions below, each returning what it builds (closures):
+# ``main`` calls each once, before any of the repository's code runs. What runs later (the
+# hook, the probe, the guard, the plugin) reaches everything through its closures, never
+# through a module's globals: the harness runs this text in a dict of its own, with a copy
+# of the builtins, which no module holds.
 
 
-def main():
-    import builtins
+def read_request():
+    """The harness's request, read from stdin (raw reads, before anything else runs); stdin
+    is then /dev/null."""
     import json
     import os
     import sys
-    import sysconfig
-    import threading
 
     data = b""
     while not data.endswith(b"\n"):
@@ -60,18 +71,50 @@ def main():
             os._exit(2)
         data += chunk
     request = json.loads(data)
-    data = None
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     # No bytecode written by this process (-I ignores PYTHONDONTWRITEBYTECODE; its children
     # get it): bytecode that appears in the repository during the run is someone's doing.
     sys.dont_write_bytecode = True
+    return request
+
+
+def evidence_channel(request):
+    """``emit(kind, **fields)``: one record on the evidence pipe, prefixed with the key,
+    which is popped from the request and kept in this closure alone."""
+    import json
+    import os
+
     prefix = (request.pop("key") + " ").encode()
     fd = request["fd"]
+
+    def emit(kind, **fields):
+        os.write(fd, prefix + (json.dumps({"kind": kind, **fields}) + "\n").encode())
+
+    return emit
+
+
+class Built:
+    """What a builder returns: named closures (read into the next builder's locals when it
+    is built, never looked up while tests run)."""
+
+    def __init__(self, **parts):
+        self.__dict__.update(parts)
+
+
+def trust(request):
+    """Whose code is whose. *Untrusted* code is code that is not the interpreter's, the
+    environment's, this runner's or one of the repository's files whose content is the
+    base's or the test patch's (by SHA-256), as they were when the run started."""
+    import ast
+    import hashlib
+    import os
+    import sys
+    import sysconfig
+
     given = os.path.normpath(request["repo"])
     repo = os.path.realpath(given)
-    wanted = set(request["tests"])
     changed = {os.path.realpath(os.path.join(repo, p)) for p in request["changed"]}
     test_files = {os.path.realpath(os.path.join(repo, p)) for p in request["test_files"]}
     # Trusted places by the paths the interpreter gives them, as given and resolved (both
@@ -82,13 +125,6 @@ def main():
                               os.path.realpath(sysconfig.get_paths()[k]))})
     site = tuple({q + os.sep for p in sys.path if "-packages" in p
                   for q in (os.path.normpath(p), os.path.realpath(p))})
-    # The repository's own code: its Python files as they are now, before anything of it
-    # runs, whose content is the base's (the farm hashed it before any instance command
-    # ran) or the test patch's (the harness's), under either spelling of the repository's
-    # path, links left out. Code from anywhere else (a file the candidate changed, one that
-    # setup or the run wrote, a string compiled under any name) is the candidate's.
-    import hashlib
-
     trusted = request.get("trusted")
 
     def stamp(path):
@@ -108,6 +144,11 @@ def main():
         except OSError:
             return False
 
+    # The repository's own code: its Python files as they are now, before anything of it
+    # runs, whose content is the base's (the farm hashed it before any instance command
+    # ran) or the test patch's (the harness's), under either spelling of the repository's
+    # path, links left out. Code from anywhere else (a file the candidate changed, one that
+    # setup or the run wrote, a string compiled under any name) is the candidate's.
     original = {}  # path -> stamp: a file rewritten during the run is not the original
     bytecode = {}  # the same for the compiled files there at the start (an environment's)
     for root, dirs, names in os.walk(repo):
@@ -122,22 +163,6 @@ def main():
             elif content_is_trusted(full, rel):
                 for spelling in {repo, given}:
                     original[os.path.join(spelling, rel)] = stamp(full)
-
-    def emit(kind, **fields):
-        os.write(fd, prefix + (json.dumps({"kind": kind, **fields}) + "\n").encode())
-
-    # -- the audit hook -----------------------------------------------------------------
-
-    frame_attrs = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_code", "gi_code",
-                   "cr_code", "ag_code"}
-    watched = {"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile",
-               "gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.string_at",
-               "ctypes.wstring_at", "ctypes.cdata", "ctypes.addressof", "code.__new__",
-               "object.__getattr__", "object.__setattr__", "open", "compile", "exec",
-               "os.link", "os.rename", "os.symlink",
-               "marshal.loads", "sys.addaudithook"}
-    local = threading.local()
-    getframe = sys._getframe
 
     known = {}
 
@@ -159,8 +184,6 @@ def main():
             not path.startswith(site)
 
     runner_name = request.get("runner", "")
-    import ast
-    ast_files = {os.path.normpath(ast.__file__), os.path.realpath(ast.__file__)}
 
     def untrusted(path):
         """Code that is not the interpreter's, the environment's, the repository's own or
@@ -169,6 +192,59 @@ def main():
                 path == runner_name:
             return False
         return not path.startswith("<frozen ")
+
+    def first_origin(frame):
+        """The first caller outside the standard library, if it is untrusted (ctypes,
+        threading.settrace and the like act for their caller), or None."""
+        while frame is not None and is_stdlib(file_of(frame)):
+            frame = frame.f_back
+        if frame is not None and untrusted(file_of(frame)):
+            return file_of(frame)
+        return None
+
+    test_tails = {t.replace(os.sep, "/") for t in test_files}
+
+    def is_test_file(path):
+        """A test file, by any spelling of its path: resolved against the repository; and a
+        relative path that ends one (it may be relative to a directory descriptor, which the
+        audit event does not carry)."""
+        if os.path.realpath(os.path.join(repo, path)) in test_files:
+            return True
+        if os.path.isabs(path):
+            return False
+        tail = "/" + os.path.normpath(path).replace(os.sep, "/").lstrip("./")
+        return any(t.endswith(tail) for t in test_tails)
+
+    return Built(repo=repo, given=given, stdlib=stdlib, site=site, stamp=stamp,
+                 original=original, bytecode=bytecode, path_of=path_of, file_of=file_of,
+                 is_stdlib=is_stdlib, untrusted=untrusted, first_origin=first_origin,
+                 is_test_file=is_test_file, runner_name=runner_name,
+                 test_file_names=list(request["test_files"]),
+                 ast_files={os.path.normpath(ast.__file__), os.path.realpath(ast.__file__)})
+
+
+def audit_hook(t, emit):
+    """The audit hook (PEP 578: no Python code can remove it) that ends the process with a
+    ``suspicious`` record when untrusted code reaches for frames, the heap, a trace, profile
+    or audit function, code objects under names of its choosing, raw memory or a test file,
+    or when code compiled under a trusted name or bytecode the run wrote is loaded."""
+    import os
+    import sys
+    import threading
+
+    stamp, original, bytecode, repo = t.stamp, t.original, t.bytecode, t.repo
+    file_of, is_stdlib, untrusted = t.file_of, t.is_stdlib, t.untrusted
+    first_origin, is_test_file, site, ast_files = t.first_origin, t.is_test_file, t.site, \
+        t.ast_files
+    frame_attrs = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_code", "gi_code",
+                   "cr_code", "ag_code"}
+    watched = {"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile",
+               "gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.string_at",
+               "ctypes.wstring_at", "ctypes.cdata", "ctypes.addressof", "code.__new__",
+               "object.__getattr__", "object.__setattr__", "open", "compile", "exec",
+               "os.link", "os.rename", "os.symlink", "marshal.loads", "sys.addaudithook"}
+    local = threading.local()
+    getframe = sys._getframe
 
     def forged_name(caller, filename):
         """A compile under the name of trusted code (so that its frames would pass for
@@ -233,32 +309,8 @@ def main():
             return file_of(frame.f_back)
         return None
 
-    def first_origin(frame):
-        """For any other event: the first caller outside the standard library, if it is
-        untrusted (ctypes, threading.settrace and the like act for their caller)."""
-        while frame is not None and is_stdlib(file_of(frame)):
-            frame = frame.f_back
-        if frame is not None and untrusted(file_of(frame)):
-            return file_of(frame)
-        return None
-
     frame_events = {"sys._getframe", "sys._current_frames", "object.__getattr__"}
-    # Code made at run time, judged by who asked for it directly (namedtuple's and
-    # dataclasses' own exec are the standard library's business).
-    direct_events = {"compile", "exec", "marshal.loads"}
-
-    test_tails = {t.replace(os.sep, "/") for t in test_files}
-
-    def is_test_file(path):
-        """A test file, by any spelling of its path: resolved against the repository; and a
-        relative path that ends one (it may be relative to a directory descriptor, which the
-        audit event does not carry)."""
-        if os.path.realpath(os.path.join(repo, path)) in test_files:
-            return True
-        if os.path.isabs(path):
-            return False
-        tail = "/" + os.path.normpath(path).replace(os.sep, "/").lstrip("./")
-        return any(t.endswith(tail) for t in test_tails)
+    silent = {"compile", "exec", "marshal.loads"}  # their arguments are code: not quoted
 
     def hook(event, args):
         if event not in watched:
@@ -301,28 +353,26 @@ def main():
                 where = first_origin(caller)
             if where is not None:
                 emit("suspicious", event=event, detail=str(args[1] if event.startswith(
-                    "object.") else "" if event in direct_events else args[0] if args
+                    "object.") else "" if event in silent else args[0] if args
                     else "")[:200], where=where)
                 os._exit(3)
         finally:
             local.busy = False
 
-    # Off where the repository under test is the test runner itself (pytest's own tests):
-    # its code is the candidate's, and what it does to run tests (read test files, walk
-    # frames) is what the hook forbids. The harness says so in the verdict.
-    guard = request.get("guard", True)
-    if guard:
-        sys.addaudithook(hook)
+    return hook
 
-    # -- what must not change -----------------------------------------------------------
 
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # no plugin from an installed package
+def import_the_runner(request):
+    """pytest, pluggy and their parts, and the environment's plugins, imported before any
+    of the repository's code runs (so that what they are now can be kept)."""
     import importlib
+    import os
     import pkgutil
 
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # no plugin from an installed package
     import _pytest
     import pluggy
-    import pytest
+    import pytest  # noqa: F401
 
     # pytester is a plugin whose modules pytest rewrites when it loads them: imported here
     # first, they could not be (a warning, which a repository's `filterwarnings = error`
@@ -343,14 +393,19 @@ def main():
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - pytest reports it when it loads the plugin
             pass
-    # A signal handler is handed the frame the signal interrupts: no handler from untrusted
-    # code (signal.signal calls _signal.signal, which is this; both are guarded below).
-    import _signal
-    import signal  # noqa: F401 - guarded with _signal
-    import unittest  # noqa: F401 - its assertions are guarded too
-    real_signal = _signal.signal
 
-    def signal_guard(signalnum, handler):
+
+def signal_guard(t, emit, guard):
+    """A signal handler is handed the frame the signal interrupts: no handler from untrusted
+    code (signal.signal calls _signal.signal, which is replaced here; both are kept)."""
+    import _signal
+    import os
+    import signal  # noqa: F401 - guarded with _signal
+    import sys
+
+    real_signal, first_origin, getframe = _signal.signal, t.first_origin, sys._getframe
+
+    def guarded_signal(signalnum, handler):
         if guard:
             where = first_origin(getframe(1))
             if where is not None:
@@ -358,219 +413,18 @@ def main():
                 os._exit(3)
         return real_signal(signalnum, handler)
 
-    _signal.signal = signal_guard
-    guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest", "signal", "_signal")
-    if not os.path.exists(os.path.join(repo, "numpy")):  # not when testing numpy itself
-        try:
-            import numpy.testing  # noqa: F401 - assert_allclose and friends
-            guarded_prefixes += ("numpy.testing",)
-        except ImportError:
-            pass
-    # -- equality the candidate's code claims ------------------------------------------
-    # Where pytest's rewritten asserts compare with == (the assert's test, or a part of its
-    # and/or/not) and in unittest's assertEqual, equality is decided here, as Python would
-    # (built-in lists, tuples and dicts item by item), except that an object of a class
-    # whose __eq__ is the candidate's code, compared with a value of a built-in type, is
-    # also asked about values it cannot honestly equal (that value moved by a random amount,
-    # a fresh object()), the real question at a random place among them: an __eq__ that
-    # agrees with any of them lies, whatever it read of its argument (``suspicious``). It
-    # cannot tell the real question from the others without knowing the answer.
-    import random
-    import secrets
+    _signal.signal = guarded_signal
 
-    plain = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set,
-             frozenset)
-    chance = random.Random(secrets.randbits(64))
 
-    def type_attr(value, name):
-        """``value``'s attribute ``name`` as its type's dicts hold it (how Python finds
-        ``__eq__`` and ``__call__``), with no code of anyone's run to find it."""
-        for klass in type.__getattribute__(type(value), "__mro__"):
-            namespace = type.__getattribute__(klass, "__dict__")
-            if name in namespace:
-                return namespace[name]
-        return None
+def identity(t, request):
+    """What a callable runs, found by type (never by asking the objects), held to the
+    protected files' definitions: the checks that a test, fixture or hook runs the code its
+    name says."""
+    import functools
+    import os
+    import types
 
-    def candidates_eq(value):
-        return type(value) not in plain and from_untrusted(type_attr(value, "__eq__"))
-
-    def probes(value):
-        """Values of ``value``'s type that no honest __eq__ finds equal to what ``value``
-        equals."""
-        kind, out = type(value), [object()]
-        if kind is bool:
-            out.append(not value)
-        elif kind is int or kind is complex:
-            out += [value + chance.choice((-1, 1)) * chance.randint(1, 10 ** 6)
-                    for _ in range(2)]
-        elif kind is float and value == value and abs(value) != float("inf"):
-            out += [value + chance.choice((-1, 1)) * chance.uniform(1, 1000) *
-                    (1 + abs(value)) for _ in range(2)]
-        elif kind is str or kind is bytes:
-            extra = secrets.token_hex(4)
-            out += [value + (extra if kind is str else extra.encode()),
-                    (extra * (len(value) // 8 + 1))[:max(len(value), 1)] if kind is str
-                    else (extra.encode() * (len(value) // 8 + 1))[:max(len(value), 1)]]
-        elif kind is tuple or kind is list:
-            out.append(value + kind([object()]))
-        elif kind is dict:
-            out.append({**value, object(): None})
-        elif kind is set or kind is frozenset:
-            out.append(value | {object()})
-        # Never the value itself (a random string of its length may be it): compared as
-        # built-ins (a container of another length is unequal before any item is asked).
-        return [p for p in out if type(p) is object or p != value]
-
-    def agrees(left, right):
-        try:
-            return bool(left == right)
-        except Exception:  # noqa: BLE001 - an __eq__ that raises claims nothing
-            return False
-
-    def asked(mine, other, left, right):
-        trials = probes(other)
-        trials.insert(chance.randint(0, len(trials)), None)  # None: the real question
-        result = False
-        for trial in trials:
-            if trial is None:
-                result = bool(left == right)
-            elif agrees(mine, trial):
-                emit("suspicious", event="compare", detail=(
-                    f"{type(mine).__name__}.__eq__ agrees with {other!r:.60} and with "
-                    f"{trial!r:.60}")[:200])
-                os._exit(3)
-        return result
-
-    def equal(left, right, budget):
-        """``left == right`` (its truth), with the candidate's __eq__ asked as above."""
-        budget[0] -= 1
-        if budget[0] > 0:
-            for mine, other in ((left, right), (right, left)):
-                if type(other) in plain and candidates_eq(mine):
-                    return asked(mine, other, left, right)
-            if type(left) is type(right) and type(left) in (list, tuple):
-                return len(left) == len(right) and all(
-                    a is b or equal(a, b, budget) for a, b in zip(left, right))
-            if type(left) is type(right) is dict:
-                return left.keys() == right.keys() and all(
-                    left[k] is right[k] or equal(left[k], right[k], budget) for k in left)
-        return bool(left == right)
-
-    eq_name = "_prorl_eq_" + runner_name.strip("<>").rsplit("-", 1)[-1]
-
-    def checked_eq(left, right):
-        """An assert's ``left == right``."""
-        return equal(left, right, [10000])
-
-    def instrument(test):
-        import ast
-
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and \
-                isinstance(test.ops[0], ast.Eq):
-            return ast.copy_location(ast.Call(func=ast.Name(id=eq_name, ctx=ast.Load()),
-                                              args=[test.left, test.comparators[0]],
-                                              keywords=[]), test)
-        if isinstance(test, ast.BoolOp):
-            test.values = [instrument(v) for v in test.values]
-        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            test.operand = instrument(test.operand)
-        return test
-
-    if guard:
-        import ast
-
-        import _pytest.assertion.rewrite as rewrite
-
-        setattr(builtins, eq_name, checked_eq)
-        rewrite_module = rewrite
-        rewriter = rewrite.AssertionRewriter
-        pytests_run = rewriter.run
-
-        def run(self, mod):
-            for node in ast.walk(mod):
-                if isinstance(node, ast.Assert):
-                    node.test = instrument(node.test)
-            ast.fix_missing_locations(mod)
-            return pytests_run(self, mod)
-
-        rewriter.run = run
-        unittests_equal = unittest.TestCase.assertEqual
-
-        def assertEqual(self, first, second, msg=None):
-            if equal(first, second, [10000]):
-                return
-            unittests_equal(self, first, second, msg)  # its message
-            raise self.failureException(msg or f"{first!r:.200} != {second!r:.200}")
-
-        unittest.TestCase.assertEqual = assertEqual
-
-    guarded = {name: module for name, module in sys.modules.items()
-               if name.startswith(guarded_prefixes)}
-    snapshot = []
-
-    def keep(owner, namespace):
-        snapshot.append((owner, {k: v for k, v in namespace.items()
-                                 if callable(v) or isinstance(v, (staticmethod, classmethod,
-                                                                  property))}))
-
-    def keep_module(module):
-        keep(module, vars(module))
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and getattr(value, "__module__", "") == \
-                    module.__name__:
-                keep(value, dict(vars(value)))
-
-    keep(builtins, vars(builtins))
-    for module in guarded.values():
-        keep_module(module)
-
-    def keep_late():
-        """The guarded modules imported since (plugins pytest loads when it configures:
-        pytester, which pytest rewrites, cannot be imported before), kept as they are now,
-        before any of the repository's test modules (and so the candidate's code) is
-        imported."""
-        for name, module in list(sys.modules.items()):
-            if name.startswith(guarded_prefixes) and name not in guarded:
-                guarded[name] = module
-                keep_module(module)
-
-    # What pytest's own legacypath plugin patches at configure time (with functions of its
-    # own): a change there is pytest's if the new value is defined in pytest's package.
-    patched_by_pytest = {"_getini_unknown_type", "invocation_dir", "rootdir", "inifile",
-                         "startdir", "fspath", "makedir"}
-    pytest_dirs = tuple({os.path.dirname(q(m.__file__)) + os.sep for m in (_pytest, pluggy)
-                         for q in (os.path.normpath, os.path.realpath)})
-
-    def pytests_own(value):
-        function = value.fget if isinstance(value, property) else value
-        code = getattr(function, "__code__", None)
-        return code is not None and path_of(code).startswith(pytest_dirs)
-
-    test_modules = []  # the collected tests' modules (pytest rewrote their asserts)
-
-    def tampered():
-        for name, module in guarded.items():
-            if sys.modules.get(name) is not module:
-                return f"sys.modules[{name!r}] replaced"
-        for module in test_modules:  # the helpers their asserts look up by name
-            names = vars(module)
-            if eq_name in names:
-                return f"{module.__name__}.{eq_name}: the assert helper shadowed"
-            if names.get("@py_builtins", builtins) is not builtins or names.get(
-                    "@pytest_ar", rewrite_module) is not rewrite_module:
-                return f"{module.__name__}: its assertion helpers replaced"
-        for owner, saved in snapshot:
-            current = vars(owner)
-            for key, value in saved.items():
-                now = current.get(key)
-                if now is not value and not (key in patched_by_pytest and pytests_own(now)):
-                    return f"{getattr(owner, '__name__', owner)}.{key} replaced"
-        return None
-
-    # -- the evidence -------------------------------------------------------------------
-
-    returned = {}  # nodeid -> whether its call returned (seen by our own wrapper)
-
+    path_of, untrusted, repo, given = t.path_of, t.untrusted, t.repo, t.given
     # The grader's reading of the protected files (test files, conftests), made before the
     # tests start: path -> {"Cls::name": the lines its code may start at}, and
     # path -> {line: [(name, "Cls::name", fixture names)]}.
@@ -583,8 +437,14 @@ def main():
                     at_line.setdefault(path, {}).setdefault(line, []).append(
                         (qual.rsplit("::", 1)[-1], qual, names))
 
-    import functools
-    import types
+    def type_attr(value, name):
+        """``value``'s attribute ``name`` as its type's dicts hold it (how Python finds
+        ``__eq__`` and ``__call__``), with no code of anyone's run to find it."""
+        for klass in type.__getattribute__(type(value), "__mro__"):
+            namespace = type.__getattribute__(klass, "__dict__")
+            if name in namespace:
+                return namespace[name]
+        return None
 
     def static(value, name):
         """``value``'s attribute ``name`` as its own or its type's dicts hold it: no
@@ -640,10 +500,8 @@ def main():
                     todo.append(call)
         return found
 
-    def code_file(value):
-        """The file of the code calling ``value`` runs first, or None (no Python code)."""
-        codes = reachable(value)
-        return codes[0][0] if codes else None
+    def from_untrusted(value):
+        return next((path for path, _, _, _ in reachable(value) if untrusted(path)), None)
 
     def qualified(nodeid):
         """(the file's path, "Cls::name") of a test id (parameters and pytest 3's "()"
@@ -651,9 +509,6 @@ def main():
         file_part, _, rest = nodeid.partition("::")
         parts = [p for p in rest.split("[", 1)[0].split("::") if p and p != "()"]
         return os.path.normpath(os.path.join(repo, file_part)), "::".join(parts)
-
-    def from_untrusted(value):
-        return next((path for path, _, _, _ in reachable(value) if untrusted(path)), None)
 
     def serving(value, name, kind):
         """Why a fixture's or hook's function may not serve as ``name``, or None: its code
@@ -716,6 +571,520 @@ def main():
         return (f"{item.nodeid}: runs {code.co_name} ({p}:{line}), not the function its file "
                 f"defines for it (line {min(lines)})")
 
+    return Built(type_attr=type_attr, from_untrusted=from_untrusted,
+                 foreign_hooks=foreign_hooks, foreign_fixtures=foreign_fixtures,
+                 foreign_test=foreign_test)
+
+
+def equality_probe(emit, watchers):
+    """Equality as the asserts see it. Where pytest's rewritten asserts compare with == (the
+    assert's test, or a part of its and/or/not) and in unittest's assertEqual, equality is
+    decided here, as Python would (built-in lists, tuples and dicts item by item), except
+    that an object of any type but a built-in value type, compared with a value of a
+    built-in type, is also asked about values it cannot honestly equal (that value moved by
+    a random amount, a fresh object()), the real question at a random place among them: an
+    __eq__ that agrees with any of them lies, whatever it read of its argument and wherever
+    it was defined (the candidate's Python, a trusted module, a C function, a partial, a
+    mock: ``suspicious``). It cannot tell the real question from the others without knowing
+    the answer. ``unittest.mock.ANY`` is not asked where the test wrote it itself: on a
+    side of the assert made of literals, displays and names (of the test module, builtins,
+    ``parametrize``'s, or locals bound once to such), like ``{"id": ANY}``."""
+    import os
+    import random
+    import secrets
+    import unittest.mock
+
+    anys = [unittest.mock.ANY]  # the standard library's, before any other code ran
+    plain = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set,
+             frozenset)
+    chance = random.Random(secrets.randbits(64))
+
+    def probes(value):
+        """Values of ``value``'s type that no honest __eq__ finds equal to what ``value``
+        equals."""
+        kind, out = type(value), [object()]
+        if kind is bool:
+            out.append(not value)
+        elif kind is int or kind is complex:
+            out += [value + chance.choice((-1, 1)) * chance.randint(1, 10 ** 6)
+                    for _ in range(2)]
+        elif kind is float and value == value and abs(value) != float("inf"):
+            out += [value + chance.choice((-1, 1)) * chance.uniform(1, 1000) *
+                    (1 + abs(value)) for _ in range(2)]
+        elif kind is str or kind is bytes:
+            extra = secrets.token_hex(4)
+            out += [value + (extra if kind is str else extra.encode()),
+                    (extra * (len(value) // 8 + 1))[:max(len(value), 1)] if kind is str
+                    else (extra.encode() * (len(value) // 8 + 1))[:max(len(value), 1)]]
+        elif kind is tuple or kind is list:
+            out.append(value + kind([object()]))
+        elif kind is dict:
+            out.append({**value, object(): None})
+        elif kind is set or kind is frozenset:
+            out.append(value | {object()})
+        # Never the value itself (a random string of its length may be it): compared as
+        # built-ins (a container of another length is unequal before any item is asked).
+        return [p for p in out if type(p) is object or p != value]
+
+    def agrees(left, right):
+        try:
+            return bool(left == right)
+        except Exception:  # noqa: BLE001 - an __eq__ that raises claims nothing
+            return False
+
+    def asked(mine, other, left, right):
+        trials = probes(other)
+        trials.insert(chance.randint(0, len(trials)), None)  # None: the real question
+        result = False
+        for trial in trials:
+            if trial is None:
+                result = bool(left == right)
+            elif agrees(mine, trial):
+                emit("suspicious", event="compare", detail=(
+                    f"{type(mine).__name__}.__eq__ agrees with {other!r:.60} and with "
+                    f"{trial!r:.60}")[:200])
+                os._exit(3)
+        return result
+
+    def equal(left, right, budget, owned=(False, False)):
+        """``left == right`` (its truth), with any non-built-in object asked as above
+        (not ANY on a side that ``owned`` says is the test's own)."""
+        budget[0] -= 1
+        if budget[0] > 0:
+            for mine, other, own in ((left, right, owned[0]), (right, left, owned[1])):
+                if type(other) in plain and type(mine) not in plain and not (
+                        own and any(mine is a for a in anys)):
+                    return asked(mine, other, left, right)
+            if type(left) is type(right) and type(left) in (list, tuple):
+                return len(left) == len(right) and all(
+                    a is b or equal(a, b, budget, owned) for a, b in zip(left, right))
+            if type(left) is type(right) is dict:
+                return left.keys() == right.keys() and all(
+                    left[k] is right[k] or equal(left[k], right[k], budget, owned)
+                    for k in left)
+        return bool(left == right)
+
+    def asserted(left, right, owned):
+        """An assert's ``left == right`` (``owned``: whether each side is the test's own),
+        after ``watchers`` (the namespace guard's check of the running test's module)."""
+        for watch in watchers:
+            watch()
+        return equal(left, right, [10000], owned)
+
+    def checked_eq(left, right, own_left=False, own_right=False):
+        return asserted(left, right, (own_left is True, own_right is True))
+
+    return Built(asserted=asserted, checked_eq=checked_eq)
+
+
+def parameters(fn_node, ast):
+    """A function's parameters, and those of them a ``parametrize`` decorator gives."""
+    args = fn_node.args
+    params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
+    for extra in (args.vararg, args.kwarg):
+        if extra is not None:
+            params.add(extra.arg)
+    given = set()
+    for deco in fn_node.decorator_list:
+        if isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute) and \
+                deco.func.attr == "parametrize" and deco.args and \
+                isinstance(deco.args[0], ast.Constant) and isinstance(deco.args[0].value, str):
+            given |= {n.strip() for n in deco.args[0].value.split(",")}
+    return params, given
+
+
+def owned_sides(fn_node, ast):
+    """For a test function's AST: ``owned(expr)``, whether an expression is the test's own
+    (made of literals, displays, names of the test module, builtins and parameters a
+    ``parametrize`` gives it, attributes of those, and locals bound once, to such)."""
+    binds, single, params, given = {}, {}, set(), set()
+    if fn_node is None:  # module level: every name is the module's
+        fn_node = ast.Module(body=[], type_ignores=[])
+    else:
+        params, given = parameters(fn_node, ast)
+    for node in ast.walk(fn_node):
+        if node is fn_node:
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda,
+                             ast.ClassDef)):
+            name = getattr(node, "name", None)
+            if name:
+                binds[name] = binds.get(name, 0) + 2
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            binds[node.id] = binds.get(node.id, 0) + 1
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            for n in node.names:
+                binds[n] = binds.get(n, 0) + 2
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                n = (alias.asname or alias.name).split(".")[0]
+                binds[n] = binds.get(n, 0) + 1
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            binds[node.name] = binds.get(node.name, 0) + 2
+    for node in ast.walk(fn_node):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Name) and binds.get(node.targets[0].id) == 1:
+            single[node.targets[0].id] = node.value
+    local = set(binds) | params
+    seen = set()
+
+    def owned(expr):
+        if isinstance(expr, ast.Constant):
+            return True
+        if isinstance(expr, ast.Name):
+            if expr.id in given:
+                return True
+            if expr.id not in local:
+                return True  # the test module's, or a builtin
+            value = single.get(expr.id)
+            if value is None or expr.id in seen:
+                return False
+            seen.add(expr.id)
+            try:
+                return owned(value)
+            finally:
+                seen.discard(expr.id)
+        if isinstance(expr, ast.Attribute):
+            return owned(expr.value)
+        if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
+            return all(owned(e) for e in expr.elts)
+        if isinstance(expr, ast.Starred):
+            return owned(expr.value)
+        if isinstance(expr, ast.Dict):
+            return all(k is None or owned(k) for k in expr.keys) and \
+                all(owned(v) for v in expr.values)
+        return False
+
+    return owned
+
+
+def instrument_asserts(t, probe, guard):
+    """pytest's assertion rewriting and unittest's assertEqual, made to ask ``probe``:
+    each ``==`` of an assert (its test, or a part of its and/or/not) becomes a call of the
+    probe through a builtin under a name made for this run; each ``x.assertEqual(a, b)``
+    of a test module, a call that tells the probe which side the test wrote itself. Returns
+    the names and the helpers (the guard checks that no module shadows them)."""
+    import ast
+    import builtins
+    import sys
+    import unittest
+
+    import _pytest.assertion.rewrite as rewrite
+
+    suffix = t.runner_name.strip("<>").rsplit("-", 1)[-1]
+    eq_name, ae_name = "_prorl_eq_" + suffix, "_prorl_ae_" + suffix
+    asserted, checked_eq, first_origin, getframe = probe.asserted, probe.checked_eq, \
+        t.first_origin, sys._getframe
+    if not guard:
+        return Built(names=(), rewrite_module=rewrite)
+
+    def instrument(test, owned):
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and \
+                isinstance(test.ops[0], ast.Eq):
+            left, right = test.left, test.comparators[0]
+            return ast.copy_location(ast.Call(
+                func=ast.Name(id=eq_name, ctx=ast.Load()),
+                args=[left, right, ast.Constant(owned(left)), ast.Constant(owned(right))],
+                keywords=[]), test)
+        if isinstance(test, ast.BoolOp):
+            test.values = [instrument(v, owned) for v in test.values]
+        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test.operand = instrument(test.operand, owned)
+        return test
+
+    def asserts_equal(node, owned):
+        """``x.assertEqual(a, b, ...)`` as ``ae(x.assertEqual, a, b, owned(a), owned(b),
+        ...)`` (the same order of evaluation), or None."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and func.attr in ("assertEqual",
+                                                                 "assertEquals")):
+            return None
+        if len(node.args) < 2 or any(isinstance(a, ast.Starred) for a in node.args[:2]):
+            return None
+        first, second, *rest = node.args
+        return ast.copy_location(ast.Call(
+            func=ast.Name(id=ae_name, ctx=ast.Load()),
+            args=[func, first, second, ast.Constant(owned(first)),
+                  ast.Constant(owned(second)), *rest], keywords=node.keywords), node)
+
+    class Instrument(ast.NodeTransformer):
+        def __init__(self):
+            self.owned = owned_sides(None, ast)
+
+        def visit_FunctionDef(self, node):
+            outer, self.owned = self.owned, owned_sides(node, ast)
+            self.generic_visit(node)
+            self.owned = outer
+            return node
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_Assert(self, node):
+            self.generic_visit(node)
+            node.test = instrument(node.test, self.owned)
+            return node
+
+        def visit_Call(self, node):
+            self.generic_visit(node)
+            return asserts_equal(node, self.owned) or node
+
+    pytests_run = rewrite.AssertionRewriter.run
+
+    def run(self, mod):
+        Instrument().visit(mod)
+        ast.fix_missing_locations(mod)
+        return pytests_run(self, mod)
+
+    rewrite.AssertionRewriter.run = run
+    unittests_equal = unittest.TestCase.assertEqual
+
+    def compared(self, first, second, msg, owned):
+        if asserted(first, second, owned):
+            return
+        unittests_equal(self, first, second, msg)  # its message
+        raise self.failureException(msg or f"{first!r:.200} != {second!r:.200}")
+
+    def assertEqual(self, first, second, msg=None):
+        compared(self, first, second, msg, (False, False))
+
+    def asked_equal(bound, first, second, own_first, own_second, *rest, **named):
+        """A test's ``x.assertEqual(first, second, ...)``: this runner's, with what the
+        test wrote itself said; anything else called as it was."""
+        if getattr(bound, "__func__", None) is assertEqual and not first_origin(getframe(1)):
+            msg = rest[0] if rest else named.get("msg")
+            return compared(bound.__self__, first, second, msg,
+                            (own_first is True, own_second is True))
+        return bound(first, second, *rest, **named)
+
+    unittest.TestCase.assertEqual = assertEqual
+    setattr(builtins, eq_name, checked_eq)
+    setattr(builtins, ae_name, asked_equal)
+    return Built(names=(eq_name, ae_name), rewrite_module=rewrite)
+
+
+def namespace_guard(t, request, asserts, emit, guard):
+    """What must not change once collection is done: pytest, pluggy, unittest, signal,
+    numpy.testing (where installed) and the builtins, as they were before any repository
+    code ran; and each test module and its classes, as the module's own code left them
+    (kept as soon as its body has run). A test module's attributes set by untrusted code
+    are ``suspicious`` at once (its class is this guard's); any other change is found by
+    ``tampered()``, which the plugin calls around every test and at every assert."""
+    import builtins
+    import os
+    import sys
+    import types
+
+    import _pytest
+    import _pytest.assertion.rewrite as rewrite
+    import pluggy
+
+    first_origin, getframe, repo = t.first_origin, sys._getframe, t.repo
+    names, rewrite_module = asserts.names, asserts.rewrite_module
+    test_files = {os.path.realpath(os.path.join(repo, p)) for p in t.test_file_names}
+    guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest", "signal", "_signal")
+    if not os.path.exists(os.path.join(repo, "numpy")):  # not when testing numpy itself
+        try:
+            import numpy.testing  # noqa: F401 - assert_allclose and friends
+            guarded_prefixes += ("numpy.testing",)
+        except ImportError:
+            pass
+
+    def kept(namespace):
+        return {k: v for k, v in namespace.items()
+                if callable(v) or isinstance(v, (staticmethod, classmethod, property,
+                                                 types.ModuleType))}
+
+    snapshot = []  # (owner, {name: value}) for the runtime's modules and classes
+
+    def keep_module(module):
+        snapshot.append((module, kept(vars(module))))
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and getattr(value, "__module__", "") == \
+                    module.__name__:
+                snapshot.append((value, kept(dict(vars(value)))))
+
+    # -- the test modules -------------------------------------------------------------
+    frozen = {}  # id(module) -> (module, {name: value}, [(class, {name: value})])
+
+    def refuse(what, detail):
+        emit("suspicious", event=what, detail=detail[:200])
+        os._exit(3)
+
+    class Frozen(types.ModuleType):
+        """A test module's class once its body has run: untrusted code may not set or
+        delete its attributes; what trusted code sets (a test's ``mock.patch`` of its own
+        module) is kept as the module's."""
+
+        def __setattr__(self, name, value):
+            where = first_origin(getframe(1))
+            if where is not None:
+                refuse("test module", f"{self.__name__}.{name} set by {where}")
+            types.ModuleType.__setattr__(self, name, value)
+            entry = frozen.get(id(self))
+            if entry is not None:
+                entry[1].pop(name, None)
+                entry[1].update(kept({name: value}))
+
+        def __delattr__(self, name):
+            where = first_origin(getframe(1))
+            if where is not None:
+                refuse("test module", f"{self.__name__}.{name} deleted by {where}")
+            types.ModuleType.__delattr__(self, name)
+            entry = frozen.get(id(self))
+            if entry is not None:
+                entry[1].pop(name, None)
+
+    imports = {os.path.realpath(os.path.join(repo, p)): names
+               for p, names in request.get("imports", {}).items()}
+
+    def not_its_import(module):
+        """A name the test file binds once by ``from ... import``, which is not (now, as
+        its body has run) the attribute it imported: the first such, or None."""
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str):
+            return None
+        for name, source, attr, level in imports.get(os.path.realpath(path), ()):
+            full = source
+            if level:
+                package = (vars(module).get("__package__") or "").split(".")
+                package = package[:len(package) - level + 1] if level > 1 else package
+                full = ".".join([p for p in package if p] + ([source] if source else []))
+            space = getattr(sys.modules.get(full), "__dict__", None)
+            if type(space) is not dict:
+                continue
+            expected = space.get(attr, sys.modules.get(f"{full}.{attr}"))
+            if expected is not None and vars(module).get(name) is not expected:
+                return f"{module.__name__}.{name} is not the {full}.{attr} it imported"
+        return None
+
+    def freeze(module):
+        """Keep a test module as its own code left it, and make its class the guard's."""
+        if id(module) in frozen:
+            return
+        if type(module) is not types.ModuleType:
+            refuse("test module", f"{module.__name__}: its class is "
+                                  f"{type(module).__name__}, not a module's")
+        why = not_its_import(module)
+        if why is not None:
+            refuse("test module", why)
+        classes = [(v, kept(dict(vars(v))), set(vars(v))) for v in list(vars(module).values())
+                   if isinstance(v, type) and getattr(v, "__module__", "") == module.__name__]
+        frozen[id(module)] = (module, kept(vars(module)), classes)
+        module.__class__ = Frozen
+
+    def is_test_module(module):
+        path = getattr(module, "__file__", None)
+        return isinstance(path, str) and os.path.realpath(path) in test_files
+
+    if guard:
+        hook_class = rewrite.AssertionRewritingHook
+        pytests_exec = hook_class.exec_module
+
+        def exec_module(self, module):
+            pytests_exec(self, module)
+            if is_test_module(module):
+                freeze(module)
+
+        hook_class.exec_module = exec_module
+
+    def test_module_changed(module):
+        """How a frozen test module, or one of its classes, differs from what was kept (or
+        a helper of its asserts shadowed), or None."""
+        entry = frozen.get(id(module))
+        if entry is None:
+            return None
+        _, saved, classes = entry
+        if type(module) is not Frozen:
+            return f"{module.__name__}: its class replaced"
+        current = vars(module)
+        for name in names:
+            if name in current:
+                return f"{module.__name__}.{name}: the assert helper shadowed"
+        if current.get("@py_builtins", builtins) is not builtins or current.get(
+                "@pytest_ar", rewrite_module) is not rewrite_module:
+            return f"{module.__name__}: its assertion helpers replaced"
+        for key, value in saved.items():
+            if current.get(key) is not value:
+                return f"{module.__name__}.{key} rebound"
+        for cls, attrs, keys in classes:
+            now = vars(cls)
+            for key, value in attrs.items():
+                if now.get(key) is not value:
+                    return f"{module.__name__}.{cls.__name__}.{key} replaced"
+            for key in now.keys() - keys:  # a base's method shadowed since
+                if any(key in vars(base) for base in type.__getattribute__(cls, "__mro__")[1:]):
+                    return f"{module.__name__}.{cls.__name__}.{key} overridden"
+        return None
+
+    # -- the runtime ------------------------------------------------------------------
+    guarded = {name: module for name, module in sys.modules.items()
+               if name.startswith(guarded_prefixes)}
+    snapshot.append((builtins, kept(vars(builtins))))
+    for module in guarded.values():
+        keep_module(module)
+
+    def keep_late():
+        """The guarded modules imported since (plugins pytest loads when it configures:
+        pytester, which pytest rewrites, cannot be imported before), kept as they are now,
+        before any of the repository's test modules (and so the candidate's code) is
+        imported."""
+        for name, module in list(sys.modules.items()):
+            if name.startswith(guarded_prefixes) and name not in guarded:
+                guarded[name] = module
+                keep_module(module)
+
+    # What pytest's own legacypath plugin patches at configure time (with functions of its
+    # own): a change there is pytest's if the new value is defined in pytest's package.
+    patched_by_pytest = {"_getini_unknown_type", "invocation_dir", "rootdir", "inifile",
+                         "startdir", "fspath", "makedir"}
+    pytest_dirs = tuple({os.path.dirname(q(m.__file__)) + os.sep for m in (_pytest, pluggy)
+                         for q in (os.path.normpath, os.path.realpath)})
+    path_of = t.path_of
+
+    def pytests_own(value):
+        function = value.fget if isinstance(value, property) else value
+        code = getattr(function, "__code__", None)
+        return code is not None and path_of(code).startswith(pytest_dirs)
+
+    def tampered(modules=None):
+        """What changed of the runtime and the test modules (``modules``: only these test
+        modules, and not the runtime), or None."""
+        if modules is not None:
+            return next(filter(None, map(test_module_changed, modules)), None)
+        for name, module in guarded.items():
+            if sys.modules.get(name) is not module:
+                return f"sys.modules[{name!r}] replaced"
+        why = next(filter(None, (test_module_changed(m) for m, _, _ in frozen.values())),
+                   None)
+        if why is not None:
+            return why
+        for owner, saved in snapshot:
+            current = vars(owner)
+            for key, value in saved.items():
+                now = current.get(key)
+                if now is not value and not (key in patched_by_pytest and pytests_own(now)):
+                    return f"{getattr(owner, '__name__', owner)}.{key} replaced"
+        return None
+
+    return Built(keep_late=keep_late, tampered=tampered, freeze=freeze,
+                 is_test_module=is_test_module)
+
+
+def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
+    """The pytest plugin that sends the evidence, test by test, and checks, around every
+    test and at each of its asserts, that nothing was tampered with."""
+    import os
+
+    import pytest
+
+    foreign_test, foreign_hooks, foreign_fixtures = ids.foreign_test, ids.foreign_hooks, \
+        ids.foreign_fixtures
+    tampered, keep_late, freeze = guard_of.tampered, guard_of.keep_late, guard_of.freeze
+    wanted = set(request["tests"])
+    every_test = bool(request.get("every_test"))
+    returned = {}  # nodeid -> whether its call returned (seen by our own wrapper)
+    running = []  # the module of the test whose call is running
+
     def check(where, item=None, session=None):
         if not guard:
             return
@@ -731,6 +1100,15 @@ def main():
         if why is not None:
             emit("suspicious", event=where, detail=why)
             os._exit(3)
+
+    def at_assert():
+        """Before an assert's ==: the running test's module and classes as they were."""
+        why = tampered(running) if guard and running else None
+        if why is not None:
+            emit("suspicious", event="assert", detail=why)
+            os._exit(3)
+
+    watchers.append(at_assert)
 
     class Evidence:
         @pytest.hookimpl(trylast=True)
@@ -750,17 +1128,22 @@ def main():
 
         @pytest.hookimpl(trylast=True)
         def pytest_collection_finish(self, session):
-            for item in session.items:
-                module = getattr(item, "module", None)
-                if module is not None and all(module is not m for m in test_modules):
-                    test_modules.append(module)
+            if guard:  # the modules pytest did not rewrite: as they are now
+                for item in session.items:
+                    module = getattr(item, "module", None)
+                    if module is not None:
+                        freeze(module)
             check("collected", session=session)
             emit("collected", tests=[i.nodeid for i in session.items])
 
         @pytest.hookimpl(hookwrapper=True)
         def pytest_runtest_call(self, item):
             check("before call", item)
+            module = getattr(item, "module", None)
+            running[:] = [module] if module is not None else []
             outcome = yield
+            running[:] = []
+            check("after call", item)
             returned[item.nodeid] = outcome.excinfo is None
 
         def pytest_runtest_logreport(self, report):
@@ -771,26 +1154,59 @@ def main():
                  returned=returned.get(report.nodeid, False) if report.when == "call"
                  else None, xfail=hasattr(report, "wasxfail"))
 
-    plugin = Evidence()
+    return Built(plugin=Evidence(), check=check)
+
+
+def run_tests(request, plugin):
+    """pytest on the request's files, from the repository's root; its exit code."""
+    import os
+    import sys
+
+    import pytest
+
     files = request["files"]
-    every_test = bool(request.get("every_test"))
     # The environment's own plugins (installed by the farm, named by it): autoloading
     # stays off, so nothing the candidate registers as an entry point is loaded.
     options = [a for m in request.get("plugins", []) for a in ("-p", m)]
     options += request.get("pytest_args", ["-q"])
+    repo = os.path.realpath(os.path.normpath(request["repo"]))
     os.chdir(repo)
     sys.path.insert(0, repo)  # as `python -m pytest` from the repository's root would
-    code = 0
-    if files:
-        try:
-            code = int(pytest.main(["-p", "no:cacheprovider", "--rootdir", repo, *options,
-                                    *files], plugins=[plugin]))
-        except BaseException:  # noqa: BLE001 - what the tests raise is theirs
-            import traceback
+    if not files:
+        return 0
+    try:
+        return int(pytest.main(["-p", "no:cacheprovider", "--rootdir", repo, *options,
+                                *files], plugins=[plugin]))
+    except BaseException:  # noqa: BLE001 - what the tests raise is theirs
+        import traceback
 
-            traceback.print_exc()  # into the output the verdict keeps
-            code = -1
-    check("end")
+        traceback.print_exc()  # into the output the verdict keeps
+        return -1
+
+
+def main():
+    import os
+    import sys
+
+    request = read_request()
+    emit = evidence_channel(request)
+    t = trust(request)
+    # Off where the repository under test is the test runner itself (pytest's own tests):
+    # its code is the candidate's, and what it does to run tests (read test files, walk
+    # frames) is what the hook forbids. The harness says so in the verdict.
+    guard = request.get("guard", True)
+    if guard:
+        sys.addaudithook(audit_hook(t, emit))
+    import_the_runner(request)
+    signal_guard(t, emit, guard)
+    ids = identity(t, request)
+    watchers = []
+    probe = equality_probe(emit, watchers)
+    asserts = instrument_asserts(t, probe, guard)
+    guard_of = namespace_guard(t, request, asserts, emit, guard)
+    evidence = evidence_plugin(request, emit, ids, guard_of, watchers, guard)
+    code = run_tests(request, evidence.plugin)
+    evidence.check("end")
     emit("done", exit_code=code)
     for stream in (sys.__stdout__, sys.__stderr__):  # the log's last lines (the summary)
         try:
