@@ -678,30 +678,36 @@ def equality_probe(emit, watchers):
 
 
 def parameters(fn_node, ast):
-    """A function's parameters, and those of them a ``parametrize`` decorator gives."""
+    """A function's parameters, those of them a ``parametrize`` decorator gives, and those
+    whose values there write ``ANY``."""
     args = fn_node.args
     params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
     for extra in (args.vararg, args.kwarg):
         if extra is not None:
             params.add(extra.arg)
-    given = set()
+    given, given_any = set(), set()
     for deco in fn_node.decorator_list:
         if isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute) and \
                 deco.func.attr == "parametrize" and deco.args and \
                 isinstance(deco.args[0], ast.Constant) and isinstance(deco.args[0].value, str):
-            given |= {n.strip() for n in deco.args[0].value.split(",")}
-    return params, given
+            names = {n.strip() for n in deco.args[0].value.split(",")}
+            given |= names
+            if any(isinstance(n, ast.Name) and n.id == "ANY" or isinstance(n, ast.Attribute)
+                   and n.attr == "ANY" for a in deco.args[1:] for n in ast.walk(a)):
+                given_any |= names
+    return params, given, given_any
 
 
 def owned_sides(fn_node, ast):
     """For a test function's AST: ``owned(expr)``, whether an expression is the test's own
     (made of literals, displays, names of the test module, builtins and parameters a
-    ``parametrize`` gives it, attributes of those, and locals bound once, to such)."""
-    binds, single, params, given = {}, {}, set(), set()
+    ``parametrize`` gives it, attributes of those, and locals bound once, to such) and
+    writes ``ANY`` (the only object the probe leaves unasked there)."""
+    binds, single, params, given, given_any = {}, {}, set(), set(), set()
     if fn_node is None:  # module level: every name is the module's
         fn_node = ast.Module(body=[], type_ignores=[])
     else:
-        params, given = parameters(fn_node, ast)
+        params, given, given_any = parameters(fn_node, ast)
     for node in ast.walk(fn_node):
         if node is fn_node:
             continue
@@ -755,7 +761,20 @@ def owned_sides(fn_node, ast):
                 all(owned(v) for v in expr.values)
         return False
 
-    return owned
+    def mentions_any(expr, depth=0):
+        """Whether the expression (or a local it names, bound once) writes ``ANY``."""
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Name) and (node.id == "ANY" or node.id in given_any) or \
+                    isinstance(node, ast.Attribute) and node.attr == "ANY":
+                return True
+            if isinstance(node, ast.Name) and node.id in single and depth < 8 and \
+                    mentions_any(single[node.id], depth + 1):
+                return True
+        return False
+
+    # Only a side that writes ANY itself may hold the ANY that is not asked: a data name of
+    # the test module (not frozen) rebound to ANY is still asked.
+    return lambda expr: owned(expr) and mentions_any(expr)
 
 
 def instrument_asserts(t, probe, guard):
@@ -873,6 +892,7 @@ def namespace_guard(t, request, asserts, emit, guard):
     import os
     import sys
     import types
+    from operator import is_
 
     import _pytest
     import _pytest.assertion.rewrite as rewrite
@@ -987,9 +1007,12 @@ def namespace_guard(t, request, asserts, emit, guard):
 
         hook_class.exec_module = exec_module
 
-    def test_module_changed(module):
-        """How a frozen test module, or one of its classes, differs from what was kept (or
-        a helper of its asserts shadowed), or None."""
+    every = object()
+
+    def test_module_changed(module, only=every):
+        """How a frozen test module, or one of its classes (``only``: that class alone, or
+        None for none), differs from what was kept (or a helper of its asserts shadowed), or
+        None."""
         entry = frozen.get(id(module))
         if entry is None:
             return None
@@ -1003,17 +1026,24 @@ def namespace_guard(t, request, asserts, emit, guard):
         if current.get("@py_builtins", builtins) is not builtins or current.get(
                 "@pytest_ar", rewrite_module) is not rewrite_module:
             return f"{module.__name__}: its assertion helpers replaced"
-        for key, value in saved.items():
-            if current.get(key) is not value:
-                return f"{module.__name__}.{key} rebound"
+        # The common case (nothing changed) in C: this runs at every assert.
+        if not all(map(is_, map(current.get, saved.keys()), saved.values())):
+            for key, value in saved.items():
+                if current.get(key) is not value:
+                    return f"{module.__name__}.{key} rebound"
         for cls, attrs, keys in classes:
+            if only is not every and cls is not only:
+                continue
             now = vars(cls)
-            for key, value in attrs.items():
-                if now.get(key) is not value:
-                    return f"{module.__name__}.{cls.__name__}.{key} replaced"
-            for key in now.keys() - keys:  # a base's method shadowed since
+            if not all(map(is_, map(now.get, attrs.keys()), attrs.values())):
+                for key, value in attrs.items():
+                    if now.get(key) is not value:
+                        return f"{module.__name__}.{cls.__name__}.{key} replaced"
+            added = now.keys() - keys
+            for key in added:  # a base's method shadowed since
                 if any(key in vars(base) for base in type.__getattribute__(cls, "__mro__")[1:]):
                     return f"{module.__name__}.{cls.__name__}.{key} overridden"
+            keys |= added  # set since, shadowing nothing (a class's own data)
         return None
 
     # -- the runtime ------------------------------------------------------------------
@@ -1046,11 +1076,11 @@ def namespace_guard(t, request, asserts, emit, guard):
         code = getattr(function, "__code__", None)
         return code is not None and path_of(code).startswith(pytest_dirs)
 
-    def tampered(modules=None):
-        """What changed of the runtime and the test modules (``modules``: only these test
-        modules, and not the runtime), or None."""
-        if modules is not None:
-            return next(filter(None, map(test_module_changed, modules)), None)
+    def tampered(running=None):
+        """What changed of the runtime and the test modules, or None; ``running``: only the
+        running test's (module, class), checked at each of its asserts."""
+        if running is not None:
+            return test_module_changed(*running)
         for name, module in guarded.items():
             if sys.modules.get(name) is not module:
                 return f"sys.modules[{name!r}] replaced"
@@ -1083,7 +1113,7 @@ def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
     wanted = set(request["tests"])
     every_test = bool(request.get("every_test"))
     returned = {}  # nodeid -> whether its call returned (seen by our own wrapper)
-    running = []  # the module of the test whose call is running
+    running = []  # (module, class) of the test whose call is running
 
     def check(where, item=None, session=None):
         if not guard:
@@ -1103,7 +1133,7 @@ def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
 
     def at_assert():
         """Before an assert's ==: the running test's module and classes as they were."""
-        why = tampered(running) if guard and running else None
+        why = tampered(running[0]) if guard and running else None
         if why is not None:
             emit("suspicious", event="assert", detail=why)
             os._exit(3)
@@ -1140,7 +1170,7 @@ def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
         def pytest_runtest_call(self, item):
             check("before call", item)
             module = getattr(item, "module", None)
-            running[:] = [module] if module is not None else []
+            running[:] = [(module, getattr(item, "cls", None))] if module is not None else []
             outcome = yield
             running[:] = []
             check("after call", item)
