@@ -253,43 +253,6 @@ def definitions(repo, spec):
     return found
 
 
-def imported_names(repo, spec):
-    """For each protected test file: the names its module level binds once, by a ``from
-    ... import`` (not ``*``), as [name, module, attribute, level]: the runner holds each to
-    the module's attribute when the file's body has run (a name rebound meanwhile, by a
-    thread of the candidate's, is not the file's import)."""
-    import ast
-
-    found = {}
-    for path in sorted(spec.get("test_files", [])):
-        if not path.endswith(".py"):
-            continue
-        try:
-            with open(os.path.join(repo, path), "rb") as f:
-                tree = ast.parse(f.read(), path)
-        except (OSError, SyntaxError, ValueError):
-            continue
-        counts, froms = {}, []
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-                counts[node.id] = counts.get(node.id, 0) + 1
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                counts[node.name] = counts.get(node.name, 0) + 1
-            elif isinstance(node, (ast.Global, ast.Nonlocal)):
-                for n in node.names:
-                    counts[n] = counts.get(n, 0) + 2
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                for alias in node.names:
-                    n = (alias.asname or alias.name).split(".")[0]
-                    counts[n] = counts.get(n, 0) + 1
-                    if isinstance(node, ast.ImportFrom) and alias.name != "*" and \
-                            node in tree.body:
-                        froms.append([alias.asname or alias.name, node.module or "",
-                                      alias.name, node.level])
-        found[path] = [f for f in froms if counts.get(f[0]) == 1]
-    return found
-
-
 def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     """Run the child (``runner``: its source); returns (its records, why it is suspicious or
     None, its exit code or None, the tail of its output, whether it ran out of time)."""
@@ -305,7 +268,6 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
                "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
                "plugins": spec.get("plugins", []), "defs": definitions(repo, spec),
-               "imports": imported_names(repo, spec),
                "pytest_args": with_summary(spec.get("pytest_args", ["-q"])),
                "trusted": spec.get("trusted")}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",

@@ -698,24 +698,19 @@ def parameters(fn_node, ast):
     return params, given, given_any
 
 
-def owned_sides(fn_node, ast):
-    """For a test function's AST: ``owned(expr)``, whether an expression is the test's own
-    (made of literals, displays, names of the test module, builtins and parameters a
-    ``parametrize`` gives it, attributes of those, and locals bound once, to such) and
-    writes ``ANY`` (the only object the probe leaves unasked there)."""
-    binds, single, params, given, given_any = {}, {}, set(), set(), set()
-    if fn_node is None:  # module level: every name is the module's
-        fn_node = ast.Module(body=[], type_ignores=[])
-    else:
-        params, given, given_any = parameters(fn_node, ast)
-    for node in ast.walk(fn_node):
-        if node is fn_node:
+def binding_counts(root, ast, assigned=None):
+    """How many times each name is bound under ``root`` (not counting ``root`` itself): a
+    name bound by ``global``/``nonlocal``, ``except ... as`` or a nested def counts twice.
+    ``assigned``: a list to add the single-name assignments (``x = ...``) to."""
+    binds = {}
+    for node in ast.walk(root):
+        if node is root:
             continue
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda,
-                             ast.ClassDef)):
-            name = getattr(node, "name", None)
-            if name:
-                binds[name] = binds.get(name, 0) + 2
+        if assigned is not None and isinstance(node, ast.Assign) and \
+                len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            assigned.append(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            binds[node.name] = binds.get(node.name, 0) + 2
         elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
             binds[node.id] = binds.get(node.id, 0) + 1
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
@@ -727,10 +722,33 @@ def owned_sides(fn_node, ast):
                 binds[n] = binds.get(n, 0) + 1
         elif isinstance(node, ast.ExceptHandler) and node.name:
             binds[node.name] = binds.get(node.name, 0) + 2
-    for node in ast.walk(fn_node):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
-                isinstance(node.targets[0], ast.Name) and binds.get(node.targets[0].id) == 1:
-            single[node.targets[0].id] = node.value
+    return binds
+
+
+def imported_once(source, ast):
+    """The names a module's top level binds by ``from ... import`` (not ``*``) and nowhere
+    else: [(name, module, attribute, level)]."""
+    tree = ast.parse(source)
+    counts = binding_counts(tree, ast)
+    return [(alias.asname or alias.name, node.module or "", alias.name, node.level)
+            for node in tree.body if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+            if alias.name != "*" and counts.get(alias.asname or alias.name) == 1]
+
+
+def owned_sides(fn_node, ast):
+    """For a test function's AST: ``owned(expr)``, whether an expression is the test's own
+    (made of literals, displays, names of the test module, builtins and parameters a
+    ``parametrize`` gives it, attributes of those, and locals bound once, to such) and
+    writes ``ANY`` (the only object the probe leaves unasked there)."""
+    params, given, given_any = set(), set(), set()
+    if fn_node is None:  # module level: every name is the module's
+        fn_node = ast.Module(body=[], type_ignores=[])
+    else:
+        params, given, given_any = parameters(fn_node, ast)
+    binds = binding_counts(fn_node, ast, assigned := [])
+    single = {node.targets[0].id: node.value for node in assigned
+              if binds.get(node.targets[0].id) == 1}
     local = set(binds) | params
     seen = set()
 
@@ -797,61 +815,79 @@ def instrument_asserts(t, probe, guard):
     if not guard:
         return Built(names=(), rewrite_module=rewrite)
 
+    def placed(node, where):
+        """``node`` at ``where``'s place in the source (no tree-wide pass needed after)."""
+        return ast.copy_location(node, where)
+
     def instrument(test, owned):
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and \
                 isinstance(test.ops[0], ast.Eq):
             left, right = test.left, test.comparators[0]
-            return ast.copy_location(ast.Call(
-                func=ast.Name(id=eq_name, ctx=ast.Load()),
-                args=[left, right, ast.Constant(owned(left)), ast.Constant(owned(right))],
-                keywords=[]), test)
+            return placed(ast.Call(
+                func=placed(ast.Name(id=eq_name, ctx=ast.Load()), test),
+                args=[left, right, placed(ast.Constant(owned(left)), test),
+                      placed(ast.Constant(owned(right)), test)], keywords=[]), test)
         if isinstance(test, ast.BoolOp):
             test.values = [instrument(v, owned) for v in test.values]
         elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
             test.operand = instrument(test.operand, owned)
         return test
 
-    def asserts_equal(node, owned):
-        """``x.assertEqual(a, b, ...)`` as ``ae(x.assertEqual, a, b, owned(a), owned(b),
-        ...)`` (the same order of evaluation), or None."""
-        func = node.func
-        if not (isinstance(func, ast.Attribute) and func.attr in ("assertEqual",
-                                                                 "assertEquals")):
-            return None
-        if len(node.args) < 2 or any(isinstance(a, ast.Starred) for a in node.args[:2]):
-            return None
-        first, second, *rest = node.args
-        return ast.copy_location(ast.Call(
-            func=ast.Name(id=ae_name, ctx=ast.Load()),
-            args=[func, first, second, ast.Constant(owned(first)),
-                  ast.Constant(owned(second)), *rest], keywords=node.keywords), node)
+    def asserts_equal(call, owned):
+        """``x.assertEqual(a, b, ...)`` made, in place, ``ae(x.assertEqual, a, b, owned(a),
+        owned(b), ...)`` (the same order of evaluation)."""
+        if len(call.args) < 2 or any(isinstance(a, ast.Starred) for a in call.args[:2]):
+            return
+        first, second, *rest = call.args
+        call.args = [call.func, first, second, placed(ast.Constant(owned(first)), call),
+                     placed(ast.Constant(owned(second)), call), *rest]
+        call.func = placed(ast.Name(id=ae_name, ctx=ast.Load()), call.func)
 
-    class Instrument(ast.NodeTransformer):
-        def __init__(self):
-            self.owned = owned_sides(None, ast)
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    blocks = ("body", "orelse", "finalbody", "handlers", "cases")
+    assert_names = ("assertEqual", "assertEquals")
 
-        def visit_FunctionDef(self, node):
-            outer, self.owned = self.owned, owned_sides(node, ast)
-            self.generic_visit(node)
-            self.owned = outer
-            return node
+    def never_owned(expr):
+        return False
 
-        visit_AsyncFunctionDef = visit_FunctionDef
-
-        def visit_Assert(self, node):
-            self.generic_visit(node)
-            node.test = instrument(node.test, self.owned)
-            return node
-
-        def visit_Call(self, node):
-            self.generic_visit(node)
-            return asserts_equal(node, self.owned) or node
+    def instrument_module(mod, source):
+        """The module's asserts, and its ``x.assertEqual(...)`` statements, found by a walk
+        of its statements (not its expressions), each with the function it is in; a
+        function's sides judged once, and only where the module writes ``ANY`` at all."""
+        sites, stack = [], [(mod, None)]
+        while stack:
+            node, fn = stack.pop()
+            kind = type(node)
+            if kind is ast.Assert:
+                sites.append((node, fn))
+                continue
+            if kind is ast.Expr:
+                value = node.value
+                if type(value) is ast.Call and type(value.func) is ast.Attribute and \
+                        value.func.attr in assert_names:
+                    sites.append((value, fn))
+                continue
+            if kind in functions:
+                fn = node
+            for field in blocks:
+                inner = getattr(node, field, None)
+                if type(inner) is list:
+                    stack += [(child, fn) for child in inner]
+        judge = not isinstance(source, bytes) or b"ANY" in source
+        judged = {}
+        for node, fn in sites:
+            owned = judged.get(id(fn)) if judge else never_owned
+            if owned is None:
+                owned = judged[id(fn)] = owned_sides(fn, ast)
+            if type(node) is ast.Assert:
+                node.test = instrument(node.test, owned)
+            else:
+                asserts_equal(node, owned)
 
     pytests_run = rewrite.AssertionRewriter.run
 
     def run(self, mod):
-        Instrument().visit(mod)
-        ast.fix_missing_locations(mod)
+        instrument_module(mod, getattr(self, "source", None))
         return pytests_run(self, mod)
 
     rewrite.AssertionRewriter.run = run
@@ -881,13 +917,14 @@ def instrument_asserts(t, probe, guard):
     return Built(names=(eq_name, ae_name), rewrite_module=rewrite)
 
 
-def namespace_guard(t, request, asserts, emit, guard):
+def namespace_guard(t, asserts, emit, guard):
     """What must not change once collection is done: pytest, pluggy, unittest, signal,
     numpy.testing (where installed) and the builtins, as they were before any repository
     code ran; and each test module and its classes, as the module's own code left them
     (kept as soon as its body has run). A test module's attributes set by untrusted code
     are ``suspicious`` at once (its class is this guard's); any other change is found by
     ``tampered()``, which the plugin calls around every test and at every assert."""
+    import ast
     import builtins
     import os
     import sys
@@ -954,16 +991,18 @@ def namespace_guard(t, request, asserts, emit, guard):
             if entry is not None:
                 entry[1].pop(name, None)
 
-    imports = {os.path.realpath(os.path.join(repo, p)): names
-               for p, names in request.get("imports", {}).items()}
-
     def not_its_import(module):
         """A name the test file binds once by ``from ... import``, which is not (now, as
         its body has run) the attribute it imported: the first such, or None."""
         path = getattr(module, "__file__", None)
-        if not isinstance(path, str):
+        if not isinstance(path, str) or os.path.realpath(path) not in test_files:
             return None
-        for name, source, attr, level in imports.get(os.path.realpath(path), ()):
+        try:
+            with open(path, "rb") as f:
+                imports = imported_once(f.read(), ast)
+        except (OSError, SyntaxError, ValueError):
+            return None
+        for name, source, attr, level in imports:
             full = source
             if level:
                 package = (vars(module).get("__package__") or "").split(".")
@@ -1233,7 +1272,7 @@ def main():
     watchers = []
     probe = equality_probe(emit, watchers)
     asserts = instrument_asserts(t, probe, guard)
-    guard_of = namespace_guard(t, request, asserts, emit, guard)
+    guard_of = namespace_guard(t, asserts, emit, guard)
     evidence = evidence_plugin(request, emit, ids, guard_of, watchers, guard)
     code = run_tests(request, evidence.plugin)
     evidence.check("end")
