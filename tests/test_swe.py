@@ -8,6 +8,7 @@ gold patches. Run with the pools as root and as an unprivileged user."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -275,3 +276,54 @@ def test_pytests_own_report_is_a_second_witness(tmp_path):
     unnamed = {k: v for k, v in report.items() if k != "test_w.py::test_ok"}
     outcomes, contradicted = h["witnessed"](honest, unnamed)
     assert outcomes["test_w.py::test_ok"] == "missing" and contradicted == []
+
+
+def _runner_builders() -> dict:
+    """The runner's builders, without running it (its text, less the final ``main()``)."""
+    from prorl_farm.graders import source
+
+    text = source("swe_runner.py")
+    assert text.rstrip().endswith("main()")
+    space: dict = {}
+    exec(compile(text.rstrip()[:-len("main()")], "<runner>", "exec"), space)
+    return space
+
+
+@pytest.mark.parametrize("expr,left,right,asked", [
+    # the test's own ANY, in the place it wrote it: not asked
+    ("{'v': 6, 'at': ANY}", {"v": 6, "at": 1}, {"v": 6, "at": "ANY"}, False),
+    ("[0, mock.ANY]", [0, "x"], [0, "ANY"], False),
+    # an object of anyone's elsewhere on the same side: asked
+    ("{'v': EXPECTED, 'at': ANY}", {"v": 9, "at": 1}, {"v": "ANY", "at": "ANY"}, True),
+    ("EXPECTED", 9, "ANY", True),
+    ("expected", 9, "ANY", False),  # a local bound once to ANY
+])
+def test_the_probe_asks_every_object_but_the_tests_own_any(expr, left, right, asked):
+    """The equality probe's masks: built from the assert's syntax, they spare only the
+    places where the test wrote ANY; mock.ANY anywhere else is asked, and lies."""
+    import ast
+    from unittest import mock
+
+    space = _runner_builders()
+    fn = ast.parse(f"def test_x():\n    expected = ANY\n    assert got == {expr}\n").body[0]
+    mask = space["owned_sides"](fn, ast)(fn.body[1].test.comparators[0])
+
+    def swap(value):  # "ANY" in the case's values stands for mock.ANY
+        if value == "ANY":
+            return mock.ANY
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [swap(v) for v in value]
+        return value
+
+    caught = []
+
+    def emit(kind, **fields):
+        caught.append(fields)
+        raise SystemExit  # where the runner ends itself
+
+    probe = space["equality_probe"](emit, [])
+    with pytest.raises(SystemExit) if asked else contextlib.nullcontext():
+        assert probe.checked_eq(swap(left), swap(right), False, mask)
+    assert bool(caught) is asked, caught

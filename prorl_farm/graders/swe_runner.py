@@ -233,7 +233,7 @@ def audit_hook(t, emit):
     import threading
 
     stamp, original, bytecode, repo = t.stamp, t.original, t.bytecode, t.repo
-    file_of, is_stdlib, untrusted = t.file_of, t.is_stdlib, t.untrusted
+    path_of, file_of, is_stdlib, untrusted = t.path_of, t.file_of, t.is_stdlib, t.untrusted
     first_origin, is_test_file, site, ast_files = t.first_origin, t.is_test_file, t.site, \
         t.ast_files
     frame_attrs = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_code", "gi_code",
@@ -254,7 +254,7 @@ def audit_hook(t, emit):
             return None
         path = filename if filename.startswith("<") else \
             os.path.normpath(os.path.join(repo, filename))
-        if untrusted(path) or path.startswith("<frozen "):
+        if untrusted(path):  # its own name: the code stays the candidate's
             return None
         if path in original and stamp(path) != original[path]:  # not the file of the start
             return f"{path}, rewritten during the run"
@@ -345,7 +345,13 @@ def audit_hook(t, emit):
                 forged = forged_name(caller, args[1]) if len(args) > 1 else None
                 where = f"code compiled as {forged}" if forged else None
             elif event == "exec":
-                where = None  # a code object keeps the name it was compiled under
+                # A code object keeps the name it was compiled under: untrusted code may run
+                # its own, not trusted code's (a trusted function's body in its globals).
+                code = args[0] if args else None
+                where = None
+                if hasattr(code, "co_filename") and not untrusted(path_of(code)) and \
+                        untrusted(file_of(caller)):  # direct: the import system runs them
+                    where = file_of(caller)
             elif event == "marshal.loads":  # code objects under any name they like
                 where = file_of(caller) if untrusted(file_of(caller)) else \
                     cached_code_in_repo(caller)
@@ -586,15 +592,14 @@ def equality_probe(emit, watchers):
     __eq__ that agrees with any of them lies, whatever it read of its argument and wherever
     it was defined (the candidate's Python, a trusted module, a C function, a partial, a
     mock: ``suspicious``). It cannot tell the real question from the others without knowing
-    the answer. ``unittest.mock.ANY`` is not asked where the test wrote it itself: on a
-    side of the assert made of literals, displays and names (of the test module, builtins,
-    ``parametrize``'s, or locals bound once to such), like ``{"id": ANY}``."""
+    the answer. What is not asked: the object in a place where the test wrote ``ANY``
+    itself (``{"id": ANY}``, ``[0, mock.ANY]``, a local bound once to such, a
+    ``parametrize`` value that writes ANY): the rewriting tells the probe where, slot by
+    slot, so an object of the candidate's elsewhere (a rebound constant beside the test's
+    ``ANY``) is still asked."""
     import os
     import random
     import secrets
-    import unittest.mock
-
-    anys = [unittest.mock.ANY]  # the standard library's, before any other code ran
     plain = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set,
              frozenset)
     chance = random.Random(secrets.randbits(64))
@@ -646,33 +651,51 @@ def equality_probe(emit, watchers):
                 os._exit(3)
         return result
 
-    def equal(left, right, budget, owned=(False, False)):
-        """``left == right`` (its truth), with any non-built-in object asked as above
-        (not ANY on a side that ``owned`` says is the test's own)."""
+    def item(mask, index):
+        """The mask of a list's or tuple's item (see ``owned_sides``)."""
+        if mask is True:
+            return True
+        if type(mask) is tuple and mask[0] == "s" and index < len(mask[1]):
+            return mask[1][index]
+        return False
+
+    def entry(mask, key):
+        """The mask of a dict's value."""
+        if mask is True:
+            return True
+        if type(mask) is tuple and mask[0] == "d":
+            return next((m for k, m in mask[1] if k == key and type(k) is type(key)), False)
+        return False
+
+    def equal(left, right, budget, masks=(False, False)):
+        """``left == right`` (its truth), with any non-built-in object asked as above, but
+        where ``masks`` say the test wrote ``ANY`` itself."""
         budget[0] -= 1
         if budget[0] > 0:
-            for mine, other, own in ((left, right, owned[0]), (right, left, owned[1])):
-                if type(other) in plain and type(mine) not in plain and not (
-                        own and any(mine is a for a in anys)):
+            for mine, other, mask in ((left, right, masks[0]), (right, left, masks[1])):
+                if type(other) in plain and type(mine) not in plain and mask is not True:
                     return asked(mine, other, left, right)
             if type(left) is type(right) and type(left) in (list, tuple):
                 return len(left) == len(right) and all(
-                    a is b or equal(a, b, budget, owned) for a, b in zip(left, right))
+                    a is b or equal(a, b, budget, (item(masks[0], i), item(masks[1], i)))
+                    for i, (a, b) in enumerate(zip(left, right)))
             if type(left) is type(right) is dict:
                 return left.keys() == right.keys() and all(
-                    left[k] is right[k] or equal(left[k], right[k], budget, owned)
+                    left[k] is right[k] or equal(left[k], right[k], budget,
+                                                 (entry(masks[0], k), entry(masks[1], k)))
                     for k in left)
         return bool(left == right)
 
-    def asserted(left, right, owned):
-        """An assert's ``left == right`` (``owned``: whether each side is the test's own),
-        after ``watchers`` (the namespace guard's check of the running test's module)."""
+    def asserted(left, right, masks):
+        """An assert's ``left == right`` (``masks``: where each side holds the test's own
+        ``ANY``), after ``watchers`` (the namespace guard's check of the running test's
+        module)."""
         for watch in watchers:
             watch()
-        return equal(left, right, [10000], owned)
+        return equal(left, right, [10000], masks)
 
     def checked_eq(left, right, own_left=False, own_right=False):
-        return asserted(left, right, (own_left is True, own_right is True))
+        return asserted(left, right, (own_left, own_right))
 
     return Built(asserted=asserted, checked_eq=checked_eq)
 
@@ -737,10 +760,9 @@ def imported_once(source, ast):
 
 
 def owned_sides(fn_node, ast):
-    """For a test function's AST: ``owned(expr)``, whether an expression is the test's own
-    (made of literals, displays, names of the test module, builtins and parameters a
-    ``parametrize`` gives it, attributes of those, and locals bound once, to such) and
-    writes ``ANY`` (the only object the probe leaves unasked there)."""
+    """For a test function's AST: ``mask(expr)``, where in an expression's value the test
+    wrote ``ANY`` itself (in displays, through locals bound once, or as a ``parametrize``
+    value): the only places whose object the equality probe leaves unasked."""
     params, given, given_any = set(), set(), set()
     if fn_node is None:  # module level: every name is the module's
         fn_node = ast.Module(body=[], type_ignores=[])
@@ -750,49 +772,38 @@ def owned_sides(fn_node, ast):
     single = {node.targets[0].id: node.value for node in assigned
               if binds.get(node.targets[0].id) == 1}
     local = set(binds) | params
-    seen = set()
 
-    def owned(expr):
-        if isinstance(expr, ast.Constant):
-            return True
+    def mask(expr, depth=0):
+        """Where in ``expr``'s value the test wrote ``ANY``: True (the whole value), a
+        ("s", masks) for a list or tuple display holding one, a ("d", ((key, mask), ...))
+        for a dict display with constant keys holding one, else False."""
+        if depth > 8:
+            return False
         if isinstance(expr, ast.Name):
-            if expr.id in given:
-                return True
-            if expr.id not in local:
-                return True  # the test module's, or a builtin
-            value = single.get(expr.id)
-            if value is None or expr.id in seen:
+            if expr.id in local:
+                if expr.id in given_any:  # parametrize's values write ANY
+                    return True
+                value = single.get(expr.id)
+                return mask(value, depth + 1) if value is not None else False
+            return expr.id == "ANY"  # the test module's (``from unittest.mock import ANY``)
+        if isinstance(expr, ast.Attribute):  # mock.ANY, unittest.mock.ANY
+            root = expr
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            return expr.attr == "ANY" and isinstance(root, ast.Name) and root.id not in local
+        if isinstance(expr, (ast.List, ast.Tuple)):
+            if any(isinstance(e, ast.Starred) for e in expr.elts):
                 return False
-            seen.add(expr.id)
-            try:
-                return owned(value)
-            finally:
-                seen.discard(expr.id)
-        if isinstance(expr, ast.Attribute):
-            return owned(expr.value)
-        if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
-            return all(owned(e) for e in expr.elts)
-        if isinstance(expr, ast.Starred):
-            return owned(expr.value)
+            inner = tuple(mask(e, depth + 1) for e in expr.elts)
+            return ("s", inner) if any(inner) else False
         if isinstance(expr, ast.Dict):
-            return all(k is None or owned(k) for k in expr.keys) and \
-                all(owned(v) for v in expr.values)
+            if not all(isinstance(k, ast.Constant) for k in expr.keys):
+                return False
+            inner = tuple((k.value, mask(v, depth + 1)) for k, v in zip(expr.keys, expr.values))
+            return ("d", inner) if any(m for _, m in inner) else False
         return False
 
-    def mentions_any(expr, depth=0):
-        """Whether the expression (or a local it names, bound once) writes ``ANY``."""
-        for node in ast.walk(expr):
-            if isinstance(node, ast.Name) and (node.id == "ANY" or node.id in given_any) or \
-                    isinstance(node, ast.Attribute) and node.attr == "ANY":
-                return True
-            if isinstance(node, ast.Name) and node.id in single and depth < 8 and \
-                    mentions_any(single[node.id], depth + 1):
-                return True
-        return False
-
-    # Only a side that writes ANY itself may hold the ANY that is not asked: a data name of
-    # the test module (not frozen) rebound to ANY is still asked.
-    return lambda expr: owned(expr) and mentions_any(expr)
+    return mask
 
 
 def instrument_asserts(t, probe, guard):
@@ -908,7 +919,7 @@ def instrument_asserts(t, probe, guard):
         if getattr(bound, "__func__", None) is assertEqual and not first_origin(getframe(1)):
             msg = rest[0] if rest else named.get("msg")
             return compared(bound.__self__, first, second, msg,
-                            (own_first is True, own_second is True))
+                            (own_first, own_second))
         return bound(first, second, *rest, **named)
 
     unittest.TestCase.assertEqual = assertEqual
