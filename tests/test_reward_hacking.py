@@ -483,17 +483,20 @@ SWE_ATTACKS["runner-globals-rebound"] = (
 SWE_ATTACKS["audit-hook"] = ("import sys\nsys.addaudithook(lambda e, a: None)\n", True)
 # A thread that rebinds the tested name in the test module (through its dict, past any
 # __setattr__), as soon as the module's import binds it, and keeps it rebound.
-THREAD = ("import sys as _s, threading as _t, time as _ti\n"
+# The wrong mul waits until the thread has acted (a condition, not a time): the attack does
+# what it means to under any load, whichever moment of the run the thread acts at.
+WAITS = ("\n_wrong = mul\ndef mul(a, b):\n    _acted.wait(120)\n    return _wrong(a, b)\n")
+THREAD = ("import sys as _s, threading as _t, time as _ti\n_acted = _t.Event()\n"
           "def _right(a, b):\n    return a * b\n"
-          "def _loop():\n    for _ in range(200000):\n"
+          "def _loop():\n    while True:\n"
           "        _m = _s.modules.get('tests.test_calc') or _s.modules.get('test_calc')\n"
           "        if _m is not None and vars(_m).get('mul') not in (None, _right):\n"
-          "            {}\n"
+          "            {}\n            _acted.set()\n"
           "        _ti.sleep(0.0002)\n"
           "_t.Thread(target=_loop, daemon=True).start()\n")
 SWE_ATTACKS["thread-rebinds-the-tested-name"] = (
-    THREAD.format("vars(_m)['mul'] = _right"), True)
-SWE_ATTACKS["thread-sets-the-tested-name"] = (THREAD.format("_m.mul = _right"), True)
+    THREAD.format("vars(_m)['mul'] = _right"), True, WAITS)
+SWE_ATTACKS["thread-sets-the-tested-name"] = (THREAD.format("_m.mul = _right"), True, WAITS)
 # Code made at run time under a trusted name: "<frozen ...>" (the interpreter's own), and a
 # trusted function's body run by exec in the candidate's globals.
 SWE_ATTACKS["compiled-as-frozen"] = (
@@ -864,25 +867,24 @@ ANY_TESTS = ("import unittest\nfrom unittest.mock import ANY\n\nimport pytest\n\
              "        self.assertEqual({'p': mul(2, 3), 'q': 5}, {'p': 6, 'q': ANY})\n")
 ANY_F2P = ["tests/test_any.py::test_any", "tests/test_any.py::test_given[args0-want0]",
            "tests/test_any.py::test_constant", "tests/test_any.py::TestMul::test_mul"]
-CLASS_THREAD = ("import sys as _s, threading as _t, time as _ti\n"
-                "def _loop():\n    for _ in range(200000):\n"
+CLASS_THREAD = ("import sys as _s, threading as _t, time as _ti\n_acted = _t.Event()\n"
+                "def _loop():\n    while True:\n"
                 "        _m = _s.modules.get('tests.test_any') or _s.modules.get('test_any')\n"
                 "        _c = vars(_m).get('TestMul') if _m is not None else None\n"
                 "        if _c is not None and 'assertEqual' not in vars(_c):\n"
-                "            _c.assertEqual = lambda *a, **k: None\n"
+                "            _c.assertEqual = lambda *a, **k: None\n            _acted.set()\n"
                 "        _ti.sleep(0.0002)\n"
                 "_t.Thread(target=_loop, daemon=True).start()\n")
 # A data constant of the test module (which the freeze does not hold) rebound to the
 # standard library's mock.ANY by a thread: ANY is left unasked only where the test wrote it.
-CONSTANT_THREAD = ("import sys as _s, threading as _t, time as _ti\n"
+CONSTANT_THREAD = ("import sys as _s, threading as _t, time as _ti\n_acted = _t.Event()\n"
                    "from unittest import mock as _mock\n"
-                   "def _loop():\n    for _ in range(200000):\n"
+                   "def _loop():\n    while True:\n"
                    "        _m = _s.modules.get('tests.test_any') or _s.modules.get('test_any')\n"
                    "        if _m is not None and vars(_m).get('EXPECTED') == 6:\n"
-                   "            vars(_m)['EXPECTED'] = _mock.ANY\n"
+                   "            vars(_m)['EXPECTED'] = _mock.ANY\n            _acted.set()\n"
                    "        _ti.sleep(0.0002)\n"
                    "_t.Thread(target=_loop, daemon=True).start()\n")
-
 
 def test_the_tests_own_any_passes_and_a_thread_cannot_replace_assert_equal(farm):
     """mock.ANY that the test wrote itself (in a display, a local bound to one, a
@@ -897,8 +899,8 @@ def test_the_tests_own_any_passes_and_a_thread_cannot_replace_assert_equal(farm)
                                                           ANY_TESTS.encode()}),
                 "FAIL_TO_PASS": ANY_F2P, "PASS_TO_PASS": ["tests/test_calc.py::test_add"]}
     rows = [{**any_inst, "patch": _patch(base, "", fix=True)},
-            {**any_inst, "patch": _patch(base, CLASS_THREAD)},
-            {**any_inst, "patch": _patch(base, CONSTANT_THREAD, fix=False)},
+            {**any_inst, "patch": _patch(base, CLASS_THREAD, suffix=WAITS)},
+            {**any_inst, "patch": _patch(base, CONSTANT_THREAD, suffix=WAITS)},
             {**any_inst, "patch": _patch(base, "from unittest import mock as _mock\n",
                                          suffix=WRONG_MUL.format("_mock.ANY"))}]
     gold, thread, constant, any_mul = _reference(client, "swe", rows)

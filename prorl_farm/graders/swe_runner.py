@@ -748,15 +748,41 @@ def binding_counts(root, ast, assigned=None):
     return binds
 
 
-def imported_once(source, ast):
-    """The names a module's top level binds by ``from ... import`` (not ``*``) and nowhere
-    else: [(name, module, attribute, level)]."""
+def file_bindings(source, ast):
+    """What a test file's own top level binds, read from its source: the names bound once,
+    by ``from ... import`` (not ``*``), as [(name, module, attribute, level)]; the
+    undecorated ``def``s and ``class``es bound once, {name: kind}; and for each class, the
+    names its body binds (defs, assignments, imports, in nested blocks too)."""
     tree = ast.parse(source)
     counts = binding_counts(tree, ast)
-    return [(alias.asname or alias.name, node.module or "", alias.name, node.level)
-            for node in tree.body if isinstance(node, ast.ImportFrom)
-            for alias in node.names
-            if alias.name != "*" and counts.get(alias.asname or alias.name) == 1]
+    imports = [(alias.asname or alias.name, node.module or "", alias.name, node.level)
+               for node in tree.body if isinstance(node, ast.ImportFrom)
+               for alias in node.names
+               if alias.name != "*" and counts.get(alias.asname or alias.name) == 1]
+    defs = {node.name: type(node).__name__ for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and not node.decorator_list and counts.get(node.name) == 2}
+
+    def body_names(body):
+        names = set()
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            else:
+                names |= {n.id for t in getattr(node, "targets", [getattr(node, "target",
+                                                                           None)])
+                          if t is not None for n in ast.walk(t) if isinstance(n, ast.Name)}
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    inner = getattr(node, field, None)
+                    if isinstance(inner, list):
+                        names |= body_names(inner)
+        return names
+
+    bodies = {node.name: body_names(node.body) for node in tree.body
+              if isinstance(node, ast.ClassDef)}
+    return imports, defs, bodies
 
 
 def owned_sides(fn_node, ast):
@@ -946,7 +972,8 @@ def namespace_guard(t, asserts, emit, guard):
     import _pytest.assertion.rewrite as rewrite
     import pluggy
 
-    first_origin, getframe, repo = t.first_origin, sys._getframe, t.repo
+    first_origin, getframe, repo, untrusted, path_of = t.first_origin, sys._getframe, \
+        t.repo, t.untrusted, t.path_of
     names, rewrite_module = asserts.names, asserts.rewrite_module
     test_files = {os.path.realpath(os.path.join(repo, p)) for p in t.test_file_names}
     guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest", "signal", "_signal")
@@ -1002,39 +1029,66 @@ def namespace_guard(t, asserts, emit, guard):
             if entry is not None:
                 entry[1].pop(name, None)
 
-    def not_its_import(module):
-        """A name the test file binds once by ``from ... import``, which is not (now, as
-        its body has run) the attribute it imported: the first such, or None."""
+    def not_its_own(module):
+        """Whether a test module is not what its own source made it, as its body has just
+        run (a thread of the candidate's that acts while the body runs acts before the
+        module is kept): a name bound once by ``from ... import`` that is not the attribute
+        it imported; an undecorated top-level ``def`` or ``class`` that is not the file's;
+        a class's ``assert*``/``fail*`` method that shadows a base's and that the class's
+        body does not bind. The first such, or None."""
         path = getattr(module, "__file__", None)
         if not isinstance(path, str) or os.path.realpath(path) not in test_files:
             return None
         try:
             with open(path, "rb") as f:
-                imports = imported_once(f.read(), ast)
+                imports, defs, bodies = file_bindings(f.read(), ast)
         except (OSError, SyntaxError, ValueError):
             return None
+        space, where = vars(module), os.path.normpath(os.path.join(repo, path))
         for name, source, attr, level in imports:
             full = source
             if level:
-                package = (vars(module).get("__package__") or "").split(".")
+                package = (space.get("__package__") or "").split(".")
                 package = package[:len(package) - level + 1] if level > 1 else package
                 full = ".".join([p for p in package if p] + ([source] if source else []))
-            space = getattr(sys.modules.get(full), "__dict__", None)
-            if type(space) is not dict:
+            theirs = getattr(sys.modules.get(full), "__dict__", None)
+            if type(theirs) is not dict:
                 continue
-            expected = space.get(attr, sys.modules.get(f"{full}.{attr}"))
-            if expected is not None and vars(module).get(name) is not expected:
+            expected = theirs.get(attr, sys.modules.get(f"{full}.{attr}"))
+            if expected is not None and space.get(name) is not expected:
                 return f"{module.__name__}.{name} is not the {full}.{attr} it imported"
+        for name, kind in defs.items():
+            value = space.get(name)
+            if kind == "ClassDef":
+                ours = isinstance(value, type) and value.__dict__.get("__module__") == \
+                    module.__name__ and type.__getattribute__(value, "__qualname__") == name
+            else:
+                code = getattr(value, "__code__", None)
+                ours = type(value) is types.FunctionType and code.co_name == name and \
+                    path_of(code) == where
+            if not ours:
+                return f"{module.__name__}.{name} is not the {kind} its file defines"
+            if kind == "ClassDef":
+                mro = type.__getattribute__(value, "__mro__")
+                for key in vars(value):
+                    if key.startswith(("assert", "fail")) and key not in bodies.get(name, ()) \
+                            and any(key in vars(base) for base in mro[1:]):
+                        return f"{module.__name__}.{name}.{key} is not its class body's"
         return None
 
     def freeze(module):
-        """Keep a test module as its own code left it, and make its class the guard's."""
+        """Keep a test module as its own code left it, and make its class the guard's (not
+        a module of the candidate's own code, which pytest may collect tests from too: what
+        it does to itself is its own business)."""
         if id(module) in frozen:
+            return
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or untrusted(os.path.normpath(os.path.join(repo, path))):
             return
         if type(module) is not types.ModuleType:
             refuse("test module", f"{module.__name__}: its class is "
                                   f"{type(module).__name__}, not a module's")
-        why = not_its_import(module)
+        why = not_its_own(module)
         if why is not None:
             refuse("test module", why)
         classes = [(v, kept(dict(vars(v))), set(vars(v))) for v in list(vars(module).values())
