@@ -16,7 +16,9 @@ repository's own code and would act before, or below, what those see:
 - callbacks that run between the lines of others or see every event: ``sys.settrace``/
   ``setprofile``, ``threading.settrace``/``setprofile``, ``sys.monitoring``,
   ``sys.addaudithook``;
-- raw memory and closures: ``ctypes``, ``__closure__``;
+- raw memory, closures and other functions' globals: ``ctypes``, ``__closure__``,
+  ``__globals__`` (the test runner's own functions are reachable: the asserts' helper is a
+  builtin);
 - the exit without a report: ``os._exit``;
 - the test runner or the builtins patched (an assignment to an attribute of ``builtins``,
   ``unittest``, ``pytest``, ``_pytest`` or ``pluggy``), unless that package is the
@@ -44,7 +46,7 @@ from collections import Counter
 FRAME_ATTRS = {"f_back", "f_locals", "f_globals", "f_builtins", "tb_frame", "gi_frame",
                "cr_frame", "ag_frame", "_getframe", "_current_frames", "currentframe",
                "walk_stack", "walk_tb", "getouterframes", "getinnerframes", "settrace",
-               "setprofile", "addaudithook", "__closure__"}
+               "setprofile", "addaudithook", "__closure__", "__globals__"}
 # Attributes flagged when read from a module (through whatever name it was imported as).
 MODULE_ATTRS = {("inspect", "stack"), ("inspect", "trace"), ("sys", "monitoring"),
                 ("os", "_exit"), ("posix", "_exit")}

@@ -1200,8 +1200,7 @@ def namespace_guard(t, asserts, emit, guard):
                     return f"{getattr(owner, '__name__', owner)}.{key} replaced"
         return None
 
-    return Built(keep_late=keep_late, tampered=tampered, freeze=freeze,
-                 is_test_module=is_test_module)
+    return Built(keep_late=keep_late, tampered=tampered, freeze=freeze)
 
 
 def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
