@@ -103,7 +103,7 @@ def farm(request, redis_server, tmp_path_factory, tiny_model):
         with scripted_farm(redis_server.url, tmp_path_factory.mktemp(f"hack-{request.param}"),
                            tokenizer, PLANS, f"hack-{request.param}", user=user,
                            sandbox_mount_roots=str(repos), grade_timeout_s=3,
-                           grade_scratch_mb=64,
+                           grade_scratch_mb=64, sandbox_workspace_mb=1024,
                            **docker) as (client, server):
             client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
                               "tokenizer": tokenizer, "capacity": 64}
@@ -249,6 +249,10 @@ def test_code_candidates_that_reach_for_the_tests_earn_nothing(farm):
         assert "tests" in ev, (name, ev)  # the grader survived and gave its verdict
     flood = _graded(attacks[names.index("flood-the-pipe")])
     assert flood["tests"][0]["why"] == "output limit", flood
+    # Its grader holds the program to half the workspace's bound (512 of 1024 MiB here):
+    # the program is stopped, the grader lives on (the sandbox's bound would stop both).
+    filled = _graded(attacks[names.index("fill-the-disk")])
+    assert filled["tests"][0]["why"] == "disk limit", filled
 
 
 def test_a_process_left_from_run_reaches_nothing_of_the_grader(farm, r):
@@ -748,6 +752,13 @@ WRITES_CONFTEST = (f"import os\n_c = os.path.join(os.path.dirname(os.path.dirnam
                    f"    with open(_c, 'w') as _f:\n        _f.write({FORCE_PASS!r})\n")
 
 
+# Imported by the tests: writes 32 MiB files into WHERE until a write fails.
+FILL_AT_IMPORT = ("import os as _os\n_block = b'x' * (1 << 20)\nfor _i in range(100000):\n"
+                  "    try:\n        with open(_os.path.join(WHERE, 'fill%d' % (_i // 32)), "
+                  "'ab') as _f:\n            _f.write(_block)\n    except OSError:\n"
+                  "        break\n")
+
+
 def _attack_patches(base):
     names = [*SWE_ATTACKS, *SWE_FILES]
     patches = [_patch(base, code, suffix=rest[1] if len(rest) > 1 else "")
@@ -769,9 +780,16 @@ def test_swe_candidates_that_reach_into_the_test_process_earn_nothing(farm, forg
     honest = _patch(base, HONEST, fix=True)
     setup = {**inst, "setup": ["python3 calc/__init__.py"],
              "patch": _patch(base, SETUP_WRITES_A_MODULE)}
-    jobs = _reference(client, "swe", [*({**inst, "patch": p}
-                                        for p in [*patches, *kernel_patches, honest]), setup])
-    *attacks, good, set_up = jobs
+    fills = [_patch(base, FILL_AT_IMPORT.replace("WHERE", where))
+             for where in ("'/tmp'", "_os.path.dirname(__file__)")]
+    jobs = _reference(client, "swe", [*({**inst, "patch": p} for p in
+                                        [*patches, *kernel_patches, honest, *fills]), setup])
+    *attacks, good, fill_tmp, fill_repo, set_up = jobs
+    # A test run that fills the disk (its /tmp, the repository) is stopped by its grader at
+    # half the workspace's bound: 0, with the reason; never the grader's failure.
+    for job in (fill_tmp, fill_repo):
+        assert _reward(job) == 0.0 and _graded(job)["disk_full"]["limit_mb"] == 512, \
+            _graded(job)
     ev = _graded(set_up)
     assert _reward(set_up) == 0.0 and ev["suspicious"] is True, ev
     assert "_made.py" in ev["verdict"], ev

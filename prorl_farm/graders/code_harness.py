@@ -239,6 +239,8 @@ def run_stdio(jail, where, test, time_s, wall_s, memory_mb):
     why = "not run"
     try:
         out, why = collect(proc, test["input"].encode(), bound, Clock(proc.pid, time_s, wall_s))
+        if jail.filled(proc):
+            why = "disk limit"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -438,6 +440,8 @@ class Program:
             if why is not None:
                 raise TimeoutError(why)
         line = self.results.readline(MAX_LINE)
+        if not line and self.jail.filled(self.proc):
+            raise RuntimeError("the program wrote past the disk limit")
         if not line:
             raise RuntimeError("the program exited")
         if not line.endswith(b"\n"):
@@ -551,8 +555,9 @@ def main():
     time_s, memory_mb = spec.get("time_s", 5.0), spec.get("memory_mb", 512)
     wall_s = spec.get("wall_s", WALL_FACTOR * time_s)
     # Jail is from jail.py, included when the harness is shipped.
+    # noexec_binds: a program is Python, nothing it writes is executed.
     jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True),  # noqa: F821
-                noexec_binds=True)  # a program is Python: nothing it writes is executed
+                noexec_binds=True, disk_mb=spec.get("disk_mb"))
     # The program's own directory: a private copy, so the jail binds it alone.
     where = tempfile.mkdtemp(prefix="candidate-")
     shutil.copy(SOLUTION, os.path.join(where, SOLUTION))

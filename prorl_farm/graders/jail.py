@@ -5,9 +5,11 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # include: confine.py
@@ -31,6 +33,9 @@ class Jail:
     Its ``/tmp`` is a new directory on disk, in the grader's own ``/tmp`` (the grader's
     sandbox counts it in its workspace's size), removed when the program is checked; its
     ``/dev/shm`` (memory) holds at most ``shm_mb``, its ``/run`` and ``/workspace`` 1 MiB.
+    With ``disk_mb``, a program that has written more than that to its ``/tmp`` and its
+    writable binds together is killed (``filled(proc)`` says so): below the grader's
+    sandbox's own bound, which would kill the grader too.
     From inside, the grader's processes cannot be seen or signalled, and nothing of the
     grader's sandbox but the read-only system and the binds can be read. Where the jail
     cannot be made (no bubblewrap, or no user namespaces here), the program runs as a plain
@@ -49,8 +54,14 @@ class Jail:
     ran it to its end (bubblewrap reports the program's exit on a status pipe, which the
     program does not hold); call ``check(proc, killed=True)`` when the grader killed it."""
 
-    def __init__(self, shm_mb=64, enabled=True, noexec_binds=False):
+    def __init__(self, shm_mb=64, enabled=True, noexec_binds=False, disk_mb=None):
         self.shm_bytes = str(shm_mb << 20)  # the jail's /dev/shm is memory: bounded
+        # What a program may leave on disk, its /tmp and writable binds together: held here,
+        # below the grader's workspace limit, so that a program that fills the disk is
+        # stopped by its grader (and fails), not the grader with it by the sandbox's bound.
+        self.disk_bytes = disk_mb << 20 if disk_mb else None
+        self._watch = {}  # pid -> the event that stops the program's disk watcher
+        self._full = {}  # pid -> what the program had written when it was stopped for it
         self.noexec_binds = noexec_binds
         self.bwrap = shutil.which("bwrap")
         self.works = False
@@ -115,7 +126,43 @@ class Jail:
         self._status[proc.pid] = r
         self._scratch[proc.pid] = scratch
         self._confined[proc.pid] = cr
+        if self.disk_bytes:
+            self._watch[proc.pid] = stop = threading.Event()
+            threading.Thread(target=self._hold_disk, daemon=True,
+                             args=(proc, scratch, [p for p, w in binds if w], stop)).start()
         return proc
+
+    def _hold_disk(self, proc, scratch, writable, stop):
+        """Measure what the program wrote and kill it past ``disk_bytes``, saying so in
+        ``_full``: its /tmp every 0.05 s, less often where measuring costs over a twentieth
+        of a core (this thread's CPU time, not the wall clock, which a busy machine
+        stretches) but at least every 0.25 s; its writable binds, larger, every 0.2 to 2 s
+        alike. Between two looks a program writes at most what the disk takes in that
+        time: the bound is half the sandbox's, which holds the rest."""
+        every, binds_every, binds_used, binds_at = 0.05, 0.0, 0, 0.0
+        while not stop.wait(every):
+            cpu = time.thread_time()
+            used = disk_usage(scratch)
+            every = min(0.25, max(0.05, 20 * (time.thread_time() - cpu)))
+            if writable and time.monotonic() - binds_at >= binds_every:
+                cpu = time.thread_time()
+                binds_used = sum(disk_usage(path) for path in writable)
+                binds_every = min(2.0, max(0.2, 20 * (time.thread_time() - cpu)))
+                binds_at = time.monotonic()
+            if used + binds_used > self.disk_bytes:
+                self._full[proc.pid] = {"limit_mb": self.disk_bytes >> 20,
+                                        "used_mb": round((used + binds_used) / 2**20, 1)}
+                for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+                    try:
+                        kill()
+                    except OSError:
+                        pass
+                return
+
+    def filled(self, proc):
+        """Whether the program was stopped for writing past ``disk_bytes`` (call before
+        ``check``): ``{"limit_mb", "used_mb"}``, or None."""
+        return self._full.get(proc.pid)
 
     @staticmethod
     def _start(argv, **kwargs):
@@ -148,6 +195,10 @@ class Jail:
                 time.sleep(0.25 * 2 ** i)
 
     def check(self, proc, killed=False):
+        stop = self._watch.pop(proc.pid, None)
+        if stop is not None:
+            stop.set()
+        killed = killed or self._full.pop(proc.pid, None) is not None
         scratch = self._scratch.pop(proc.pid, None)
         if scratch is not None:  # the program has ended: its /tmp goes
             shutil.rmtree(scratch, ignore_errors=True)
@@ -168,6 +219,37 @@ class Jail:
                             f"status {proc.returncode})")
         if said != "confined\n" and not (killed and not said):
             raise JailError(f"the program was not confined: {said.strip() or 'no word'}")
+
+
+def disk_usage(root):
+    """Bytes on disk under ``root`` (``st_blocks``; hard links once), without following
+    links or entering another file system."""
+    try:
+        dev = os.lstat(root).st_dev
+    except OSError:
+        return 0
+    total, seen, todo = 0, set(), [root]
+    while todo:
+        try:
+            entries = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_dev != dev:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
+                if st.st_nlink > 1:
+                    if st.st_ino in seen:
+                        continue
+                    seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total
 
 
 def _confined(preexec_fn):

@@ -87,7 +87,7 @@ def main():
         os._exit(0)
 
     jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True),  # noqa: F821 - from jail.py
-                noexec_binds=spec.get("noexec", False))
+                noexec_binds=spec.get("noexec", False), disk_mb=spec.get("disk_mb"))
     in_repo = [(repo, True)]
     # The files the grading pytest reads as configuration: from its own source, not a list
     # (pytest 9 reads pytest.toml and .pytest.toml too). Probed before anything of the
@@ -154,7 +154,7 @@ def main():
     deadline = started + max(5.0, float(spec.get("timeout_s", 900)) - 5.0)
     runner = kept["swe_runner.py"].decode()
     try:
-        records, suspicious, code, output, late, report = jail.retrying(
+        records, suspicious, code, output, late, report, filled = jail.retrying(
             lambda: run_tests(jail, repo, runner, spec, wanted, key, deadline))
     except JailError as e:  # noqa: F821 - from jail.py
         verdict(error=str(e))
@@ -169,7 +169,7 @@ def main():
                       + ", ".join(f"{t} ({said})" for t, said in contradicted[:3]))
     unwitnessed = [t for t, o in outcomes.items() if o == "missing" and o != first[t]]
     verdict(outcomes=outcomes, suspicious=suspicious, jail=jail.name, exit_code=code,
-            timed_out=late, output=output, discarded=discarded,
+            timed_out=late, disk_full=filled, output=output, discarded=discarded,
             unwitnessed=unwitnessed[:20])
 
 
@@ -255,7 +255,8 @@ def definitions(repo, spec):
 
 def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     """Run the child (``runner``: its source); returns (its records, why it is suspicious or
-    None, its exit code or None, the tail of its output, whether it ran out of time)."""
+    None, its exit code or None, the tail of its output, whether it ran out of time,
+    pytest's own report, and what it wrote if it was stopped for the disk limit)."""
     files = spec.get("files") or [f for f in dict.fromkeys(t.split("::")[0] for t in wanted)
                                   if os.path.isfile(os.path.join(repo, f))]
     r, w = os.pipe()
@@ -349,11 +350,13 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     except (ProcessLookupError, PermissionError):
         pass
     child.wait()
+    filled = jail.filled(child)
     jail.check(child, killed=killed)
     output = bytes(tail[-keep:]).decode("utf-8", errors="replace")
     read_report(partial + b"\n", report)
     done = next((rec for rec in records if rec.get("kind") == "done"), None)
-    return records, suspicious, done["exit_code"] if done else None, output, late, report
+    return (records, suspicious, done["exit_code"] if done else None, output, late, report,
+            filled)
 
 
 def with_summary(args):

@@ -30,7 +30,7 @@ from prorl_farm.handlers.agentic import (
     no_answer,
 )
 from prorl_farm.handlers.base import JobContext
-from prorl_farm.sandbox.grading import jail_shm_mb, required_verdict, run_isolated
+from prorl_farm.sandbox.grading import jail_spec, required_verdict, run_isolated
 
 DEFAULT_PROMPT = ("Write a Python program for the task below. You may try code with the python "
                   "tool. When done, call submit with your complete program as \"code\" (or give "
@@ -102,8 +102,7 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
     """Run the harness on ``program`` in a fresh sandbox: the tests reach it on its stdin,
     never as a file, and its verdict is the line tagged with a nonce it read there."""
     nonce = secrets.token_hex(16)
-    spec = {**tests_spec(inst), "nonce": nonce,
-            "shm_mb": jail_shm_mb(ctx)}
+    spec = {**tests_spec(inst), "nonce": nonce, **jail_spec(ctx)}
     n = len(spec.get("tests") or spec.get("cases"))
     # Each test within its wall-clock backstop, and the harness's own start and jail.
     files = {"solution.py": program, "code_harness.py": source("code_harness.py")}

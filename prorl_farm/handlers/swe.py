@@ -36,7 +36,7 @@ from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHa
 from prorl_farm.handlers.base import JobContext, run_setup
 from prorl_farm.sandbox.abstract import Limits
 from prorl_farm.sandbox.connection import ToolConnection
-from prorl_farm.sandbox.grading import jail_shm_mb, required_verdict, run_isolated
+from prorl_farm.sandbox.grading import jail_spec, required_verdict, run_isolated
 from prorl_farm.sandbox.manager import under_mount_roots
 from prorl_farm.swebench import repos
 from prorl_farm.swebench.instance import (
@@ -289,11 +289,17 @@ def protection(ctx: JobContext, base: dict[str, bytes], test_files: set[str],
     commands."""
     spec = {"protected_names": sorted(PROTECTED_NAMES),
             "protected_suffixes": list(PROTECTED_SUFFIXES), "skip_dirs": list(SKIP_DIRS),
-            "shm_mb": jail_shm_mb(ctx), "noexec": not native,
+            **jail_spec(ctx), "noexec": not native,
             "trusted": trusted_code(base)}
     if ctx.mode != "reference":
         spec["protected_base"] = protected_base(base, test_files)
     return spec
+
+
+def disk_full(verdict: dict) -> dict:
+    """``{"disk_full": {"limit_mb", "used_mb"}}`` where the grader stopped the test run for
+    writing past its disk bound (the run failed: reward 0, with the reason); else ``{}``."""
+    return {"disk_full": verdict["disk_full"]} if verdict.get("disk_full") else {}
 
 
 def reference_tree(base: dict[str, bytes], patch: str,
@@ -465,6 +471,7 @@ class SweHandler(ToolAgentHandler):
         return {"reward": 1.0 if resolved else 0.0, "resolved": resolved, "suspicious": False,
                 **kept, "tests": by_kind, "jail": verdict.get("jail"),
                 "timed_out": verdict.get("timed_out", False),
+                **disk_full(verdict),
                 "unwitnessed": verdict.get("unwitnessed", [])}
 
     @staticmethod
@@ -537,4 +544,4 @@ class SweHandler(ToolAgentHandler):
                                f"{verdict['suspicious']}", "output": verdict.get("output", "")}
         return {**read_verdict(inst, verdict), "suspicious": False, **kept,
                 "jail": verdict.get("jail"), "timed_out": verdict.get("timed_out", False),
-                "unwitnessed": verdict.get("unwitnessed", [])}
+                **disk_full(verdict), "unwitnessed": verdict.get("unwitnessed", [])}

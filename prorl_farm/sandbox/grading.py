@@ -43,11 +43,18 @@ def run_isolated(ctx: JobContext, files: dict[str, str | bytes], argv: list[str]
         sandboxes.stop(sandbox)
 
 
-def jail_shm_mb(ctx: JobContext) -> int:
-    """The size of a grader's jail's /dev/shm (memory), in MiB: ``grade_scratch_mb`` cut to
-    the node's budget (config.Settings.memory_scratch_mb). Its /tmp is on disk."""
+def jail_spec(ctx: JobContext) -> dict:
+    """What a grader's spec says of its jail's scratch: ``shm_mb``, the size of its
+    /dev/shm (memory), ``grade_scratch_mb`` cut to the node's budget
+    (config.Settings.memory_scratch_mb); ``disk_mb``, what a program may write to disk (its
+    /tmp, its writable binds), half the sandbox's workspace bound, which the grader holds it
+    to itself: a program that fills the disk fails its tests, and the grader, within the
+    bound, gives its verdict."""
     settings = getattr(ctx, "settings", None)
-    return settings.memory_scratch_mb()[1] if settings is not None else 64
+    if settings is None:
+        return {"shm_mb": 64, "disk_mb": 2048}
+    return {"shm_mb": settings.memory_scratch_mb()[1],
+            "disk_mb": max(8, settings.sandbox_workspace_mb // 2)}
 
 
 def tagged_verdict(stdout: str, nonce: str) -> dict | None:
