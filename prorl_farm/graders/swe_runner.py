@@ -80,19 +80,61 @@ def read_request():
     return request
 
 
-def evidence_channel(request):
-    """``emit(kind, **fields)``: one record on the evidence pipe, prefixed with the key,
-    which is popped from the request and kept in this closure alone."""
-    import json
+def evidence_channel(request, guard):
+    """The evidence pipe. ``send(kind, fields)`` writes one record, prefixed with the key
+    (popped from the request and kept in its closure alone), serialised by this closure's
+    own references to C functions (no module's ``json``, which any code may rebind); a
+    ``suspicious`` record ends the process. ``send`` is handed to the audit hook and to
+    nothing else: no object the tests can reach holds it. ``emit(kind, **fields)``, which
+    the rest of the runner calls, raises an audit event (``event``) that the hook answers
+    by sending the record only where it came from the runner (``emit``'s own code, called
+    by the runner's, on the main thread, with nothing but trusted code on the stack and the
+    runner's functions as they were built): reaching ``emit`` through a closure gains
+    nothing. Without the guard (no hook) ``emit`` sends directly."""
     import os
+    import secrets
+    import sys
+    try:
+        from _json import encode_basestring_ascii as quote
+    except ImportError:  # an interpreter built without the accelerator
+        from json.encoder import py_encode_basestring_ascii as quote
 
     prefix = (request.pop("key") + " ").encode()
     fd = request["fd"]
+    write, end, audit, is_a = os.write, os._exit, sys.audit, isinstance
+    exact = type
+    join, as_int = ",".join, int.__repr__
+
+    def value(v):
+        kind = exact(v)
+        if kind is bool:
+            return "true" if v else "false"
+        if v is None:
+            return "null"
+        if kind is int:
+            return as_int(v)
+        if kind is list or kind is tuple:
+            return "[" + join([value(x) for x in v]) + "]"
+        return quote(v if is_a(v, str) else object.__repr__(v))
+
+    def send(kind, fields):
+        body = join([quote(k) + ":" + value(v) for k, v in (("kind", kind), *fields.items())])
+        write(fd, prefix + ("{" + body + "}\n").encode())
+        if kind == "suspicious":
+            end(3)
+
+    event = "prorl.evidence." + secrets.token_hex(8)
 
     def emit(kind, **fields):
-        os.write(fd, prefix + (json.dumps({"kind": kind, **fields}) + "\n").encode())
+        audit(event, kind, fields)
+        if kind == "suspicious":  # the hook has sent it, or refused it and ended the run
+            end(3)
 
-    return emit
+    if not guard:
+        def emit(kind, **fields):  # noqa: F811 - no hook to answer the event
+            send(kind, fields)
+
+    return Built(send=send, emit=emit, event=event, emit_code=emit.__code__)
 
 
 class Built:
@@ -223,11 +265,15 @@ def trust(request):
                  ast_files={os.path.normpath(ast.__file__), os.path.realpath(ast.__file__)})
 
 
-def audit_hook(t, emit):
+def audit_hook(t, channel):
     """The audit hook (PEP 578: no Python code can remove it) that ends the process with a
     ``suspicious`` record when untrusted code reaches for frames, the heap, a trace, profile
     or audit function, code objects under names of its choosing, raw memory or a test file,
-    or when code compiled under a trusted name or bytecode the run wrote is loaded."""
+    or when code compiled under a trusted name or bytecode the run wrote is loaded; and the
+    one sender of the evidence (see ``evidence_channel``). Returns the hook and ``seal``,
+    which hands it, once, the runner's functions as built (``runner_state``): each record
+    is sent only while they are as they were."""
+    import _thread
     import os
     import sys
     import threading
@@ -245,6 +291,59 @@ def audit_hook(t, emit):
                "os.link", "os.rename", "os.symlink", "marshal.loads", "sys.addaudithook"}
     local = threading.local()
     getframe = sys._getframe
+    send, evidence, emit_code = channel.send, channel.event, channel.emit_code
+    runner_name, main_thread, get_ident = t.runner_name, _thread.get_ident(), _thread.get_ident
+    # This hook's own copies of whose code is whose (no function the tests can reach):
+    # the repository's original files by both spellings, the interpreter's and the
+    # environment's places.
+    own_files = frozenset(original)
+    places = tuple(t.stdlib) + tuple(t.site)
+    sealed = []
+
+    def seal(state):
+        if not sealed:
+            sealed.append(state)
+
+    def untrusted_on_stack(frame):
+        """The first frame from ``frame`` down to the bottom of the main thread's stack (the
+        harness's boot, below the runner) whose code is not trusted, by this hook's own
+        copies: its file, or None."""
+        while frame is not None and frame.f_back is not None:
+            name = frame.f_code.co_filename
+            if not (name == runner_name or name in own_files or name.startswith(places)
+                    or name.startswith("<frozen ")):
+                return name
+            frame = frame.f_back
+        return None
+
+    def from_the_runner(caller):
+        """Why a record raised as ``caller`` (the frame that raised the event) does not come
+        from the runner, or None."""
+        if get_ident() != main_thread:
+            return "a record from another thread"
+        if caller is None or caller.f_code is not emit_code:
+            return "a record sent past the runner's emit"
+        outer = caller.f_back
+        if outer is None or outer.f_code.co_filename != runner_name:
+            return "a record from outside the runner"
+        where = untrusted_on_stack(outer)
+        if where is not None:
+            return f"a record with {where} on the stack"
+        return sealed[0]() if sealed else None
+
+    def evidence_record(args):
+        """The runner's ``emit``: the record, sent if it came from the runner as built;
+        otherwise the run is ``suspicious``."""
+        local.busy = True
+        try:
+            why = from_the_runner(getframe(2))
+        finally:
+            local.busy = False
+        kind, fields = (args + (None, None))[:2]
+        if why is not None:
+            send("suspicious", {"event": "evidence", "detail": why[:200]})
+        if type(kind) is str and type(fields) is dict:
+            send(kind, fields)
 
     def forged_name(caller, filename):
         """A compile under the name of trusted code (so that its frames would pass for
@@ -313,6 +412,9 @@ def audit_hook(t, emit):
     silent = {"compile", "exec", "marshal.loads"}  # their arguments are code: not quoted
 
     def hook(event, args):
+        if event == evidence:
+            evidence_record(args)
+            return
         if event not in watched:
             return
         if event == "object.__getattr__" and args[1] not in frame_attrs:
@@ -326,8 +428,7 @@ def audit_hook(t, emit):
             if not isinstance(path, str):
                 return
             if event == "open" and path.startswith("/proc/") and path.endswith("/mem"):
-                emit("suspicious", event="open", detail=path)
-                os._exit(3)
+                send("suspicious", {"event": "open", "detail": path})
             if not is_test_file(path):
                 return
         if getattr(local, "busy", False):
@@ -358,14 +459,13 @@ def audit_hook(t, emit):
             else:
                 where = first_origin(caller)
             if where is not None:
-                emit("suspicious", event=event, detail=str(args[1] if event.startswith(
+                send("suspicious", {"event": event, "detail": str(args[1] if event.startswith(
                     "object.") else "" if event in silent else args[0] if args
-                    else "")[:200], where=where)
-                os._exit(3)
+                    else "")[:200], "where": where})
         finally:
             local.busy = False
 
-    return hook
+    return Built(hook=hook, seal=seal)
 
 
 def import_the_runner(request):
@@ -405,7 +505,6 @@ def signal_guard(t, emit, guard):
     """A signal handler is handed the frame the signal interrupts: no handler from untrusted
     code (signal.signal calls _signal.signal, which is replaced here; both are kept)."""
     import _signal
-    import os
     import signal  # noqa: F401 - guarded with _signal
     import sys
 
@@ -416,7 +515,6 @@ def signal_guard(t, emit, guard):
             where = first_origin(getframe(1))
             if where is not None:
                 emit("suspicious", event="signal.signal", detail=str(signalnum), where=where)
-                os._exit(3)
         return real_signal(signalnum, handler)
 
     _signal.signal = guarded_signal
@@ -597,7 +695,6 @@ def equality_probe(emit, watchers):
     ``parametrize`` value that writes ANY): the rewriting tells the probe where, slot by
     slot, so an object of the candidate's elsewhere (a rebound constant beside the test's
     ``ANY``) is still asked."""
-    import os
     import random
     import secrets
     plain = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set,
@@ -648,7 +745,6 @@ def equality_probe(emit, watchers):
                 emit("suspicious", event="compare", detail=(
                     f"{type(mine).__name__}.__eq__ agrees with {other!r:.60} and with "
                     f"{trial!r:.60}")[:200])
-                os._exit(3)
         return result
 
     def item(mask, index):
@@ -1003,7 +1099,6 @@ def namespace_guard(t, asserts, emit, guard):
 
     def refuse(what, detail):
         emit("suspicious", event=what, detail=detail[:200])
-        os._exit(3)
 
     class Frozen(types.ModuleType):
         """A test module's class once its body has run: untrusted code may not set or
@@ -1206,7 +1301,6 @@ def namespace_guard(t, asserts, emit, guard):
 def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
     """The pytest plugin that sends the evidence, test by test, and checks, around every
     test and at each of its asserts, that nothing was tampered with."""
-    import os
 
     import pytest
 
@@ -1232,14 +1326,12 @@ def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
                 (w for w in map(foreign_test, session.items) if w), None)
         if why is not None:
             emit("suspicious", event=where, detail=why)
-            os._exit(3)
 
     def at_assert():
         """Before an assert's ==: the running test's module and classes as they were."""
         why = tampered(running[0]) if guard and running else None
         if why is not None:
             emit("suspicious", event="assert", detail=why)
-            os._exit(3)
 
     watchers.append(at_assert)
 
@@ -1317,19 +1409,90 @@ def run_tests(request, plugin):
         return -1
 
 
+def runner_state(roots, namespaces, fixed):
+    """A check of the runner as built: every function reachable from ``roots`` through
+    closures, lists, tuples and ``Built`` objects keeps its code, defaults and closure
+    contents (a class of the runner's, its methods); each ``(mapping, items, closed)`` of
+    ``namespaces`` (the runner's globals, its copy of the builtins, the asserts' helpers in
+    the builtins) keeps those items and, where ``closed``, gains no other name; each list of ``fixed`` (the
+    checks at each assert) its items. Returns ``check()``: what changed, or None. Handed to
+    the audit hook, which runs it before sending any record: a closure cell or a global of
+    the runner that the tests rebind (they can reach the runner's functions: the asserts'
+    helper is a builtin) is found at the next record."""
+    function, mine = type(runner_state), runner_state.__module__
+    functions, seen, todo = [], set(), list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if type(obj) in (list, tuple):
+            todo.extend(obj)
+        elif type(obj) is Built:
+            todo.extend(vars(obj).values())
+        elif isinstance(obj, type) and obj.__module__ == mine:  # a class of the runner's
+            todo.extend(getattr(v, "__func__", v) for v in vars(obj).values())
+        elif type(obj).__module__ == mine:
+            todo.append(type(obj))  # an instance of one (the plugin)
+        elif type(obj) is function:
+            cells = obj.__closure__ or ()
+            contents = []
+            for cell in cells:
+                try:
+                    contents.append(cell.cell_contents)
+                except ValueError:  # not bound yet
+                    contents.append(cell)
+            todo.extend(contents)
+            functions.append((obj, obj.__code__, obj.__defaults__,
+                              dict(obj.__kwdefaults__ or {}), cells, tuple(contents)))
+    kept = [(mapping, dict(items), closed) for mapping, items, closed in namespaces]
+    lists = [(each, tuple(each)) for each in fixed]
+
+    def check():
+        for fn, code, defaults, kwdefaults, cells, contents in functions:
+            if fn.__code__ is not code or fn.__defaults__ is not defaults or \
+                    dict(fn.__kwdefaults__ or {}) != kwdefaults:
+                return f"the runner's {fn.__qualname__} was changed"
+            for cell, was in zip(cells, contents):
+                try:
+                    now = cell.cell_contents
+                except ValueError:
+                    now = cell
+                if now is not was:
+                    return f"a closure of the runner's {fn.__qualname__} was rebound"
+        for mapping, items, closed in kept:
+            for name, value in items.items():
+                if mapping.get(name, mapping) is not value:
+                    return f"the runner's {name} was rebound"
+            if closed and len(mapping) != len(items):
+                extra = [k for k in mapping if k not in items and k != "__warningregistry__"]
+                if extra:
+                    return f"{extra[0]} was added to the runner's names"
+        for each, items in lists:
+            if tuple(each) != items:
+                return "the runner's checks at each assert were changed"
+        return None
+
+    return check
+
+
 def main():
+    import builtins
     import os
     import sys
 
     request = read_request()
-    emit = evidence_channel(request)
-    t = trust(request)
     # Off where the repository under test is the test runner itself (pytest's own tests):
     # its code is the candidate's, and what it does to run tests (read test files, walk
     # frames) is what the hook forbids. The harness says so in the verdict.
     guard = request.get("guard", True)
+    channel = evidence_channel(request, guard)
+    emit = channel.emit
+    t = trust(request)
     if guard:
-        sys.addaudithook(audit_hook(t, emit))
+        hooked = audit_hook(t, channel)
+        sys.addaudithook(hooked.hook)
+    del channel
     import_the_runner(request)
     signal_guard(t, emit, guard)
     ids = identity(t, request)
@@ -1338,6 +1501,14 @@ def main():
     asserts = instrument_asserts(t, probe, guard)
     guard_of = namespace_guard(t, asserts, emit, guard)
     evidence = evidence_plugin(request, emit, ids, guard_of, watchers, guard)
+    if guard:
+        mine = main.__globals__
+        hooked.seal(runner_state(
+            [emit, t, ids, probe, asserts, guard_of, evidence, tuple(watchers)],
+            [(mine, mine, True), (mine["__builtins__"], mine["__builtins__"], True),
+             (vars(builtins), {n: vars(builtins)[n] for n in asserts.names}, False)],
+            [watchers]))
+        del hooked
     code = run_tests(request, evidence.plugin)
     evidence.check("end")
     emit("done", exit_code=code)
