@@ -548,7 +548,8 @@ SWE_ATTACKS["closure-rebinds-the-assert-helper"] = (
 # says anything of its own.
 SWE_ATTACKS["closures-to-the-evidence-channel"] = (
     REACH + "import os as _os\n_emit = next((f for f in _reach() if type(f).__name__ == "
-    "'function' and f.__qualname__.endswith('channel.<locals>.emit')), None)\nif _emit is not None:\n"
+    "'function' and f.__qualname__.endswith('channel.<locals>.emit')), None)\n"
+    "if _emit is not None:\n"
     "    _ts = ['tests/test_calc.py::test_mul', 'tests/test_calc.py::test_add']\n"
     "    _emit('collected', tests=_ts)\n    for _t in _ts:\n"
     "        for _w in ('setup', 'call', 'teardown'):\n"

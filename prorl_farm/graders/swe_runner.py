@@ -1414,8 +1414,8 @@ def runner_state(roots, namespaces, fixed):
     closures, lists, tuples and ``Built`` objects keeps its code, defaults and closure
     contents (a class of the runner's, its methods); each ``(mapping, items, closed)`` of
     ``namespaces`` (the runner's globals, its copy of the builtins, the asserts' helpers in
-    the builtins) keeps those items and, where ``closed``, gains no other name; each list of ``fixed`` (the
-    checks at each assert) its items. Returns ``check()``: what changed, or None. Handed to
+    the builtins) keeps those items and, where ``closed``, gains no other name; each list
+    of ``fixed`` (the checks at each assert) its items. Returns ``check()``: what changed, or None. Handed to
     the audit hook, which runs it before sending any record: a closure cell or a global of
     the runner that the tests rebind (they can reach the runner's functions: the asserts'
     helper is a builtin) is found at the next record."""
