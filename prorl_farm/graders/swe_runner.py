@@ -3,9 +3,11 @@ with this text, in the jail where it can make one, in a globals dict of its own 
 of the builtins: no module holds what this code looks names up in). The repository's code
 runs in this process (the tests import it), so nothing here decides the verdict: this
 process only sends evidence, test by test, to the harness over a pipe, each record prefixed
-with a key it read from its stdin before any repository code ran (raw ``os.read``, kept in
-a closure), and the harness decides (with pytest's own report of the run as a second
-witness).
+with a key it read from its stdin before any repository code ran (raw ``os.read``), which
+only the audit hook's sender holds: the runner's functions are reachable from the tests,
+its key and its judges are not (see ``evidence_channel``, ``audit_hook``,
+``instrument_asserts``). The harness decides (with pytest's own report of the run as a
+second witness).
 
 Before pytest or the repository is imported, an audit hook (PEP 578: it cannot be removed
 from Python code) watches the process. *Untrusted* code is code that is not the
@@ -124,6 +126,9 @@ def evidence_channel(request, guard):
             end(3)
 
     event = "prorl.evidence." + secrets.token_hex(8)
+    equality = "prorl.equality." + secrets.token_hex(8)  # an assert's ==: see audit_hook
+    assert_equal = "prorl.assert-equal." + secrets.token_hex(8)  # a test's assertEqual
+    rewritten = "prorl.rewritten." + secrets.token_hex(8)  # a test module pytest rewrote
 
     def emit(kind, **fields):
         audit(event, kind, fields)
@@ -134,7 +139,8 @@ def evidence_channel(request, guard):
         def emit(kind, **fields):  # noqa: F811 - no hook to answer the event
             send(kind, fields)
 
-    return Built(send=send, emit=emit, event=event, emit_code=emit.__code__)
+    return Built(send=send, emit=emit, event=event, emit_code=emit.__code__,
+                 equality=equality, assert_equal=assert_equal, rewritten=rewritten)
 
 
 class Built:
@@ -265,21 +271,28 @@ def trust(request):
                  ast_files={os.path.normpath(ast.__file__), os.path.realpath(ast.__file__)})
 
 
-def audit_hook(t, channel):
+def audit_hook(t, channel, watchers):
     """The audit hook (PEP 578: no Python code can remove it) that ends the process with a
     ``suspicious`` record when untrusted code reaches for frames, the heap, a trace, profile
     or audit function, code objects under names of its choosing, raw memory or a test file,
     or when code compiled under a trusted name or bytecode the run wrote is loaded; and the
     one sender of the evidence (see ``evidence_channel``). Returns the hook and ``seal``,
     which hands it, once, the runner's functions as built (``runner_state``): each record
-    is sent only while they are as they were."""
+    is sent only while they are as they were. And the judge of every ``==`` of an assert
+    (``instrument_asserts``): the rewritten assert raises ``equality`` through a reference
+    to ``sys.audit`` in its own code's constants, which nothing can rebind, and this hook
+    answers with an equality probe of its own, after checking the runner as built (a
+    closure or a test module's name rebound for the moment of an assert is found at it)."""
     import _thread
+    import gc
     import os
     import sys
     import threading
 
     stamp, original, bytecode, repo = t.stamp, t.original, t.bytecode, t.repo
     path_of, file_of, is_stdlib, untrusted = t.path_of, t.file_of, t.is_stdlib, t.untrusted
+    import types
+    types_file = path_of(types.coroutine.__code__)
     first_origin, is_test_file, site, ast_files = t.first_origin, t.is_test_file, t.site, \
         t.ast_files
     frame_attrs = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_code", "gi_code",
@@ -291,7 +304,24 @@ def audit_hook(t, channel):
                "os.link", "os.rename", "os.symlink", "marshal.loads", "sys.addaudithook"}
     local = threading.local()
     getframe = sys._getframe
-    send, evidence, emit_code = channel.send, channel.event, channel.emit_code
+    collecting, stop_collecting, collect_again = gc.isenabled, gc.disable, gc.enable
+
+    class busy:
+        """This hook at work: the events its own reading raises are not looked at again,
+        and no garbage is collected meanwhile (a collection runs ``__del__`` methods, weakref
+        and ``gc.callbacks`` functions, anyone's code, which would act unwatched)."""
+
+        def __enter__(self):
+            local.busy, self.collected = True, collecting()
+            stop_collecting()
+
+        def __exit__(self, *exc):
+            local.busy = False
+            if self.collected:
+                collect_again()
+    send, evidence, emit_code, equality, assert_equal, rewrite_done = channel.send, \
+        channel.event, channel.emit_code, channel.equality, channel.assert_equal, \
+        channel.rewritten
     runner_name, main_thread, get_ident = t.runner_name, _thread.get_ident(), _thread.get_ident
     # This hook's own copies of whose code is whose (no function the tests can reach):
     # the repository's original files by both spellings, the interpreter's and the
@@ -299,6 +329,41 @@ def audit_hook(t, channel):
     own_files = frozenset(original)
     places = tuple(t.stdlib) + tuple(t.site)
     sealed = []
+    # The probe that judges the asserts' ==: this hook's own (no object the tests can reach
+    # holds it), its lies sent by this hook's sender; ``watchers``: the check of the
+    # running test's module at each assert.
+    judge = equality_probe(lambda kind, **fields: send(kind, fields), watchers).asserted
+
+    def held(event):
+        """The runner as built, or a ``suspicious`` record and the end of the run."""
+        with busy():
+            why = sealed[0].check() if sealed else None
+        if why is not None:
+            send("suspicious", {"event": event, "detail": why[:200]})
+
+    def equality_asked(args):
+        """An assert's ``left == right``: ``args`` are left, right, the masks of where the
+        test wrote ``ANY`` (left, right) and a fresh list, which gets the answer."""
+        if len(args) != 5 or type(args[4]) is not list or args[4]:
+            return
+        held("assert")
+        args[4].append(judge(args[0], args[1], (args[2], args[3])))
+
+    def assert_equal_asked(args):
+        """A test's ``x.assertEqual(first, second, *rest, **named)``: ``args`` are the bound
+        method, first, second, whether the test wrote each itself (``ANY``), rest and named.
+        unittest's, judged here; anything else called as it was."""
+        if len(args) != 7 or type(args[5]) is not tuple or type(args[6]) is not dict:
+            return
+        bound, first, second, own_first, own_second, rest, named = args
+        held("assertEqual")
+        if sealed and getattr(bound, "__func__", None) is sealed[0].assert_equal:
+            case, msg = bound.__self__, rest[0] if rest else named.get("msg")
+            if judge(first, second, (own_first, own_second)):
+                return
+            sealed[0].unittests_equal(case, first, second, msg)  # its message
+            raise case.failureException(msg or f"{first!r:.200} != {second!r:.200}")
+        bound(first, second, *rest, **named)
 
     def seal(state):
         if not sealed:
@@ -329,26 +394,25 @@ def audit_hook(t, channel):
         where = untrusted_on_stack(outer)
         if where is not None:
             return f"a record with {where} on the stack"
-        return sealed[0]() if sealed else None
+        return sealed[0].check() if sealed else None
 
     def evidence_record(args):
         """The runner's ``emit``: the record, sent if it came from the runner as built;
         otherwise the run is ``suspicious``."""
-        local.busy = True
-        try:
+        with busy():
             why = from_the_runner(getframe(2))
-        finally:
-            local.busy = False
         kind, fields = (args + (None, None))[:2]
         if why is not None:
             send("suspicious", {"event": "evidence", "detail": why[:200]})
         if type(kind) is str and type(fields) is dict:
             send(kind, fields)
 
-    def forged_name(caller, filename):
+    def forged_name(caller, filename, source):
         """A compile under the name of trusted code (so that its frames would pass for
         trusted), asked for by anything but the import system or the environment's packages
-        (pytest's assertion rewriting): the name it claims, or None."""
+        (pytest's assertion rewriting), or by the import system from another text than the
+        file's own (``SourceFileLoader.source_to_code`` takes any): the name it claims, or
+        None."""
         if not isinstance(filename, str):
             return None
         path = filename if filename.startswith("<") else \
@@ -360,19 +424,40 @@ def audit_hook(t, channel):
         made_by = file_of(caller)
         # The import system, the environment's packages (pytest's assertion rewriting), and
         # ast.parse (a tree, not code) compile trusted files; nothing else does.
+        if made_by.startswith("<frozen importlib") and isinstance(source, bytes) and \
+                not path.startswith("<") and source != file_bytes(path):
+            return f"{path} (from another text, by the import system)"
         if made_by.startswith("<frozen importlib") or made_by in ast_files or (
                 made_by.startswith(site) and not untrusted(made_by)):
             return None
         return f"{path} (by {made_by})"
 
-    def cached_code_in_repo(caller):
+    def file_bytes(path):
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def cached_code_in_repo(caller, data):
         """A marshal.loads by the import system of bytecode from the repository that was
-        not there, as it is, when the run started: the run wrote it."""
+        not there, as it is, when the run started (the run wrote it); of bytes that are not
+        the named cache file's (``_compile_bytecode`` takes any, and names the code after
+        any ``source_path``); or of a cache file that is not ``source_path``'s."""
         if not file_of(caller).startswith("<frozen importlib"):
             return None
-        path = caller.f_locals.get("bytecode_path")
+        names = caller.f_locals
+        path, source = names.get("bytecode_path"), names.get("source_path")
         if not isinstance(path, str):
-            return None
+            return "bytecode of no file, by the import system"
+        on_disk = file_bytes(path)
+        if on_disk is None or on_disk[16:] != bytes(data):
+            return f"bytecode that is not {path}'s, by the import system"
+        if isinstance(source, str) and (
+                os.path.dirname(path) != os.path.join(os.path.dirname(source), "__pycache__")
+                or not os.path.basename(path).startswith(
+                    os.path.splitext(os.path.basename(source))[0] + ".")):
+            return f"bytecode {path} under the name {source}"
         path = os.path.realpath(path)
         if not path.startswith(repo + os.sep):
             return None
@@ -403,10 +488,50 @@ def audit_hook(t, channel):
         if untrusted(path):
             return path
         code = frame.f_code
+        if not path.startswith("<") and not made_from(path, code):
+            return f"{path} (code that is not the file's)"
         if is_stdlib(path) and (tail(path), code.co_name) in hands_frames \
                 and frame.f_back is not None and untrusted(file_of(frame.f_back)):
             return file_of(frame.f_back)
         return None
+
+    # Code by provenance: a frame's code object claims a trusted file by its name alone,
+    # which other routes than a compile can give (``_imp._fix_co_filename`` renames code in
+    # place, and a fresh ``_imp`` module from ``_imp.create_builtin`` has it unguarded). A
+    # frame that acts under a trusted file's name must run code that file's text compiles
+    # to (compared as code objects: name, bytecode, constants, lines...), or that pytest's
+    # rewriting of it made (told to this hook by the runner's own rewriting step).
+    made, code_type = {}, type(tail.__code__)
+
+    def codes(co):
+        found, todo = set(), [co]
+        while todo:
+            each = todo.pop()
+            found.add(each)
+            todo.extend(c for c in each.co_consts if type(c) is code_type)
+        return found
+
+    def made_from(path, code):
+        known = made.get(path)
+        if known is None:
+            text, known = file_bytes(path), set()
+            if text is not None:
+                try:
+                    known = codes(compile(text, path, "exec", dont_inherit=True))
+                except (SyntaxError, ValueError):
+                    pass
+            made[path] = known
+        return code in known
+
+    def rewritten(args):
+        """The runner's rewriting step has compiled a test module (``args``: its path and
+        its code): what the file's frames may run, besides its plain compile."""
+        if len(args) == 2 and isinstance(args[0], str) and type(args[1]) is code_type:
+            with busy():  # its own compile of the file, unwatched
+                caller = getframe(2)
+                if caller is not None and caller.f_code.co_filename == runner_name:
+                    made_from(args[0], args[1])
+                    made[args[0]] = made[args[0]] | codes(args[1])
 
     frame_events = {"sys._getframe", "sys._current_frames", "object.__getattr__"}
     silent = {"compile", "exec", "marshal.loads"}  # their arguments are code: not quoted
@@ -414,6 +539,15 @@ def audit_hook(t, channel):
     def hook(event, args):
         if event == evidence:
             evidence_record(args)
+            return
+        if event == equality:
+            equality_asked(args)
+            return
+        if event == assert_equal:
+            assert_equal_asked(args)
+            return
+        if event == rewrite_done:
+            rewritten(args)
             return
         if event not in watched:
             return
@@ -433,8 +567,7 @@ def audit_hook(t, channel):
                 return
         if getattr(local, "busy", False):
             return
-        local.busy = True
-        try:
+        with busy():
             caller = getframe(1)
             if caller is None:
                 where = None
@@ -443,7 +576,7 @@ def audit_hook(t, channel):
             elif event == "compile":
                 # Code compiled from a string is its maker's: untrusted under its own name
                 # (``<string>``), whoever compiles it; only a trusted name is forged.
-                forged = forged_name(caller, args[1]) if len(args) > 1 else None
+                forged = forged_name(caller, args[1], args[0]) if len(args) > 1 else None
                 where = f"code compiled as {forged}" if forged else None
             elif event == "exec":
                 # A code object keeps the name it was compiled under: untrusted code may run
@@ -453,17 +586,20 @@ def audit_hook(t, channel):
                 if hasattr(code, "co_filename") and not untrusted(path_of(code)) and \
                         untrusted(file_of(caller)):  # direct: the import system runs them
                     where = file_of(caller)
+            elif event in ("code.__new__", "object.__setattr__") and \
+                    file_of(caller) == types_file and caller.f_code.co_name == "coroutine":
+                # types.coroutine flags a generator function's own code as a coroutine's (on
+                # asyncio's first import, say): it renames nothing, whoever imported it.
+                where = None
             elif event == "marshal.loads":  # code objects under any name they like
                 where = file_of(caller) if untrusted(file_of(caller)) else \
-                    cached_code_in_repo(caller)
+                    cached_code_in_repo(caller, args[0] if args else b"")
             else:
                 where = first_origin(caller)
             if where is not None:
                 send("suspicious", {"event": event, "detail": str(args[1] if event.startswith(
                     "object.") else "" if event in silent else args[0] if args
                     else "")[:200], "where": where})
-        finally:
-            local.busy = False
 
     return Built(hook=hook, seal=seal)
 
@@ -503,7 +639,9 @@ def import_the_runner(request):
 
 def signal_guard(t, emit, guard):
     """A signal handler is handed the frame the signal interrupts: no handler from untrusted
-    code (signal.signal calls _signal.signal, which is replaced here; both are kept)."""
+    code (signal.signal calls _signal.signal, which is replaced here; both are kept). And
+    no code renamed in place but by the import system (``_imp._fix_co_filename``)."""
+    import _imp
     import _signal
     import signal  # noqa: F401 - guarded with _signal
     import sys
@@ -518,6 +656,19 @@ def signal_guard(t, emit, guard):
         return real_signal(signalnum, handler)
 
     _signal.signal = guarded_signal
+    # _imp._fix_co_filename renames a code object in place (no audit event): the import
+    # system's, for what it has just loaded from a file's own cache; anyone else's call is
+    # code under a name of its choosing.
+    real_rename, file_of = _imp._fix_co_filename, t.file_of
+
+    def guarded_rename(code, path):
+        if guard and not file_of(getframe(1)).startswith("<frozen importlib"):
+            emit("suspicious", event="_imp._fix_co_filename", detail=str(path)[:200],
+                 where=file_of(getframe(1)))
+        return real_rename(code, path)
+
+    _imp._fix_co_filename = guarded_rename
+    return Built(guarded_signal=guarded_signal, guarded_rename=guarded_rename)
 
 
 def identity(t, request):
@@ -928,25 +1079,43 @@ def owned_sides(fn_node, ast):
     return mask
 
 
-def instrument_asserts(t, probe, guard):
-    """pytest's assertion rewriting and unittest's assertEqual, made to ask ``probe``:
-    each ``==`` of an assert (its test, or a part of its and/or/not) becomes a call of the
-    probe through a builtin under a name made for this run; each ``x.assertEqual(a, b)``
-    of a test module, a call that tells the probe which side the test wrote itself. Returns
-    the names and the helpers (the guard checks that no module shadows them)."""
+def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
+    """pytest's assertion rewriting and unittest's assertEqual, made to ask a probe: each
+    ``==`` of an assert (its test, or a part of its and/or/not), ``a == b``, becomes
+    ``audit(equality, a, b, own_a, own_b, box := []) or box[0]``, where ``audit`` is
+    ``sys.audit`` itself, placed in the compiled code's constants (a code object's
+    constants cannot be changed, and a function's code replaced is the hook's to see): the
+    audit hook, which nothing can reach, judges it with a probe of its own and puts the
+    answer in the fresh ``box``. Each ``x.assertEqual(a, b)`` of a test module becomes
+    ``audit(assert_equal, x.assertEqual, a, b, own_a, own_b, rest, named)``, which the
+    hook judges alike where it is unittest's (``probe``, reachable, serves an assertEqual
+    called otherwise, and the runner's check covers it). pytest's cached rewritten bytecode
+    is never read (it holds none of this). Returns what it installed, the names of helpers
+    (none now: the guard checks that no test module shadows one) and unittest's own
+    assertEqual."""
     import ast
-    import builtins
     import sys
     import unittest
 
     import _pytest.assertion.rewrite as rewrite
 
     suffix = t.runner_name.strip("<>").rsplit("-", 1)[-1]
-    eq_name, ae_name = "_prorl_eq_" + suffix, "_prorl_ae_" + suffix
-    asserted, checked_eq, first_origin, getframe = probe.asserted, probe.checked_eq, \
-        t.first_origin, sys._getframe
+    box, marker = "_prorl_box_" + suffix, "<prorl-audit-" + suffix + ">"
+    asserted, audit = probe.asserted, sys.audit
     if not guard:
         return Built(names=(), rewrite_module=rewrite)
+
+    def located(made, where):
+        """``made``, each node of it without a place at ``where``'s (the operands keep
+        theirs)."""
+        for node in ast.walk(made):
+            if "lineno" in node._attributes and getattr(node, "lineno", None) is None:
+                ast.copy_location(node, where)
+        return made
+
+    def index(n):
+        number = ast.Constant(n)
+        return ast.Index(value=number) if sys.version_info < (3, 9) else number
 
     def placed(node, where):
         """``node`` at ``where``'s place in the source (no tree-wide pass needed after)."""
@@ -956,10 +1125,17 @@ def instrument_asserts(t, probe, guard):
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and \
                 isinstance(test.ops[0], ast.Eq):
             left, right = test.left, test.comparators[0]
-            return placed(ast.Call(
-                func=placed(ast.Name(id=eq_name, ctx=ast.Load()), test),
-                args=[left, right, placed(ast.Constant(owned(left)), test),
-                      placed(ast.Constant(owned(right)), test)], keywords=[]), test)
+            load, store = ast.Load(), ast.Store()
+            call = ast.Call(
+                func=ast.Subscript(value=ast.List(elts=[ast.Constant(marker)], ctx=load),
+                                   slice=index(0), ctx=load),
+                args=[ast.Constant(equality), left, right, ast.Constant(owned(left)),
+                      ast.Constant(owned(right)),
+                      ast.NamedExpr(target=ast.Name(id=box, ctx=store),
+                                    value=ast.List(elts=[], ctx=load))], keywords=[])
+            answer = ast.Subscript(value=ast.Name(id=box, ctx=load), slice=index(0),
+                                   ctx=load)
+            return located(ast.BoolOp(op=ast.Or(), values=[call, answer]), test)
         if isinstance(test, ast.BoolOp):
             test.values = [instrument(v, owned) for v in test.values]
         elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
@@ -967,14 +1143,23 @@ def instrument_asserts(t, probe, guard):
         return test
 
     def asserts_equal(call, owned):
-        """``x.assertEqual(a, b, ...)`` made, in place, ``ae(x.assertEqual, a, b, owned(a),
-        owned(b), ...)`` (the same order of evaluation)."""
+        """``x.assertEqual(a, b, *rest, **named)`` made, in place, ``audit(assert_equal,
+        x.assertEqual, a, b, owned(a), owned(b), (*rest,), {**named})`` (the same order of
+        evaluation)."""
         if len(call.args) < 2 or any(isinstance(a, ast.Starred) for a in call.args[:2]):
             return
         first, second, *rest = call.args
-        call.args = [call.func, first, second, placed(ast.Constant(owned(first)), call),
-                     placed(ast.Constant(owned(second)), call), *rest]
-        call.func = placed(ast.Name(id=ae_name, ctx=ast.Load()), call.func)
+        load = ast.Load()
+        named = ast.Dict(keys=[None if k.arg is None else ast.Constant(k.arg)
+                               for k in call.keywords],
+                         values=[k.value for k in call.keywords])
+        call.args = [ast.Constant(assert_equal), call.func, first, second,
+                     ast.Constant(owned(first)), ast.Constant(owned(second)),
+                     ast.Tuple(elts=rest, ctx=load), named]
+        call.keywords = []
+        call.func = ast.Subscript(value=ast.List(elts=[ast.Constant(marker)], ctx=load),
+                                  slice=index(0), ctx=load)
+        located(call, call)
 
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     blocks = ("body", "orelse", "finalbody", "handlers", "cases")
@@ -1024,6 +1209,33 @@ def instrument_asserts(t, probe, guard):
         return pytests_run(self, mod)
 
     rewrite.AssertionRewriter.run = run
+    code_type, pytests_rewrite_test = type(index.__code__), rewrite._rewrite_test
+
+    def with_audit(co):
+        """``co`` with ``marker`` in its constants (its own and its functions') made
+        ``sys.audit``."""
+        consts, changed = [], False
+        for c in co.co_consts:
+            if type(c) is str and c == marker:
+                c, changed = audit, True
+            elif type(c) is code_type:
+                inner = with_audit(c)
+                c, changed = inner, changed or inner is not c
+            consts.append(c)
+        return co.replace(co_consts=tuple(consts)) if changed else co
+
+    def _rewrite_test(*args, **kwargs):
+        made = pytests_rewrite_test(*args, **kwargs)
+        if type(made) is tuple and len(made) == 2 and type(made[1]) is code_type:
+            made = (made[0], with_audit(made[1]))
+            audit(rewritten, made[1].co_filename, made[1])  # its frames' code, for the hook
+        return made
+
+    def _read_pyc(*args, **kwargs):
+        return None  # rewritten here, every time, with the constant above
+
+    rewrite._rewrite_test = _rewrite_test
+    rewrite._read_pyc = _read_pyc
     unittests_equal = unittest.TestCase.assertEqual
 
     def compared(self, first, second, msg, owned):
@@ -1035,19 +1247,9 @@ def instrument_asserts(t, probe, guard):
     def assertEqual(self, first, second, msg=None):
         compared(self, first, second, msg, (False, False))
 
-    def asked_equal(bound, first, second, own_first, own_second, *rest, **named):
-        """A test's ``x.assertEqual(first, second, ...)``: this runner's, with what the
-        test wrote itself said; anything else called as it was."""
-        if getattr(bound, "__func__", None) is assertEqual and not first_origin(getframe(1)):
-            msg = rest[0] if rest else named.get("msg")
-            return compared(bound.__self__, first, second, msg,
-                            (own_first, own_second))
-        return bound(first, second, *rest, **named)
-
     unittest.TestCase.assertEqual = assertEqual
-    setattr(builtins, eq_name, checked_eq)
-    setattr(builtins, ae_name, asked_equal)
-    return Built(names=(eq_name, ae_name), rewrite_module=rewrite)
+    return Built(names=(), rewrite_module=rewrite, assert_equal=assertEqual,
+                 unittests_equal=unittests_equal, installed=(run, _rewrite_test, _read_pyc))
 
 
 def namespace_guard(t, asserts, emit, guard):
@@ -1415,10 +1617,10 @@ def runner_state(roots, namespaces, fixed):
     contents (a class of the runner's, its methods); each ``(mapping, items, closed)`` of
     ``namespaces`` (the runner's globals, its copy of the builtins, the asserts' helpers in
     the builtins) keeps those items and, where ``closed``, gains no other name; each list
-    of ``fixed`` (the checks at each assert) its items. Returns ``check()``: what changed, or None. Handed to
-    the audit hook, which runs it before sending any record: a closure cell or a global of
-    the runner that the tests rebind (they can reach the runner's functions: the asserts'
-    helper is a builtin) is found at the next record."""
+    of ``fixed`` (the checks at each assert) its items. Returns ``check()``: what changed,
+    or None. Handed to the audit hook, which runs it before sending any record and at each
+    assert's ==: a closure cell or a global of the runner that the tests rebind (they can
+    reach the runner's functions: a helper of the asserts is a builtin) is found there."""
     function, mine = type(runner_state), runner_state.__module__
     functions, seen, todo = [], set(), list(roots)
     while todo:
@@ -1477,7 +1679,6 @@ def runner_state(roots, namespaces, fixed):
 
 
 def main():
-    import builtins
     import os
     import sys
 
@@ -1487,28 +1688,31 @@ def main():
     # frames) is what the hook forbids. The harness says so in the verdict.
     guard = request.get("guard", True)
     channel = evidence_channel(request, guard)
-    emit = channel.emit
+    emit, equality, assert_equal, rewritten = channel.emit, channel.equality, \
+        channel.assert_equal, channel.rewritten
     t = trust(request)
+    watchers = []
     if guard:
-        hooked = audit_hook(t, channel)
+        hooked = audit_hook(t, channel, watchers)
         sys.addaudithook(hooked.hook)
     del channel
     import_the_runner(request)
-    signal_guard(t, emit, guard)
+    signals = signal_guard(t, emit, guard)
     ids = identity(t, request)
-    watchers = []
     probe = equality_probe(emit, watchers)
-    asserts = instrument_asserts(t, probe, guard)
+    asserts = instrument_asserts(t, probe, guard, equality, assert_equal, rewritten)
     guard_of = namespace_guard(t, asserts, emit, guard)
     evidence = evidence_plugin(request, emit, ids, guard_of, watchers, guard)
     if guard:
         mine = main.__globals__
-        hooked.seal(runner_state(
-            [emit, t, ids, probe, asserts, guard_of, evidence, tuple(watchers)],
-            [(mine, mine, True), (mine["__builtins__"], mine["__builtins__"], True),
-             (vars(builtins), {n: vars(builtins)[n] for n in asserts.names}, False)],
-            [watchers]))
-        del hooked
+        check = runner_state(
+            [emit, t, signals, ids, probe, asserts, guard_of, evidence, tuple(watchers),
+             tuple(mine.values())],
+            [(mine, mine, True), (mine["__builtins__"], mine["__builtins__"], True)],
+            [watchers])
+        hooked.seal(Built(check=check, assert_equal=asserts.assert_equal,
+                          unittests_equal=asserts.unittests_equal))
+        del hooked, check
     code = run_tests(request, evidence.plugin)
     evidence.check("end")
     emit("done", exit_code=code)
