@@ -143,6 +143,36 @@ def evidence_channel(request, guard):
                  equality=equality, assert_equal=assert_equal, rewritten=rewritten)
 
 
+def untrusted_by(original, stdlib, site, runner_name):
+    """``untrusted(path)``: code that is not the interpreter's, the environment's, the
+    repository's own (a path of ``original``) or this runner's: changed files, files the run
+    made, code compiled from strings. Built by ``trust`` and, a copy no other code holds, by
+    the audit hook."""
+
+    def untrusted(path):
+        if path in original or path.startswith(stdlib) or path.startswith(site) or \
+                path == runner_name:
+            return False
+        return not path.startswith("<frozen ")
+
+    return untrusted
+
+
+def unittest_comparison(asserted, unittests_equal):
+    """``compared(case, first, second, msg, owned)``: unittest's assertEqual, its equality
+    asked of ``asserted`` (``owned``: where the test wrote ``ANY`` itself), its failure
+    message unittest's own. Built by ``instrument_asserts`` and, a copy no other code holds,
+    by the audit hook."""
+
+    def compared(case, first, second, msg, owned):
+        if asserted(first, second, owned):
+            return
+        unittests_equal(case, first, second, msg)  # its message
+        raise case.failureException(msg or f"{first!r:.200} != {second!r:.200}")
+
+    return compared
+
+
 class Built:
     """What a builder returns: named closures (read into the next builder's locals when it
     is built, never looked up while tests run)."""
@@ -233,13 +263,7 @@ def trust(request):
 
     runner_name = request.get("runner", "")
 
-    def untrusted(path):
-        """Code that is not the interpreter's, the environment's, the repository's own or
-        this runner's: changed files, files the run made, code compiled from strings."""
-        if path in original or path.startswith(stdlib) or path.startswith(site) or \
-                path == runner_name:
-            return False
-        return not path.startswith("<frozen ")
+    untrusted = untrusted_by(original, stdlib, site, runner_name)
 
     def first_origin(frame):
         """The first caller outside the standard library, if it is untrusted (ctypes,
@@ -288,10 +312,10 @@ def audit_hook(t, channel, watchers):
     import os
     import sys
     import threading
+    import types
 
     stamp, original, bytecode, repo = t.stamp, t.original, t.bytecode, t.repo
     path_of, file_of, is_stdlib, untrusted = t.path_of, t.file_of, t.is_stdlib, t.untrusted
-    import types
     types_file = path_of(types.coroutine.__code__)
     first_origin, is_test_file, site, ast_files = t.first_origin, t.is_test_file, t.site, \
         t.ast_files
@@ -319,16 +343,14 @@ def audit_hook(t, channel, watchers):
             local.busy = False
             if self.collected:
                 collect_again()
+
     send, evidence, emit_code, equality, assert_equal, rewrite_done = channel.send, \
         channel.event, channel.emit_code, channel.equality, channel.assert_equal, \
         channel.rewritten
     runner_name, main_thread, get_ident = t.runner_name, _thread.get_ident(), _thread.get_ident
-    # This hook's own copies of whose code is whose (no function the tests can reach):
-    # the repository's original files by both spellings, the interpreter's and the
-    # environment's places.
-    own_files = frozenset(original)
-    places = tuple(t.stdlib) + tuple(t.site)
-    sealed = []
+    # This hook's own copy of whose code is whose (no function the tests can reach).
+    own_untrusted = untrusted_by(frozenset(original), t.stdlib, t.site, runner_name)
+    sealed, compared = [], []
     # The probe that judges the asserts' ==: this hook's own (no object the tests can reach
     # holds it), its lies sent by this hook's sender; ``watchers``: the check of the
     # running test's module at each assert.
@@ -358,16 +380,15 @@ def audit_hook(t, channel, watchers):
         bound, first, second, own_first, own_second, rest, named = args
         held("assertEqual")
         if sealed and getattr(bound, "__func__", None) is sealed[0].assert_equal:
-            case, msg = bound.__self__, rest[0] if rest else named.get("msg")
-            if judge(first, second, (own_first, own_second)):
-                return
-            sealed[0].unittests_equal(case, first, second, msg)  # its message
-            raise case.failureException(msg or f"{first!r:.200} != {second!r:.200}")
+            compared[0](bound.__self__, first, second, rest[0] if rest else named.get("msg"),
+                        (own_first, own_second))
+            return
         bound(first, second, *rest, **named)
 
     def seal(state):
         if not sealed:
             sealed.append(state)
+            compared.append(unittest_comparison(judge, state.unittests_equal))
 
     def untrusted_on_stack(frame):
         """The first frame from ``frame`` down to the bottom of the main thread's stack (the
@@ -375,8 +396,7 @@ def audit_hook(t, channel, watchers):
         copies: its file, or None."""
         while frame is not None and frame.f_back is not None:
             name = frame.f_code.co_filename
-            if not (name == runner_name or name in own_files or name.startswith(places)
-                    or name.startswith("<frozen ")):
+            if own_untrusted(name):
                 return name
             frame = frame.f_back
         return None
@@ -511,7 +531,8 @@ def audit_hook(t, channel, watchers):
             todo.extend(c for c in each.co_consts if type(c) is code_type)
         return found
 
-    def made_from(path, code):
+    def compiled_from(path):
+        """The code objects ``path``'s text compiles to (once), with what was added."""
         known = made.get(path)
         if known is None:
             text, known = file_bytes(path), set()
@@ -521,7 +542,10 @@ def audit_hook(t, channel, watchers):
                 except (SyntaxError, ValueError):
                     pass
             made[path] = known
-        return code in known
+        return known
+
+    def made_from(path, code):
+        return code in compiled_from(path)
 
     def rewritten(args):
         """The runner's rewriting step has compiled a test module (``args``: its path and
@@ -530,8 +554,7 @@ def audit_hook(t, channel, watchers):
             with busy():  # its own compile of the file, unwatched
                 caller = getframe(2)
                 if caller is not None and caller.f_code.co_filename == runner_name:
-                    made_from(args[0], args[1])
-                    made[args[0]] = made[args[0]] | codes(args[1])
+                    made[args[0]] = compiled_from(args[0]) | codes(args[1])
 
     frame_events = {"sys._getframe", "sys._current_frames", "object.__getattr__"}
     silent = {"compile", "exec", "marshal.loads"}  # their arguments are code: not quoted
@@ -941,10 +964,7 @@ def equality_probe(emit, watchers):
             watch()
         return equal(left, right, [10000], masks)
 
-    def checked_eq(left, right, own_left=False, own_right=False):
-        return asserted(left, right, (own_left, own_right))
-
-    return Built(asserted=asserted, checked_eq=checked_eq)
+    return Built(asserted=asserted)
 
 
 def parameters(fn_node, ast):
@@ -1090,8 +1110,7 @@ def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
     ``audit(assert_equal, x.assertEqual, a, b, own_a, own_b, rest, named)``, which the
     hook judges alike where it is unittest's (``probe``, reachable, serves an assertEqual
     called otherwise, and the runner's check covers it). pytest's cached rewritten bytecode
-    is never read (it holds none of this). Returns what it installed, the names of helpers
-    (none now: the guard checks that no test module shadows one) and unittest's own
+    is never read (it holds none of this). Returns what it installed and unittest's own
     assertEqual."""
     import ast
     import sys
@@ -1103,7 +1122,7 @@ def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
     box, marker = "_prorl_box_" + suffix, "<prorl-audit-" + suffix + ">"
     asserted, audit = probe.asserted, sys.audit
     if not guard:
-        return Built(names=(), rewrite_module=rewrite)
+        return Built(rewrite_module=rewrite)
 
     def located(made, where):
         """``made``, each node of it without a place at ``where``'s (the operands keep
@@ -1238,17 +1257,13 @@ def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
     rewrite._read_pyc = _read_pyc
     unittests_equal = unittest.TestCase.assertEqual
 
-    def compared(self, first, second, msg, owned):
-        if asserted(first, second, owned):
-            return
-        unittests_equal(self, first, second, msg)  # its message
-        raise self.failureException(msg or f"{first!r:.200} != {second!r:.200}")
+    compared = unittest_comparison(asserted, unittests_equal)
 
     def assertEqual(self, first, second, msg=None):
         compared(self, first, second, msg, (False, False))
 
     unittest.TestCase.assertEqual = assertEqual
-    return Built(names=(), rewrite_module=rewrite, assert_equal=assertEqual,
+    return Built(rewrite_module=rewrite, assert_equal=assertEqual,
                  unittests_equal=unittests_equal, installed=(run, _rewrite_test, _read_pyc))
 
 
@@ -1272,7 +1287,7 @@ def namespace_guard(t, asserts, emit, guard):
 
     first_origin, getframe, repo, untrusted, path_of = t.first_origin, sys._getframe, \
         t.repo, t.untrusted, t.path_of
-    names, rewrite_module = asserts.names, asserts.rewrite_module
+    rewrite_module = asserts.rewrite_module
     test_files = {os.path.realpath(os.path.join(repo, p)) for p in t.test_file_names}
     guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest", "signal", "_signal")
     if not os.path.exists(os.path.join(repo, "numpy")):  # not when testing numpy itself
@@ -1412,8 +1427,7 @@ def namespace_guard(t, asserts, emit, guard):
 
     def test_module_changed(module, only=every):
         """How a frozen test module, or one of its classes (``only``: that class alone, or
-        None for none), differs from what was kept (or a helper of its asserts shadowed), or
-        None."""
+        None for none), differs from what was kept, or None."""
         entry = frozen.get(id(module))
         if entry is None:
             return None
@@ -1421,9 +1435,6 @@ def namespace_guard(t, asserts, emit, guard):
         if type(module) is not Frozen:
             return f"{module.__name__}: its class replaced"
         current = vars(module)
-        for name in names:
-            if name in current:
-                return f"{module.__name__}.{name}: the assert helper shadowed"
         if current.get("@py_builtins", builtins) is not builtins or current.get(
                 "@pytest_ar", rewrite_module) is not rewrite_module:
             return f"{module.__name__}: its assertion helpers replaced"
