@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from prorl_farm.dev.answer_corpus import cases
+from prorl_farm.dev.answer_corpus import FINAL_LINES, cases
 from prorl_farm.graders.answers import answer, close_helpers, grade, normal_answer
 
 
@@ -46,6 +46,49 @@ def test_the_false_zeros_that_were_reported_earn_one_through_the_helper(kind, re
     finally:
         close_helpers()  # the helpers this process kept for the next answer
     assert (reward, why) == (1.0, "correct")
+
+
+# The right answers that earned 0 and the wrong or hedged ones that earned 1.0 when they
+# were reported, each with its reference.
+REPORTED_RIGHT = [
+    ("5", "\\textbf{(C) } 5"), ("C", "\\textbf{(C) } 5"), ("5", "(C)\\ 5"), ("C", "(C)\\ 5"),
+    ("5", "\\text{C) } 5"), ("C", "\\text{C) } 5"), ("[1,2)", "1 \\le x < 2"), ("1000", "1 000"),
+    ("\\frac{1}{3}", "0.\\overline{3}"), ("\\frac{1}{3}", "0.\\bar{3}"), ("\\frac{1}{3}", "0.(3)"),
+    ("3", "\\text{3 apples}"), ("6", "\\text{six}"), ("11", "1011_2"),
+    ("90^\\circ", "\\frac{\\pi}{2}")]
+REPORTED_WRONG = [
+    ("2", "\\boxed{2} or 3"), ("2", "\\boxed{2 \\approx 3}"), ("2", "\\boxed{3 = 2}"),
+    ("2", "\\boxed{3 \\mapsto 2}"), ("2", "\\boxed{2\\%}"), ("2", "\\boxed{200\\%}")]
+
+
+def test_the_reported_dresses_earn_one_and_the_reported_hedges_nothing_through_the_helper():
+    verdicts = []
+    try:
+        for reference, boxed in REPORTED_RIGHT:
+            verdicts.append((reference, boxed, True, grade({
+                "kind": "math", "text": f"So \\boxed{{{boxed}}}", "reference": reference,
+                "max_chars": 200})))
+        for reference, text in REPORTED_WRONG:
+            verdicts.append((reference, text, False, grade({
+                "kind": "math", "text": text, "reference": reference, "max_chars": 200})))
+    finally:
+        close_helpers()
+    wrong = [v for v in verdicts if (v[3][0] == 1.0) != v[2]]
+    assert not wrong, wrong
+    assert {v[3][1] for v in verdicts if not v[2]} == {
+        "another value offered after the answer", "a relation between different values",
+        "a percent where the reference is a number"}
+
+
+def test_a_task_may_accept_the_unboxed_final_answers_of_common_conventions():
+    for reference, text, right in FINAL_LINES:
+        final = answer({"kind": "math", "text": text, "reference": reference,
+                        "max_chars": 200, "answer_format": "final"})
+        assert (final[0] == 1.0) == right, (reference, text, final)
+        boxed = answer({"kind": "math", "text": text, "reference": reference,
+                        "max_chars": 200})
+        if "\\boxed" not in text:  # boxed stays the default: an unboxed line is no answer
+            assert boxed == (0.0, "no \\boxed{} answer"), (text, boxed)
 
 
 def test_separators_leave_lists_and_tuples_alone():

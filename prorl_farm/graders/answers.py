@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from prorl_farm.graders import answer_forms as forms
 from prorl_farm.sandbox import cgroups
 from prorl_farm.sandbox.process import kill_group
 
@@ -56,8 +57,15 @@ MAX_IDLE_HELPERS = 4
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` whose first brace is balanced, or None.
-    Linear in the text: each brace is matched once, each span searched once."""
+    """The content of the last ``\\boxed{...}`` whose first brace is balanced, or None."""
+    found = last_boxed_span(text)
+    return found[0] if found else None
+
+
+def last_boxed_span(text: str) -> tuple[str, int] | None:
+    """``(content, end)`` of the last ``\\boxed{...}`` whose first brace is balanced
+    (``end``: just past its closing brace), or None. Linear in the text: each brace is
+    matched once, each span searched once."""
     closes, stack = {}, []
     for m in _BRACES.finditer(text):
         if m.group() == "{":
@@ -75,7 +83,7 @@ def last_boxed(text: str) -> str | None:
                 return None
             i = known
         if i in closes:
-            return text[i + 1:closes[i]].strip()
+            return text[i + 1:closes[i]].strip(), closes[i] + 1
         known, limit = i, start
         start = text.rfind("\\boxed", 0, start)
     return None
@@ -134,31 +142,122 @@ def normal_answer(text: str) -> str:
     return _SPACING.sub(" ", ungroup(text))
 
 
-def grade_math(final_text: str, reference: str, max_chars: int = 200) -> tuple[float, str]:
-    """(reward, why) for a final message against the reference, by math-verify. Unbounded:
-    call it in a helper (:func:`grade`), never in a pool process."""
-    from math_verify import parse, verify
-
-    answer = last_boxed(final_text)
-    if answer is None:
-        return 0.0, "no \\boxed{} answer"
+def grade_math(final_text: str, reference: str, max_chars: int = 200,
+               answer_format: str = "boxed") -> tuple[float, str]:
+    """(reward, why) for a final message against the reference, by math-verify after the
+    answer's dress is read (:mod:`prorl_farm.graders.answer_forms`). ``answer_format``
+    ``boxed``: the last ``\\boxed{}``; ``final``: that, or else the last unboxed final
+    answer of a common convention. Unbounded: call it in a helper (:func:`grade`), never in
+    a pool process."""
+    found = last_boxed_span(final_text)
+    if found is None and answer_format == "final":
+        found = forms.final_line(final_text)
+    if found is None:
+        return 0.0, "no \\boxed{} answer" if answer_format == "boxed" else "no final answer"
+    answer, end = found
     if len(answer) > max_chars:
         return 0.0, f"answer longer than {max_chars} characters"
     answer, reference = normal_answer(answer), normal_answer(reference)
     single = not _SEPARATORS.search(reference)
     if single and _SEPARATORS.search(answer):
         return 0.0, "several candidate answers"
-    gold = _parse(parse, reference)
-    pred = _parse(parse, answer)
-    if not gold or not pred:
+    same = Equal()
+    if single and any(not same(v, answer) for v in forms.offered_after(final_text[end:])):
+        return 0.0, "another value offered after the answer"
+    return compare(answer, reference, same)
+
+
+class Equal:
+    """Whether two answers are the same value, by math-verify (``None``: one of them could
+    not be parsed)."""
+
+    def __init__(self):
+        from math_verify import parse, verify
+
+        self.parse, self.verify = parse, verify
+
+    def parsed(self, text: str):
+        return (self.parse(f"${text}$", parsing_timeout=None)
+                or self.parse(text, parsing_timeout=None))
+
+    def __call__(self, answer: str, reference: str) -> bool | None:
+        gold, pred = self.parsed(reference), self.parsed(answer)
+        if not gold or not pred:
+            return None
+        return bool(self.verify(gold, pred, timeout_seconds=None))
+
+
+def compare(answer: str, reference: str, same: Equal) -> tuple[float, str]:
+    """(reward, why) for a boxed (or final) answer against the reference, both normal."""
+    if forms.has_percent(answer) and not forms.has_percent(reference):
+        return 0.0, "a percent where the reference is a number"
+    if len(forms.relation_sides(reference)) == 1:
+        sides = forms.relation_sides(answer)
+        values = [s for s in sides if forms.is_constant(s)] if len(sides) > 1 else []
+        if len(values) > 1 and not all(same(v, values[-1]) for v in values[:-1]):
+            return 0.0, "a relation between different values"
+        if values:  # x = 3, f(2) = 3, \frac{4}{2} = 2: the value is its constant side
+            answer = values[-1]
+    plain_answer, plain_reference = unwrap(answer), unwrap(reference)
+    letter, value = forms.choice_parts(plain_answer)
+    ref_letter, ref_value = forms.choice_parts(plain_reference)
+    if letter is not None and (value is not None or ref_letter is None or ref_value is not
+                               None):
+        verdict = _choice(letter, value, ref_letter, ref_value, same)
+        if verdict is not None:
+            return (1.0, "correct") if verdict else (0.0, "wrong")
+    ok = same(answer, reference)
+    if not ok:
+        ok = any(same(a, r) for a, r in readings(answer, reference, plain_answer,
+                                                  plain_reference))
+    if ok is None:
         return 0.0, "answer could not be parsed"
-    ok = verify(gold, pred, timeout_seconds=None)
     return (1.0, "correct") if ok else (0.0, "wrong")
 
 
-def _parse(parse, text: str):
-    return (parse(f"${text}$", parsing_timeout=None)
-            or parse(text, parsing_timeout=None))
+def _choice(letter, value, ref_letter, ref_value, same) -> bool | None:
+    """A choice answer against the reference: every part both give (letter, value) agrees,
+    and they give one at least; None if they share none."""
+    shared = False
+    if ref_letter is not None:
+        if letter != ref_letter:
+            return False
+        shared = True
+    if value is not None and ref_value is not None:
+        if not same(value, ref_value):
+            return False
+        shared = True
+    return True if shared else None
+
+
+def readings(answer: str, reference: str, plain_answer: str, plain_reference: str):
+    """Other readings of the answer (and of the reference where the dress is the
+    reference's) for math-verify to compare: what a right answer may look like that it
+    does not read as its value. Each is tried only where it can be that value."""
+    interval_a, interval_r = forms.as_interval(answer), forms.as_interval(reference)
+    if interval_a or interval_r:
+        yield interval_a or answer, interval_r or reference
+    if forms.is_plain_number(plain_reference):
+        for reading in (forms.ungroup_spaces(plain_answer), forms.plain_number(plain_answer),
+                        forms.repeating_decimal(plain_answer)):
+            if reading is not None:
+                yield reading, reference
+        own = forms.based(plain_answer)
+        if own is not None:
+            yield str(int(own[0], own[1])), reference
+    else:
+        fraction = forms.repeating_decimal(plain_answer)
+        if fraction is not None:
+            yield fraction, reference
+    ref_based = forms.based(plain_reference)
+    if ref_based is not None:
+        digits = forms.digits_of(plain_answer, ref_based[1])
+        if digits is not None:
+            yield "1" if digits == ref_based[0] else "0", "1"
+    if forms.has_degrees(reference) and not forms.has_degrees(answer) and "\\pi" in answer:
+        yield f"\\frac{{180}}{{\\pi}}\\left({answer}\\right)", forms.without_degrees(reference)
+    if forms.has_degrees(answer) and not forms.has_degrees(reference) and "\\pi" in reference:
+        yield f"\\frac{{\\pi}}{{180}}\\left({forms.without_degrees(answer)}\\right)", reference
 
 
 def choice_letter(picked: str) -> str:
@@ -193,7 +292,8 @@ def grade_choice(final_text: str, reference: str, n_choices: int) -> tuple[float
 def answer(request: dict) -> tuple[float, str]:
     if request["kind"] == "choice":
         return grade_choice(request["text"], request["reference"], request["n_choices"])
-    return grade_math(request["text"], request["reference"], request["max_chars"])
+    return grade_math(request["text"], request["reference"], request["max_chars"],
+                      request.get("answer_format", "boxed"))
 
 
 def serve() -> None:
@@ -390,6 +490,17 @@ def grade(request: dict, timeout_s: float = GRADE_TIMEOUT_S,
         if attempt == 2:
             return 0.0, "grading exceeded its memory bound (the grader died twice)"
     raise AssertionError("unreachable")
+
+
+def answer_format_field():
+    """The instance field saying where a final answer is: ``boxed`` (the default: the last
+    ``\\boxed{}``) or ``final`` (that, or else an unboxed final-answer line)."""
+    from marshmallow import fields, validate
+
+    return fields.String(load_default="boxed", validate=validate.OneOf(ANSWER_FORMATS))
+
+
+ANSWER_FORMATS = ("boxed", "final")
 
 
 def grade_for(ctx, request: dict) -> tuple[float, str]:

@@ -2,11 +2,15 @@
 
 RUN sees only the problem (the answer is EVAL-only). The policy may call ``python`` (an
 IPython kernel in the job's sandbox) as often as the limits allow; a turn without a call is
-its final answer. EVAL grades only that final message's last ``\\boxed{...}`` against the
-reference with math-verify: an answer longer than ``max_answer_chars``, or several candidates
-in one box where the reference is a single value, earns 0. Grading runs in a helper process
-under time and memory bounds (:mod:`prorl_farm.graders.answers`), never in the pool: an
-answer that exceeds them earns 0 with the reason.
+its final answer. EVAL grades only that final message's last ``\\boxed{...}`` (or, where
+the task says ``answer_format: final``, its last unboxed final-answer line of a common
+convention) against the reference with math-verify, after the answer's dress is read
+(choice letters, intervals, repeating decimals, words, bases, angles). A hedge (another
+value offered after the box, a relation between different values, a percent for a number),
+an answer longer than ``max_answer_chars``, or several candidates in one box where the
+reference is a single value, earns 0. Grading runs in a helper process under time and
+memory bounds (:mod:`prorl_farm.graders.answers`), never in the pool: an answer that
+exceeds them earns 0 with the reason.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class MathInstance(AgentOptions):
     prompt_template = fields.String(load_default=DEFAULT_PROMPT)
     max_answer_chars = fields.Integer(load_default=200, strict=True,
                                       validate=validate.Range(min=1, max=10_000))
+    answer_format = answers.answer_format_field()
 
 
 class MathHandler(ToolAgentHandler):
@@ -57,5 +62,5 @@ class MathHandler(ToolAgentHandler):
         inst = ctx.instance
         reward, why = answers.grade_for(ctx, {
             "kind": "math", "text": final_answer(ctx.result), "reference": inst["answer"],
-            "max_chars": inst["max_answer_chars"]})
+            "max_chars": inst["max_answer_chars"], "answer_format": inst["answer_format"]})
         return {"reward": reward, "verdict": no_answer(ctx.result, why)}

@@ -34,6 +34,7 @@ class StemInstance(AgentOptions):
     tools = fields.List(fields.String(validate=validate.OneOf(["python"])), load_default=list)
     max_answer_chars = fields.Integer(load_default=200, strict=True,
                                       validate=validate.Range(min=1, max=10_000))
+    answer_format = answers.answer_format_field()
 
 
 class StemHandler(ToolAgentHandler):
@@ -58,6 +59,7 @@ class StemHandler(ToolAgentHandler):
         if inst.get("choices"):
             request.update(kind="choice", n_choices=len(inst["choices"]))
         else:
-            request.update(kind="math", max_chars=inst["max_answer_chars"])
+            request.update(kind="math", max_chars=inst["max_answer_chars"],
+                           answer_format=inst["answer_format"])
         reward, why = answers.grade_for(ctx, request)
         return {"reward": reward, "verdict": no_answer(ctx.result, why)}
