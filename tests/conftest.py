@@ -416,3 +416,41 @@ def _pools_own(p: psutil.Process, before: set[int]) -> bool:
     pool keeps it for the next answer (it ends with its pool, or idle)."""
     return ("prorl_farm.graders.answers" in " ".join(p.cmdline())
             and p.ppid() in before)
+
+
+@pytest.fixture
+def grading_sandbox(r, tmp_path, request, monkeypatch):
+    """Runs a grader script in a fresh sandbox of a runtime, as EVAL does; yields
+    run(runtime, files, argv, stdin) -> the exec result. ``docker`` uses the session's
+    private engine and the base image built there."""
+    from prorl_farm.sandbox.abstract import Limits, SandboxSpec
+    from prorl_farm.sandbox.connection import ToolConnection
+    from prorl_farm.sandbox.manager import SandboxManager
+
+    managers = {}
+
+    def run(runtime: str, files: dict, argv: list[str], stdin: str | None = None,
+            env: dict | None = None) -> dict:
+        if runtime not in managers:
+            image = ""
+            if runtime == "docker":
+                from tests.docker_engine import BASE
+
+                engine = request.getfixturevalue("docker_engine")
+                monkeypatch.setenv("DOCKER_HOST", engine.env["DOCKER_HOST"])
+                image = BASE
+            managers[runtime] = SandboxManager(r, "grading-node", runtime,
+                                               root=f"/tmp/prs-grading-{os.getpid()}",
+                                               image=image)
+        manager = managers[runtime]
+        sandbox = manager.start(SandboxSpec(workspace_files=files, limits=Limits(
+            processes=64)))
+        client = ToolConnection(sandbox.socket)
+        try:
+            return client.call("exec", argv=argv, timeout_s=120, stdin=stdin, env=env or {})
+        finally:
+            client.close()
+            manager.stop(sandbox)
+
+    yield run
+    shutil.rmtree(f"/tmp/prs-grading-{os.getpid()}", ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import shutil
@@ -608,3 +609,16 @@ def require_venv(python: Path, what: str, target: str, flag: str) -> str:
         pytest.skip(why)
     return str(python)
 
+
+def code_harness_verdict(run, program: str, tests: dict, jail: bool = True,
+                         runtime: str = "bwrap") -> dict:
+    """The code harness's verdict on ``program`` for a ``code`` instance's ``tests``, run by
+    ``run`` (the ``grading_sandbox`` fixture) as EVAL runs it."""
+    from prorl_farm.graders import source
+    from prorl_farm.handlers.code import CodeInstance, tests_spec
+
+    spec = {**tests_spec(CodeInstance().load({"statement": "s", **tests})), "nonce": "N",
+            "jail": jail}
+    out = run(runtime, {"solution.py": program, "code_harness.py": source("code_harness.py")},
+              ["python3", "-I", "-S", "code_harness.py"], json.dumps(spec))
+    return json.loads(out["stdout"].strip().splitlines()[-1][2:])

@@ -14,7 +14,8 @@ from prorl_farm.errors import FarmError
 ROOT = Path(__file__).resolve().parents[1]
 # Standalone programs shipped into sandboxes (they import nothing of the farm).
 STANDALONE = {"prorl_farm.graders.code_harness", "prorl_farm.graders.swe_harness",
-              "prorl_farm.graders.swe_runner", "prorl_farm.graders.jail"}
+              "prorl_farm.graders.swe_runner", "prorl_farm.graders.jail",
+              "prorl_farm.graders.call_server", "prorl_farm.graders.values"}
 
 
 def test_no_cycle_and_no_forbidden_import():

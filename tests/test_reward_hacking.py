@@ -59,6 +59,7 @@ import pytest
 from prorl_farm.handlers.swe import _git_tree, unified_diff
 from tests.farm import (
     ROOT,
+    code_harness_verdict,
     docker_settings,
     needs_bwrap_and_git,
     part_param,
@@ -1065,55 +1066,6 @@ def test_an_answer_that_never_evaluates_earns_nothing_and_stops_nobody(farm, r):
 # -- the graders' own parts -----------------------------------------------------------
 
 
-@pytest.fixture
-def grading_sandbox(r, tmp_path, request, monkeypatch):
-    """Runs a grader script in a fresh sandbox of a runtime, as EVAL does; yields
-    run(runtime, files, argv, stdin) -> the exec result. ``docker`` uses the session's
-    private engine and the base image built there."""
-    from prorl_farm.sandbox.abstract import Limits, SandboxSpec
-    from prorl_farm.sandbox.connection import ToolConnection
-    from prorl_farm.sandbox.manager import SandboxManager
-
-    managers = {}
-
-    def run(runtime: str, files: dict, argv: list[str], stdin: str | None = None,
-            env: dict | None = None) -> dict:
-        if runtime not in managers:
-            image = ""
-            if runtime == "docker":
-                from tests.docker_engine import BASE
-
-                engine = request.getfixturevalue("docker_engine")
-                monkeypatch.setenv("DOCKER_HOST", engine.env["DOCKER_HOST"])
-                image = BASE
-            managers[runtime] = SandboxManager(r, "grading-node", runtime,
-                                               root=f"/tmp/prs-grading-{os.getpid()}",
-                                               image=image)
-        manager = managers[runtime]
-        sandbox = manager.start(SandboxSpec(workspace_files=files, limits=Limits(
-            processes=64)))
-        client = ToolConnection(sandbox.socket)
-        try:
-            return client.call("exec", argv=argv, timeout_s=120, stdin=stdin, env=env or {})
-        finally:
-            client.close()
-            manager.stop(sandbox)
-
-    yield run
-    shutil.rmtree(f"/tmp/prs-grading-{os.getpid()}", ignore_errors=True)
-
-
-def _harness(run, program: str, tests: dict, jail: bool, runtime: str = "bwrap") -> dict:
-    from prorl_farm.graders import source
-    from prorl_farm.handlers.code import CodeInstance, tests_spec
-
-    spec = {**tests_spec(CodeInstance().load({"statement": "s", **tests})), "nonce": "N",
-            "jail": jail}
-    out = run(runtime, {"solution.py": program, "code_harness.py": source("code_harness.py")},
-              ["python3", "-I", "-S", "code_harness.py"], json.dumps(spec))
-    return json.loads(out["stdout"].strip().splitlines()[-1][2:])
-
-
 @pytest.mark.parametrize("runtime,jail", [
     ("bwrap", True), ("bwrap", False),
     pytest.param("docker", True, marks=pytest.mark.part("docker")),
@@ -1125,7 +1077,7 @@ def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, ru
     are only in the harness's memory."""
     for program, tests, passed in [(DOUBLE, STDIO, 2), (FORGE_STDIO, STDIO, 0),
                                    (ADD, CALL, 1), (FORGE_CALL, CALL, 0)]:
-        verdict = _harness(grading_sandbox, program, tests, jail, runtime)
+        verdict = code_harness_verdict(grading_sandbox, program, tests, jail, runtime)
         assert verdict["passed"] == passed, (program, verdict)
         assert verdict["jail"] == ("bwrap" if jail else "none"), verdict
 
@@ -1148,7 +1100,7 @@ def test_a_time_limit_is_cpu_time_with_a_wall_clock_backstop(grading_sandbox):
              + "    return a + b\n", {**CALL, **quick}, 0, "time limit"),
             ("import time\ntime.sleep(1000)\n", {**STDIO, "tests": STDIO["tests"][:1],
                                                   **quick}, 0, "time limit (wall clock)")]:
-        verdict = _harness(grading_sandbox, program, tests, True)
+        verdict = code_harness_verdict(grading_sandbox, program, tests, True)
         assert verdict["passed"] == passed, (program, verdict)
         assert {r["why"] for r in verdict["results"]} == {why}, (program, verdict)
 

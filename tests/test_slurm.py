@@ -45,15 +45,17 @@ def _head_env(shared) -> dict:
 
 
 def _farm_processes(shared) -> list[str]:
-    """Processes started for this farm: anything whose command line or environment names
-    its shared directory, its pools, or its Redis."""
+    """Processes started for this farm: anything whose command line names its shared
+    directory, and its pools, API and Gym server (their environment names it)."""
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if str(shared) in cmd or "prorl_farm.cli worker" in cmd or \
-                    "prorl_farm.cli gym" in cmd or \
-                    "prorl_farm.celery_app" in cmd or "api.wsgi:app" in cmd:
+            farmish = ("prorl_farm.cli worker" in cmd or "prorl_farm.cli gym" in cmd or
+                       "prorl_farm.celery_app" in cmd or "api.wsgi:app" in cmd)
+            # Another farm's pools on this machine (a test beside this one) are not ours.
+            if str(shared) in cmd or (farmish and
+                                      p.environ().get("PRORL_SHARED") == str(shared)):
                 out.append(f"{p.pid} {cmd[:120]}")
         except psutil.Error:
             pass

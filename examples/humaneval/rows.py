@@ -26,9 +26,11 @@ earn reward (the suite checks both variants through a real farm).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import sys
+from pathlib import Path
 
 
 def humaneval_row(problem: dict, body: str | None = None) -> dict:
@@ -47,16 +49,57 @@ def humaneval_rows(variant: str = "canonical") -> list[dict]:
     return [humaneval_row(p, body) for p in read_problems().values()]
 
 
-_CALLED = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*\(")
+_CALLED = re.compile(r"(?<![.\w])([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 
 
-def mbpp_row(row: dict) -> dict:
-    """One MBPP row (``text``, ``code``, ``test_list``, ``test_setup_code``) as an instance."""
+def mbpp_row(row: dict, body: str | None = None) -> dict:
+    """One MBPP row as an instance: the full set's (``text``, ``code``, ``test_list``,
+    ``test_setup_code``) or the sanitized set's (``prompt``, ``test_imports``). ``body``
+    replaces the body of every function the reference defines (``return None``)."""
     called = [n for n in _CALLED.findall(row["test_list"][0]) if n not in ("assert", "set",
                                                                               "math", "abs")]
-    return {"statement": row["text"], "entry_point": called[0],
-            "test_list": row["test_list"], "test_setup": row.get("test_setup_code", ""),
-            "canonical_solution": row["code"]}
+    defined = _defined(row["code"])
+    called = [n for n in called if n in defined] or called  # not math.isclose or int
+    setup = row.get("test_setup_code") or "\n".join(row.get("test_imports") or [])
+    code = row["code"] if body is None else with_bodies(row["code"], body)
+    return {"statement": row.get("text") or row["prompt"], "entry_point": called[0],
+            "test_list": row["test_list"], "test_setup": setup, "canonical_solution": code}
+
+
+def _defined(code: str) -> set[str]:
+    """The functions and classes ``code`` defines at its top level."""
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def with_bodies(code: str, body: str) -> str:
+    """``code`` with the body of each function it defines (methods too) replaced by
+    ``body`` (one statement, e.g. ``return None``)."""
+    import ast
+
+    tree = ast.parse(code)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.body = ast.parse(body).body
+    return ast.unparse(tree) + "\n"
+
+
+MBPP = Path(__file__).resolve().parent.parent / "mbpp"
+
+
+def mbpp_rows(which: str = "full") -> list[dict]:
+    """The MBPP problems shipped in ``examples/mbpp``: the 974 of the full set or the 427 of
+    the sanitized one, as the dataset gives them."""
+    if which == "full":
+        with gzip.open(MBPP / "mbpp.jsonl.gz", "rt") as f:
+            return [json.loads(line) for line in f]
+    with gzip.open(MBPP / "sanitized-mbpp.json.gz", "rt") as f:
+        return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,11 @@ HARNESS_PROMPT = ("Write a Python program for the task below. Give your complete
                   "a final ```python block.\n\n{statement}")
 
 
+# How a stdio test's output is judged: the same words however spaced (the default), the same
+# lines, numbers within a tolerance, or the task's own checker program (a special judge).
+CHECKERS = ("tokens", "exact", "floats", "program")
+
+
 class StdioTest(Schema):
     class Meta:
         unknown = RAISE
@@ -61,6 +66,18 @@ class CodeInstance(AgentOptions):
     tools = fields.List(fields.String(validate=validate.OneOf(["python", "bash"])),
                         load_default=lambda: ["python"])
     prompt_template = fields.String(load_default=DEFAULT_PROMPT)
+    checker = fields.String(load_default="tokens", validate=validate.OneOf(CHECKERS))
+    float_tolerance = fields.Float(load_default=1e-6, validate=validate.Range(min=0, max=1))
+    checker_program = fields.String(validate=validate.Length(min=1, max=200_000))
+
+    @validates_schema
+    def _checker(self, data, **_):
+        if data.get("checker") == "program" and "checker_program" not in data:
+            raise ValidationError("required with checker 'program'", "checker_program")
+        if "checker_program" in data and data.get("checker") != "program":
+            raise ValidationError("only with checker 'program'", "checker_program")
+        if data.get("checker", "tokens") != "tokens" and "tests" not in data:
+            raise ValidationError("a checker judges stdin/stdout 'tests' only", "checker")
 
     @validates_schema
     def _one_style(self, data, **_):
@@ -92,7 +109,11 @@ def tests_spec(inst: dict) -> dict:
     spec = {"time_s": inst["time_limit_s"], "wall_s": WALL_FACTOR * inst["time_limit_s"],
             "memory_mb": inst["memory_mb"]}
     if inst.get("tests"):
-        return {**spec, "style": "stdio", "tests": inst["tests"]}
+        checker = {"kind": inst.get("checker", "tokens"), "abs": inst.get("float_tolerance", 1e-6),
+                   "rel": inst.get("float_tolerance", 1e-6)}
+        if checker["kind"] == "program":
+            checker["program"] = inst["checker_program"]
+        return {**spec, "style": "stdio", "tests": inst["tests"], "checker": checker}
     cases = inst.get("test_list") or [inst["test_code"]]
     return {**spec, "style": "call", "entry_point": inst["entry_point"], "cases": cases,
             "setup": inst.get("test_setup", "")}
@@ -125,6 +146,13 @@ class CodeHandler(ToolAgentHandler):
          "not": {"anyOf": [{"required": ["test_code"]}, {"required": ["test_list"]}]}},
         {"required": ["entry_point"], "not": {"required": ["tests"]},
          "anyOf": [{"required": ["test_code"]}, {"required": ["test_list"]}]},
+    ], "allOf": [  # a checker judges stdio tests; "program" comes with its program
+        {"if": {"required": ["checker"], "properties": {"checker": {"const": "program"}}},
+         "then": {"required": ["checker_program"]}},
+        {"if": {"required": ["checker_program"]},
+         "then": {"required": ["checker"], "properties": {"checker": {"const": "program"}}}},
+        {"if": {"required": ["checker"], "properties": {"checker": {"not": {"const": "tokens"}}}},
+         "then": {"required": ["tests"]}},
     ]}
     visible_fields = ("statement", "prompt_template", "time_limit_s", "memory_mb",
                       "entry_point", *AGENT_OPTIONS)
