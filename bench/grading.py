@@ -1,11 +1,15 @@
 """Grading benchmark: what the graders' isolation costs, against the bare work in the same
 run and the same sandbox.
 
-  python bench/grading.py [--tests 20] [--answers 200] [--record]
+  python bench/grading.py [--tests 20] [--answers 200] [--before REV] [--record]
 
 - ``code``: a stdin/stdout task of N tests graded by the harness (tests on its stdin, the
   program in a jail per test), against the floor: ``python3 -I solution.py`` run N times by
   a plain loop in the same kind of sandbox.
+- ``code``, call style: an MBPP-style problem (a function, 3 asserts with literal results)
+  graded by the harness, against MBPP's own way (the program and the asserts in one
+  ``python3 -I`` process) in the same kind of sandbox; with ``--before REV``, also the
+  harness of that revision, in turns.
 - ``swe``: the sample repository's named tests under the harness (jailed runner, audit hook,
   integrity checks, evidence pipe), against the floor: ``python3 -m pytest`` on the same
   tests in the same kind of sandbox.
@@ -22,6 +26,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +82,34 @@ def bench_code(manager, n_tests: int, rounds: int) -> dict:
             "floor": statistics.median(floor) / n_tests * 1000}
 
 
+CALL_PROGRAM = "def add(a, b):\n    return a + b\n"
+CALL_TESTS = ["assert add(1, 2) == 3", "assert add(-4, 4) == 0", "assert add(10, 5) == 15"]
+
+
+def harness_at(rev: str | None) -> str:
+    """The code harness as shipped (``rev`` None: this checkout's; else that revision's)."""
+    def read(name):
+        return subprocess.run(["git", "show", f"{rev}:prorl_farm/graders/{name}"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+    return source("code_harness.py", read if rev else None)
+
+
+def bench_calls(manager, rounds: int, before: str | None) -> dict:
+    spec = {"style": "call", "nonce": "N", "time_s": 5, "memory_mb": 512,
+            "entry_point": "add", "cases": CALL_TESTS, "setup": ""}
+    harnesses = {"now": harness_at(None), **({"before": harness_at(before)} if before else {})}
+    own = CALL_PROGRAM + "\n".join(CALL_TESTS) + "\n"
+    times = {name: [] for name in [*harnesses, "floor"]}
+    for _ in range(rounds):  # in turns, so all see the same machine
+        for name, harness in harnesses.items():
+            times[name].append(in_sandbox(manager, {"solution.py": CALL_PROGRAM,
+                                                    "code_harness.py": harness},
+                                          ["python3", "-I", "-S", "code_harness.py"],
+                                          json.dumps(spec)))
+        times["floor"].append(in_sandbox(manager, {"own.py": own}, ["python3", "-I", "own.py"]))
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
+
+
 def bench_swe(manager, rounds: int) -> dict:
     spec = importlib.util.spec_from_file_location("swe_build", ROOT / "examples/swe/build.py")
     build = importlib.util.module_from_spec(spec)
@@ -129,6 +162,7 @@ def main() -> None:
     ap.add_argument("--tests", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--answers", type=int, default=200)
+    ap.add_argument("--before", metavar="REV", help="also the code harness of this revision")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     if not shutil.which("bwrap"):
@@ -138,6 +172,7 @@ def main() -> None:
         manager = SandboxManager(r, "bench", "bwrap", root=f"/tmp/prs-gbench-{os.getpid()}")
         try:
             code = bench_code(manager, args.tests, args.rounds)
+            calls = bench_calls(manager, args.rounds, args.before)
             swe = bench_swe(manager, args.rounds)
         finally:
             shutil.rmtree(manager.root, ignore_errors=True)
@@ -149,6 +184,13 @@ def main() -> None:
              f"| code: per stdin/stdout test ({args.tests} tests; jail per test vs a bare "
              f"`python3 solution.py`) | {code['harness']:.1f} | {code['floor']:.1f} | "
              f"{code['harness'] / code['floor']:.2f} |",
+             f"| code, call style: a problem of 3 asserts (one jailed program answering the "
+             f"calls vs MBPP's way, one bare process) | {calls['now']:.1f} | "
+             f"{calls['floor']:.1f} | {calls['now'] / calls['floor']:.2f} |",
+             *([f"| code, call style: the same, the harness at {args.before} | "
+                f"{calls['before']:.1f} | {calls['floor']:.1f} | "
+                f"{calls['before'] / calls['floor']:.2f} (now / then: "
+                f"{calls['now'] / calls['before']:.2f}) |"] if args.before else []),
              f"| swe: the sample's 2 named tests (jailed runner, audit hook, integrity, "
              f"evidence pipe vs bare pytest) | {swe['harness']:.0f} | {swe['floor']:.0f} | "
              f"{swe['harness'] / swe['floor']:.2f} |",

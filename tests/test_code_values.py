@@ -139,6 +139,11 @@ ATTACKS = {
                       _mbpp("f", "assert f(1) == 2")),
     "exit-in-a-call": ("import sys\ndef f(x):\n    sys.exit(0)\n",
                        _mbpp("f", "assert f(1) is None")),
+    # The server's encoder replaced, to hand the harness its own exec as a result.
+    "harness-exec": ("import sys\nm = sys.modules['__main__']\nreal = m.encode\n"
+                     "m.encode = lambda v, ref=None: ['builtin', 'exec'] if v == 'X' else "
+                     "real(v, ref)\ndef f(x):\n    return 'X'\n",
+                     _mbpp("f", "assert f(1)('import os') is None")),
     # A reference the program never made, in its name table.
     "forged-reference": ("import os, sys, json\nos.write(int(sys.argv[2]), (json.dumps(["
                          "'ready', {'f': ['function', 9999]}]) + '\\n').encode())\n"
@@ -167,3 +172,27 @@ def test_a_function_of_the_tests_is_refused_with_the_reason(grading_sandbox):
                                    _mbpp("apply", "assert apply(lambda v: v + 1, 1) == 2"))
     assert verdict["passed"] == 0
     assert "cannot be carried to the program" in verdict["results"][0]["why"], verdict
+
+
+def test_mbpp_references_earn_one_and_their_stubs_nothing(grading_sandbox):
+    """A sample of MBPP's full set (every 40th problem, and those that need a program's
+    class in the setup, a type as an argument, the program's sys, a function named check,
+    objects built of the program's class): each reference earns 1.0 as under MBPP's own
+    harness, and each with its bodies replaced by ``return None`` earns 0
+    (``bench/mbpp.py`` grades all 974 and the 427 sanitized)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "humaneval"))
+    from rows import mbpp_row, mbpp_rows
+
+    rows = mbpp_rows("full")
+    picked = rows[::40] + [r for r in rows if r["task_id"] in (367, 533, 596, 601, 927)]
+    picked += [r for r in mbpp_rows("sanitized") if r["task_id"] == 56]
+    for row in picked:
+        for body, earns in ((None, True), ("return None", False)):
+            inst = mbpp_row(row, body)
+            tests = {k: inst[k] for k in ("entry_point", "test_list", "test_setup")}
+            verdict = code_harness_verdict(grading_sandbox, inst["canonical_solution"], tests)
+            assert (verdict.get("passed") == verdict.get("total")) == earns, (
+                row["task_id"], body, verdict)

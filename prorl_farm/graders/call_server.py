@@ -27,7 +27,8 @@ ITER_BATCH = 1024  # at most this many items per "next"
 OPS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
        "gt": operator.gt, "ge": operator.ge, "hash": hash, "len": len, "bool": bool,
        "str": str, "repr": repr, "getitem": operator.getitem, "contains": operator.contains,
-       "getattr": getattr, "iter": iter, "isinstance": isinstance}
+       "getattr": getattr, "iter": iter, "isinstance": isinstance, "setattr": setattr,
+       "setitem": operator.setitem, "delitem": operator.delitem}
 MUTABLE = (list, dict, set, bytearray, collections.deque)  # noqa: F821 - values.py's import
 TABLE = []
 IDS = {}

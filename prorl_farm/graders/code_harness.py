@@ -86,8 +86,8 @@ PURE_MODULES = frozenset({
     "abc", "array", "bisect", "calendar", "cmath", "collections", "collections.abc",
     "copy", "dataclasses", "datetime", "decimal", "difflib", "enum", "fractions",
     "functools", "hashlib", "heapq", "itertools", "json", "math", "numbers", "operator",
-    "random", "re", "statistics", "string", "struct", "textwrap", "typing", "unicodedata",
-    "zlib"})
+    "random", "re", "statistics", "string", "struct", "sys", "textwrap", "typing",
+    "unicodedata", "zlib"})
 
 
 def harden():
@@ -497,6 +497,7 @@ class Remote:
     never to judge a value the test holds."""
 
     __slots__ = ("_program", "_id", "_kind", "_name", "_buffer", "_done")
+    _OWN = frozenset(__slots__)
 
     def __init__(self, program, ident, kind, name):
         self._program, self._id, self._kind, self._name = program, ident, kind, name
@@ -563,6 +564,20 @@ class Remote:
         if name.startswith("__"):
             raise AttributeError(name)
         return self._op("getattr", name)
+
+    def __setattr__(self, name, value):  # root.left = Node(2) in a test's setup
+        if name in Remote._OWN:
+            object.__setattr__(self, name, value)
+        elif name.startswith("__"):
+            raise AttributeError(name)
+        else:
+            self._op("setattr", name, value)
+
+    def __setitem__(self, key, value):
+        self._op("setitem", key, value)
+
+    def __delitem__(self, key):
+        self._op("delitem", key)
 
     def __call__(self, *args, **kwargs):
         return self._program.call(self._id, args, kwargs)
@@ -804,11 +819,13 @@ def run_calls(jail, where, spec, time_s, wall_s, memory_mb):
             if program is None:
                 program = jail.retrying(lambda: Program(jail, where, entry, time_s, wall_s,
                                                         memory_mb))
+            # The program's names first, so that the setup can use them (MBPP's 367 builds
+            # its trees of the program's Node); then the setup, whose own definitions win
+            # over the program's (HumanEval's helpers are the task's).
             ns = {"__name__": "__tests__"}
+            ns.update(program_names(program, setup + "\n" + code, {entry, "candidate"}))
             exec(compile(setup, "setup", "exec"), ns)
             candidate = program.function(entry)
-            ns.update(program_names(program, setup + "\n" + code, set(ns) | {entry,
-                                                                               "candidate"}))
             ns.update({"candidate": candidate, entry: candidate})
             exec(compile(code, "tests", "exec"), ns)
             # HumanEval's test code defines check(candidate) without calling it (a program's

@@ -20,11 +20,14 @@ name]``, an entry of the server's table that the harness reaches by asking the s
   ``["dd", factory, k, v, ...]``, ``["dq", maxlen, *items]``;
 - range and dict views: ``["range", start, stop, step]``, ``["K", ...]``, ``["V", ...]``,
   ``["I", k, v, ...]``; a namedtuple: ``["N", typename, [fields], *items]``;
+- a built-in type or function of values (``int``, ``len``; ``BUILTINS``):
+  ``["builtin", name]``;
 - a subclass of the built-in types above: its built-in value (``class Liar(int)`` is its
   int, whatever its ``__eq__`` says).
 """
 
 import base64
+import builtins
 import collections
 import decimal
 import fractions
@@ -32,6 +35,15 @@ import json
 import math
 
 JSON_INT = 2 ** 53
+# The built-ins that may cross by name: types and functions of values only. Never eval,
+# exec, compile, open, __import__, getattr or another that reaches beyond its arguments: a
+# program's result the test calls runs in the harness.
+BUILTINS = frozenset(
+    "int float str bool list tuple dict set frozenset bytes bytearray complex object range "
+    "slice len abs min max sum sorted reversed enumerate zip map filter any all round pow "
+    "divmod ord chr bin hex oct repr ascii format hash isinstance issubclass callable iter "
+    "next".split()) | frozenset(n for n in dir(builtins) if isinstance(
+        getattr(builtins, n), type) and issubclass(getattr(builtins, n), BaseException))
 _FACTORIES = {"int": int, "float": float, "str": str, "list": list, "set": set, "dict": dict,
               "tuple": tuple, "frozenset": frozenset, "bool": bool, "complex": complex,
               "bytes": bytes}
@@ -105,6 +117,9 @@ def encode(value, ref=None):
         return ["fr", _int(value.numerator), _int(value.denominator)]
     if t is range:
         return ["range", _int(value.start), _int(value.stop), _int(value.step)]
+    if isinstance(value, (type, type(len))) and getattr(value, "__name__", "") in BUILTINS \
+            and getattr(builtins, value.__name__) is value:
+        return ["builtin", value.__name__]  # int, len...: by name, the same on either side
     if t is type({}.keys()):
         return ["K", *map(enc, value)]
     if t is type({}.values()):
@@ -235,6 +250,8 @@ def decode(data, ref=None):
         if tag == "N" and len(rest) >= 2 and type(rest[0]) is str and type(rest[1]) is list \
                 and all(type(f) is str for f in rest[1]):
             return _namedtuple(rest[0], rest[1])(*map(dec, rest[2:]))
+        if tag == "builtin" and len(rest) == 1 and rest[0] in BUILTINS:
+            return getattr(builtins, rest[0])
         if tag == "R" and ref is not None and len(rest) == 3 and type(rest[0]) is int:
             return ref(rest[0], rest[1], rest[2])
     except (TypeError, ValueError, decimal.InvalidOperation, ZeroDivisionError,
