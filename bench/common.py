@@ -16,6 +16,17 @@ sys.path.insert(0, str(ROOT))
 from prorl_farm.supervisor import free_port, wait_for_redis  # noqa: E402
 
 
+def graders_at(rev: str | None, names: tuple[str, ...]) -> dict[str, str]:
+    """Grader scripts as shipped (``source``, includes expanded): ``rev`` None, this
+    checkout's; else the files at that git revision (a benchmark's "before")."""
+    from prorl_farm.graders import source
+
+    def read(name):
+        return subprocess.run(["git", "show", f"{rev}:prorl_farm/graders/{name}"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+    return {n: source(n, read if rev else None) for n in names}
+
+
 def machine() -> str:
     return (f"{platform.node()}: {platform.system()} {platform.machine()}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}")

@@ -26,14 +26,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import redis
-from common import machine, private_redis, report  # noqa: E402
+from common import graders_at, machine, private_redis, report  # noqa: E402
 
 from prorl_farm.graders import answers, source  # noqa: E402
 from prorl_farm.handlers.swe import (  # noqa: E402
@@ -88,10 +87,7 @@ CALL_TESTS = ["assert add(1, 2) == 3", "assert add(-4, 4) == 0", "assert add(10,
 
 def harness_at(rev: str | None) -> str:
     """The code harness as shipped (``rev`` None: this checkout's; else that revision's)."""
-    def read(name):
-        return subprocess.run(["git", "show", f"{rev}:prorl_farm/graders/{name}"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout
-    return source("code_harness.py", read if rev else None)
+    return graders_at(rev, ("code_harness.py",))["code_harness.py"]
 
 
 def bench_calls(manager, rounds: int, before: str | None) -> dict:

@@ -27,16 +27,15 @@ import os
 import secrets
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import redis
+from common import graders_at as shipped_at  # noqa: E402
 from common import machine, private_redis, report  # noqa: E402
 
-from prorl_farm.graders import source  # noqa: E402
 from prorl_farm.handlers.swe import (  # noqa: E402
     PROTECTED_NAMES,
     PROTECTED_SUFFIXES,
@@ -73,12 +72,9 @@ def run(manager, files, argv, env, stdin=None) -> tuple[float, dict]:
 
 
 def graders_at(rev: str | None) -> dict[str, str]:
-    """The harness and runner as shipped (``rev`` None: this checkout's; else the files at
-    that git revision)."""
-    def read(name):
-        return subprocess.run(["git", "show", f"{rev}:prorl_farm/graders/{name}"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout
-    return {n: source(n, read if rev else None) for n in ("swe_harness.py", "swe_runner.py")}
+    """The harness and runner as shipped (``rev`` None: this checkout's; else that
+    revision's)."""
+    return shipped_at(rev, ("swe_harness.py", "swe_runner.py"))
 
 
 def grade(manager, row, prep, patch: str | None, graders: dict | None = None

