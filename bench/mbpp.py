@@ -64,7 +64,8 @@ def own_harness(row: dict, code: str) -> tuple[bool, str, float]:
 def farm_harness(manager, row: dict, code: str) -> tuple[bool, str, float, float]:
     """The farm's way: (passed, why, harness seconds, EVAL's seconds with the sandbox)."""
     inst = CodeInstance().load({**mbpp_row(row), "canonical_solution": code})
-    spec = {**tests_spec(inst), "nonce": "N", "jail": True}
+    # jail_seen: as a pool that has graded before sends it (no probe of the jail)
+    spec = {**tests_spec(inst), "nonce": "N", "jail": True, "jail_seen": True}
     t0 = time.perf_counter()
     sb = manager.start(SandboxSpec(workspace_files={"solution.py": code, "code_harness.py":
                                                     source("code_harness.py")},

@@ -871,7 +871,8 @@ def main():
     # Jail is from jail.py, included when the harness is shipped.
     # noexec_binds: a program is Python, nothing it writes is executed.
     jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True),  # noqa: F821
-                noexec_binds=True, disk_mb=spec.get("disk_mb"))
+                noexec_binds=True, disk_mb=spec.get("disk_mb"),
+                probe=not spec.get("jail_seen", False))
     # The program's own directory: a private copy, so the jail binds it alone.
     where = tempfile.mkdtemp(prefix="candidate-")
     shutil.copy(SOLUTION, os.path.join(where, SOLUTION))

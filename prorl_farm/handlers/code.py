@@ -119,17 +119,32 @@ def tests_spec(inst: dict) -> dict:
             "setup": inst.get("test_setup", "")}
 
 
+# The sandbox runtimes whose graders' jail this process has seen work: a grading there skips
+# the harness's probe of the jail (a bubblewrap start and its confinement stage, about a
+# fifth of a call-style grading); one that then finds the jail broken is an error (not a run
+# without it), and the next grading probes again.
+_JAIL_SEEN: set[str] = set()
+
+
 def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
     """Run the harness on ``program`` in a fresh sandbox: the tests reach it on its stdin,
     never as a file, and its verdict is the line tagged with a nonce it read there."""
     nonce = secrets.token_hex(16)
-    spec = {**tests_spec(inst), "nonce": nonce, **jail_spec(ctx)}
+    runtime = getattr(getattr(getattr(ctx, "sandboxes", None), "runtime", None), "name", "")
+    spec = {**tests_spec(inst), "nonce": nonce, **jail_spec(ctx),
+            "jail_seen": runtime in _JAIL_SEEN}
     n = len(spec.get("tests") or spec.get("cases"))
     # Each test within its wall-clock backstop, and the harness's own start and jail.
     files = {"solution.py": program, "code_harness.py": source("code_harness.py")}
     out = run_isolated(ctx, files, ["python3", "-I", "-S", "code_harness.py"],
                        timeout_s=n * (spec["wall_s"] + 5) + 60, stdin=json.dumps(spec))
-    verdict = required_verdict(out, nonce, "code harness")
+    try:
+        verdict = required_verdict(out, nonce, "code harness")
+    except Exception:
+        _JAIL_SEEN.discard(runtime)
+        raise
+    if verdict.get("jail") == "bwrap" and runtime:
+        _JAIL_SEEN.add(runtime)
     fraction = verdict["passed"] / verdict["total"] if verdict["total"] else 0.0
     return {"reward": 1.0 if verdict["passed"] == verdict["total"] > 0 else 0.0,
             "pass_fraction": round(fraction, 6), "jail": verdict.get("jail"),
