@@ -18,17 +18,33 @@ from fractions import Fraction
 # -- where the answer is ----------------------------------------------------------------
 
 
-def balanced_after(text: str, brace: int) -> int | None:
-    """The index of the ``}`` closing the ``{`` at ``brace``, or None."""
-    depth = 0
-    for i in range(brace, len(text)):
-        c = text[i]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i
+_BRACES = re.compile(r"[{}]")
+
+
+def last_command(text: str, command: str) -> tuple[str, int] | None:
+    """``(content, end)`` of the last ``command{...}`` (``\\boxed``, ``\\fbox``) whose
+    first brace is balanced (``end``: just past its closing brace), or None. Linear in the
+    text: each brace is matched once, each span searched once."""
+    closes, stack = {}, []
+    for m in _BRACES.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            closes[stack.pop()] = m.start()
+    # Searching back from the last command: ``known`` is the first brace at or after
+    # ``limit`` (None: there is none), so each start searches only [start, limit).
+    known, limit = None, len(text)
+    start = text.rfind(command)
+    while start != -1:
+        i = text.find("{", start, limit)
+        if i == -1:
+            if known is None:
+                return None
+            i = known
+        if i in closes:
+            return text[i + 1:closes[i]].strip(), closes[i] + 1
+        known, limit = i, start
+        start = text.rfind(command, 0, start)
     return None
 
 
@@ -38,20 +54,16 @@ _FINAL_LINE = re.compile(  # "**Answer:** 5", "Answer: 5", "Final answer: 5" (li
 _FINAL_PHRASE = re.compile(  # Minerva's "Final Answer: The final answer is $5$. I hope..."
     r"(?i)the\s+final\s+answer\s+is\s*:?\s*(\$[^$\n]{1,400}\$|\\\(.{1,400}?\\\)|[^\n]{1,400}?)"
     r"\s*(?:\.\s*I\s+hope\s+it\s+is\s+correct\.?|\.?\s*$|\.\s)")
-_FBOX = "\\fbox"
 
 
 def final_line(text: str) -> tuple[str, int] | None:
     """An unboxed final answer of a common convention, as ``(answer, end)``: the last of
     ``\\fbox{...}``, Minerva's "The final answer is $X$.", ``**Answer:** X`` and
     ``Answer: X`` lines; None if there is none."""
-    found: list[tuple[int, str, int]] = []  # (start, answer, end)
-    start = text.rfind(_FBOX)
-    if start != -1:
-        brace = text.find("{", start)
-        close = balanced_after(text, brace) if brace != -1 else None
-        if close is not None and not text[start + len(_FBOX):brace].strip():
-            found.append((start, text[brace + 1:close], close + 1))
+    found: list[tuple[int, str, int]] = []  # (where it is, answer, end)
+    fbox = last_command(text, "\\fbox")
+    if fbox is not None:
+        found.append((fbox[1], *fbox))
     for pattern in (_FINAL_PHRASE, _FINAL_LINE):
         matches = list(pattern.finditer(text))
         if matches:
@@ -59,11 +71,17 @@ def final_line(text: str) -> tuple[str, int] | None:
     if not found:
         return None
     _, value, end = max(found)
-    value = value.strip(" \t*_")
+    value = _bare(value.strip(" \t*_"), ".")
+    return (value, end) if value else None
+
+
+def _bare(value: str, trailing: str) -> str:
+    """``value`` out of its math delimiters (``$...$``, ``\\(...\\)``) and blanks, and
+    ``trailing`` punctuation off its end."""
+    value = value.strip()
     if value.startswith("\\(") and value.endswith("\\)"):
         value = value[2:-2]
-    value = value.strip().strip("$").strip().rstrip(".").strip()
-    return (value, end) if value else None
+    return value.strip().strip("$").strip().rstrip(trailing).strip()
 
 
 # -- hedges -----------------------------------------------------------------------------
@@ -80,10 +98,7 @@ def offered_after(tail: str) -> list[str]:
     "alternatively $4$"): each must equal the answer, or the answer is a hedge."""
     values = []
     for m in _HEDGE.finditer(tail[:HEDGE_WINDOW]):
-        value = m.group(1).strip()
-        if value.startswith("\\(") and value.endswith("\\)"):
-            value = value[2:-2]
-        value = value.strip("$").strip().rstrip(".,").strip()
+        value = _bare(m.group(1), ".,")
         if value:
             values.append(value)
     return values
@@ -300,9 +315,13 @@ def based(text: str) -> tuple[str, int] | None:
     if not m:
         return None
     digits, base = m.group(1).upper().lstrip("0") or "0", int(m.group(2))
-    if not 2 <= base <= 36 or any(c not in _DIGITS[:base] for c in digits):
+    if not 2 <= base <= 36 or not _of_base(digits, base):
         return None
     return digits, base
+
+
+def _of_base(digits: str, base: int) -> bool:
+    return all(c in _DIGITS[:base] for c in digits)
 
 
 def digits_of(text: str, base: int) -> str | None:
@@ -318,9 +337,7 @@ def digits_of(text: str, base: int) -> str | None:
             if not value:
                 return out
     digits = text.strip().strip("$").upper().lstrip("0") or "0"
-    if not digits or any(c not in _DIGITS[:base] for c in digits):
-        return None
-    return digits
+    return digits if _of_base(digits, base) else None
 
 
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\degree|°")

@@ -58,38 +58,10 @@ MAX_IDLE_HELPERS = 4
 
 def last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` whose first brace is balanced, or None."""
-    found = last_boxed_span(text)
+    found = forms.last_command(text, "\\boxed")
     return found[0] if found else None
 
 
-def last_boxed_span(text: str) -> tuple[str, int] | None:
-    """``(content, end)`` of the last ``\\boxed{...}`` whose first brace is balanced
-    (``end``: just past its closing brace), or None. Linear in the text: each brace is
-    matched once, each span searched once."""
-    closes, stack = {}, []
-    for m in _BRACES.finditer(text):
-        if m.group() == "{":
-            stack.append(m.start())
-        elif stack:
-            closes[stack.pop()] = m.start()
-    # Searching back from the last \\boxed: ``known`` is the first brace at or after
-    # ``limit`` (None: there is none), so each start searches only [start, limit).
-    known, limit = None, len(text)
-    start = text.rfind("\\boxed")
-    while start != -1:
-        i = text.find("{", start, limit)
-        if i == -1:
-            if known is None:
-                return None
-            i = known
-        if i in closes:
-            return text[i + 1:closes[i]].strip(), closes[i] + 1
-        known, limit = i, start
-        start = text.rfind("\\boxed", 0, start)
-    return None
-
-
-_BRACES = re.compile(r"[{}]")
 _SEPARATORS = re.compile(r",|;|\bor\b|\\text\{\s*or\s*\}|\\lor")
 _ANSWER_LINE = re.compile(r"(?im)^\s*answer\s*[:：]\s*\(?([A-Z])\)?\s*$")
 # "The answer is (B)", "the correct answer is: **B**." (the letter a capital, the words any case)
@@ -149,7 +121,7 @@ def grade_math(final_text: str, reference: str, max_chars: int = 200,
     ``boxed``: the last ``\\boxed{}``; ``final``: that, or else the last unboxed final
     answer of a common convention. Unbounded: call it in a helper (:func:`grade`), never in
     a pool process."""
-    found = last_boxed_span(final_text)
+    found = forms.last_command(final_text, "\\boxed")
     if found is None and answer_format == "final":
         found = forms.final_line(final_text)
     if found is None:
@@ -175,10 +147,13 @@ class Equal:
         from math_verify import parse, verify
 
         self.parse, self.verify = parse, verify
+        self._parsed = {}  # one grading compares the same texts many times: each parsed once
 
     def parsed(self, text: str):
-        return (self.parse(f"${text}$", parsing_timeout=None)
-                or self.parse(text, parsing_timeout=None))
+        if text not in self._parsed:
+            self._parsed[text] = (self.parse(f"${text}$", parsing_timeout=None)
+                                  or self.parse(text, parsing_timeout=None))
+        return self._parsed[text]
 
     def __call__(self, answer: str, reference: str) -> bool | None:
         gold, pred = self.parsed(reference), self.parsed(answer)

@@ -316,7 +316,7 @@ def matches(out, expected, checker):
     got, want = out.split(), expected.split()
     if kind != "floats" or len(got) != len(want):
         return got == want
-    tol_abs, tol_rel = float(checker.get("abs", 1e-6)), float(checker.get("rel", 1e-6))
+    tolerance = float(checker.get("tolerance", 1e-6))
     for g, w in zip(got, want):
         if g == w:
             continue
@@ -324,7 +324,7 @@ def matches(out, expected, checker):
             gv, wv = float(g), float(w)
         except ValueError:
             return False
-        if not (abs(gv - wv) <= max(tol_abs, tol_rel * abs(wv))):  # nan is never within
+        if not (abs(gv - wv) <= max(tolerance, tolerance * abs(wv))):  # nan never is
             return False
     return True
 
@@ -673,19 +673,19 @@ class Program:
         """Ask, and read the answer; past any failure in between, the program is broken."""
         if self.broken:
             raise ProgramBroken("the program stopped answering")
-        text = json.dumps(request, separators=(",", ":"), allow_nan=False)
+        line = line_of(request)  # noqa: F821 - values.py's
         self.broken = True
         try:
-            self.proc.stdin.write((text + "\n").encode())
+            self.proc.stdin.write((line + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise RuntimeError("the program exited") from None
         message = self._message()
         self.broken = False
         if message[0] == "raise" and len(message) == 5:
-            name, base, text, own = message[1:]
+            name, base, said, own = message[1:]
             key = own if type(own) is int else (str(name), str(base))
-            raise _exception_class(str(name), str(base), self.exceptions, key)(str(text))
+            raise _exception_class(str(name), str(base), self.exceptions, key)(str(said))
         if message[0] != "ok" or len(message) < 2:
             self.broken = True
             raise ProgramBroken("the program did not answer the question")

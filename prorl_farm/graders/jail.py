@@ -72,15 +72,12 @@ class Jail:
         # enabled=False (the spec's "jail": false): no jail, the tests of the fallback.
         # probe=False: the farm has seen this node's jail work (a grading that finds it
         # broken now is an error, not a run without it), and the probe's start is saved.
-        if enabled and self.bwrap and os.getuid() != 0 and not probe:
-            self.works = True
-        elif enabled and self.bwrap and os.getuid() != 0:
+        if enabled and self.bwrap and os.getuid() != 0:
             # Its first stage included: where bubblewrap runs but the kernel's part cannot be
             # had, the program runs without the jail, confined all the same (no noexec).
-            probe = subprocess.run(self.argv([], "/", None, "/tmp") + self.stage([], None)
-                                   + ["/bin/true"], capture_output=True,
-                                   stdin=subprocess.DEVNULL, timeout=30)
-            self.works = probe.returncode == 0
+            self.works = not probe or subprocess.run(
+                self.argv([], "/", None, "/tmp") + self.stage([], None) + ["/bin/true"],
+                capture_output=True, stdin=subprocess.DEVNULL, timeout=30).returncode == 0
 
     @property
     def name(self):

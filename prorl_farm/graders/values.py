@@ -48,6 +48,7 @@ _FACTORIES = {"int": int, "float": float, "str": str, "list": list, "set": set, 
               "tuple": tuple, "frozenset": frozenset, "bool": bool, "complex": complex,
               "bytes": bytes}
 _SEQUENCES = {"L": list, "T": tuple, "S": set, "F": frozenset}
+_SEQUENCE_TAGS = {cls: tag for tag, cls in _SEQUENCES.items()}
 
 
 class Unencodable(TypeError):
@@ -85,16 +86,10 @@ def encode(value, ref=None):
         return _int(value)
     if t is float:
         return _float(value)
-    if t is list:
-        return ["L", *map(enc, value)]
-    if t is tuple:
-        return ["T", *map(enc, value)]
+    if t in _SEQUENCE_TAGS:
+        return [_SEQUENCE_TAGS[t], *map(enc, value)]
     if t is dict:
         return ["D", *_pairs(value.items(), enc)]
-    if t is set:
-        return ["S", *map(enc, value)]
-    if t is frozenset:
-        return ["F", *map(enc, value)]
     if t is collections.Counter:
         return ["Counter", *_pairs(dict.items(value), enc)]
     if t is collections.OrderedDict:
@@ -137,7 +132,7 @@ def encode(value, ref=None):
         return str.__str__(value)
     if isinstance(value, dict):
         return ["D", *_pairs(dict.items(value), enc)]
-    for base in (list, tuple, set, frozenset):
+    for base in _SEQUENCES.values():
         if isinstance(value, base):
             return encode(base(base.__iter__(value)), ref)
     for base in (bytes, bytearray, complex, decimal.Decimal, fractions.Fraction):
@@ -151,8 +146,13 @@ def encode(value, ref=None):
     return ref(value)
 
 
+def line_of(message):
+    """A description (or a message of them) as the one line each side writes."""
+    return json.dumps(message, separators=(",", ":"), allow_nan=False)
+
+
 def dumps(value, ref=None):
-    return json.dumps(encode(value, ref), separators=(",", ":"), allow_nan=False)
+    return line_of(encode(value, ref))
 
 
 class Malformed(ValueError):

@@ -109,8 +109,9 @@ def tests_spec(inst: dict) -> dict:
     spec = {"time_s": inst["time_limit_s"], "wall_s": WALL_FACTOR * inst["time_limit_s"],
             "memory_mb": inst["memory_mb"]}
     if inst.get("tests"):
-        checker = {"kind": inst.get("checker", "tokens"), "abs": inst.get("float_tolerance", 1e-6),
-                   "rel": inst.get("float_tolerance", 1e-6)}
+        # float_tolerance: absolute or relative, as competitive programming's checkers take it
+        checker = {"kind": inst.get("checker", "tokens"),
+                   "tolerance": inst.get("float_tolerance", 1e-6)}
         if checker["kind"] == "program":
             checker["program"] = inst["checker_program"]
         return {**spec, "style": "stdio", "tests": inst["tests"], "checker": checker}
@@ -130,7 +131,7 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
     """Run the harness on ``program`` in a fresh sandbox: the tests reach it on its stdin,
     never as a file, and its verdict is the line tagged with a nonce it read there."""
     nonce = secrets.token_hex(16)
-    runtime = getattr(getattr(getattr(ctx, "sandboxes", None), "runtime", None), "name", "")
+    runtime = ctx.sandboxes.runtime.name
     spec = {**tests_spec(inst), "nonce": nonce, **jail_spec(ctx),
             "jail_seen": runtime in _JAIL_SEEN}
     n = len(spec.get("tests") or spec.get("cases"))
@@ -143,7 +144,7 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
     except Exception:
         _JAIL_SEEN.discard(runtime)
         raise
-    if verdict.get("jail") == "bwrap" and runtime:
+    if verdict.get("jail") == "bwrap":
         _JAIL_SEEN.add(runtime)
     fraction = verdict["passed"] / verdict["total"] if verdict["total"] else 0.0
     return {"reward": 1.0 if verdict["passed"] == verdict["total"] > 0 else 0.0,
