@@ -11,7 +11,6 @@ AVX2 it cannot run).
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -103,24 +102,32 @@ def test_multi_turn_conversations_are_token_exact(farm, vllm_server, vllm_model)
     assert max(len(j["result"]["turns"]) for j in jobs) >= 2
 
 
-def _running(url: str) -> float:
+def _metric(url: str, name: str) -> float:
+    """The sum of vLLM's Prometheus series ``name`` (over its labels)."""
     text = requests.get(url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def _running(url: str) -> float:
+    return _metric(url, "vllm:num_requests_running")
 
 
 def test_cancel_aborts_the_request_in_the_engine(farm, vllm_server, vllm_model):
     _, client = farm
     _register(client, vllm_server, vllm_model)
+    tokens = _metric(vllm_server, "vllm:generation_tokens_total")
     sub = client.post("/v1/jobs", json={
         "handler": "chat", "instances": _chats(6), "sampling": {
             "temperature": 1.0, "max_tokens": 4000, "ignore_eos": True}}).get_json()
     # Six generations of 4000 tokens each: many seconds of work for the engine.
     wait_until(lambda: _running(vllm_server) >= 6, 120, 0.1, "six requests running in vLLM")
     assert client.post(f"/v1/batches/{sub['batch_id']}/cancel").status_code == 200
-    t0 = time.monotonic()
-    wait_until(lambda: _running(vllm_server) == 0, 10, 0.05, "vLLM's running count to drop")
-    assert time.monotonic() - t0 < 5
+    wait_until(lambda: _running(vllm_server) == 0, 60, 0.05, "vLLM's running count to drop")
+    # Aborted, not run to their end: the engine generated less than the six would have (a
+    # witness of the abort that a loaded machine does not move, where a wall-clock bound did).
+    generated = _metric(vllm_server, "vllm:generation_tokens_total") - tokens
+    assert 0 < generated < 6 * 4000, generated
     jobs = [client.get(f"/v1/jobs/{j}").get_json() for j in sub["job_ids"]]
     assert {j["state"] for j in jobs} == {"cancelled"}
     wait_until(lambda: client.get("/v1/backends").get_json()["backends"][0]["in_flight"] == 0,
