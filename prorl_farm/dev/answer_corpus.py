@@ -51,8 +51,9 @@ FRACTIONS = [  # (reference, right answers)
 ]
 FRACTION_MISSES = [  # (reference, near-misses)
     ("\\frac{1}{2}", ["0.05", "2", "1/3", "\\frac{1}{4}"]),
-    # A percent is a percent only where the reference is one: 75% for 3/4 is another number
-    # (as 200% is for 2, where a hedging policy would be paid either reading).
+    # Against a reference without one, a percent sign is the unit the reference dropped:
+    # 75% for 3/4 is the number 75 (never also 0.75, which would pay 200% for 2 either
+    # reading).
     ("\\frac{3}{4}", ["0.7", "4/3", "7.5", "75\\%"]),
     ("\\frac{2}{3}", ["0.6", "3/2", "\\frac{2}{5}"]),
     ("\\sqrt{2}", ["2", "\\sqrt{3}", "1.4"]),
@@ -134,7 +135,7 @@ def dresses(rng: random.Random) -> list[tuple[str, str, str, bool]]:
     """Right answers in the dresses of AMC/AIME choices, intervals, repeating decimals,
     digit groups, words, units in ``\\text{}``, bases and angles, each with near-misses in
     the same dress; and hedges (a value offered after the box, a relation between
-    different values, a percent for a number)."""
+    different values, and the percent of a number as its hundredth)."""
     out = []
     for n in sorted({rng.randrange(2, 99) for _ in range(12)}):
         letter = "ABCDE"[n % 5]
@@ -176,7 +177,7 @@ def dresses(rng: random.Random) -> list[tuple[str, str, str, bool]]:
                 ("math", str(n), _message(f"f({n + 1}) = {n}"), True),
                 ("math", str(n), _message(f"x = {n}"), True),
                 ("math", str(n), _message(f"\\frac{{{2 * n}}}{{2}} = {n}"), True),
-                ("math", str(n), _message(f"{n}\\%"), False),
+                ("math", str(n), _message(f"{n}\\%"), True),
                 ("math", str(n), _message(f"{100 * n}\\%"), False)]
     for n in sorted({rng.randrange(1000, 999_999) for _ in range(8)}):
         out += [("math", str(n), _message(_grouped(n, " ")), True),

@@ -3,7 +3,7 @@ takes that math-verify does not read (choice letters with their values, inequali
 intervals, repeating decimals, digit groups, numbers in words or with units in ``\\text{}``,
 numbers in another base, radians for degrees), the unboxed final-answer lines of common
 conventions, and the signs of a hedge (a relation between different values, another value
-offered after the box, a percent where the reference has none).
+offered after the box).
 
 Pure text: every function here is linear or close to it in its input and computes nothing
 unbounded (math-verify, which can, runs in the grading helper of
@@ -153,6 +153,10 @@ _PERCENT = re.compile(r"\\%|%|\\text\{\s*percent\s*\}|\bpercent\b")
 
 def has_percent(text: str) -> bool:
     return bool(_PERCENT.search(text))
+
+
+def without_percent(text: str) -> str:
+    return _PERCENT.sub("", text).strip()
 
 
 # -- dresses of a value -----------------------------------------------------------------
