@@ -272,6 +272,12 @@ class Settings:
                              "reads to size itself per instance", lo=1, hi=100_000)
     warm_builders: int = setting(2, "warm sandboxes each INIT pool builds at once", lo=1,
                                  hi=256)
+    warm_graders: bool = setting(
+        True, "an EVAL pool keeps its `code` graders warm: a grading sandbox per tenant "
+        "serving problem after problem, each program in a fresh jail (no sandbox start per "
+        "grading)")
+    grader_idle_s: float = setting(5.0, "how long a warm grader waits for its next problem "
+                                   "before it is stopped", lo=0.5, hi=DAY_S)
     fair_share: bool = setting(
         True, "weighted fair share of every stage's slots between tenants, then between "
         "each tenant's batches, with priorities (docs/sharing.md); off: each stage first "

@@ -271,6 +271,13 @@ def warm(node: str) -> str:
     return f"{PREFIX}warm:{node}"
 
 
+def graders(node: str) -> str:
+    """Hash: warm grader handle ("grader-<id>", what its sandbox's record names as its job)
+    -> JSON {until, pid}: the EVAL pools' warm graders on ``node``, each leased until
+    ``until`` (prorl_farm/sandbox/warm_graders.py)."""
+    return f"{PREFIX}graders:{node}"
+
+
 def warm_ready(node: str, key: str) -> str:
     """List: the ready warm sandboxes on ``node`` for the jobs whose INIT key is ``key``."""
     return f"{PREFIX}warm:{node}:ready:{key}"

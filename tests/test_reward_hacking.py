@@ -1082,6 +1082,35 @@ def test_the_tests_are_out_of_reach_with_or_without_the_jail(grading_sandbox, ru
         assert verdict["jail"] == ("bwrap" if jail else "none"), verdict
 
 
+# A call-style program confines itself in the jail (confine.py's confine_here: no first
+# stage, no exec between its confinement and the program): what it holds when the program runs.
+HOLDS = """
+def f():
+    with open("/proc/self/status") as status:
+        return dict(line.split(":", 1) for line in status)
+"""
+NOTHING_HELD = ("s = {k: v.strip() for k, v in f().items()}\n"
+                "assert [s[k] for k in ('CapInh', 'CapPrm', 'CapEff', 'CapAmb')] == ['0' * 16] * 4\n"
+                "assert s['NoNewPrivs'] == '1' and s['Seccomp'] == '2'\n"
+                "assert s['Uid'].split() == ['1001'] * 4")
+
+
+def test_a_call_style_program_runs_with_no_capability_and_the_kernel_attacks_fail_there(
+        grading_sandbox, forge_so):
+    """No capability left (the jail's root had CAP_SYS_ADMIN for the first stage, and a user
+    namespace of its own gives them all back until they are dropped), and each of round
+    four's attacks, run as the program loads, earns nothing."""
+    verdict = code_harness_verdict(grading_sandbox, HOLDS, {"entry_point": "f",
+                                                            "test_list": [NOTHING_HELD]})
+    assert verdict["passed"] == 1 and verdict["jail"] == "bwrap", verdict
+    for name, code in KERNEL_ATTACKS.items():
+        program = ("__file__ = '/tmp/solution.py'\n" + _kernel_attack(code, forge_so)
+                   + "\ndef f():\n    return _OWNED\n")
+        verdict = code_harness_verdict(grading_sandbox, program, {
+            "entry_point": "f", "test_list": ["assert f() is False"]})
+        assert verdict["passed"] == 1, (name, verdict)
+
+
 def test_a_time_limit_is_cpu_time_with_a_wall_clock_backstop(grading_sandbox):
     """A time limit is CPU time, so a machine too busy to give a right program its share
     fails nothing: a program that waits 1.5 s within a 0.5 s limit passes (it stands for

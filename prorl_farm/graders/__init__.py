@@ -10,6 +10,18 @@ INCLUDE_TEXT = "# include-text: "
 
 
 def source(name: str, read=None) -> str:
+    """The text of a grader script (:func:`assemble`), read once per process."""
+    if read is not None:
+        return assemble(name, read)
+    if name not in _SOURCES:
+        _SOURCES[name] = assemble(name)
+    return _SOURCES[name]
+
+
+_SOURCES: dict[str, str] = {}
+
+
+def assemble(name: str, read=None) -> str:
     """The text of a grader script shipped with the farm (e.g. ``code_harness.py``), with
     each ``# include: NAME`` line replaced by that file's text (a grader runs with nothing
     importable beside it), and each ``# include-text: NAME VARIABLE`` line by an assignment
@@ -19,10 +31,10 @@ def source(name: str, read=None) -> str:
     out = []
     for line in read(name).splitlines(keepends=True):
         if line.startswith(INCLUDE):
-            out.append(source(line[len(INCLUDE):].strip(), read))
+            out.append(assemble(line[len(INCLUDE):].strip(), read))
         elif line.startswith(INCLUDE_TEXT):
             included, variable = line[len(INCLUDE_TEXT):].split()
-            out.append(f"{variable} = {source(included, read)!r}\n")
+            out.append(f"{variable} = {assemble(included, read)!r}\n")
         else:
             out.append(line)
     return "".join(out)

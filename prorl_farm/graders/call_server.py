@@ -1,5 +1,8 @@
 """The program's side of call-style tests (HumanEval, MBPP): runs in the jail as
-``python3 -I -c <this text> ENTRY FD``, loads ``solution.py`` into a namespace of its own, says
+``python3 -I -c <this text + "main()"> [--confine WORDS...] ENTRY FD`` (or imported, in a
+warm grader, and its ``main`` called), confines itself (confine.py's
+``confined_args``: the jail's first stage, without a second interpreter), loads
+``solution.py`` into a namespace of its own, says
 what its top-level names are, then answers the harness's requests (one JSON line each on
 stdin) with one JSON line each on descriptor FD.
 
@@ -15,13 +18,13 @@ Answers: ``["ok", value, ...]``, ``["raise", type name, built-in base, message, 
 ``["fail", why]`` before ``["ready", names]`` if the program does not load.
 """
 
-import json
 import operator
 import os
 import sys
 import types
 
 # include: values.py
+# include: confine.py
 
 ITER_BATCH = 1024  # at most this many items per "next"
 OPS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
@@ -76,7 +79,9 @@ def raised(error):
 
 
 def main():
-    out = os.fdopen(int(sys.argv[2]), "w")
+    # In the jail: confined before anything of the program runs.
+    entry, fd = confined_args(sys.argv[1:])  # noqa: F821 - confine.py's
+    out = os.fdopen(int(fd), "w")
 
     def send(message):
         out.write(line_of(message) + "\n")  # noqa: F821 - values.py's
@@ -86,7 +91,7 @@ def main():
     try:
         with open("solution.py") as f:
             exec(compile(f.read(), "solution.py", "exec"), ns)
-        ns[sys.argv[1]]
+        ns[entry]
     except BaseException as e:  # noqa: BLE001
         send(["fail", type(e).__name__])
         raise SystemExit(1) from None
@@ -109,7 +114,7 @@ def main():
     send(["ready", names])
     for line in sys.stdin:
         try:
-            request = json.loads(line)
+            request = read_line(line)  # noqa: F821 - values.py's
             op = request[0]
             if op == "call":
                 target = resolve(request[1], None, None)
@@ -143,7 +148,3 @@ def main():
                 send(["raise", "TypeError", "TypeError", "an unknown request", None])
         except BaseException as e:  # noqa: BLE001 - the harness decides what it means
             send(raised(e))
-
-
-if __name__ == "__main__":  # python3 -I -c <this text>
-    main()

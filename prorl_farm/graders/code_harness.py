@@ -68,10 +68,12 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 PR_SET_DUMPABLE = 4
@@ -111,6 +113,9 @@ def limits(memory_mb, file_mb=64):
     return apply
 
 
+SERVER = set()  # a warm grader's own process (serve): kept by the gradings it forks
+
+
 def kill_others(within_s=30.0):
     """Every process but this one, its literal reader and the sandbox's init: what a test
     left behind, killed, and waited for until it is reaped (until then the process cap
@@ -119,7 +124,7 @@ def kill_others(within_s=30.0):
     root, where "every process" would be the host's)."""
     if os.getuid() == 0:
         return
-    keep = {os.getpid(), 1, LITERALS.pid}
+    keep = {os.getpid(), 1, LITERALS.pid} | SERVER
     end = time.monotonic() + within_s
     pause = 0.005
     while True:
@@ -134,17 +139,33 @@ def kill_others(within_s=30.0):
                     state, ppid = f.read().rpartition(b")")[2].split()[:2]
             except (ProcessLookupError, PermissionError, FileNotFoundError, ValueError):
                 continue
-            if state == b"Z" and ppid == b"1":
-                continue
+            if state == b"Z" and (ppid == b"1" or int(ppid) in SERVER):
+                continue  # the init's to reap, or the warm grader's (after this grading)
+            if int(ppid) == os.getpid() and _reaped(pid, end):
+                continue  # ours (a child, or an orphan we adopted): reaped as it died
             left = True
-            try:
-                os.waitpid(pid, os.WNOHANG)  # ours to reap: a child, or an orphan we adopted
-            except ChildProcessError:
-                pass
         if not left or time.monotonic() > end:
             return
         time.sleep(pause)
         pause = min(2 * pause, 0.1)
+
+
+def _reaped(pid, end):
+    """Whether our killed child ``pid`` died and was reaped by ``end`` (its death waited for,
+    not slept on)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            select.select([fd], [], [], max(0.0, end - time.monotonic()))
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 # include: jail.py
@@ -257,19 +278,29 @@ LITERALS = Literals()
 
 def binds(where):
     """The jail's view for the program, as ``(binds, cwd)``: its directory (a private copy
-    of the program, and nothing else), read-only; it writes to its own fresh ``/tmp``."""
-    return [(where, False)], where
+    of the program, and nothing else), read-only; it writes to its own fresh ``/tmp``; and
+    a warm grader's compiled jail helpers, read-only."""
+    return [(where, False)] + ([(HELPERS_DIR, False)] if HELPERS_DIR else []), where
+
+
+def helper(module, call, text):
+    """The ``-c`` text that runs ``call`` of a jail helper: imported from a warm grader's
+    compiled copy, else its ``text`` compiled here and now."""
+    if HELPERS_DIR:
+        return (f"import sys; sys.path.insert(0, {HELPERS_DIR!r}); import {module}; "
+                f"{module}.{call}()")
+    return text + f"\n{call}()\n"
 
 
 def normalise(text):
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-def run_jailed(jail, argv, view, data, bound, time_s, wall_s, memory_mb):
+def run_jailed(jail, argv, view, data, bound, time_s, wall_s, memory_mb, confines_itself=None):
     """A program in the jail with ``data`` on its stdin, its output read here up to
     ``bound``: ``(output, why, exit status)``, ``why`` None unless a limit stopped it."""
     proc = jail.popen(argv, *view, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                      stderr=subprocess.DEVNULL, close_fds=True,
+                      stderr=subprocess.DEVNULL, close_fds=True, confines_itself=confines_itself,
                       preexec_fn=limits(memory_mb), env=CHILD_ENV)
     why = "not run"
     try:
@@ -292,8 +323,12 @@ def run_stdio(jail, where, test, time_s, wall_s, memory_mb, checker):
     a bound (four times the expected output, at least 1 MiB: a program that floods its
     stdout is stopped, not buffered), then judged by the task's ``checker``."""
     bound = max(1 << 20, 4 * len(test["output"].encode()))
-    out, why, status = run_jailed(jail, [sys.executable, "-I", SOLUTION], binds(where),
-                                  test["input"].encode(), bound, time_s, wall_s, memory_mb)
+    # The program runs as python3 -I solution.py, in the interpreter that confines it.
+    out, why, status = run_jailed(
+        jail, [sys.executable, "-I", "-c", helper("prorl_confine", "run_here", CONFINE_SOURCE),  # noqa: F821
+               SOLUTION],
+        binds(where), test["input"].encode(), bound, time_s, wall_s, memory_mb,
+        confines_itself=4)
     if why is not None:
         return False, why
     if status != 0:
@@ -615,9 +650,10 @@ class Program:
         self.exceptions = {}  # the program's exception classes, as this side stands for them
         r, w = os.pipe()
         self.jail = jail
+        view, cwd = binds(where)
         self.proc = jail.popen(
-            [sys.executable, "-I", "-c", CALL_SERVER, entry_point, str(w)],  # noqa: F821
-            *binds(where),
+            [sys.executable, "-I", "-c", helper("prorl_call_server", "main", CALL_SERVER),  # noqa: F821
+             entry_point, str(w)], view, cwd, confines_itself=4,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             pass_fds=(w,), close_fds=True, preexec_fn=limits(memory_mb), env=CHILD_ENV)
         os.close(w)
@@ -856,16 +892,8 @@ def run_calls(jail, where, spec, time_s, wall_s, memory_mb):
 INT_DIGITS = 100_000  # what a test may turn into text of an int (Python's default: 4,300)
 
 
-def main():
-    harden()
-    # A test reads big results as text (len(str(f(n)))), but converting is quadratic: a
-    # program's 10-million-digit result must not hold the grading for minutes.
-    sys.set_int_max_str_digits(INT_DIGITS)
-    base_kb = peak_rss_kb()
-    spec = json.loads(sys.stdin.buffer.read())
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)  # nothing of the tests is left to read on fd 0
-    nonce = spec["nonce"]
+def grade(spec, where, base_kb):
+    """The verdict's fields for the program in ``where`` against ``spec``'s tests."""
     time_s, memory_mb = spec.get("time_s", 5.0), spec.get("memory_mb", 512)
     wall_s = spec.get("wall_s", WALL_FACTOR * time_s)
     # Jail is from jail.py, included when the harness is shipped.
@@ -873,10 +901,6 @@ def main():
     jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True),  # noqa: F821
                 noexec_binds=True, disk_mb=spec.get("disk_mb"),
                 probe=not spec.get("jail_seen", False))
-    # The program's own directory: a private copy, so the jail binds it alone.
-    where = tempfile.mkdtemp(prefix="candidate-")
-    shutil.copy(SOLUTION, os.path.join(where, SOLUTION))
-    os.chmod(where, 0o755)
     try:
         if spec["style"] == "stdio":
             results = []
@@ -888,14 +912,159 @@ def main():
         else:
             results = run_calls(jail, where, spec, time_s, wall_s, memory_mb)
     except (JailError, CheckerError) as e:  # noqa: F821 - not the program's fault: an error
-        verdict(nonce, error=str(e))
-        return
+        return {"error": str(e)}
     finally:
         LITERALS.close()
     peak_kb = peak_rss_kb()
-    verdict(nonce, passed=sum(1 for ok, _ in results if ok), total=len(results),
-            jail=jail.name, results=[{"ok": ok, "why": why} for ok, why in results],
-            memory_mb={"start": round(base_kb / 1024, 1), "peak": round(peak_kb / 1024, 1)})
+    return {"passed": sum(1 for ok, _ in results if ok), "total": len(results),
+            "jail": jail.name, "results": [{"ok": ok, "why": why} for ok, why in results],
+            "memory_mb": {"start": round(base_kb / 1024, 1), "peak": round(peak_kb / 1024, 1)}}
+
+
+def program_dir(program):
+    """The program's own directory: a private copy, so that the jail binds it alone."""
+    where = tempfile.mkdtemp(prefix="candidate-")
+    with open(os.path.join(where, SOLUTION), "wb") as f:
+        f.write(program if isinstance(program, bytes)
+                else program.encode("utf-8", errors="surrogatepass"))
+    os.chmod(where, 0o755)
+    return where
+
+
+def main():
+    harden()
+    # A test reads big results as text (len(str(f(n)))), but converting is quadratic: a
+    # program's 10-million-digit result must not hold the grading for minutes.
+    sys.set_int_max_str_digits(INT_DIGITS)
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+        return
+    base_kb = peak_rss_kb()
+    spec = json.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # nothing of the tests is left to read on fd 0
+    with open(SOLUTION, "rb") as f:
+        where = program_dir(f.read())
+    verdict(spec["nonce"], **grade(spec, where, base_kb))
+
+
+# -- the warm grader ---------------------------------------------------------------------
+#
+# ``python3 -I -S code_harness.py --serve SOCKET``: a grading sandbox that serves problem
+# after problem (the EVAL pool's warm graders, prorl_farm/sandbox/warm_graders.py), each as
+# the one-shot harness grades one, without the sandbox's start and this process's. A
+# connection to SOCKET (in the sandbox's workspace, which no jail sees) brings one problem:
+# its spec as above with the ``program``, length-prefixed (8 bytes, little-endian); a
+# process forked from this one, which has run nothing of any task, grades it (the program in
+# a fresh jail, the test code in this fork alone) and writes the nonce-tagged verdict line
+# back. Its client gone, it ends at once, with everything it started. One problem at a
+# time: after each, whatever is left of it is killed and its scratch in /tmp removed.
+
+SPEC_BYTES = 1 << 30  # a problem's spec, at most
+HELPERS_DIR = None  # a warm grader's jail helpers, compiled (read-only in each jail)
+
+
+def compiled_helpers():
+    """The call server and the stdio runner as modules with their bytecode cached beside
+    them, in a directory of their own that each jail binds read-only: a program's start
+    imports them instead of compiling their text (a tenth of a start)."""
+    import py_compile
+
+    where = tempfile.mkdtemp(prefix="jail-helpers-")
+    for name, text in (("prorl_call_server", CALL_SERVER),  # noqa: F821
+                       ("prorl_confine", CONFINE_SOURCE)):  # noqa: F821
+        path = os.path.join(where, name + ".py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        py_compile.compile(path, doraise=True)
+    for root, dirs, files in os.walk(where):
+        for name in dirs + files:
+            os.chmod(os.path.join(root, name), 0o755 if name in dirs else 0o644)
+    os.chmod(where, 0o755)
+    return where
+
+
+def serve(path):
+    global HELPERS_DIR
+    SERVER.add(os.getpid())
+    HELPERS_DIR = compiled_helpers()
+    for name in ("base64", "decimal", "fractions"):  # what a grading would import: once here
+        importlib.import_module(name)
+    if not Jail().works:  # noqa: F821 - from jail.py: probed here, once
+        sys.stderr.write("no jail here: a warm grader serves jailed programs only\n")
+        sys.exit(3)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".new")
+    os.chmod(path + ".new", 0o600)
+    server.listen(8)
+    os.rename(path + ".new", path)  # there, it is served
+    scratch = tempfile.gettempdir()
+    _reap_all()  # what the probe's jail left to us, the subreaper
+    while True:
+        conn, _ = server.accept()
+        before = set(os.listdir(scratch))
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                server.close()
+                status = serve_one(conn)
+            finally:
+                os._exit(status)
+        conn.close()
+        os.waitpid(pid, 0)
+        kill_others()
+        _reap_all()
+        for name in set(os.listdir(scratch)) - before:
+            shutil.rmtree(os.path.join(scratch, name), ignore_errors=True)
+
+
+def _reap_all():
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def serve_one(conn):
+    harden()  # this process's own: a subreaper is not one for its forks
+    conn.settimeout(60)
+    head = _received(conn, 8)
+    size = struct.unpack("<Q", head)[0] if len(head) == 8 else SPEC_BYTES + 1
+    if size > SPEC_BYTES:
+        return 2
+    spec = json.loads(_received(conn, size))
+    conn.settimeout(None)
+    where = program_dir(spec.pop("program"))
+    threading.Thread(target=_end_with_client, args=(conn,), daemon=True).start()
+    fields = grade(spec, where, peak_rss_kb())
+    conn.sendall(("\n" + spec["nonce"] + " " + json.dumps(fields) + "\n").encode())
+    conn.close()
+    kill_others()
+    return 0
+
+
+def _received(conn, n):
+    chunks, got = [], 0
+    while got < n:
+        chunk = conn.recv(min(n - got, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _end_with_client(conn):
+    """A grading whose client hung up (the job cancelled, its deadline passed) ends now."""
+    poll = select.poll()
+    poll.register(conn, select.POLLRDHUP)
+    while not poll.poll():
+        pass
+    kill_others(within_s=5.0)
+    os._exit(1)
 
 
 def peak_rss_kb():

@@ -2,7 +2,8 @@
 # itself, so that no spelling of a path, no native code and no second process gets around
 # it. Included into a grader script where it says "# include: confine.py" (after jail.py's
 # imports); ``confine_self`` runs in the program's own process before it executes the
-# program (the jail's first stage, or a jail-less child before its exec):
+# program (the jail's first stage, or a jail-less child before its exec), or before it runs
+# the program itself (``confine_here``: the call server, one interpreter instead of two):
 #
 # - ``noexec`` (jail only): the writable mounts the program sees (the repository, its /tmp,
 #   /dev/shm, /run, /workspace) are remounted noexec, nosuid, nodev (``mount_setattr``, as
@@ -10,7 +11,8 @@
 #   writes can be executed or mapped executable, so no native code of the candidate's
 #   loads (``dlopen`` fails with EPERM).
 # - the user: a user namespace of its own in which the program is JAIL_UID, with no
-#   capability left after its exec.
+#   capability: every one dropped (``capset``, and from the bounding set) and checked gone
+#   before anything of the program runs, whether it is then executed or not.
 # - Landlock: every file system right on every top-level directory but /proc; in /proc only
 #   the node's own descriptions (cpuinfo, meminfo, ...) and the program's own harmless
 #   files (status, stat, maps, ...); any directory may be listed. ``/proc/*/mem`` (by any spelling:
@@ -27,14 +29,14 @@
 # without the kernel's boundary would be grading on trust (the caller reports an error).
 
 import ctypes
-import json
 import os
-import platform
 import stat
 import struct
 import sys
 
 PR_SET_NO_NEW_PRIVS = 38
+PR_CAPBSET_DROP = 24
+CAPABILITY_VERSION_3 = 0x20080522
 PR_SET_SECCOMP = 22
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
@@ -59,12 +61,12 @@ _CALLS = {
         _GENERIC, ptrace=101, process_vm_readv=310, process_vm_writev=311, kcmp=312,
         userfaultfd=323, perf_event_open=298, bpf=321, mount=165, umount2=166,
         pivot_root=155, setns=308, unshare=272, clone=56, memfd_create=319, mmap=9,
-        mprotect=10, pkey_mprotect=329)),
+        mprotect=10, pkey_mprotect=329, capset=126)),
     "aarch64": (0xC00000B7, dict(
         _GENERIC, ptrace=117, process_vm_readv=270, process_vm_writev=271, kcmp=272,
         userfaultfd=282, perf_event_open=241, bpf=280, mount=40, umount2=39, pivot_root=41,
         setns=268, unshare=97, clone=220, memfd_create=279, mmap=222, mprotect=226,
-        pkey_mprotect=288)),
+        pkey_mprotect=288, capset=91)),
 }
 REFUSED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
            "userfaultfd", "perf_event_open", "bpf", "io_uring_setup", "io_uring_enter",
@@ -95,7 +97,7 @@ def _fail(what):
 
 
 def _calls():
-    machine = platform.machine()
+    machine = os.uname().machine
     if machine not in _CALLS:
         raise OSError(ENOSYS, f"no system call table for {machine}")
     return _CALLS[machine]
@@ -224,6 +226,26 @@ def _own_user(libc, uid):
             os.close(fd)
 
 
+def _no_capabilities(libc):
+    """Every capability of this process gone for good: the bounding set emptied while it
+    may be (CAP_SETPCAP), then the permitted, effective and inheritable sets; checked."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EPERM where none was held: no matter
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = ctypes.create_string_buffer(struct.pack("=Ii", CAPABILITY_VERSION_3, 0))
+    data = ctypes.create_string_buffer(bytes(24))  # two {effective, permitted, inheritable}
+    if libc.syscall(_calls()[1]["capset"], header, data) != 0:
+        _fail("dropping the capabilities")
+    with open("/proc/self/status") as f:
+        left = [line.split(":")[0] for line in f
+                if line.startswith(("CapInh:", "CapPrm:", "CapEff:", "CapAmb:"))
+                and int(line.split()[1], 16)]
+    if left:
+        raise OSError(EPERM, f"capabilities left: {', '.join(left)}")
+
+
 def confine_self(noexec=(), uid=None):
     """Confine this process and whatever it executes (see the top of this file)."""
     libc = _libc()
@@ -231,21 +253,29 @@ def confine_self(noexec=(), uid=None):
         _noexec(libc, noexec)
     if uid is not None:
         _own_user(libc, uid)
-    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    _no_capabilities(libc)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         _fail("no new privileges")
     _landlock(libc)
     _seccomp(libc)
 
 
-def stage0():
-    """The jail's first stage, as ``python3 -I -S -c SOURCE+'stage0()' JSON ARGV...``:
-    confine, say so on the ``report`` descriptor, then execute ARGV. If it cannot, it says
-    why there (and on stderr) and exits 125: the program never runs."""
-    request = json.loads(sys.argv[1])
-    report = request.get("report")
+def stage0_args(noexec=(), uid=None, report=None):
+    """What stage0 reads before the program's argv (plain words: a first stage that imported
+    json, or platform, would start a fifth slower)."""
+    return ["" if uid is None else str(uid), "" if report is None else str(report),
+            str(len(noexec)), *noexec]
+
+
+def confine_here(words):
+    """Confine this process as stage0 does (``words``: :func:`stage0_args`), say so on the
+    ``report`` descriptor and close it; then the caller runs the program itself. If it
+    cannot, it says why there (and on stderr) and exits 125: the program never runs."""
+    uid, report, n = words[:3]
+    uid = int(uid) if uid else None
+    report = int(report) if report else None
     try:
-        confine_self(request.get("noexec", ()), request.get("uid"))
+        confine_self(words[3:3 + int(n)], uid)
     except OSError as e:
         if report is not None:
             os.write(report, f"cannot confine the program: {e}\n".encode())
@@ -254,7 +284,37 @@ def stage0():
     if report is not None:  # said before the program runs; it never holds this pipe
         os.write(report, b"confined\n")
         os.close(report)
-    argv = sys.argv[2:]
+    return words[3 + int(n):]
+
+
+def confined_args(args):
+    """A self-confining program's arguments (its ``sys.argv[1:]``): those after its
+    confinement's words, once it is confined (``--confine`` WORDS..., put there by the jail);
+    as they are without them (no jail: it was confined before its exec)."""
+    return confine_here(args[1:]) if args[:1] == ["--confine"] else args
+
+
+def run_here():
+    """``python3 -I -c SOURCE+'run_here()' [--confine WORDS...] SCRIPT ARGS...``: confined, it
+    runs SCRIPT in this interpreter as ``python3 -I SCRIPT ARGS`` would (a ``__main__``
+    module of its own, ``sys.argv`` from SCRIPT), without a first stage's interpreter."""
+    import types
+
+    argv = confined_args(sys.argv[1:])
+    main = types.ModuleType("__main__")
+    main.__file__ = argv[0]
+    sys.modules["__main__"] = main
+    sys.argv = argv
+    with open(argv[0], "rb") as f:
+        code = compile(f.read(), argv[0], "exec")
+    exec(code, main.__dict__)
+
+
+def stage0():
+    """The jail's first stage, as ``python3 -I -S -c SOURCE+'stage0()' UID REPORT N
+    PATH*N ARGV...`` (:func:`stage0_args`): confined (:func:`confine_here`), it executes
+    ARGV."""
+    argv = confine_here(sys.argv[1:])
     try:
         os.execvp(argv[0], argv)
     except OSError as e:

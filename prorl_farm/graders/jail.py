@@ -99,15 +99,25 @@ class Jail:
             argv += ["--bind" if writable else "--ro-bind", path, path]
         return argv + ["--chdir", cwd, "--"]
 
-    def stage(self, binds, report_fd):
-        """The first stage's command line (confine.py's ``stage0``)."""
+    def confinement(self, binds, report_fd):
+        """What confine.py's ``stage0``/``confine_here`` read (:func:`stage0_args`)."""
         noexec = list(SCRATCH) + [path for path, writable in binds
                                   if writable and self.noexec_binds]
-        request = {"noexec": noexec, "uid": JAIL_UID, "report": report_fd}
-        source = CONFINE_SOURCE  # noqa: F821 - included
-        return [sys.executable, "-I", "-S", "-c", source + "\nstage0()\n", json.dumps(request)]
+        return stage0_args(noexec, JAIL_UID, report_fd)  # noqa: F821 - included
 
-    def popen(self, argv, binds=(), cwd="/workspace", pass_fds=(), **kwargs):
+    def stage(self, binds, report_fd):
+        """The first stage's command line (confine.py's ``stage0``)."""
+        source = CONFINE_SOURCE  # noqa: F821 - included
+        return [sys.executable, "-I", "-S", "-c", source + "\nstage0()\n",
+                *self.confinement(binds, report_fd)]
+
+    def popen(self, argv, binds=(), cwd="/workspace", pass_fds=(), confines_itself=None,
+              **kwargs):
+        """``confines_itself`` (k): ``argv`` is a program that confines itself before
+        anything else it runs (confine.py's ``confined_args``: no first stage, one
+        interpreter start fewer), its confinement's words put after its first k (``--confine``
+        and :func:`stage0_args`'s); without the jail, no words (the child is confined before
+        its exec, as any)."""
         if not self.works:
             return self._start(argv, pass_fds=pass_fds, cwd=cwd,
                                preexec_fn=_confined(kwargs.pop("preexec_fn", None)), **kwargs)
@@ -115,8 +125,11 @@ class Jail:
         r, w = os.pipe()
         cr, cw = os.pipe()
         try:
-            proc = self._start(self.argv(binds, cwd, w, scratch) + self.stage(binds, cw)
-                               + argv, pass_fds=(*pass_fds, w, cw), **kwargs)
+            k = confines_itself
+            command = (self.stage(binds, cw) + argv if k is None else
+                       argv[:k] + ["--confine", *self.confinement(binds, cw)] + argv[k:])
+            proc = self._start(self.argv(binds, cwd, w, scratch) + command,
+                               pass_fds=(*pass_fds, w, cw), **kwargs)
         except BaseException:
             os.close(r)
             os.close(cr)

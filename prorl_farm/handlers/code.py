@@ -14,6 +14,7 @@ passes; the pass fraction is kept.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 
@@ -30,7 +31,10 @@ from prorl_farm.handlers.agentic import (
     no_answer,
 )
 from prorl_farm.handlers.base import JobContext
-from prorl_farm.sandbox.grading import jail_spec, required_verdict, run_isolated
+from prorl_farm.sandbox import warm_graders
+from prorl_farm.sandbox.grading import GRADER_LIMITS, jail_spec, required_verdict, run_isolated
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PROMPT = ("Write a Python program for the task below. You may try code with the python "
                   "tool. When done, call submit with your complete program as \"code\" (or give "
@@ -136,9 +140,20 @@ def grade_program(ctx: JobContext, program: str, inst: dict) -> dict:
             "jail_seen": runtime in _JAIL_SEEN}
     n = len(spec.get("tests") or spec.get("cases"))
     # Each test within its wall-clock backstop, and the harness's own start and jail.
-    files = {"solution.py": program, "code_harness.py": source("code_harness.py")}
-    out = run_isolated(ctx, files, ["python3", "-I", "-S", "code_harness.py"],
-                       timeout_s=n * (spec["wall_s"] + 5) + 60, stdin=json.dumps(spec))
+    timeout_s = max(0.1, min(n * (spec["wall_s"] + 5) + 60, ctx.remaining_s))
+    out = None
+    settings = getattr(ctx, "settings", None)
+    if spec["jail_seen"] and settings is not None and settings.warm_graders:
+        try:  # a warm grader of the job's tenant: no sandbox start, the same jail
+            out = warm_graders.graders(settings.grader_idle_s).grade(
+                ctx, {"code_harness.py": source("code_harness.py")}, spec, program,
+                timeout_s, GRADER_LIMITS)
+        except warm_graders.Unavailable as e:
+            log.warning("grading in a fresh sandbox: %s", e)
+    if out is None:
+        files = {"solution.py": program, "code_harness.py": source("code_harness.py")}
+        out = run_isolated(ctx, files, ["python3", "-I", "-S", "code_harness.py"],
+                           timeout_s=timeout_s, stdin=json.dumps(spec))
     try:
         verdict = required_verdict(out, nonce, "code harness")
     except Exception:

@@ -130,6 +130,8 @@ def check_ro_paths(ro_paths: dict[str, str], roots: list[str]) -> dict[str, str]
 # What a warm sandbox's record names as its job until a job adopts it
 # (prorl_farm/worker/warm.py).
 WARM_PREFIX = "warm-"
+# And a warm grader's, for as long as its pool renews its lease (sandbox/warm_graders.py).
+GRADER_PREFIX = "grader-"
 
 
 class SandboxManager:
@@ -371,6 +373,10 @@ class SandboxManager:
                 # warmer that died mid-build or left it unused).
                 raw = self.r.hget(keys.warm(self.node), job_id)
                 stale = raw is None or json.loads(raw).get("until", 0) < time.time()
+            elif job_id and job_id.startswith(GRADER_PREFIX):
+                # A warm grader: stale once its pool stopped renewing its lease.
+                raw = self.r.hget(keys.graders(self.node), job_id)
+                stale = raw is None or json.loads(raw).get("until", 0) < time.time()
             elif job_id:
                 state, requeues = self.r.hmget(keys.job(job_id), "state", "requeues")
                 stale = (state is None or JobState(state) in TERMINAL_STATES
@@ -381,6 +387,9 @@ class SandboxManager:
                 log.info("janitor: stopping sandbox %s of job %s", sandbox.id, job_id)
                 self.stop(sandbox)
                 stopped += 1
+        for handle, raw in self.r.hgetall(keys.graders(self.node)).items():
+            if json.loads(raw).get("until", 0) < time.time():
+                self.r.hdel(keys.graders(self.node), handle)  # its sandbox is gone
         for slot, owner in self.r.hgetall(self.slots_key).items():
             if self.r.hexists(self.records_key, owner):
                 continue

@@ -27,7 +27,7 @@ from prorl_farm.jobs.messages import StageMessages
 from prorl_farm.jobs.payloads import open_store
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.llm.registry import BackendRegistry
-from prorl_farm.sandbox import cgroups
+from prorl_farm.sandbox import cgroups, warm_graders
 from prorl_farm.states import Reap, StageOutcome
 from prorl_farm.watchdog import Watchdog
 from prorl_farm.worker import logs
@@ -281,6 +281,7 @@ def _leave(farm: WorkerFarm) -> None:
             farm.leave()
         except Exception:
             log.exception("could not re-queue this pool's jobs; the reaper will")
+    warm_graders.close_graders()  # idle ones now; a busy one as its grading ends
     if farm.warm is not None:
         try:
             farm.warm.close()  # its warm sandboxes are nobody's: stopped now
@@ -362,6 +363,7 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     # The node's CPU groups of tenants (sandbox/cgroups.py), if this was its last pool: the
     # answer-grading helpers, which sit in the group they last graded for, go first.
     answers.close_helpers()
+    warm_graders.close_graders()
     cgroups.release_farm_cpu(cpu_farm)
     if code == 0 and not _shutdown_requested:
         # Celery gave up by itself (e.g. "Unrecoverable error" while reconnecting after a
