@@ -85,7 +85,8 @@ def peer() -> list[str]:
                      f"{sum(1 for r, _ in parted if r['model'] == model)} | "
                      f"{counts[(model, 'alone parts')]} |")
     lines += ["", "Every disagreement, and who is right:", "",
-              "| model | idx | reference | farm | peer | who is right |", "|---|---|---|---|---|---|"]
+              "| model | idx | reference | farm | peer | who is right |",
+              "|---|---|---|---|---|---|"]
     for row, farm in parted:
         who, why = model_outputs.DISAGREEMENTS.get((row["model"], row["idx"]),
                                                    ("unlisted", "to be read"))

@@ -7,8 +7,9 @@ and with every function body replaced by ``return None``.
 MBPP's own harness: the reference, the setup and the asserts executed in one fresh Python
 process (``python3 -I -c``), as its evaluation runs them. The farm: EVAL's grading as a pool
 runs it (``grade_program``: the ``code`` harness on a warm grader, each program in a fresh
-jail) of the instance that ``examples/humaneval/rows.py`` makes of the row. A reference earns 1.0 in the farm exactly
-where it passes its own harness; every disagreement is listed with the reason.
+jail) of the instance that ``examples/humaneval/rows.py`` makes of the row. A reference
+earns 1.0 in the farm exactly where it passes its own harness; every disagreement is listed
+with the reason.
 
 Cost: ``--timing`` problems (every k-th of the full set) graded one at a time, in turns:
 MBPP's harness (a process per problem; with the system's ``python3``, which the grading

@@ -42,6 +42,8 @@ class JobContext:
     # The CPU group of the job's tenant (sandbox/cgroups.py), which the processes started
     # for it join: its sandboxes, and a grading helper while it grades for it ("": none).
     cpu_group: str = ""
+    # The tenant of the job's batch (what a warm grader serves one of: sandbox/warm_graders.py).
+    tenant: str = "default"
     # "policy", or "reference": no policy; RUN hands the instance's own reference to EVAL.
     mode: str = "policy"
     state: dict = field(default_factory=dict)

@@ -1090,7 +1090,8 @@ def f():
         return dict(line.split(":", 1) for line in status)
 """
 NOTHING_HELD = ("s = {k: v.strip() for k, v in f().items()}\n"
-                "assert [s[k] for k in ('CapInh', 'CapPrm', 'CapEff', 'CapAmb')] == ['0' * 16] * 4\n"
+                "caps = [s[k] for k in ('CapInh', 'CapPrm', 'CapEff', 'CapAmb')]\n"
+                "assert caps == ['0' * 16] * 4\n"
                 "assert s['NoNewPrivs'] == '1' and s['Seccomp'] == '2'\n"
                 "assert s['Uid'].split() == ['1001'] * 4")
 

@@ -91,6 +91,56 @@ def test_a_submit_whose_answer_is_lost_is_retried_into_the_same_batch(farm):
         direct.submit("synthetic", [{"reward": 0.0}], idempotency_key=f"k-{sub['batch_id']}")
 
 
+class CutShort:
+    """An API that answers a results page's first request with half its body (the process
+    killed mid-answer), then in full; counts the requests."""
+
+    def __init__(self, body: bytes, content_type: str):
+        import http.server
+
+        outer = self
+        self.requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body if outer.requests > 1 else body[:len(body) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+
+            def log_message(self, *_):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["arrow", "json"])
+def test_a_results_page_cut_short_by_an_api_restart_is_asked_for_again(binary):
+    from prorl_farm.columns import ARROW_STREAM, page_bytes
+
+    meta = {"cursor": "1-0", "complete": True, "finished": 1, "total": 1}
+    doc = {"id": "j1", "state": "done", "reward": 1.0}
+    body = (page_bytes([doc], [None], meta) if binary
+            else json.dumps({"results": [doc], **meta}).encode())
+    api = CutShort(body, ARROW_STREAM if binary
+                   else "application/json")
+    try:
+        page = FarmClient(api.url, backoff_s=0.01, retries=3).results("b", binary=binary)
+    finally:
+        api.close()
+    assert api.requests == 2 and [j["id"] for j in page["results"]] == ["j1"]
+
+
 def test_an_api_restart_mid_batch_loses_and_duplicates_nothing(farm, tmp_path):
     """The API process is killed (SIGKILL) while a client streams a batch's results and
     another submits; both carry on once it is back: every job seen once, one batch made."""

@@ -64,9 +64,9 @@ def eval_ctx(r, sandbox_root):
                                      memory_scratch_mb=lambda: (64, 64),
                                      sandbox_workspace_mb=1024)
 
-    def make(job: str, tenant: str = "", instance: dict | None = None) -> JobContext:
+    def make(job: str, tenant: str = "default", instance: dict | None = None) -> JobContext:
         return JobContext(job_id=job, batch_id="b", stage="eval", token="t", node=NODE,
-                          instance=instance or {}, sampling={}, cpu_group=tenant,
+                          instance=instance or {}, sampling={}, tenant=tenant,
                           sandboxes=manager, settings=settings)
 
     yield make, manager, settings
@@ -79,7 +79,7 @@ def _instance(program_test: str, setup: str = "") -> dict:
                                 "test_list": [program_test], "test_setup": setup})
 
 
-def _grade(make, job, program, inst, tenant=""):
+def _grade(make, job, program, inst, tenant="default"):
     return grade_program(make(job, tenant, inst), program, inst)
 
 
@@ -101,7 +101,8 @@ def test_a_warm_grader_serves_problem_after_problem_each_in_a_fresh_jail_and_for
                   _instance("assert sorted(f()) == [1, 2]"))["reward"] == 1.0
     assert r.hget(keys.SANDBOXES_STARTED, NODE) == started  # all on the one warm grader
     assert graders.count() == 1
-    # another tenant's tasks get a grader of their own
+    # another tenant's tasks get a grader of their own (with CPU groups off too: every
+    # tenant's cpu_group is "" here)
     assert _grade(make, "j5", one, _instance("assert f() == 1"), tenant="other")["reward"] == 1.0
     assert graders.count() == 2 and int(r.hget(keys.SANDBOXES_STARTED, NODE)) == int(started) + 1
 

@@ -6,8 +6,8 @@ What a grading shares with the one before it on the same grader: the grader's sa
 the harness process it forks from, which has run nothing of any task. What it does not: the
 program runs in a fresh jail (its own namespaces, user, ``/tmp``), the task's test code in a
 fork of the harness that ends with the grading, and the grader's scratch (``/tmp``) is
-emptied between problems. A grader serves one tenant (its CPU group): the test code of one
-tenant's tasks never runs in a sandbox another's will use. One problem at a time per
+emptied between problems. A grader serves one tenant (and its CPU group): the test code of
+one tenant's tasks never runs in a sandbox another's will use. One problem at a time per
 grader; a pool process keeps as many as it grades at once.
 
 Nothing is left behind: a grader idle for ``PRORL_GRADER_IDLE_S`` is stopped, so is every
@@ -55,8 +55,12 @@ class Grader:
         self.last_used = time.monotonic()
         self.served = 0
         self._lease()
-        self.sandbox = manager.start(SandboxSpec(workspace_files=files, limits=limits),
-                                     self.handle, 0, ctx)
+        try:
+            self.sandbox = manager.start(SandboxSpec(workspace_files=files, limits=limits),
+                                         self.handle, 0, ctx)
+        except BaseException:
+            manager.r.hdel(keys.graders(manager.node), self.handle)
+            raise
         self.path = str(Path(self.sandbox.workspace) / SOCKET)
         self.client = ToolConnection(self.sandbox.socket)
         self.exited: dict | None = None
@@ -150,7 +154,8 @@ class Grader:
 
 
 class WarmGraders:
-    """A pool process's warm graders, by key (tenant CPU group, runtime, files' version)."""
+    """A pool process's warm graders, by key (tenant and its CPU group, runtime, files'
+    version)."""
 
     def __init__(self, idle_s: float = 5.0):
         self.idle_s = idle_s
@@ -166,12 +171,12 @@ class WarmGraders:
         """The harness's output (an ``exec`` result) for ``program``, from a warm grader of
         the job's tenant; :class:`Unavailable` if none could grade it (nothing was graded)."""
         manager = ctx.sandboxes
-        if len(str(Path(manager.root) / "x" / "workspace" / SOCKET)) + 12 > UNIX_PATH_MAX:
+        if len(str(Path(manager.root) / ("x" * 12) / "workspace" / SOCKET)) + 4 > UNIX_PATH_MAX:
             raise Unavailable("the sandbox root's path is too long for a socket")
         runtime = manager.runtime.name
         if runtime in self._failed:  # tried once: this process grades there afresh
             raise Unavailable(self._failed[runtime])
-        key = json.dumps([ctx.cpu_group, runtime, sorted(
+        key = json.dumps([ctx.tenant, ctx.cpu_group, runtime, sorted(
             (name, hash(text)) for name, text in files.items())])
         grader = self._take(key)
         if grader is None:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
+import urllib3
 
 from prorl_farm.columns import ARROW_STREAM, read_page
 from prorl_farm.config import read
@@ -129,6 +130,9 @@ class FarmClient:
             except requests.Timeout as e:
                 if last or retry != "all":
                     raise FarmConnectionError(f"{method} {self.base_url}{path}: {e}") from e
+            except requests.exceptions.ChunkedEncodingError as e:  # the answer cut short
+                if last or retry != "all":
+                    raise FarmConnectionError(f"{method} {self.base_url}{path}: {e}") from e
             else:
                 if resp.status_code == 503 and not last:
                     resp.close()  # retried below
@@ -138,7 +142,16 @@ class FarmClient:
                 elif binary:
                     # One read of the whole body (requests' .content reads 10 KB at a time).
                     with resp:
-                        return read_page(resp.raw.read(decode_content=True))
+                        try:
+                            body = resp.raw.read(decode_content=True)
+                        except (urllib3.exceptions.HTTPError, OSError) as e:
+                            # the API went away mid-answer (a restart): asked again
+                            if last or retry != "all":
+                                raise FarmConnectionError(
+                                    f"{method} {self.base_url}{path}: {e}") from e
+                            body = None
+                    if body is not None:
+                        return read_page(body)
                 else:
                     return resp.json()
             time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))

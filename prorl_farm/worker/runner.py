@@ -131,11 +131,10 @@ class StageRunner:
         with job_log_context(job_id, raw.get("batch_id", "")):
             return self._run_claimed(stage, raw, token)
 
-    def _cpu_group(self, batch_id: str) -> str:
-        """The CPU group of the batch's tenant, weighted by its share ("" where none)."""
+    def _cpu_group(self, tenant: str) -> str:
+        """The CPU group of the tenant, weighted by its share ("" where none)."""
         if not self.settings.tenant_cpu:
             return ""
-        tenant = self.store.tenant_of(batch_id) or "default"
         return str(cgroups.tenant_cpu(tenant, self._weights.get(tenant, 1.0),
                                       self._cpu_farm) or "")
 
@@ -143,7 +142,8 @@ class StageRunner:
         ctx = build_context(raw, stage, token, self.settings.node,
                             self.settings.pool(stage).timeout_s)
         ctx.backends, ctx.sandboxes, ctx.settings = self.backends, self.sandboxes, self.settings
-        ctx.cpu_group = self._cpu_group(ctx.batch_id)
+        ctx.tenant = self.store.tenant_of(ctx.batch_id) or "default"
+        ctx.cpu_group = self._cpu_group(ctx.tenant)
         handler: AgentHandler | None = None
         result = StageResult(StageOutcome.FAILED, "error")
         self.liveness.track(ctx)
