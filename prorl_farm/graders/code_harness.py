@@ -139,9 +139,10 @@ def kill_others(within_s=30.0):
                     state, ppid = f.read().rpartition(b")")[2].split()[:2]
             except (ProcessLookupError, PermissionError, FileNotFoundError, ValueError):
                 continue
-            if state == b"Z" and (ppid == b"1" or int(ppid) in SERVER):
+            ppid = int(ppid)
+            if state == b"Z" and (ppid == 1 or ppid in SERVER):
                 continue  # the init's to reap, or the warm grader's (after this grading)
-            if int(ppid) == os.getpid() and _reaped(pid, end):
+            if ppid == os.getpid() and _reaped(pid, end):
                 continue  # ours (a child, or an orphan we adopted): reaped as it died
             left = True
         if not left or time.monotonic() > end:

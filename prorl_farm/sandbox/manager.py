@@ -361,6 +361,12 @@ class SandboxManager:
     def records(self) -> list[Sandbox]:
         return [Sandbox.from_dict(json.loads(v)) for v in self.r.hvals(self.records_key)]
 
+    def _lapsed(self, records: str, handle: str) -> bool:
+        """Whether ``handle``'s record in the hash ``records`` is gone or past its
+        ``until`` (a warm sandbox's, a warm grader's lease)."""
+        raw = self.r.hget(records, handle)
+        return raw is None or json.loads(raw).get("until", 0) < time.time()
+
     def janitor(self) -> int:
         """Stop sandboxes whose job is terminal, unknown or on a later attempt, and those
         whose processes are gone; free slots nobody holds. Returns how many it stopped."""
@@ -371,12 +377,10 @@ class SandboxManager:
             if job_id and job_id.startswith(WARM_PREFIX):
                 # A warm sandbox: stale once its warm record is gone or past its time (a
                 # warmer that died mid-build or left it unused).
-                raw = self.r.hget(keys.warm(self.node), job_id)
-                stale = raw is None or json.loads(raw).get("until", 0) < time.time()
+                stale = self._lapsed(keys.warm(self.node), job_id)
             elif job_id and job_id.startswith(GRADER_PREFIX):
                 # A warm grader: stale once its pool stopped renewing its lease.
-                raw = self.r.hget(keys.graders(self.node), job_id)
-                stale = raw is None or json.loads(raw).get("until", 0) < time.time()
+                stale = self._lapsed(keys.graders(self.node), job_id)
             elif job_id:
                 state, requeues = self.r.hmget(keys.job(job_id), "state", "requeues")
                 stale = (state is None or JobState(state) in TERMINAL_STATES
@@ -387,8 +391,8 @@ class SandboxManager:
                 log.info("janitor: stopping sandbox %s of job %s", sandbox.id, job_id)
                 self.stop(sandbox)
                 stopped += 1
-        for handle, raw in self.r.hgetall(keys.graders(self.node)).items():
-            if json.loads(raw).get("until", 0) < time.time():
+        for handle in self.r.hkeys(keys.graders(self.node)):
+            if self._lapsed(keys.graders(self.node), handle):
                 self.r.hdel(keys.graders(self.node), handle)  # its sandbox is gone
         for slot, owner in self.r.hgetall(self.slots_key).items():
             if self.r.hexists(self.records_key, owner):

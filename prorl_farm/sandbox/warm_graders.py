@@ -53,7 +53,6 @@ class Grader:
         self.manager, self.key = manager, key
         self.handle = PREFIX + uuid.uuid4().hex[:16]
         self.last_used = time.monotonic()
-        self.served = 0
         self._lease()
         try:
             self.sandbox = manager.start(SandboxSpec(workspace_files=files, limits=limits),
@@ -132,7 +131,6 @@ class Grader:
             conn.close()
         if aborted.is_set():
             raise JobAborted("grading aborted")
-        self.served += 1
         self.last_used = time.monotonic()
         return {"stdout": b"".join(chunks).decode(errors="replace"), "timed_out": timed_out,
                 "exit_code": 0 if chunks else -1,
