@@ -53,13 +53,16 @@ def _validated_submit(body: dict) -> dict:
         raise validation_error({"handler": [f"{e}; known: {svc.registry.names()}"]},
                                "unknown_handler") from e
     instances = req.pop("instances", None) or [req.pop("instance")]
-    errors, short, normalised, served = {}, {}, [], None
+    errors, short, normalised, served, warned = {}, {}, [], None, {}
     for i, instance in enumerate(instances):
         try:
             normalised.append(handler.validate_instance(instance))
         except InvalidInstance as e:
             errors[i] = e.details or {"_schema": [str(e)]}
             continue
+        said = handler.warnings(normalised[-1])
+        if said:
+            warned[i] = said
         refused = handler.refusals(normalised[-1], svc.settings)
         if refused:
             errors[i] = refused
@@ -74,7 +77,21 @@ def _validated_submit(body: dict) -> dict:
     if short:  # well formed, but the harness cannot run in the context it would get
         raise validation_error({"instances": short}, "insufficient_context")
     req["instances"] = normalised
+    req["warnings"] = _warnings(warned)
     return req
+
+
+def _warnings(warned: dict[int, list[str]]) -> dict:
+    """The submit's warnings: ``{"instances": {index: [...]}}``, the same words said once
+    for all the instances they apply to (a dataset of one tool's rows says one thing 10,000
+    times), at most 100 indexes listed with each."""
+    if not warned:
+        return {}
+    by_words: dict[tuple, list[int]] = {}
+    for i, said in warned.items():
+        by_words.setdefault(tuple(said), []).append(i)
+    return {"instances": [{"indexes": idx[:100], "count": len(idx), "warnings": list(words)}
+                          for words, idx in by_words.items()]}
 
 
 def _replay(record: dict, digest: str) -> tuple[dict, int]:
@@ -137,6 +154,7 @@ def _admitted(svc, tenant: Tenant, adding: int):
 def submit():
     svc = services()
     req = _validated_submit(json_body())
+    warnings = req.pop("warnings")
     tenant = _tenant(svc, req.pop("tenant", None))
     key = req.pop("idempotency_key", None) or request.headers.get("Idempotency-Key")
     idempotency = None
@@ -173,7 +191,8 @@ def submit():
         if key:
             svc.store.forget_idempotency(key)
         raise
-    return {"batch_id": batch_id, "job_ids": [j.job_id for j in jobs]}, 202
+    return {"batch_id": batch_id, "job_ids": [j.job_id for j in jobs],
+            **({"warnings": warnings} if warnings else {})}, 202
 
 
 @bp.get("/v1/jobs/<job_id>")

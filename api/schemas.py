@@ -104,6 +104,9 @@ class SubmitResponseSchema(Schema):
     job_ids = fields.List(fields.String())
     replayed = fields.Boolean(metadata={"description": "true when an earlier submit with the "
                                         "same idempotency_key made these jobs"})
+    warnings = fields.Dict(metadata={"description": "what was accepted as it is but said of "
+                                     "(fields kept but not used): {\"instances\": [{\"indexes"
+                                     "\", \"count\", \"warnings\"}]}"})
 
 
 class ResultsQuerySchema(Schema):

@@ -293,6 +293,40 @@ def _cmd_validate(args) -> int:
     return 1 if bad else 0
 
 
+def _cmd_swebench(args) -> int:
+    """``swebench grade``: a predictions file graded through a running farm, reported as
+    swebench reports it; ``swebench lock``: locks for a user's own instances."""
+    import json
+
+    from prorl_farm.swebench import predictions as grading
+
+    try:
+        dataset = grading.read_json_rows(args.dataset if args.action == "grade"
+                                         else args.file)
+        if args.action == "lock":
+            from prorl_farm.swebench.locking import lock_rows
+
+            written = lock_rows(dataset, args.out, args.roots.split(",") if args.roots
+                                else read("sandbox_mount_roots").split(","),
+                                pythons=read("swe_pythons"), force=args.force)
+            for path in written:
+                print(path)
+            return 0
+        predictions = grading.read_predictions(args.file)
+    except (OSError, ValueError) as e:
+        print(f"prorl-farm: {e}", file=sys.stderr)
+        return 2
+    from prorl_farm.trainer import FarmClient
+
+    out = FarmClient(args.url).grade_swebench(predictions, dataset, args.run_id,
+                                              args.report_dir, args.deadline_s)
+    report = out["report"]
+    print(json.dumps({k: v for k, v in report.items() if not k.endswith("_ids")
+                      and k != "failure_reasons"}, indent=2))
+    print(f"report: {out['path']}", file=sys.stderr)
+    return 0
+
+
 def _cmd_settings(args) -> int:
     from prorl_farm import config
 
@@ -418,6 +452,28 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--url", default=url)
     v.add_argument("--deadline-s", type=float, default=600.0)
     v.set_defaults(func=_cmd_validate)
+    sw = sub.add_parser("swebench", help="SWE-bench as its harness runs it: grade a "
+                        "predictions file through a running farm, or lock environments")
+    swa = sw.add_subparsers(dest="action", required=True)
+    sg = swa.add_parser("grade", help="grade PREDICTIONS (instance_id, model_name_or_path, "
+                        "model_patch; .jsonl or .json) on the --dataset rows; write swebench's "
+                        "run report (MODEL.RUN_ID.json) and logs/run_evaluation/...")
+    sg.add_argument("file", metavar="PREDICTIONS")
+    sg.add_argument("--dataset", required=True, metavar="ROWS.jsonl",
+                    help="the SWE-bench rows the predictions are for (.jsonl or .json)")
+    sg.add_argument("--run-id", default=None, help="default: prorl-DATE-TIME-PID")
+    sg.add_argument("--report-dir", default=".")
+    sg.add_argument("--deadline-s", type=float, default=3600.0)
+    sg.add_argument("--url", default=url)
+    sl = swa.add_parser("lock", help="resolve the environment of each (repository, version) "
+                        "of ROWS from the package registry once, and write its lock to --out "
+                        "(PRORL_SWE_LOCKS then pins it)")
+    sl.add_argument("file", metavar="ROWS.jsonl")
+    sl.add_argument("--out", required=True, metavar="DIR")
+    sl.add_argument("--roots", default="", help="where the repositories are (default: "
+                    "PRORL_SANDBOX_MOUNT_ROOTS), comma-separated")
+    sl.add_argument("--force", action="store_true", help="make locks that exist again")
+    sw.set_defaults(func=_cmd_swebench)
     st = sub.add_parser("settings", help="every PRORL_* setting: default, range, meaning (a "
                         "Markdown table)")
     st.add_argument("--deploy", action="store_true",

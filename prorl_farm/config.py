@@ -227,11 +227,16 @@ class Settings:
         "the same version where the sandbox user cannot run the farm's)", shown="the farm's")
     sandbox_ro_paths: str = setting("", "read-only paths in every sandbox, `host[:inside],...`")
     sandbox_mount_roots: str = setting(
-        "", "host roots under which handlers and instances may ask for more read-only paths")
+        "", "host roots under which handlers and instances may ask for more read-only paths, "
+        "comma-separated; SWE repositories are looked for under each in this order (the "
+        "first that holds an instance's commits is used)")
     swe_env_dir: str = setting(
         "/var/tmp/prorl-swe-envs", "environments of real SWE instances (one per repository "
         "and version, built once, read-only in sandboxes) and their unpacked repositories; "
         "readable by the sandbox user")
+    swe_locks: str = setting(
+        "", "a directory of SWE environment locks (`prorl-farm swebench lock` writes them), "
+        "used before the package's own", shown="none: the package's")
     swe_pythons: str = setting(
         "", "interpreters for SWE environments, `3.9=/path/python3.9,...`",
         shown="pyenv's newest build of each version")

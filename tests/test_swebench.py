@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 import pytest
+import redis
 
 from tests.farm import ROOT, kept, scripted_farm, wait_until
 from tests.test_swe import _swe
@@ -232,3 +233,47 @@ def test_the_shipped_data_is_what_its_record_says():
         assert repos.has_commit(git_dir, row["base_commit"]), row["instance_id"]
         assert repos.has_commit(git_dir, row["environment_setup_commit"]), row["instance_id"]
         assert row["instance_id"] in (DATA / "SOURCES.md").read_text()
+
+
+def test_rows_as_other_tools_publish_them_load_and_what_cannot_be_built_is_refused(tmp_path):
+    # No pools: what the API says of a submit, and that a refused one writes nothing.
+    from api import create_app
+    from prorl_farm.config import load_settings
+    from tests.farm import RedisServer, farm_env
+    from tests.test_submit import _snapshot
+
+    server = RedisServer(tmp_path / "redis")
+    try:
+        client = create_app(load_settings(farm_env(server.url))).test_client()
+        row = next(r for r in ROWS if r["repo"] == "marshmallow-code/marshmallow")
+        moatless = {**row, "patch_files": ["src/marshmallow/fields.py"],
+                    "test_patch_files": ["tests/test_fields.py"], "patch_diff_details": {}}
+        swe_agent = {**row, "query": row["problem_statement"], "task_id": "t1"}
+        as_number = {**row, "version": float(row["version"])}
+        resp = client.post("/v1/jobs", json={"handler": "swe", "mode": "reference",
+                                             "instances": [moatless, swe_agent, as_number]})
+        assert resp.status_code == 202, resp.get_json()
+        said = resp.get_json()["warnings"]["instances"]
+        assert {(tuple(w["indexes"]), w["warnings"][0]) for w in said} == {
+            ((0,), "fields kept but not used: patch_diff_details, patch_files, "
+                   "test_patch_files"),
+            ((1,), "fields kept but not used: query, task_id")}, said
+        r = redis.Redis.from_url(server.url, decode_responses=True)
+        before = _snapshot(r)
+        # SWE-Gym's rows as published (test lists, no environment_setup_commit) of a
+        # repository SWE-bench has no spec for; a version with none; a row without its
+        # environment commit: each refused, by field, with the reason; nothing written.
+        gym = {k: v for k, v in row.items() if k != "environment_setup_commit"}
+        gym.update(repo="getmoto/moto", version="4.1", FAIL_TO_PASS=["tests/test_a.py::t"],
+                   PASS_TO_PASS=[])
+        cases = [gym, {**row, "version": "9.9"}, {**row, "environment_setup_commit": None}]
+        resp = client.post("/v1/jobs", json={"handler": "swe", "instances": cases})
+        assert resp.status_code == 400, resp.get_json()
+        details = resp.get_json()["error"]["details"]["instances"]
+        assert "no SWE-bench environment spec for getmoto/moto" in details["0"]["repo"][0]
+        assert "no SWE-bench environment spec for version '9.9'" in details["1"]["version"][0]
+        assert "3.0" in details["1"]["version"][0]  # the versions it knows are named
+        assert list(details["2"]) == ["environment_setup_commit"], details
+        assert _snapshot(r) == before
+    finally:
+        server.stop()

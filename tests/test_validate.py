@@ -43,29 +43,71 @@ def test_every_sample_reference_passes(farm_url, handler):
     assert f"{lines} of {lines} references pass" in out.stdout
 
 
-def test_real_swe_instances_validate_one_by_one_with_their_resolve_rate(farm_url, tmp_path):
-    """One SWE-bench instance of each repository that examples/swe-bench ships (all of them
-    grade by reference in tests/test_swebench.py)."""
+def test_a_swebench_predictions_file_is_graded_and_reported_as_swebench_reports_it(
+        farm_url, tmp_path):
+    """``prorl-farm swebench grade`` on a predictions file over the shipped rows: the gold
+    patch of one instance of each repository (every gold patch also grades in
+    tests/test_swebench.py), a wrong patch, two empty ones (``""`` and null), an instance
+    not predicted, and a row the farm refuses (a version with no environment spec): each
+    lands in swebench's own report as swebench's harness would put it, the refusal an error
+    with its reason, never an unresolved instance; each instance's log, read by swebench
+    5.0.2's ``get_eval_report``, gives the farm's verdict and per-test lists."""
+    from tests.test_swebench import _base_file, swebench, wrong_patch
+
     url, env = farm_url
     shipped = ROOT / "examples" / "swe-bench" / "instances.jsonl"
-    rows, repos = [], set()
-    for line in shipped.read_text().splitlines():
-        row = json.loads(line) if line.strip() else None
-        if row and row["repo"] not in repos:
-            repos.add(row["repo"])
-            rows.append(row)
-    path = tmp_path / "instances.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    out = _validate(url, env, path, "swe")
+    rows = [json.loads(line) for line in shipped.read_text().splitlines() if line.strip()]
+    firsts = [row for i, row in enumerate(rows)
+              if row["repo"] not in {earlier["repo"] for earlier in rows[:i]}]
+    others = [row for row in rows if row not in firsts]
+    unknown = {**rows[0], "instance_id": "pytest-dev__pytest-no-spec", "version": "0.0.1"}
+    predictions = [{"instance_id": row["instance_id"], "model_name_or_path": "org/model-x",
+                    "model_patch": row["patch"]} for row in firsts]
+    predictions += [{"instance_id": others[0]["instance_id"], "model_name_or_path": "org/model-x",
+                     "model_patch": wrong_patch(others[0], _base_file(others[0]))},
+                    {"instance_id": others[1]["instance_id"], "model_name_or_path": "org/model-x",
+                     "model_patch": ""},
+                    {"instance_id": others[2]["instance_id"], "model_name_or_path": "org/model-x",
+                     "model_patch": None},
+                    {"instance_id": unknown["instance_id"], "model_name_or_path": "org/model-x",
+                     "model_patch": rows[0]["patch"]}]
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in [*rows, unknown]))
+    path = tmp_path / "preds.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in predictions))
+    out = subprocess.run([sys.executable, "-m", "prorl_farm.cli", "swebench", "grade",
+                          str(path), "--dataset", str(dataset), "--url", url, "--run-id", "r1",
+                          "--report-dir", str(tmp_path / "out"), "--deadline-s", "600"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"{len(rows)} of {len(rows)} references pass (100%)" in out.stdout
+    report = json.loads((tmp_path / "out" / "org__model-x.r1.json").read_text())
+    ids = lambda group: sorted(r["instance_id"] for r in group)  # noqa: E731
+    assert report["resolved_ids"] == ids(firsts), report
+    assert report["unresolved_ids"] == ids(others[:1]), report
+    assert report["empty_patch_ids"] == ids(others[1:3]), report
+    assert report["incomplete_ids"] == ids(others[3:]), report
+    assert report["error_ids"] == [unknown["instance_id"]], report
+    assert "no SWE-bench environment spec for version '0.0.1'" in \
+        report["error_reasons"][unknown["instance_id"]], report
+    assert (report["total_instances"], report["submitted_instances"],
+            report["completed_instances"], report["schema_version"]) == (9, 8, 5, 2), report
     progress = [line for line in out.stderr.splitlines() if line.startswith("[")]
-    assert len(progress) == len(rows), out.stderr
-    for row in rows:
-        line = next(p for p in progress if f" {row['instance_id']}: ok: reward 1.0 F2P " in p)
-        f2p = len(json.loads(row["FAIL_TO_PASS"]) if isinstance(row["FAIL_TO_PASS"], str)
-                  else row["FAIL_TO_PASS"])
-        assert f"F2P {f2p}/{f2p} " in line and "eval " in line, line
+    assert len(progress) == 5, out.stderr
+    # Each completed instance's own report and log, where swebench writes them.
+    logs = tmp_path / "out" / "logs" / "run_evaluation" / "r1" / "org__model-x"
+    cases, mine = [], []
+    for row in [*firsts, others[0]]:
+        folder = logs / row["instance_id"]
+        ours = json.loads((folder / "report.json").read_text())[row["instance_id"]]
+        assert ours["patch_exists"] and ours["patch_successfully_applied"], ours
+        assert ours["farm"]["pinned"] is True and ours["farm"]["environment"], ours["farm"]
+        cases.append({"instance": row, "log": (folder / "test_output.txt").read_text()})
+        mine.append(ours)
+    assert not (logs / unknown["instance_id"] / "report.json").exists()
+    for ours, theirs in zip(mine, swebench("5.0.2", "report", cases)):
+        assert theirs["resolved"] is ours["resolved"], (ours, theirs)
+        assert theirs["tests_status"] == {k: ours["tests_status"][k]
+                                          for k in ("FAIL_TO_PASS", "PASS_TO_PASS")}
 
 
 def test_a_planted_broken_reference_is_named(farm_url, tmp_path):

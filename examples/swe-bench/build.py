@@ -96,37 +96,11 @@ def data(rows_files: list[str], clones: list[str], ids: list[str]) -> None:
 
 
 def locks() -> None:
-    from prorl_farm.swebench.envs import EnvBuilder
+    from prorl_farm.swebench.envs import LOCKS_DIR
+    from prorl_farm.swebench.locking import lock_rows
 
     rows = [json.loads(line) for line in INSTANCES.read_text().splitlines() if line.strip()]
-    with tempfile.TemporaryDirectory(prefix="prs-envs-") as envs, \
-            tempfile.TemporaryDirectory(prefix="prs-repos-") as cache:
-        _locks(rows, EnvBuilder(envs), cache)
-
-
-def _locks(rows: list[dict], builder, cache: str) -> None:
-    from prorl_farm.swebench import repos
-    from prorl_farm.swebench.envs import LOCKS_DIR, spec_for
-
-    done = set()
-    for row in rows:
-        spec = spec_for(row["repo"], row["version"])
-        if spec.name in done or (LOCKS_DIR / f"{spec.name}.txt").exists():
-            continue  # delete a lock file to make it again
-        done.add(spec.name)
-        git_dir = repos.find_source(row["repo"], [str(HERE / "repos")], cache)
-        commit = row["environment_setup_commit"]
-        files = repos.tree(git_dir, commit)
-        env = builder.ensure(spec, files, commit, log=print, resolve=True)
-        LOCKS_DIR.mkdir(exist_ok=True)
-        (LOCKS_DIR / f"{spec.name}.txt").write_text(
-            f"# {spec.name}: resolved from the registry for Python "
-            f"{env.manifest['python_version']} by examples/swe-bench/build.py\n"
-            + env.manifest["resolved"])
-        (LOCKS_DIR / f"{spec.name}.build.txt").write_text(
-            f"# {spec.name}: the repository's build backend, for Python "
-            f"{env.manifest['python_version']}\n" + env.manifest.get("resolved_build", ""))
-        print(f"{spec.name}: {len(env.manifest['resolved'].splitlines())} packages locked")
+    lock_rows(rows, str(LOCKS_DIR), [str(HERE / "repos")])
 
 
 def main() -> None:

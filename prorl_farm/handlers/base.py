@@ -67,6 +67,11 @@ class AgentHandler(ABC):
         document), matching :meth:`refusals`: {field: schema}."""
         return {}
 
+    def warnings(self, instance: dict) -> list[str]:
+        """What the submit is told of a valid instance it accepted as it is (fields it keeps
+        but does not use); [] for none."""
+        return []
+
     def refusals(self, instance: dict, settings) -> dict:
         """Field errors for a valid instance that this farm's settings do not allow (e.g. a
         sandbox with the outside network); {} if it may run."""

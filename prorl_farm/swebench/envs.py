@@ -79,14 +79,24 @@ class EnvSpec:
     def name(self) -> str:
         return f"{self.repo.replace('/', '__')}@{self.version}"
 
-    def lock(self) -> str | None:
-        path = LOCKS_DIR / f"{self.name}.txt"
-        return path.read_text() if path.exists() else None
+    def lock_file(self, dirs: tuple[str, ...] = ()) -> Path | None:
+        """The lock of this environment: the first ``NAME.txt`` in ``dirs`` (a user's own
+        locks), then the package's; None without one."""
+        for d in (*map(Path, dirs), LOCKS_DIR):
+            if (d / f"{self.name}.txt").exists():
+                return d / f"{self.name}.txt"
+        return None
 
-    def build_lock(self) -> str | None:
-        """The versions of the repository's build backend (its ``build-system``)."""
-        path = LOCKS_DIR / f"{self.name}.build.txt"
-        return path.read_text() if path.exists() else None
+    def lock(self, dirs: tuple[str, ...] = ()) -> str | None:
+        path = self.lock_file(dirs)
+        return path.read_text() if path is not None else None
+
+    def build_lock(self, dirs: tuple[str, ...] = ()) -> str | None:
+        """The versions of the repository's build backend (its ``build-system``), beside the
+        lock."""
+        path = self.lock_file(dirs)
+        build = path.with_name(f"{self.name}.build.txt") if path is not None else None
+        return build.read_text() if build is not None and build.exists() else None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -317,16 +327,18 @@ class EnvBuilder:
             return f"{spec.install} --no-deps -c {BUILD_DIR}/build.txt"
         return spec.install
 
-    def __init__(self, root: str, pythons: str = ""):
+    def __init__(self, root: str, pythons: str = "", lock_dirs: tuple[str, ...] = ()):
         self.root = Path(root)
         self.pythons = pythons
+        self.lock_dirs = tuple(lock_dirs)
 
     def key(self, spec: EnvSpec, commit: str, exe: str, resolve: bool) -> tuple[str, str,
                                                                                str]:
         prefix, version = _interpreter(exe)
-        lock = None if resolve else spec.lock()
+        lock = None if resolve else spec.lock(self.lock_dirs)
         blob = json.dumps({"spec": spec.as_dict(), "python": version, "prefix": prefix,
-                           "lock": lock, "build": None if resolve else spec.build_lock(),
+                           "lock": lock,
+                           "build": None if resolve else spec.build_lock(self.lock_dirs),
                            "commit": commit, "builder": BUILDER_VERSION},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16], prefix, version
@@ -383,7 +395,8 @@ class EnvBuilder:
         """One layer: the interpreter and the packages (``over`` None), or the repository
         installed over the packages of ``over``."""
         started = time.monotonic()
-        lock = None if resolve else spec.lock()
+        lock = None if resolve else spec.lock(self.lock_dirs)
+        lock_file = None if lock is None else spec.lock_file(self.lock_dirs)
         short = ".".join(version.split(".")[:2])
         python = f"{prefix}/bin/python{short}"
         if over is None:
@@ -417,7 +430,7 @@ class EnvBuilder:
                     steps.append(("packages from the lock", f"{python} -m pip install -q "
                                   f"--no-deps -r {BUILD_DIR}/lock.txt"))
             if install and spec.install:
-                (build / "build.txt").write_text(spec.build_lock() or "")
+                (build / "build.txt").write_text(spec.build_lock(self.lock_dirs) or "")
                 steps.append(("the repository", self._install_locked(spec, python, uv)))
         else:
             if over is None:
@@ -441,9 +454,10 @@ class EnvBuilder:
                     raise EnvError(f"{spec.name}: a conda environment file is not supported")
             if install and spec.install:
                 steps.append(("the repository", spec.install))
+            # What was installed, kept in the manifest (an unpinned build's only record).
+            steps.append(("the record of what was installed", f"python -m pip freeze --all "
+                          f"--exclude-editable > {BUILD_DIR}/lock.out"))
             if resolve:
-                steps.append(("the lock", f"python -m pip freeze --all --exclude-editable > "
-                              f"{BUILD_DIR}/lock.out"))
                 if uv:  # the build backend's versions (a locked build constrains them)
                     (build / "build.in").write_text("\n".join(build_requires(files)) + "\n")
                     steps.append(("the build backend's lock",
@@ -479,7 +493,10 @@ class EnvBuilder:
         plugins = self._plugins(tmp / "python" / "bin" / f"python{short}")
         manifest = {"repo": spec.repo, "version": spec.version, "spec": spec.as_dict(),
                     "python": python, "prefix": prefix, "python_version": version,
-                    "commit": commit, "locked": lock is not None, "overlay": kept,
+                    "commit": commit, "locked": lock is not None,
+                    "lock_source": None if lock_file is None else (
+                        "package" if lock_file.parent == LOCKS_DIR else str(lock_file)),
+                    "overlay": kept,
                     "plugins": plugins, "env": dict(spec.env),
                     "built_s": round(time.monotonic() - started, 1)}
         if lock is None and (build / "lock.out").exists():

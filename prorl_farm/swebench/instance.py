@@ -1,8 +1,13 @@
 """A SWE-bench row as a farm job: where its repository and environment come from, what its
 sandbox holds, and how its grading is asked for and read.
 
-A ``swe`` instance is graded the SWE-bench way when it names a ``version`` for which the
-farm has an environment spec (``specs.json``, from swebench 4.1.0); other instances (the
+A ``swe`` instance that names a ``version`` (and brings no ``setup`` commands or
+``archive`` of its own) is a SWE-bench instance: it is graded the SWE-bench way, in the
+environment SWE-bench's spec for its (repository, version) describes (``specs.json``, from
+swebench 4.1.0, the last release with the tables), or it is refused with the reason: an
+unknown version, a missing ``environment_setup_commit``, a repository source that does not
+hold its commits. It is never graded in an environment SWE-bench would not have built (the
+system's interpreter with nothing installed graded gold patches 0). Other instances (the
 farm's own sample repository, instances with their own ``setup`` commands) keep the plain
 ``swe`` path.
 """
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 
 from prorl_farm.errors import InvalidInstance
 from prorl_farm.swebench import grading, repos
-from prorl_farm.swebench.envs import Env, EnvBuilder, EnvSpec, spec_for
+from prorl_farm.swebench.envs import Env, EnvBuilder, EnvSpec, load_specs, spec_for
 
 GRADER_DIR = ".prorl-grader"  # the grader's files in the grading sandbox (removed first)
 # Repositories that are the test runner (or the plugin system under it): their tests are
@@ -25,10 +30,70 @@ RUNNER_REPOS = frozenset({"pytest-dev/pytest", "pytest-dev/pluggy"})
 LOG_BYTES = 256 << 10
 
 
-def swebench_spec(inst: dict) -> EnvSpec | None:
-    """The environment spec that makes ``inst`` a SWE-bench instance, or None."""
+# The test runners whose evidence the farm's harness reads (the first word of a spec's
+# ``test_cmd``).
+RUNNERS = ("pytest",)
+
+
+def is_swebench(inst: dict) -> bool:
+    """Whether ``inst`` asks to be graded as SWE-bench grades it: a ``version``, and no
+    ``setup`` commands or ``archive`` of its own (an ``image`` of its own, where no spec
+    of its repository exists, keeps the plain path)."""
     if inst.get("version") in (None, "") or inst.get("setup") or inst.get("archive"):
+        return False
+    return not (inst.get("image") and inst["repo"] not in load_specs()["specs"])
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in version.split("."))
+
+
+def refusal(inst: dict) -> dict[str, list[str]]:
+    """Why a SWE-bench instance cannot be graded as SWE-bench would, by field (``{}``: it
+    can, or it is not one). Read from the row alone: said at submit time."""
+    if not is_swebench(inst):
+        return {}
+    repo, version = inst["repo"], str(inst["version"])
+    table = load_specs()["specs"].get(repo)
+    if table is None:
+        return {"repo": [f"no SWE-bench environment spec for {repo} (the farm has swebench "
+                         f"4.1.0's, for {len(load_specs()['specs'])} repositories): give the "
+                         "instance `setup` commands, or an `archive` or `image`, to grade it "
+                         "on the plain swe path; or leave out `version`"]}
+    spec = spec_for(repo, version)
+    if spec is None:
+        known = ", ".join(sorted(table, key=_version_key))
+        return {"version": [f"{repo} has no SWE-bench environment spec for version "
+                            f"{version!r} (swebench 4.1.0's specs know {known})"]}
+    if spec.pre_install:
+        return {"version": [f"{spec.name}: SWE-bench's spec runs pre-install commands as "
+                            f"root in its image ({'; '.join(spec.pre_install)[:300]}), which "
+                            "a farm node does not"]}
+    if spec.packages.endswith((".yml", ".yaml")):
+        return {"version": [f"{spec.name}: SWE-bench's spec builds a conda environment "
+                            f"({spec.packages}), which the farm does not"]}
+    runner = spec.test_cmd.split()[0] if spec.test_cmd.split() else ""
+    if runner not in RUNNERS:
+        return {"repo": [f"{spec.name}: its tests run with {spec.test_cmd!r}; the farm's "
+                         f"harness reads the evidence of {', '.join(RUNNERS)} runs"]}
+    if not inst.get("environment_setup_commit"):
+        return {"environment_setup_commit": [
+            f"required for a SWE-bench instance ({repo} {version}): the commit SWE-bench "
+            "builds the environment from, a field of every SWE-bench row; never taken to be "
+            "the base commit"]}
+    return {}
+
+
+def swebench_spec(inst: dict) -> EnvSpec | None:
+    """The environment spec that makes ``inst`` a SWE-bench instance; None for the plain
+    path. A SWE-bench instance that cannot be graded as SWE-bench would raises
+    :class:`InvalidInstance` with the reason (rows queued before a refusal was known)."""
+    if not is_swebench(inst):
         return None
+    why = refusal(inst)
+    if why:
+        raise InvalidInstance("; ".join(f"{field}: {' '.join(msgs)}"
+                                        for field, msgs in why.items()), why)
     return spec_for(inst["repo"], inst["version"])
 
 
@@ -38,6 +103,7 @@ class Prepared:
     git_dir: str
     base: dict[str, bytes]
     env: Env
+    source: str = ""  # where the repository came from
 
     @property
     def overlay(self) -> dict[str, bytes]:
@@ -49,46 +115,86 @@ class Prepared:
         return {**self.base, **self.overlay, **repos.workspace_git(self.git_dir, commit)}
 
 
-def git_source(inst: dict, roots: list[str], cache: str) -> str:
+def git_source(inst: dict, roots: list[str], cache: str) -> tuple[str, str]:
+    """(the git directory, where it came from) holding the instance's ``base_commit`` and
+    ``environment_setup_commit``: its ``repo_path`` (a git repository or a bundle under a
+    mount root), else the first source of its repository under the mount roots, in their
+    order, that holds both commits (a bundle or a repository of another snapshot under an
+    earlier root does not hide the right one under a later root). The error says each
+    source searched and what it lacked."""
     from prorl_farm.errors import SandboxError
     from prorl_farm.sandbox.manager import under_mount_roots
 
+    wanted = {"base_commit": inst["base_commit"]}
+    if inst.get("environment_setup_commit"):
+        wanted["environment_setup_commit"] = inst["environment_setup_commit"]
     if inst.get("repo_path"):
         try:
             path = under_mount_roots(inst["repo_path"], roots, "repo_path")
         except SandboxError as e:
             raise InvalidInstance(str(e)) from e
-        return repos.unpack_bundle(path, cache) if os.path.isfile(path) else path
-    found = repos.find_source(inst["repo"], roots, cache)
-    if found is None:
-        raise InvalidInstance(f"repository {inst['repo']} not found under the mount roots "
-                              f"({', '.join(roots) or 'none set: PRORL_SANDBOX_MOUNT_ROOTS'})"
-                              f": a git bundle {inst['repo'].replace('/', '__')}.bundle or a "
-                              "git repository")
-    return found
+        candidates = [(path, lambda p=path: repos.unpack_bundle(p, cache)
+                       if os.path.isfile(p) else p)]
+        rule = "repo_path"
+    else:
+        candidates = repos.sources(inst["repo"], roots, cache)
+        rule = (f"{inst['repo'].replace('/', '__')}.bundle, then a git repository at "
+                f"{inst['repo'].replace('/', '__')}, {inst['repo']} or "
+                f"{inst['repo'].split('/', 1)[1]}, under each mount root in order "
+                f"({', '.join(roots) or 'none set: PRORL_SANDBOX_MOUNT_ROOTS'})")
+    searched = []
+    for where, opened in candidates:
+        try:
+            git_dir = opened()
+        except InvalidInstance as e:
+            searched.append(f"{where} (unreadable: {str(e)[:200]})")
+            continue
+        lacks = [f"{field} {commit}" for field, commit in wanted.items()
+                 if not repos.has_commit(git_dir, commit)]
+        if not lacks:
+            return git_dir, where
+        searched.append(f"{where} (lacks {' and '.join(lacks)})")
+    raise InvalidInstance(
+        f"no source of {inst['repo']} holds " + " and ".join(
+            f"{f} {c}" for f, c in wanted.items()) + f"; searched {rule}: "
+        + ("; ".join(searched) if searched else "nothing found"),
+        {"repo_path" if inst.get("repo_path") else "repo": searched or ["not found"]})
 
 
 def prepare(inst: dict, spec: EnvSpec, settings, roots: list[str], log=lambda s: None
             ) -> Prepared:
     """The instance's repository (at its base commit) and environment (built if needed)."""
-    if not spec.test_cmd.split()[:1] == ["pytest"]:
-        raise InvalidInstance(f"{spec.repo} {spec.version}: its tests run with "
-                              f"{spec.test_cmd!r}; the farm grades pytest-run repositories")
     cache = os.path.join(settings.swe_env_dir, ".repos")
     os.makedirs(cache, exist_ok=True)
-    git_dir = git_source(inst, roots, cache)
+    git_dir, where = git_source(inst, roots, cache)
     base = inst["base_commit"]
-    if not repos.has_commit(git_dir, base):
-        raise InvalidInstance(f"base_commit {base} is not in the repository source of "
-                              f"{inst['repo']}")
-    setup = inst.get("environment_setup_commit") or base
-    if not repos.has_commit(git_dir, setup):
-        setup = base
+    setup = inst["environment_setup_commit"]
     base_files = repos.tree(git_dir, base)
-    env = EnvBuilder(settings.swe_env_dir, settings.swe_pythons).ensure(
-        spec, repos.tree(git_dir, setup), repos.full_commit(git_dir, setup), log,
-        base_files=base_files, base_commit=repos.full_commit(git_dir, base))
-    return Prepared(spec, git_dir, base_files, env)
+    builder = EnvBuilder(settings.swe_env_dir, settings.swe_pythons,
+                         lock_dirs=lock_dirs(settings))
+    env = builder.ensure(spec, repos.tree(git_dir, setup), repos.full_commit(git_dir, setup),
+                         log, base_files=base_files,
+                         base_commit=repos.full_commit(git_dir, base))
+    return Prepared(spec, git_dir, base_files, env, where)
+
+
+def lock_dirs(settings) -> tuple[str, ...]:
+    """Where environment locks are looked for, in order: ``PRORL_SWE_LOCKS`` (a user's own,
+    written by ``prorl-farm swebench lock``), then the package's."""
+    return tuple(filter(None, [getattr(settings, "swe_locks", "")]))
+
+
+def environment(prep: Prepared) -> dict:
+    """What a job result says of the environment that graded it: its name, whether its
+    packages were pinned by a lock, and (unpinned) what was installed."""
+    m = prep.env.manifest
+    detail = {"spec": f"swebench 4.1.0: {prep.spec.repo} {prep.spec.version}",
+              "python": m.get("python_version"), "lock": m.get("lock_source"),
+              "repository": prep.source}
+    if not m.get("locked"):
+        detail["installed"] = m.get("resolved", "")
+    return {"environment": os.path.basename(prep.env.path), "pinned": bool(m.get("locked")),
+            "environment_detail": detail}
 
 
 def grading_spec(inst: dict, prep: Prepared, changed: set[str], test_paths: set[str],

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from prorl_farm.errors import InvalidInstance
@@ -118,11 +119,14 @@ def unpack_bundle(bundle: str, cache: str) -> str:
     return str(target)
 
 
-def find_source(repo: str, roots: list[str], cache: str | None = None) -> str | None:
-    """The git directory for ``owner/name`` under the mount roots: ``owner__name.bundle``
-    (unpacked into ``cache``; without one, bundles are not looked for), or a repository at
-    ``owner__name``, ``owner/name`` or ``name``; None if there is none."""
+def sources(repo: str, roots: list[str], cache: str | None = None
+            ) -> list[tuple[str, Callable[[], str]]]:
+    """Every source of ``owner/name`` under the mount roots, in the roots' order (and, under
+    one root: ``owner__name.bundle``, then a git repository at ``owner__name``,
+    ``owner/name`` or ``name``): (its path, what opens it as a git directory; a bundle is
+    unpacked into ``cache``, and without a cache not looked for)."""
     owner, name = repo.split("/", 1)
+    found = []
     for root in roots:
         real_root = os.path.realpath(root)
         for candidate in (f"{owner}__{name}.bundle", f"{owner}__{name}", f"{owner}/{name}",
@@ -132,11 +136,16 @@ def find_source(repo: str, roots: list[str], cache: str | None = None) -> str | 
                 continue
             if candidate.endswith(".bundle"):
                 if cache is not None and os.path.isfile(path):
-                    return unpack_bundle(path, cache)
-                continue
-            if os.path.isdir(path):
-                return path
-    return None
+                    found.append((path, functools.partial(unpack_bundle, path, cache)))
+            elif os.path.isdir(path):
+                found.append((path, functools.partial(str, path)))
+    return found
+
+
+def find_source(repo: str, roots: list[str], cache: str | None = None) -> str | None:
+    """The git directory of the first of :func:`sources`, or None if there is none."""
+    found = sources(repo, roots, cache)
+    return found[0][1]() if found else None
 
 
 def has_commit(git_dir: str, commit: str) -> bool:

@@ -180,13 +180,35 @@ class FarmClient:
         give_up = time.monotonic() + self.quota_wait_s
         while True:
             try:
-                return self._call("POST", "/v1/jobs", json=body)
+                answer = self._call("POST", "/v1/jobs", json=body)
+                for said in (answer.get("warnings") or {}).get("instances", []):
+                    print(f"prorl-farm: {said['count']} instance(s) (indexes "
+                          f"{', '.join(map(str, said['indexes'][:5]))}"
+                          f"{', ...' if said['count'] > 5 else ''}): "
+                          f"{'; '.join(said['warnings'])}", file=sys.stderr, flush=True)
+                return answer
             except FarmOverQuota as e:  # nothing was enqueued: the same submit again
                 if time.monotonic() + e.retry_after_s > give_up:
                     raise
                 print(f"prorl-farm: submit refused ({e}); trying again in "
                       f"{e.retry_after_s:g} s", file=sys.stderr, flush=True)
                 time.sleep(e.retry_after_s)
+
+    def grade_swebench(self, predictions: dict[str, dict] | str, dataset: list[dict] | str,
+                       run_id: str | None = None, report_dir: str = ".",
+                       deadline_s: float = 3600.0, progress: bool | None = None) -> dict:
+        """Grade a SWE-bench predictions file (or ``{instance_id: prediction}``) on its
+        ``dataset`` rows (or their file) through the farm; write swebench's run report and
+        instance reports under ``report_dir``; returns ``{"report", "path", "instances"}``
+        (``prorl_farm/swebench/predictions.py``)."""
+        from prorl_farm.swebench import predictions as grading
+
+        if isinstance(predictions, str):
+            predictions = grading.read_predictions(predictions)
+        if isinstance(dataset, str):
+            dataset = grading.read_json_rows(dataset)
+        return grading.grade(self, predictions, dataset, run_id or grading.default_run_id(),
+                             report_dir, deadline_s, progress)
 
     def job(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}")
