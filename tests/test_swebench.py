@@ -277,3 +277,30 @@ def test_rows_as_other_tools_publish_them_load_and_what_cannot_be_built_is_refus
         assert _snapshot(r) == before
     finally:
         server.stop()
+
+
+def test_several_roots_are_searched_in_order_and_the_error_names_each_source(tmp_path):
+    import shutil
+
+    from prorl_farm.errors import InvalidInstance
+    from prorl_farm.swebench.instance import git_source
+
+    row = next(r for r in ROWS if r["repo"] == "pytest-dev/pytest")
+    first = tmp_path / "first"
+    first.mkdir()
+    # Another snapshot under the first root (a bundle of the right name without the
+    # instance's commits) does not hide the right one under the second.
+    shutil.copy(DATA / "repos" / "marshmallow-code__marshmallow.bundle",
+                first / "pytest-dev__pytest.bundle")
+    cache = str(tmp_path / "cache")
+    git_dir, where = git_source(row, [str(first), str(DATA / "repos")], cache)
+    assert where == str(DATA / "repos" / "pytest-dev__pytest.bundle")
+    with pytest.raises(InvalidInstance) as e:
+        git_source(row, [str(first)], cache)
+    said = str(e.value)
+    assert f"{first / 'pytest-dev__pytest.bundle'} (lacks base_commit {row['base_commit']}" \
+        in said and "environment_setup_commit" in said, said
+    assert "pytest-dev__pytest.bundle, then a git repository at" in said, said
+    # A bundle as repo_path is read as the repository.
+    assert git_source({**row, "repo_path": str(DATA / "repos" / "pytest-dev__pytest.bundle")},
+                      [str(DATA / "repos")], cache)[0] == git_dir
