@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import secrets
+import shlex
 import shutil
 import statistics
 import sys
@@ -50,12 +51,12 @@ from prorl_farm.sandbox.grading import tagged_verdict  # noqa: E402
 from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
 from prorl_farm.swebench import grading, repos  # noqa: E402
 from prorl_farm.swebench.envs import EnvBuilder, spec_for  # noqa: E402
-from prorl_farm.swebench.instance import GRADER_DIR, Prepared, grading_spec  # noqa: E402
+from prorl_farm.swebench.instance import GRADER_DIR, Prepared, grading_spec, runner_of  # noqa: E402,E501
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "swe-bench"
 sys.path.insert(0, str(ROOT))
-from tests.test_swebench import swebench, wrong_patch  # noqa: E402
+from tests.test_swebench import repo_roots, swebench, wrong_patch  # noqa: E402
 
 
 def run(manager, files, argv, env, stdin=None) -> tuple[float, dict]:
@@ -103,12 +104,27 @@ def grade(manager, row, prep, patch: str | None, graders: dict | None = None
     return took, verdict
 
 
+def bare_command(spec, test_patch: str) -> str:
+    """SWE-bench's test command on its test directives, as its eval script runs it: a
+    script the command names run by the environment's python (the workspace keeps no file
+    modes), from the repository's root with the script's directory first on the path (the
+    sandbox's exec sets PYTHONSAFEPATH for graders: unset here, as in SWE-bench's image)."""
+    runner = runner_of(spec)
+    words = shlex.split(spec.test_cmd)
+    assigns = [w for w in words if "=" in w.split("/")[0]]
+    program = words[len(assigns):]
+    if program[0].endswith((".py", "bin/test")):
+        program = ["python", *program]
+    return " ".join(["env", "-u", "PYTHONSAFEPATH", *map(shlex.quote, assigns),
+                     *map(shlex.quote, program),
+                     *grading.test_directives(test_patch, runner)])
+
+
 def bare(manager, row, prep) -> float:
     files = {**prep.base, **prep.overlay, ".bare/gold.patch": row["patch"],
              ".bare/test.patch": row["test_patch"]}
     command = ("git apply .bare/gold.patch && git apply .bare/test.patch && "
-               f"{prep.spec.test_cmd} {' '.join(grading.test_files(row['test_patch']))} "
-               "> .bare/log 2>&1; true")
+               f"{bare_command(prep.spec, row['test_patch'])} > .bare/log 2>&1; true")
     took, out = run(manager, files, ["bash", "-c", command], prep.env)
     assert out["exit_code"] == 0, out
     return took
@@ -120,6 +136,7 @@ def main() -> None:
     ap.add_argument("--before", metavar="REV",
                     help="also grade with the harness of this git revision, in turns")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--only", nargs="*", metavar="ID", help="instances whose id has this")
     args = ap.parse_args()
     now, before = graders_at(None), graders_at(args.before) if args.before else None
     rows = [json.loads(line) for line in (DATA / "instances.jsonl").read_text().splitlines()
@@ -130,6 +147,9 @@ def main() -> None:
     cache = str(work / "repos")
     os.makedirs(cache)
     table, ratios, inits, against = [], [], [], []
+    roots = repo_roots()
+    if args.only:
+        rows = [r for r in rows if any(o in r["instance_id"] for o in args.only)]
     with private_redis() as url:
         r = redis.Redis.from_url(url, decode_responses=True)
         manager = SandboxManager(r, "bench", "bwrap", root=f"/tmp/prs-sbench-{os.getpid()}",
@@ -138,7 +158,7 @@ def main() -> None:
             built = {}
             for row in rows:
                 spec = spec_for(row["repo"], row["version"])
-                git_dir = repos.find_source(row["repo"], [str(DATA / "repos")], cache)
+                git_dir = repos.find_source(row["repo"], roots, cache)
                 setup = row["environment_setup_commit"]
                 files = repos.tree(git_dir, setup)
                 base = {"base_files": repos.tree(git_dir, row["base_commit"]),
@@ -181,7 +201,8 @@ def main() -> None:
                 for kind, v in (("gold", gold), ("empty", empty), ("wrong", wrong)):
                     d = grading.verdict(v["outcomes"], v.get("exit_code"),
                                         grading.test_names(row["FAIL_TO_PASS"]),
-                                        grading.test_names(row["PASS_TO_PASS"]))
+                                        grading.test_names(row["PASS_TO_PASS"]),
+                                        runner_of(spec))
                     theirs = swebench("5.0.2", "report", [{"instance": row, "log":
                                       grading.log_text(v.get("output", ""),
                                                        v.get("exit_code"))}])[0]
@@ -206,12 +227,13 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     init_ms = sorted(t * 1000 for _, t in inits)
     lines = [f"### swebench — {datetime.date.today().isoformat()} — {machine()}", "",
-             f"{len(rows)} SWE-bench Lite instances (examples/swe-bench), bwrap sandboxes; "
+             f"{len(rows)} SWE-bench instances (examples/swe-bench), bwrap sandboxes; "
              f"medians of {args.rounds} rounds in turns. Environment: cold build (package "
              "cache warm) / cached lookup. Grading: the farm's harness on the gold patch vs "
-             "SWE-bench's eval steps bare (`git apply`, `pytest -rA` on the test files) in "
-             "the same sandbox. Verdicts: ours, and (=) where swebench 5.0.2's "
-             "`get_eval_report` on our log says the same.", "",
+             "SWE-bench's eval steps bare (`git apply`, the spec's test command on the test "
+             "directives: `pytest -rA`, `tests/runtests.py`, `bin/test`) in the same sandbox. "
+             "Verdicts: ours, and (=) where swebench 5.0.2's `get_eval_report` on our log "
+             "says the same.", "",
              "| instance | Python | environment cold (s) / cached | farm grading (s) | "
              "bare (s) | farm / bare | " + (f"farm at {args.before} (s) | now / then | "
                                             if before else "") + "gold | empty | wrong |",

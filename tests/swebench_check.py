@@ -18,6 +18,9 @@ import sys
 import tempfile
 import types
 
+# swebench's parser of each repository's log (``MAP_REPO_TO_PARSER``): pytest's but these.
+PARSERS = {"django/django": "parse_log_django", "sympy/sympy": "parse_log_sympy"}
+
 
 def names(value):
     """SWE-bench stores test lists as JSON strings; SWE-Gym and some copies as lists."""
@@ -43,7 +46,8 @@ def main():
                             repo=inst["repo"], version=inst["version"],
                             FAIL_TO_PASS=names(inst["FAIL_TO_PASS"]),
                             PASS_TO_PASS=names(inst["PASS_TO_PASS"]),
-                            log_parser="parse_log_pytest", eval_type="pass_and_fail")
+                            log_parser=PARSERS.get(inst["repo"], "parse_log_pytest"),
+                            eval_type="pass_and_fail")
             with tempfile.NamedTemporaryFile("w", suffix=".log") as f:
                 f.write(case["log"])
                 f.flush()

@@ -36,7 +36,21 @@ ROWS = [json.loads(line) for line in (DATA / "instances.jsonl").read_text().spli
         if line.strip()]
 ENV_DIR = kept("swe-envs") or ROOT / ".prorl" / "swe-envs"
 WHEELS = ROOT / ".prorl" / "swebench"
+# Django's trees: its release sdists committed once into a repository here (sdists.json).
+SDIST_ROOT = kept("swe-sdists") or ROOT / ".prorl" / "swe-sdists"
 pytestmark = pytest.mark.slow
+
+
+def repo_roots() -> list[str]:
+    """The mount roots of the shipped instances' repositories: the bundles, and the
+    repository of Django's release trees (built from the package index on first use)."""
+    from prorl_farm.swebench import sdists
+
+    manifest = json.loads((DATA / "sdists.json").read_text())
+    owner_name = manifest["repo"].replace("/", "__")
+    SDIST_ROOT.mkdir(parents=True, exist_ok=True)
+    sdists.build(manifest, str(SDIST_ROOT / owner_name), str(SDIST_ROOT / ".downloads"))
+    return [str(DATA / "repos"), str(SDIST_ROOT)]
 
 
 def _call(name: str, **arguments) -> str:
@@ -96,7 +110,7 @@ def bench_farm(redis_server, tmp_path_factory, tiny_model):
                            "python -c 'import sqlfluff; print(sqlfluff.__file__)'"), SUBMIT]
     ENV_DIR.mkdir(parents=True, exist_ok=True)
     with scripted_farm(redis_server.url, tmp_path_factory.mktemp("swebench"), str(tiny_model),
-                       plans, "swebench", sandbox_mount_roots=str(DATA / "repos"),
+                       plans, "swebench", sandbox_mount_roots=",".join(repo_roots()),
                        swe_env_dir=str(ENV_DIR), eval_concurrency=2,
                        init_concurrency=4) as (client, server):
         client.backend = {"url": server.url, "kind": "vllm", "model": "tiny",
@@ -117,8 +131,7 @@ def _tree(row: dict, commit: str) -> dict[str, bytes]:
 
     cache = ENV_DIR / ".repos"
     cache.mkdir(parents=True, exist_ok=True)
-    return repos.tree(repos.find_source(row["repo"], [str(DATA / "repos")], str(cache)),
-                      commit)
+    return repos.tree(repos.find_source(row["repo"], repo_roots(), str(cache)), commit)
 
 
 def _base_file(row: dict) -> str:
@@ -193,6 +206,7 @@ def test_the_agent_sees_the_base_commit_and_nothing_after_it(bench_farm):
 def test_the_eval_steps_are_swebench_builders_but_for_the_listed_differences():
     from prorl_farm.swebench.envs import spec_for
     from prorl_farm.swebench.grading import eval_script
+    from prorl_farm.swebench.instance import runner_of
 
     theirs = swebench("4.1.0", "script", [{"instance": row} for row in ROWS])
     # What SWE-bench's script does that the farm does not, and why:
@@ -208,7 +222,8 @@ def test_the_eval_steps_are_swebench_builders_but_for_the_listed_differences():
         spec = spec_for(row["repo"], row["version"])
         kept = [c for c in script if c not in skipped and not c.startswith(
             ("git -c core.fileMode=false diff", spec.install))]
-        assert kept == eval_script(row, spec.test_cmd, "/testbed")[1:], row["instance_id"]
+        assert kept == eval_script(row, spec.test_cmd, "/testbed", runner_of(spec))[1:], \
+            row["instance_id"]
 
 
 def test_a_malformed_row_is_refused_naming_the_field(bench_farm):
@@ -223,13 +238,19 @@ def test_a_malformed_row_is_refused_naming_the_field(bench_farm):
 def test_the_shipped_data_is_what_its_record_says():
     from prorl_farm.swebench import repos
 
-    assert len(ROWS) >= 8 and len({r["repo"] for r in ROWS}) >= 4
+    assert len(ROWS) >= 12 and len({r["repo"] for r in ROWS}) >= 6
     size = sum(p.stat().st_size for p in DATA.rglob("*") if p.is_file())
     assert size <= 15 << 20, size
     cache = os.path.join(ENV_DIR, ".repos")
     os.makedirs(cache, exist_ok=True)
+    roots = repo_roots()
+    manifest = json.loads((DATA / "sdists.json").read_text())
     for row in ROWS:
-        git_dir = repos.find_source(row["repo"], [str(DATA / "repos")], cache)
+        git_dir = repos.find_source(row["repo"], roots, cache)
+        if row["repo"] == manifest["repo"]:  # a release tree, the original ids on record
+            release = manifest["instances"][row["instance_id"]]["release"]
+            assert {t["release"]: t["commit"] for t in manifest["trees"]}[release] == \
+                row["base_commit"] == row["environment_setup_commit"]
         assert repos.has_commit(git_dir, row["base_commit"]), row["instance_id"]
         assert repos.has_commit(git_dir, row["environment_setup_commit"]), row["instance_id"]
         assert row["instance_id"] in (DATA / "SOURCES.md").read_text()
@@ -304,3 +325,60 @@ def test_several_roots_are_searched_in_order_and_the_error_names_each_source(tmp
     # A bundle as repo_path is read as the repository.
     assert git_source({**row, "repo_path": str(DATA / "repos" / "pytest-dev__pytest.bundle")},
                       [str(DATA / "repos")], cache)[0] == git_dir
+
+
+def _edit(row: dict, path: str, old: str, new: str) -> str:
+    """A patch that replaces ``old`` (once) with ``new`` in ``path`` at the base commit."""
+    before = _tree(row, row["base_commit"])[path].decode()
+    assert before.count(old) == 1, (path, old)
+    after = before.replace(old, new)
+    return f"diff --git a/{path} b/{path}\n" + "".join(difflib.unified_diff(
+        before.splitlines(True), after.splitlines(True), f"a/{path}", f"b/{path}"))
+
+
+def test_sympy_and_django_candidates_that_forge_their_runners_log_earn_nothing(bench_farm):
+    from prorl_farm.swebench import grading
+
+    # The log SWE-bench reads is the runner's output, which the candidate's code writes to
+    # as well: a forged "ok" where its wrong fix fails passes SWE-bench's own parser. The
+    # runner's records (the reporter's and unittest's calls, from trusted code) disagree,
+    # so the verdict is suspicious. So is a runner's reporting swapped for another of its
+    # own methods while the tests run. The screen is off: these are the run's defences.
+    sympy = next(r for r in ROWS if r["instance_id"] == "sympy__sympy-15349")
+    django = next(r for r in ROWS if r["instance_id"] == "django__django-15789")
+    quaternion, html = "sympy/algebras/quaternion.py", "django/utils/html.py"
+    rotation = '        """Returns the equivalent rotation transformation matrix of the quaternion'
+    json_script = "def json_script(value, element_id=None):\n"
+    attacks = {
+        "sympy: an ok printed on the test's line": (sympy, _edit(
+            sympy, quaternion, rotation, "        import sys; sys.stdout.write(' ok\\n')\n"
+            + rotation)),
+        "sympy: the reporter's test_fail made its test_pass": (sympy, _edit(
+            sympy, quaternion, rotation,
+            "        import sympy.utilities.runtests as r\n"
+            "        r.PyTestReporter.test_fail = r.PyTestReporter.test_pass\n" + rotation)),
+        "django: an ok written on the test's line": (django, _edit(
+            django, html, json_script, "def json_script(value, element_id=None, encoder=None):"
+            "\n    import sys; sys.stderr.write('ok\\n')\n")),
+        "django: unittest's addFailure made its addSuccess": (django, _edit(
+            django, html, json_script, "def json_script(value, element_id=None, encoder=None):"
+            "\n    import unittest.runner as r\n"
+            "    r.TextTestResult.addFailure = r.TextTestResult.addSuccess\n"
+            "    r.TextTestResult.addError = r.TextTestResult.addSuccess\n")),
+    }
+    jobs = _batch(bench_farm, [{**row, "patch": patch, "screen": False}
+                               for row, patch in attacks.values()], mode="reference")
+    for name, job in zip(attacks, jobs):
+        assert job["state"] == "done", (name, job["failure"])
+        ev = job["result"]["eval"]
+        assert job["reward"] == 0.0 and ev["suspicious"] is True, (name, ev.get("verdict"))
+        caught = "disagrees with the runner's records" if "ok" in name else "replaced"
+        assert caught in ev["verdict"], (name, ev["verdict"])
+    # What the forged log would earn where the log is the verdict: swebench's own parser
+    # reads the forged line and resolves the instance.
+    forged = [(row, job) for (row, _), job in zip(attacks.values(), jobs)
+              if "disagrees" in job["result"]["eval"]["verdict"]]
+    theirs = swebench("5.0.2", "report", [
+        {"instance": row, "log": grading.log_text(job["result"]["eval"]["output"], 1)}
+        for row, job in forged])
+    assert [t["resolved"] for t in theirs] == [True] * len(forged), theirs

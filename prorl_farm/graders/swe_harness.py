@@ -37,6 +37,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -56,6 +57,13 @@ STATUS_WORDS_B = tuple(w.encode() for w in STATUS_WORDS)
 # The report's words for each outcome the records call a pass (a non-strict unexpected pass
 # is XPASS in the report where the records do not tell expected failures apart).
 PASS_WORDS = {"passed": ("PASSED", "XPASS"), "xfail": ("XFAIL",), "xpass": ("XPASS",)}
+# A repository's own runner: its log names a pass PASSED, and no other outcome a pass.
+RUNNER_PASS_WORDS = {"passed": ("PASSED",)}
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfail", "xpass")
+RUNNER_NAMES = {"pytest": "pytest", "django": "Django's runtests.py", "sympy": "sympy's bin/test"}
+# A failure's header in bin/test's log (swebench's ``parse_log_sympy`` pattern).
+SYMPY_HEADER = re.compile(r"(_*) (.*)\.py:(.*) (_*)")
+report_state = {}  # Django's log: the test the last `` ... `` line began
 
 
 # include: jail.py
@@ -89,24 +97,28 @@ def main():
     jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True),  # noqa: F821 - from jail.py
                 noexec_binds=spec.get("noexec", False), disk_mb=spec.get("disk_mb"))
     in_repo = [(repo, True)]
+    kind = spec.get("kind", "pytest")
     # The files the grading pytest reads as configuration: from its own source, not a list
     # (pytest 9 reads pytest.toml and .pytest.toml too). Probed before anything of the
-    # candidate's is in the tree.
+    # candidate's is in the tree. (Django's and sympy's runners read no such file: theirs
+    # are in the spec's protected paths.)
     names = ("import json, inspect, re, pytest, _pytest.config.findpaths as f; "
              "print(json.dumps(sorted(set(re.findall(r'[\"\\']([\\w.-]+\\.(?:toml|ini|cfg))"
              "[\"\\']', inspect.getsource(f))))))")
-    try:
-        probe = jail.retrying(lambda: jail.run([sys.executable, "-I", "-c", names],
-                                               in_repo, repo))
-    except JailError as e:  # noqa: F821 - from jail.py
-        verdict(error=str(e))
-    if probe.returncode != 0:
-        verdict(error=f"pytest is not importable by {sys.executable} in the sandbox: "
-                      f"{probe.stderr[-1000:]}")
-    try:
-        configs = json.loads(probe.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        configs = []
+    configs = []
+    if kind == "pytest":
+        try:
+            probe = jail.retrying(lambda: jail.run([sys.executable, "-I", "-c", names],
+                                                   in_repo, repo))
+        except JailError as e:  # noqa: F821 - from jail.py
+            verdict(error=str(e))
+        if probe.returncode != 0:
+            verdict(error=f"pytest is not importable by {sys.executable} in the sandbox: "
+                          f"{probe.stderr[-1000:]}")
+        try:
+            configs = json.loads(probe.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            configs = []
     spec["protected_names"] = sorted(set(spec.get("protected_names", [])) | set(configs))
 
     def apply(patch):
@@ -160,12 +172,13 @@ def main():
         verdict(error=str(e))
     if spec.get("every_test"):  # every test the run reported, in run order
         collected = next((r["tests"] for r in records if r.get("kind") == "collected"), [])
-        reported = [r["test"] for r in records if r.get("kind") == "report"]
+        reported = [r["test"] for r in records if r.get("kind") in ("report", "result")]
         wanted = list(dict.fromkeys([*collected, *reported, *wanted]))
     first = decide(wanted, records, spec.get("every_test", False))
-    outcomes, contradicted = witnessed(first, report)
+    outcomes, contradicted = witnessed(first, report, kind)
     if contradicted and not suspicious:
-        suspicious = ("pytest's own report of the run disagrees with the runner's records on "
+        suspicious = (f"{RUNNER_NAMES.get(kind, kind)}'s own report of the run (its log, read "
+                      "as SWE-bench reads it) disagrees with the runner's records on "
                       + ", ".join(f"{t} ({said})" for t, said in contradicted[:3]))
     unwitnessed = [t for t, o in outcomes.items() if o == "missing" and o != first[t]]
     verdict(outcomes=outcomes, suspicious=suspicious, jail=jail.name, exit_code=code,
@@ -174,10 +187,13 @@ def main():
 
 
 def is_protected(path, spec):
-    """As the handler's rule: the test patch's files, test configuration, site hooks and
-    compiled bytecode are never the candidate's."""
+    """As the handler's rule: the test patch's files, test configuration, the test runner's
+    files (a repository's own runner), site hooks and compiled bytecode are never the
+    candidate's."""
     name = os.path.basename(path)
     return (path in spec.get("test_files", []) or name in spec.get("protected_names", [])
+            or any(path == p or (p.endswith("/") and path.startswith(p))
+                   for p in spec.get("protected_paths", []))
             or name.endswith(tuple(spec.get("protected_suffixes", [])))
             or any(part in spec.get("skip_dirs", []) for part in path.split("/")))
 
@@ -265,7 +281,9 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     # workspace's bound, which the candidate's own writes use.
     log_r, log_w = os.pipe()
     keep = int(spec.get("log_bytes", OUTPUT_TAIL))
+    kind = spec.get("kind", "pytest")
     request = {"key": key, "fd": w, "repo": repo, "tests": wanted, "files": files,
+               "kind": kind, "runner_args": spec.get("runner_args", []),
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
                "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
                "plugins": spec.get("plugins", []), "defs": definitions(repo, spec),
@@ -311,7 +329,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                 tail += chunk
                 if len(tail) > 2 * keep:
                     del tail[:len(tail) - keep]
-                partial = read_report(partial + chunk, report)
+                partial = read_report(partial + chunk, report, kind)
             else:
                 log_open = False
         if r not in ready:
@@ -353,7 +371,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     filled = jail.filled(child)
     jail.check(child, killed=killed)
     output = bytes(tail[-keep:]).decode("utf-8", errors="replace")
-    read_report(partial + b"\n", report)
+    read_report(partial + b"\n", report, kind)
     done = next((rec for rec in records if rec.get("kind") == "done"), None)
     return (records, suspicious, done["exit_code"] if done else None, output, late, report,
             filled)
@@ -365,12 +383,21 @@ def with_summary(args):
     return list(args) if any(a.startswith("-r") for a in args) else [*args, "-rA"]
 
 
-def read_report(data, report):
+def read_report(data, report, kind="pytest"):
     """Read the complete lines of ``data`` into ``report`` (name -> status word) as SWE-bench's
-    pytest log parser reads a log; returns what is left of an incomplete last line."""
+    log parser for the runner (pytest's, Django's, sympy's) reads a log; returns what is left
+    of an incomplete last line."""
     *lines, rest = data.split(b"\n")
     for raw in lines:
-        if not raw.startswith(STATUS_WORDS_B) or len(raw) > MAX_LINE:
+        if len(raw) > MAX_LINE:
+            continue
+        if kind == "django":
+            read_django_line(raw.decode("utf-8", errors="replace"), report)
+            continue
+        if kind == "sympy":
+            read_sympy_line(raw.decode("utf-8", errors="replace"), report)
+            continue
+        if not raw.startswith(STATUS_WORDS_B):
             continue
         words = raw.decode("utf-8", errors="replace").replace(" - ", " ").split()
         if len(words) > 1 and words[0] in STATUS_WORDS and (
@@ -379,20 +406,70 @@ def read_report(data, report):
     return b"" if len(rest) > MAX_LINE else rest
 
 
-def witnessed(outcomes, report):
-    """The outcomes with pytest's report as a second witness, and the tests on which the two
-    contradict each other (test, what the report said). A test is known in the report by
-    its name up to its first blank (as SWE-bench keys a log); a name several tests share
-    is not read."""
+def _said(report, name, status):
+    if name in report or len(report) < MAX_WITNESS:
+        report[name] = status
+
+
+def read_sympy_line(line, report):
+    """A line of bin/test's log as swebench's ``parse_log_sympy`` reads it: a failure's
+    header (``____ path.py:name ____``) is a failure of ``path.py:name``; a line that starts
+    with ``test_`` says its test's status by its last word (``E``, ``F``, ``ok``)."""
+    header = SYMPY_HEADER.search(line)
+    if header:
+        _said(report, f"{header.group(2)}.py:{header.group(3)}", "FAILED")
+    line = line.strip()
+    if line.startswith("test_"):
+        for end, status in ((" E", "ERROR"), (" F", "FAILED"), (" ok", "PASSED")):
+            if line.endswith(end):
+                _said(report, line.split()[0], status)
+
+
+def read_django_line(line, report):
+    """A line of Django's verbose unittest log as swebench's ``parse_log_django`` reads it,
+    line by line (the test a line's `` ... `` begins is remembered: an ``ok`` on a later
+    line of its own passes it)."""
+    line = line.strip()
+    if "--version is equivalent to version" in line:
+        _said(report, "--version is equivalent to version", "PASSED")
+    if " ... " in line:
+        report_state["prev"] = line.split(" ... ")[0]
+    for suffix in (" ... ok", " ... OK", " ...  OK"):
+        if line.endswith(suffix):
+            if line.startswith("Applying sites.0002_alter_domain_unique...test_no_migrations"):
+                line = line.split("...", 1)[-1].strip()
+            _said(report, line.rsplit(suffix, 1)[0], "PASSED")
+            break
+    if " ... skipped" in line:
+        _said(report, line.split(" ... skipped")[0], "SKIPPED")
+    if line.endswith(" ... FAIL"):
+        _said(report, line.split(" ... FAIL")[0], "FAILED")
+    if line.startswith("FAIL:") and len(line.split()) > 1:
+        _said(report, line.split()[1].strip(), "FAILED")
+    if line.endswith(" ... ERROR"):
+        _said(report, line.split(" ... ERROR")[0], "ERROR")
+    if line.startswith("ERROR:") and len(line.split()) > 1:
+        _said(report, line.split()[1].strip(), "ERROR")
+    if line.lstrip().startswith("ok") and report_state.get("prev") is not None:
+        _said(report, report_state["prev"], "PASSED")
+
+
+def witnessed(outcomes, report, kind="pytest"):
+    """The outcomes with the runner's report as a second witness, and the tests on which the
+    two contradict each other (test, what the report said). A pytest test is known in the
+    report by its name up to its first blank (as SWE-bench keys a log), a Django or sympy
+    one by its whole name; a name several tests share is not read."""
     names = {}
+    pass_words = PASS_WORDS if kind == "pytest" else RUNNER_PASS_WORDS
     for test in outcomes:
-        names.setdefault((test.split() or [test])[0], []).append(test)
+        names.setdefault((test.split() or [test])[0] if kind == "pytest" else test,
+                         []).append(test)
     out, contradicted = dict(outcomes), []
     for name, tests in names.items():
         if len(tests) > 1:
             continue
         test = tests[0]
-        said, want = report.get(name), PASS_WORDS.get(outcomes[test])
+        said, want = report.get(name), pass_words.get(outcomes[test])
         if want is not None and said is None:
             out[test] = "missing"  # pytest did not say it passed: no pass
         elif want is not None and said not in want:
@@ -406,13 +483,24 @@ def witnessed(outcomes, report):
 def decide(wanted, records, xfail=False):
     """Each named test's outcome from the child's records (``xfail``: tell expected
     failures, ``xfail``, and unexpected passes, ``xpass``, apart, as pytest's summary
-    does)."""
+    does). A repository's own runner (Django's, sympy's) sends one ``result`` per test: its
+    last one is its outcome, a pass only where the runner's wrapper saw the test method
+    return (Django's; sympy's runner passes a test only where it returned)."""
     phases = {t: {} for t in wanted}
+    results = {}
     for rec in records:
         if rec.get("kind") == "report" and rec.get("test") in phases:
             phases[rec["test"]][rec.get("when")] = rec
+        elif rec.get("kind") == "result" and rec.get("test") in phases:
+            results[rec["test"]] = rec
     outcomes = {}
     for test, seen in phases.items():
+        if not seen and test in results:
+            rec = results[test]
+            outcome = rec.get("outcome") if rec.get("outcome") in OUTCOMES else "failed"
+            outcomes[test] = "failed" if outcome == "passed" and \
+                rec.get("returned") is False else outcome
+            continue
         call = seen.get("call")
         if any(p.get("outcome") == "failed" for w, p in seen.items() if w != "call"):
             outcomes[test] = "error"

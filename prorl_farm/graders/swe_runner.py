@@ -441,6 +441,8 @@ def audit_hook(t, channel, watchers):
             return None
         if path in original and stamp(path) != original[path]:  # not the file of the start
             return f"{path}, rewritten during the run"
+        if sealed and caller.f_code is sealed[0].compile_code:
+            return None  # the runner's compile of a test file: that file's own text
         made_by = file_of(caller)
         # The import system, the environment's packages (pytest's assertion rewriting), and
         # ast.parse (a tree, not code) compile trusted files; nothing else does.
@@ -634,6 +636,10 @@ def import_the_runner(request):
     import os
     import pkgutil
 
+    if request.get("kind", "pytest") != "pytest":  # Django's and sympy's: unittest, stdlib
+        import unittest  # noqa: F401
+        import unittest.mock  # noqa: F401
+        return
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # no plugin from an installed package
     import _pytest
     import pluggy
@@ -1099,7 +1105,7 @@ def owned_sides(fn_node, ast):
     return mask
 
 
-def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
+def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten, kind="pytest"):
     """pytest's assertion rewriting and unittest's assertEqual, made to ask a probe: each
     ``==`` of an assert (its test, or a part of its and/or/not), ``a == b``, becomes
     ``audit(equality, a, b, own_a, own_b, box := []) or box[0]``, where ``audit`` is
@@ -1113,10 +1119,14 @@ def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
     is never read (it holds none of this). Returns what it installed and unittest's own
     assertEqual."""
     import ast
+    import os
     import sys
     import unittest
 
-    import _pytest.assertion.rewrite as rewrite
+    if kind == "pytest":
+        import _pytest.assertion.rewrite as rewrite
+    else:
+        rewrite = None
 
     suffix = t.runner_name.strip("<>").rsplit("-", 1)[-1]
     box, marker = "_prorl_box_" + suffix, "<prorl-audit-" + suffix + ">"
@@ -1221,14 +1231,7 @@ def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
             else:
                 asserts_equal(node, owned)
 
-    pytests_run = rewrite.AssertionRewriter.run
-
-    def run(self, mod):
-        instrument_module(mod, getattr(self, "source", None))
-        return pytests_run(self, mod)
-
-    rewrite.AssertionRewriter.run = run
-    code_type, pytests_rewrite_test = type(index.__code__), rewrite._rewrite_test
+    code_type = type(index.__code__)
 
     def with_audit(co):
         """``co`` with ``marker`` in its constants (its own and its functions') made
@@ -1243,18 +1246,53 @@ def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
             consts.append(c)
         return co.replace(co_consts=tuple(consts)) if changed else co
 
-    def _rewrite_test(*args, **kwargs):
-        made = pytests_rewrite_test(*args, **kwargs)
-        if type(made) is tuple and len(made) == 2 and type(made[1]) is code_type:
-            made = (made[0], with_audit(made[1]))
-            audit(rewritten, made[1].co_filename, made[1])  # its frames' code, for the hook
-        return made
+    installed = ()
+    if rewrite is not None:
+        pytests_run = rewrite.AssertionRewriter.run
 
-    def _read_pyc(*args, **kwargs):
-        return None  # rewritten here, every time, with the constant above
+        def run(self, mod):
+            instrument_module(mod, getattr(self, "source", None))
+            return pytests_run(self, mod)
 
-    rewrite._rewrite_test = _rewrite_test
-    rewrite._read_pyc = _read_pyc
+        rewrite.AssertionRewriter.run = run
+        pytests_rewrite_test = rewrite._rewrite_test
+
+        def _rewrite_test(*args, **kwargs):
+            made = pytests_rewrite_test(*args, **kwargs)
+            if type(made) is tuple and len(made) == 2 and type(made[1]) is code_type:
+                made = (made[0], with_audit(made[1]))
+                audit(rewritten, made[1].co_filename, made[1])  # its frames' code, for the hook
+            return made
+
+        def _read_pyc(*args, **kwargs):
+            return None  # rewritten here, every time, with the constant above
+
+        rewrite._rewrite_test = _rewrite_test
+        rewrite._read_pyc = _read_pyc
+        installed = (run, _rewrite_test, _read_pyc)
+    is_test_file, real_compile, parse = t.is_test_file, compile, ast.parse
+    untrusted, repo = t.untrusted, t.repo
+
+    def compile_test_file(source, filename, mode, *args, **kwargs):
+        """A runner's ``compile`` of a test file (sympy's ``test_file`` compiles each test
+        file's text itself): the file's own text, as it is on disk, with its asserts asked
+        of the probe (any ``source`` given is not used: the code is always the file's).
+        Anything else is compiled as asked, where its name is its maker's own."""
+        plain = not args and all(k in ("flags", "dont_inherit") and not (
+            k == "flags" and v) for k, v in kwargs.items())  # sympy 1.7: flags=0, ...
+        if mode == "exec" and type(filename) is str and is_test_file(filename) and plain:
+            with open(filename, "rb") as f:
+                text = f.read()
+            tree = parse(text, filename)
+            instrument_module(tree, text)
+            made = with_audit(real_compile(tree, filename, "exec", dont_inherit=True))
+            audit(rewritten, filename, made)  # its frames' code, for the hook
+            return made
+        if type(filename) is str and not filename.startswith("<") and \
+                not untrusted(os.path.normpath(os.path.join(repo, filename))):
+            raise ValueError(f"the runner compiles no other trusted file ({filename})")
+        return real_compile(source, filename, mode, *args, **kwargs)
+
     unittests_equal = unittest.TestCase.assertEqual
 
     compared = unittest_comparison(asserted, unittests_equal)
@@ -1264,10 +1302,11 @@ def instrument_asserts(t, probe, guard, equality, assert_equal, rewritten):
 
     unittest.TestCase.assertEqual = assertEqual
     return Built(rewrite_module=rewrite, assert_equal=assertEqual,
-                 unittests_equal=unittests_equal, installed=(run, _rewrite_test, _read_pyc))
+                 unittests_equal=unittests_equal, installed=installed,
+                 compile_test_file=compile_test_file)
 
 
-def namespace_guard(t, asserts, emit, guard):
+def namespace_guard(t, asserts, emit, guard, kind="pytest"):
     """What must not change once collection is done: pytest, pluggy, unittest, signal,
     numpy.testing (where installed) and the builtins, as they were before any repository
     code ran; and each test module and its classes, as the module's own code left them
@@ -1281,15 +1320,18 @@ def namespace_guard(t, asserts, emit, guard):
     import types
     from operator import is_
 
-    import _pytest
-    import _pytest.assertion.rewrite as rewrite
-    import pluggy
-
     first_origin, getframe, repo, untrusted, path_of = t.first_origin, sys._getframe, \
         t.repo, t.untrusted, t.path_of
     rewrite_module = asserts.rewrite_module
     test_files = {os.path.realpath(os.path.join(repo, p)) for p in t.test_file_names}
-    guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest", "signal", "_signal")
+    if kind == "pytest":
+        import _pytest
+        import _pytest.assertion.rewrite as rewrite
+        import pluggy
+
+        guarded_prefixes = ("_pytest", "pytest", "pluggy", "unittest", "signal", "_signal")
+    else:  # the runner is the repository's (``runner_modules``), over unittest
+        guarded_prefixes = ("unittest", "signal", "_signal")
     if not os.path.exists(os.path.join(repo, "numpy")):  # not when testing numpy itself
         try:
             import numpy.testing  # noqa: F401 - assert_allclose and friends
@@ -1297,17 +1339,17 @@ def namespace_guard(t, asserts, emit, guard):
         except ImportError:
             pass
 
-    def kept(namespace):
+    def kept(namespace):  # by type alone: a lazy object answers isinstance with its own
         return {k: v for k, v in namespace.items()
-                if callable(v) or isinstance(v, (staticmethod, classmethod, property,
-                                                 types.ModuleType))}
+                if callable(v) or issubclass(type(v), (staticmethod, classmethod, property,
+                                                       types.ModuleType))}
 
     snapshot = []  # (owner, {name: value}) for the runtime's modules and classes
 
     def keep_module(module):
         snapshot.append((module, kept(vars(module))))
         for value in list(vars(module).values()):
-            if isinstance(value, type) and getattr(value, "__module__", "") == \
+            if issubclass(type(value), type) and getattr(value, "__module__", "") == \
                     module.__name__:
                 snapshot.append((value, kept(dict(vars(value)))))
 
@@ -1413,17 +1455,21 @@ def namespace_guard(t, asserts, emit, guard):
         return isinstance(path, str) and os.path.realpath(path) in test_files
 
     if guard:
-        hook_class = rewrite.AssertionRewritingHook
-        pytests_exec = hook_class.exec_module
+        if kind == "pytest":
+            hook_class = rewrite.AssertionRewritingHook
+        else:  # Django's test modules, imported by unittest's loader
+            from importlib.machinery import SourceFileLoader as hook_class
+        loaders_exec = hook_class.exec_module
 
         def exec_module(self, module):
-            pytests_exec(self, module)
+            loaders_exec(self, module)
             if is_test_module(module):
                 freeze(module)
 
         hook_class.exec_module = exec_module
 
     every = object()
+    data_set_by_runner = kind != "pytest"
 
     def test_module_changed(module, only=every):
         """How a frozen test module, or one of its classes (``only``: that class alone, or
@@ -1453,6 +1499,8 @@ def namespace_guard(t, asserts, emit, guard):
                         return f"{module.__name__}.{cls.__name__}.{key} replaced"
             added = now.keys() - keys
             for key in added:  # a base's method shadowed since
+                if data_set_by_runner and not kept({key: now[key]}):
+                    continue  # unittest's and Django's runners set data on test classes
                 if any(key in vars(base) for base in type.__getattribute__(cls, "__mro__")[1:]):
                     return f"{module.__name__}.{cls.__name__}.{key} overridden"
             keys |= added  # set since, shadowing nothing (a class's own data)
@@ -1478,9 +1526,10 @@ def namespace_guard(t, asserts, emit, guard):
     # What pytest's own legacypath plugin patches at configure time (with functions of its
     # own): a change there is pytest's if the new value is defined in pytest's package.
     patched_by_pytest = {"_getini_unknown_type", "invocation_dir", "rootdir", "inifile",
-                         "startdir", "fspath", "makedir"}
+                         "startdir", "fspath", "makedir"} if kind == "pytest" else set()
     pytest_dirs = tuple({os.path.dirname(q(m.__file__)) + os.sep for m in (_pytest, pluggy)
-                         for q in (os.path.normpath, os.path.realpath)})
+                         for q in (os.path.normpath, os.path.realpath)}) \
+        if kind == "pytest" else ("//",)
     path_of = t.path_of
 
     def pytests_own(value):
@@ -1504,11 +1553,34 @@ def namespace_guard(t, asserts, emit, guard):
             current = vars(owner)
             for key, value in saved.items():
                 now = current.get(key)
-                if now is not value and not (key in patched_by_pytest and pytests_own(now)):
+                if now is not value and not (key in patched_by_pytest and pytests_own(now)) \
+                        and not (id(owner) in runners_own and trusted_function(now)):
                     return f"{getattr(owner, '__name__', owner)}.{key} replaced"
         return None
 
-    return Built(keep_late=keep_late, tampered=tampered, freeze=freeze)
+    # A repository's runner sets its own parts up (Django's runtests.py sets its suite's
+    # process_setup): a change in a runner module is the runner's if the new value is a
+    # function of trusted code (the candidate's own is found, and found on the stack).
+    runners_own = set()
+
+    def trusted_function(value):
+        kind = type(value)
+        inner = value.__func__ if kind in (staticmethod, classmethod) else value
+        code = inner.__code__ if type(inner).__name__ == "function" else None
+        return code is not None and not path_of(code).startswith("<") and \
+            not untrusted(path_of(code))
+
+    def keep_modules(modules):
+        """A repository's own runner modules (imported after the snapshot: they import the
+        repository), kept as they are now."""
+        for module in modules:
+            guarded[module.__name__] = module
+            start = len(snapshot)
+            keep_module(module)
+            runners_own.update(id(owner) for owner, _ in snapshot[start:])
+
+    return Built(keep_late=keep_late, tampered=tampered, freeze=freeze,
+                 keep_modules=keep_modules)
 
 
 def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
@@ -1593,6 +1665,218 @@ def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
                  else None, xfail=hasattr(report, "wasxfail"))
 
     return Built(plugin=Evidence(), check=check)
+
+
+def foreign_code(modules, untrusted, path_of):
+    """``foreign(module)``: the first function of ``module`` or of a class it defines (its
+    methods, static and class methods, properties) whose code is untrusted (the candidate's
+    code put in the runner's place), as ``module.name``; or None. The runner is the
+    repository's own code (sympy's ``runtests``, Django's ``django.test``): trusted by its
+    content, and held to hold nothing of the candidate's."""
+
+    def functions(owner):
+        for name, value in list(vars(owner).items()):
+            kind = type(value)
+            inner = value.__func__ if kind in (staticmethod, classmethod) else \
+                value.fget if kind is property else value
+            code = inner.__code__ if type(inner).__name__ == "function" else None
+            if code is not None:
+                yield name, code
+
+    def foreign(module):
+        owners = [module] + [v for v in list(vars(module).values())
+                             if issubclass(type(v), type)
+                             and getattr(v, "__module__", None) == module.__name__]
+        for owner in owners:
+            for name, code in functions(owner):
+                path = path_of(code)
+                # Code from a string (a namedtuple's __new__) is its maker's, and found on
+                # the stack if it ever runs in the runner's place: a file's is found here.
+                if not path.startswith("<") and untrusted(path):
+                    return f"{getattr(owner, '__name__', owner)}.{name} is {path}'s"
+        return None
+
+    return foreign
+
+
+def sympy_evidence(request, t, emit, asserts, guard, checks):
+    """sympy's own runner (``bin/test``'s ``sympy.test``, in this process, its output the
+    log), sending a record per test from its reporter: the reporter's methods, wrapped on
+    its class, say what the runner decided of each test function (``test_pass`` only where
+    the function returned), and the runner compiles each test file through the probe's
+    ``compile`` (its asserts asked of the probe). Returns the runner's modules (the guard
+    keeps them) and ``run()``: the exit status ``bin/test`` would end with."""
+    import importlib
+    import os
+    import sys
+    import warnings
+
+    repo = t.repo
+    current = []  # the test function the runner is in, until its result
+    original, modules = {}, []
+    outcome_of = {"test_pass": "passed", "test_fail": "failed", "test_exception": "error",
+                  "test_skip": "skipped", "test_xfail": "xfail", "test_xpass": "xpass"}
+
+    def entering_filename(self, *args, **kwargs):
+        current[:] = []
+        return original["entering_filename"](self, *args, **kwargs)
+
+    def entering_test(self, f):
+        current[:] = [getattr(f, "__name__", "?")]
+        return original["entering_test"](self, f)
+
+    def made(name):
+        def said(self, *args, **kwargs):
+            for check in checks:
+                check("result")
+            if current:  # a test's result (not a test file's own error)
+                emit("result", test=current.pop(), outcome=outcome_of[name])
+            return original[name](self, *args, **kwargs)
+        said.__name__ = name
+        return said
+
+    def load():
+        """Import the runner (the repository's code runs from here) and wrap its reporter;
+        returns the runner's modules."""
+        # bin/test -C: no cache; the spec's PYTHONWARNINGS; run from the repository's root
+        # with it first on the path, as bin/test's path_hack puts it.
+        os.environ["SYMPY_USE_CACHE"] = "no"
+        for category in (UserWarning, SyntaxWarning):
+            warnings.filterwarnings("ignore", category=category)
+        os.chdir(repo)
+        sys.path.insert(0, repo)
+        for name in ("sympy.testing.runtests", "sympy.utilities.runtests"):
+            try:
+                runtests = importlib.import_module(name)
+                break
+            except ImportError:
+                continue
+        else:
+            raise RuntimeError("no sympy.testing.runtests or sympy.utilities.runtests")
+        helpers = [m for m in (sys.modules.get("sympy.testing.pytest"),
+                               sys.modules.get("sympy.utilities.pytest")) if m is not None]
+        reporter = runtests.PyTestReporter
+        original.update({name: vars(reporter)[name] for name in (
+            "entering_filename", "entering_test", *outcome_of)})
+        reporter.entering_filename = entering_filename
+        reporter.entering_test = entering_test
+        for name in outcome_of:
+            setattr(reporter, name, made(name))
+        if guard:
+            runtests.compile = asserts.compile_test_file
+        modules[:] = [runtests, *helpers]
+        return modules
+
+    def run():
+        files = request["files"]
+        ok = modules[0].test(*files, verbose=True, subprocess=False) if files else True
+        return 0 if ok else 1
+
+    return Built(load=load, run=run, installed=(entering_filename, entering_test),
+                 modules=modules)
+
+
+def django_evidence(request, t, emit, guard, checks):
+    """Django's own runner (``tests/runtests.py`` with SWE-bench's options, in this
+    process, its output the log), sending a record per test from unittest's verbose result
+    (the class ``runtests.py``'s runner reports to): each test by the name its log line
+    shows (a docstring's first line where the test has one), with whether this runner's own
+    wrapper of the test method's call saw it return. Returns the runner's modules and
+    ``run()``: the exit status of ``runtests.py``."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    import traceback
+    import unittest.case
+    import unittest.runner
+
+    repo = t.repo
+    script = os.path.join(repo, "tests", "runtests.py")
+    result_class, case = unittest.runner.TextTestResult, unittest.case.TestCase
+    returned = set()  # id() of the tests whose method returned
+    calls = case._callTestMethod
+    original = {name: vars(result_class)[name] for name in (
+        "addSuccess", "addError", "addFailure", "addSkip", "addExpectedFailure",
+        "addUnexpectedSuccess")}
+    outcome_of = {"addSuccess": "passed", "addError": "error", "addFailure": "failed",
+                  "addSkip": "skipped", "addExpectedFailure": "xfail",
+                  "addUnexpectedSuccess": "xpass"}
+    getdescription = result_class.getDescription
+
+    def _callTestMethod(self, method):
+        calls(self, method)
+        returned.add(id(self))
+
+    def made(name):
+        def said(self, test, *args, **kwargs):
+            for check in checks:
+                check("result")
+            lines = str(getdescription(self, test)).splitlines() or [str(test)]
+            emit("result", test=lines[-1], outcome=outcome_of[name],
+                 returned=id(test) in returned)
+            return original[name](self, test, *args, **kwargs)
+        said.__name__ = name
+        return said
+
+    case._callTestMethod = _callTestMethod
+    for name in outcome_of:
+        setattr(result_class, name, made(name))
+    modules = []
+
+    def load():
+        """The runner's modules, as runtests.py's first lines import them (the repository's
+        code runs from here), so that they are kept before the run."""
+        os.chdir(repo)
+        sys.path.insert(0, os.path.dirname(script))  # as `python tests/runtests.py` has it
+        modules[:] = [importlib.import_module(f"django.test.{name}")
+                      for name in ("runner", "testcases", "utils")]
+        return modules
+
+    def run():
+        files = request["files"]
+        if not files:
+            return 0
+        sys.argv = [script, *request.get("runner_args", []), *files]
+        spec = importlib.util.spec_from_file_location("__main__", script)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except SystemExit as e:
+            return e.code if type(e.code) is int else 0 if e.code is None else 1
+        except BaseException:  # noqa: BLE001 - what the tests raise is theirs
+            traceback.print_exc()
+            return -1
+        return 0
+
+    return Built(load=load, run=run, installed=(_callTestMethod,), modules=modules)
+
+
+def runner_evidence(own, guard_of, emit, guard, t):
+    """For a repository's own runner (sympy's, Django's): the checks around it. The
+    runner's modules hold nothing of the candidate's when they are kept, and at each record
+    (its wrappers run ``check`` before each) nothing of the runtime, the runner's modules
+    or the test modules has changed since (the guard's ``tampered``)."""
+    foreign = foreign_code(own.modules, t.untrusted, t.path_of)
+    tampered = guard_of.tampered
+    if guard:
+        why = next(filter(None, map(foreign, own.modules)), None)
+        if why is not None:
+            emit("suspicious", event="runner", detail=why)
+        guard_of.keep_modules(own.modules)
+
+    def check(where):
+        if not guard:
+            return
+        why = tampered()
+        if why is not None:
+            emit("suspicious", event=where, detail=why)
+
+    def run():
+        check("start")
+        return own.run()
+
+    return Built(check=check, run=run)
 
 
 def run_tests(request, plugin):
@@ -1708,23 +1992,35 @@ def main():
         sys.addaudithook(hooked.hook)
     del channel
     import_the_runner(request)
+    kind = request.get("kind", "pytest")
     signals = signal_guard(t, emit, guard)
-    ids = identity(t, request)
     probe = equality_probe(emit, watchers)
-    asserts = instrument_asserts(t, probe, guard, equality, assert_equal, rewritten)
-    guard_of = namespace_guard(t, asserts, emit, guard)
-    evidence = evidence_plugin(request, emit, ids, guard_of, watchers, guard)
+    asserts = instrument_asserts(t, probe, guard, equality, assert_equal, rewritten, kind)
+    if kind == "pytest":
+        ids = identity(t, request)
+        guard_of = namespace_guard(t, asserts, emit, guard)
+        evidence = evidence_plugin(request, emit, ids, guard_of, watchers, guard)
+    else:  # the runtime (with unittest's wrappers) kept before the runner is imported
+        ids = None
+        checks = []  # the runner's check, run by its wrappers before each record
+        own = sympy_evidence(request, t, emit, asserts, guard, checks) if kind == "sympy" \
+            else django_evidence(request, t, emit, guard, checks)
+        guard_of = namespace_guard(t, asserts, emit, guard, kind)
+        own.load()
+        evidence = runner_evidence(own, guard_of, emit, guard, t)
+        checks.append(evidence.check)
     if guard:
         mine = main.__globals__
         check = runner_state(
             [emit, t, signals, ids, probe, asserts, guard_of, evidence, tuple(watchers),
              tuple(mine.values())],
             [(mine, mine, True), (mine["__builtins__"], mine["__builtins__"], True)],
-            [watchers])
+            [watchers] if kind == "pytest" else [watchers, checks])
         hooked.seal(Built(check=check, assert_equal=asserts.assert_equal,
-                          unittests_equal=asserts.unittests_equal))
+                          unittests_equal=asserts.unittests_equal,
+                          compile_code=asserts.compile_test_file.__code__))
         del hooked, check
-    code = run_tests(request, evidence.plugin)
+    code = run_tests(request, evidence.plugin) if kind == "pytest" else evidence.run()
     evidence.check("end")
     emit("done", exit_code=code)
     for stream in (sys.__stdout__, sys.__stderr__):  # the log's last lines (the summary)

@@ -45,9 +45,11 @@ from prorl_farm.swebench.instance import (
     Prepared,
     environment,
     grading_spec,
+    in_runner,
     prepare,
     read_verdict,
     refusal,
+    runner_of,
     swebench_spec,
 )
 
@@ -535,8 +537,10 @@ class SweHandler(ToolAgentHandler):
             tree, diff = base, inst["patch"]
             files[f"{GRADER_DIR}/model.patch"] = inst["patch"]
             changed = patch_paths(inst["patch"])
-        else:
-            tree, discarded, diff = self._candidate(ctx, base, test_paths, frozenset(overlay))
+        else:  # the environment's install output and the runner's files as at the base
+            runner = frozenset(p for p in base if in_runner(p, runner_of(prep.spec)))
+            tree, discarded, diff = self._candidate(ctx, base, test_paths,
+                                                    frozenset(overlay) | runner)
             changed = {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)}
         native = builds_native(base)
         why = refused(base, reference_tree(base, inst["patch"], changed)
@@ -548,6 +552,9 @@ class SweHandler(ToolAgentHandler):
                     "verdict": why[0]}
         spec = grading_spec(inst, prep, changed, test_paths,
                             protection(ctx, base, test_paths, native))
+        if "protected_base" in spec:  # the runner's files too, put back after setup
+            spec["protected_base"].update({p: base[p].decode("latin-1") for p in base
+                                           if in_runner(p, spec["kind"])})
         files.update(tree)
         files.update({f"{GRADER_DIR}/spec.json": json.dumps(spec),
                       f"{GRADER_DIR}/test.patch": inst["test_patch"],

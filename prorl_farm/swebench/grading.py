@@ -37,9 +37,18 @@ PASSING = ("PASSED", "XFAIL")
 # The order of pytest's short test summary under -rA (later categories overwrite earlier
 # ones in the parser's map).
 SUMMARY_ORDER = {"PASSED": 0, "SKIPPED": 1, "XFAIL": 2, "XPASS": 3, "ERROR": 4, "FAILED": 5}
-# The farm's outcome -> the status word SWE-bench's parser would have read.
+# The farm's outcome -> the status word SWE-bench's parser for the runner's log would have
+# read (none: the parser reads no status for that outcome). Django's parser reads
+# unittest's verbose lines ("... ok", "... skipped", "... FAIL", "... ERROR"; an expected
+# failure or an unexpected success has no status); sympy's reads bin/test's (" ok", " F",
+# " E"; a skip, an XFAIL and an XPASS have none).
 STATUS = {"passed": "PASSED", "failed": "FAILED", "error": "ERROR", "skipped": "SKIPPED",
           "xfail": "XFAIL", "xpass": "XPASS"}
+STATUS_BY_RUNNER = {
+    "pytest": STATUS,
+    "django": {"passed": "PASSED", "failed": "FAILED", "error": "ERROR", "skipped": "SKIPPED"},
+    "sympy": {"passed": "PASSED", "failed": "FAILED", "error": "ERROR"},
+}
 
 
 def test_names(value) -> list[str]:
@@ -53,8 +62,13 @@ def log_name(nodeid: str) -> str:
     return parts[0] if parts else nodeid
 
 
-def status_map(outcomes: dict[str, str]) -> dict[str, str]:
-    """``{node id: farm outcome}`` (in run order) -> SWE-bench's ``{name: status}``."""
+def status_map(outcomes: dict[str, str], runner: str = "pytest") -> dict[str, str]:
+    """``{test: farm outcome}`` (in run order) -> SWE-bench's ``{name: status}``. pytest's
+    tests are node ids (named as its parser names them); Django's and sympy's are already
+    the names their parsers read (a test's description, a test function's name)."""
+    if runner != "pytest":
+        words = STATUS_BY_RUNNER[runner]
+        return {name: words[o] for name, o in outcomes.items() if o in words}
     chosen: dict[str, tuple[int, int, str]] = {}
     for order, (nodeid, outcome) in enumerate(outcomes.items()):
         status = STATUS.get(outcome)
@@ -117,9 +131,9 @@ def resolved(tests: dict) -> bool:
 
 
 def verdict(outcomes: dict[str, str], exit_code: int | None, fail_to_pass: list[str],
-            pass_to_pass: list[str]) -> dict:
+            pass_to_pass: list[str], runner: str = "pytest") -> dict:
     """``{"valid", "resolved", "tests", "status_map", "why"}`` from the farm's outcomes."""
-    sm = status_map(outcomes)
+    sm = status_map(outcomes, runner)
     if not sm:
         return {"valid": False, "resolved": False, "status_map": sm,
                 "why": "no test ran (no status for any test)"}
@@ -132,12 +146,27 @@ def verdict(outcomes: dict[str, str], exit_code: int | None, fail_to_pass: list[
 
 
 def test_files(test_patch: str) -> list[str]:
-    """SWE-bench's test directives for a pytest repository: every file the test patch names
+    """The files SWE-bench's test directives name: every file the test patch names
     (``diff --git a/X b/Y``: Y), but documentation and data files."""
     non_test = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml",
                 ".yaml", ".toml")
     return [d for d in re.findall(r"diff --git a/.* b/(.*)", test_patch)
             if not any(d.endswith(ext) for ext in non_test)]
+
+
+def test_directives(test_patch: str, runner: str = "pytest") -> list[str]:
+    """SWE-bench's test directives (``get_test_directives``): the files of
+    :func:`test_files`; for Django's ``runtests.py``, each as the module label it takes
+    (``tests/a/b.py`` -> ``a.b``)."""
+    files = test_files(test_patch)
+    if runner != "django":
+        return files
+    out = []
+    for d in files:
+        d = d[:-len(".py")] if d.endswith(".py") else d
+        d = d[len("tests/"):] if d.startswith("tests/") else d
+        out.append(d.replace("/", "."))
+    return out
 
 
 def reset_files(test_patch: str) -> list[str]:
@@ -152,12 +181,13 @@ def reset_files(test_patch: str) -> list[str]:
     return out
 
 
-def eval_script(instance: dict, test_cmd: str, repo_dir: str = "/workspace") -> list[str]:
+def eval_script(instance: dict, test_cmd: str, repo_dir: str = "/workspace",
+                runner: str = "pytest") -> list[str]:
     """What the farm's grader does for ``instance``, written as the commands of SWE-bench's
     eval script (``make_eval_script_list_py``), for comparison with SWE-bench's builder. The
     farm runs them as its hardened harness does (not through a shell): the tests in-process
     under the evidence runner, whose outcomes are read as :func:`verdict` says."""
-    files = " ".join(test_files(instance["test_patch"]))
+    files = " ".join(test_directives(instance["test_patch"], runner))
     reset = " ".join(reset_files(instance["test_patch"]))
     base = instance["base_commit"]
     return [f"cd {repo_dir}",

@@ -15,6 +15,7 @@ farm's own sample repository, instances with their own ``setup`` commands) keep 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -30,9 +31,33 @@ RUNNER_REPOS = frozenset({"pytest-dev/pytest", "pytest-dev/pluggy"})
 LOG_BYTES = 256 << 10
 
 
-# The test runners whose evidence the farm's harness reads (the first word of a spec's
-# ``test_cmd``).
-RUNNERS = ("pytest",)
+# The test runners whose evidence the farm's harness reads, by the program of a spec's
+# ``test_cmd`` (after its environment assignments).
+RUNNERS = {"pytest": "pytest", "./tests/runtests.py": "django", "bin/test": "sympy"}
+
+
+# The files of a repository's own test runner (a path, or a directory ending in ``/``):
+# never the candidate's (restored from the base, as conftest.py is), and an instance whose
+# own fix is in them is refused (its runner would be the candidate's code).
+RUNNER_FILES = {
+    "django": ("tests/runtests.py", "tests/test_sqlite.py", "django/test/"),
+    "sympy": ("bin/test", "bin/get_sympy.py", "sympy/testing/runtests.py",
+              "sympy/utilities/runtests.py", "sympy/testing/pytest.py",
+              "sympy/utilities/pytest.py"),
+    "pytest": (),
+}
+
+
+def in_runner(path: str, runner: str) -> bool:
+    return any(path == p or (p.endswith("/") and path.startswith(p))
+               for p in RUNNER_FILES.get(runner, ()))
+
+
+def runner_of(spec: EnvSpec) -> str | None:
+    """``pytest``, ``django`` or ``sympy``: how the harness runs ``spec``'s tests (None: a
+    runner it does not read)."""
+    words = [w for w in shlex.split(spec.test_cmd) if "=" not in w.split("/")[0]]
+    return RUNNERS.get(words[0]) if words else None
 
 
 def is_swebench(inst: dict) -> bool:
@@ -72,16 +97,27 @@ def refusal(inst: dict) -> dict[str, list[str]]:
     if spec.packages.endswith((".yml", ".yaml")):
         return {"version": [f"{spec.name}: SWE-bench's spec builds a conda environment "
                             f"({spec.packages}), which the farm does not"]}
-    runner = spec.test_cmd.split()[0] if spec.test_cmd.split() else ""
-    if runner not in RUNNERS:
+    if runner_of(spec) is None:
         return {"repo": [f"{spec.name}: its tests run with {spec.test_cmd!r}; the farm's "
-                         f"harness reads the evidence of {', '.join(RUNNERS)} runs"]}
+                         f"harness reads the evidence of pytest's, Django's runtests.py's "
+                         f"and sympy's bin/test's runs"]}
+    runner = runner_of(spec)
+    touched = sorted(p for p in _patch_files(inst.get("patch") or "") if in_runner(p, runner))
+    if touched:
+        return {"patch": [f"the fix changes the test runner's own files ({', '.join(touched)}):"
+                          " the runner would be the candidate's code, which the farm's "
+                          "harness does not trust to report"]}
     if not inst.get("environment_setup_commit"):
         return {"environment_setup_commit": [
             f"required for a SWE-bench instance ({repo} {version}): the commit SWE-bench "
             "builds the environment from, a field of every SWE-bench row; never taken to be "
             "the base commit"]}
     return {}
+
+
+def _patch_files(patch: str) -> set[str]:
+    return {b for a, b in re.findall(r"^diff --git a/(\S+) b/(\S+)", patch, re.M)} | \
+        {a for a, b in re.findall(r"^diff --git a/(\S+) b/(\S+)", patch, re.M)}
 
 
 def swebench_spec(inst: dict) -> EnvSpec | None:
@@ -199,12 +235,17 @@ def environment(prep: Prepared) -> dict:
 
 def grading_spec(inst: dict, prep: Prepared, changed: set[str], test_paths: set[str],
                  protected: dict) -> dict:
-    """The harness's spec for a SWE-bench run: SWE-bench's test files, every test in them,
-    the spec's pytest options, the environment's plugins."""
+    """The harness's spec for a SWE-bench run: SWE-bench's test directives, every test they
+    run, the runner (pytest with the spec's options and the environment's plugins; Django's
+    ``runtests.py`` or sympy's ``bin/test``, with their files protected)."""
+    runner = runner_of(prep.spec)
+    words = [w for w in shlex.split(prep.spec.test_cmd) if "=" not in w.split("/")[0]]
     return {"tests": grading.test_names(inst["FAIL_TO_PASS"])
             + grading.test_names(inst["PASS_TO_PASS"]),
-            "files": grading.test_files(inst["test_patch"]), "every_test": True,
-            "pytest_args": shlex.split(prep.spec.test_cmd)[1:],
+            "files": grading.test_directives(inst["test_patch"], runner), "every_test": True,
+            "kind": runner, "runner_args": words[1:],
+            "protected_paths": list(RUNNER_FILES[runner]),
+            "pytest_args": words[1:],
             "plugins": prep.env.manifest.get("plugins", []), "log_bytes": LOG_BYTES,
             "changed": sorted(changed - test_paths), "test_files": sorted(test_paths),
             "timeout_s": inst["test_timeout_s"], "guard": inst["repo"] not in RUNNER_REPOS,
@@ -215,7 +256,8 @@ def read_verdict(inst: dict, verdict: dict) -> dict:
     """The job's result from the harness's verdict, read as SWE-bench 5.0.2 would."""
     f2p = grading.test_names(inst["FAIL_TO_PASS"])
     p2p = grading.test_names(inst["PASS_TO_PASS"])
-    decided = grading.verdict(verdict["outcomes"], verdict.get("exit_code"), f2p, p2p)
+    decided = grading.verdict(verdict["outcomes"], verdict.get("exit_code"), f2p, p2p,
+                              runner_of(spec_for(inst["repo"], inst["version"])))
     sm = decided["status_map"]
 
     def status(case):
