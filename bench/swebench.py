@@ -51,7 +51,13 @@ from prorl_farm.sandbox.grading import tagged_verdict  # noqa: E402
 from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
 from prorl_farm.swebench import grading, repos  # noqa: E402
 from prorl_farm.swebench.envs import EnvBuilder, spec_for  # noqa: E402
-from prorl_farm.swebench.instance import GRADER_DIR, Prepared, grading_spec, runner_of  # noqa: E402,E501
+from prorl_farm.swebench.instance import (  # noqa: E402
+    GRADER_DIR,
+    Prepared,
+    command_words,
+    grading_spec,
+    runner_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "swe-bench"
@@ -110,9 +116,7 @@ def bare_command(spec, test_patch: str) -> str:
     modes), from the repository's root with the script's directory first on the path (the
     sandbox's exec sets PYTHONSAFEPATH for graders: unset here, as in SWE-bench's image)."""
     runner = runner_of(spec)
-    words = shlex.split(spec.test_cmd)
-    assigns = [w for w in words if "=" in w.split("/")[0]]
-    program = words[len(assigns):]
+    assigns, program = command_words(spec)
     if program[0].endswith((".py", "bin/test")):
         program = ["python", *program]
     return " ".join(["env", "-u", "PYTHONSAFEPATH", *map(shlex.quote, assigns),

@@ -19,9 +19,9 @@ builds its own in ``.prorl/swe-envs``.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -86,18 +86,22 @@ def swebench(version: str, what: str, cases: list[dict]) -> list:
 
 
 def wrong_patch(row: dict, base_file: str) -> str:
-    """A patch that applies but does not fix: half of the gold patch's hunks where it has
-    several, else a comment added to the file the gold patch changes."""
+    """A patch that applies but does not fix: the gold patch's first file alone where it
+    changes several; else half of its hunks where it has several; else a comment added to
+    the file the gold patch changes."""
     patch = row["patch"]
+    files = re.split(r"^(?=diff --git )", patch, flags=re.M)[1:]
+    if len(files) > 1:
+        return files[0].rstrip("\n") + "\n"
     hunks = patch.split("\n@@ ")
     if len(hunks) > 2:
         kept = hunks[: (len(hunks) + 1) // 2]
         return "\n@@ ".join(kept).rstrip("\n") + "\n"
+    from prorl_farm.handlers.swe import unified_diff
+
     path = patch.split("diff --git a/", 1)[1].split(" ", 1)[0]
-    old = base_file.splitlines(True)
-    new = ["# a change that fixes nothing\n", *old]
-    return f"diff --git a/{path} b/{path}\n" + "".join(
-        difflib.unified_diff(old, new, f"a/{path}", f"b/{path}"))
+    return unified_diff({path: base_file.encode()},
+                        {path: b"# a change that fixes nothing\n" + base_file.encode()})
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +164,7 @@ def test_real_instances_grade_as_swebench_grades_them(bench_farm, r):
             assert job["state"] == "done", (kind, row["instance_id"], job["failure"])
             ev = job["result"]["eval"]
             want = kind in ("gold", "agent")
+            assert ev.get("invalid") != "patch", (kind, row["instance_id"], ev.get("verdict"))
             assert ev["resolved"] is want and job["reward"] == float(want), \
                 (kind, row["instance_id"], {k: ev.get(k) for k in
                                            ("invalid", "verdict", "output")},
@@ -329,11 +334,11 @@ def test_several_roots_are_searched_in_order_and_the_error_names_each_source(tmp
 
 def _edit(row: dict, path: str, old: str, new: str) -> str:
     """A patch that replaces ``old`` (once) with ``new`` in ``path`` at the base commit."""
+    from prorl_farm.handlers.swe import unified_diff
+
     before = _tree(row, row["base_commit"])[path].decode()
     assert before.count(old) == 1, (path, old)
-    after = before.replace(old, new)
-    return f"diff --git a/{path} b/{path}\n" + "".join(difflib.unified_diff(
-        before.splitlines(True), after.splitlines(True), f"a/{path}", f"b/{path}"))
+    return unified_diff({path: before.encode()}, {path: before.replace(old, new).encode()})
 
 
 def test_sympy_and_django_candidates_that_forge_their_runners_log_earn_nothing(bench_farm):

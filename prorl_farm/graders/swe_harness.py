@@ -127,16 +127,25 @@ def main():
         return out.returncode == 0, (out.stdout + out.stderr).decode(errors="replace")[-2000:]
 
     # What the protected files must hold when the tests start: as at the base (a reference
-    # patch: read here before it is applied; a policy's tree: as the farm sent it).
+    # patch: read here before it is applied; a policy's tree: as the farm sent it). Without
+    # setup commands nothing but the reference patch writes before the tests: only the
+    # paths it touches are read and put back (the farm wrote a policy's tree with its
+    # protected files restored), not every file of a tree of thousands.
+    setup = spec.get("setup", [])
+    touched = None
     if "model.patch" in kept:
-        before = protected_files(repo, spec)
+        if not setup:
+            touched = touched_by(kept["model.patch"], repo)
+        before = protected_files(repo, spec, touched)
         ok, why = apply(kept["model.patch"])
         if not ok:
             verdict(applied=False, why=why)
     else:
         before = {path: text.encode("latin-1") for path, text in
                   spec.get("protected_base", {}).items()}
-    for command in spec.get("setup", []):
+        if not setup:
+            touched = []
+    for command in setup:
         try:
             out = jail.retrying(lambda c=command: jail.run(
                 ["bash", "--noprofile", "--norc", "-c", c], in_repo, repo))
@@ -147,7 +156,7 @@ def main():
                           f"{(out.stdout + out.stderr)[-2000:]}")
     # After the last command that could write (the setup's build runs the candidate's
     # setup.py): every protected file back as it was, any new one gone.
-    discarded = restore(repo, spec, before) if ("model.patch" in kept or
+    discarded = restore(repo, spec, before, touched) if ("model.patch" in kept or
                                                 "protected_base" in spec) else []
     ok, why = apply(kept["test.patch"])
     if not ok:
@@ -198,7 +207,40 @@ def is_protected(path, spec):
             or any(part in spec.get("skip_dirs", []) for part in path.split("/")))
 
 
-def protected_files(repo, spec):
+def touched_by(patch, repo):
+    """The paths a patch touches as ``git apply`` reads it (renames' both sides); None if
+    git cannot read it (then it does not apply either)."""
+    out = subprocess.run(["git", "apply", "--numstat", "-z", "-p1", "-"], cwd=repo,
+                         input=patch, capture_output=True)
+    if out.returncode != 0:
+        return None
+    paths, fields = set(), out.stdout.decode("utf-8", "surrogateescape").split("\0")
+    i = 0
+    while i < len(fields):
+        entry = fields[i]
+        path = entry.split("\t", 2)[2] if entry.count("\t") >= 2 else ""
+        if path:
+            paths.add(path)
+            i += 1
+        elif entry:  # a rename or copy: its two names follow
+            paths.update(f for f in fields[i + 1:i + 3] if f)
+            i += 3
+        else:
+            i += 1
+    return sorted(os.path.normpath(p) for p in paths)
+
+
+def protected_files(repo, spec, only=None):
+    """The protected files of the tree (``only``: among these paths), by content."""
+    if only is not None:
+        found = {}
+        for path in only:
+            full = os.path.join(repo, path)
+            if is_protected(path, spec) and os.path.isfile(full) and \
+                    not os.path.islink(full):
+                with open(full, "rb") as f:
+                    found[path] = f.read()
+        return found
     found = {}
     for root, dirs, names in os.walk(repo):
         dirs[:] = [d for d in dirs if d != ".git"]
@@ -210,21 +252,25 @@ def protected_files(repo, spec):
     return found
 
 
-def restore(repo, spec, before):
+def restore(repo, spec, before, only=None):
     """Undo what a candidate patch did to protected files (a reference patch is graded as a
-    policy's edits are); returns the paths whose changes were discarded."""
-    after = protected_files(repo, spec)
+    policy's edits are; ``only``: the paths anything could have written); returns the
+    paths whose changes were discarded."""
+    after = protected_files(repo, spec, only)
     discarded = []
-    for path in sorted(set(before) | set(after)):
-        if before.get(path) == after.get(path):
+    paths = set(before) | set(after) if only is None else \
+        {p for p in only if is_protected(p, spec)}
+    for path in sorted(paths):
+        full = os.path.join(repo, path)
+        if before.get(path) == after.get(path) and not os.path.islink(full):
             continue
         discarded.append(path)
-        full = os.path.join(repo, path)
+        if os.path.islink(full) or os.path.isfile(full):
+            os.unlink(full)  # a link is replaced, never written through
         if path in before:
+            os.makedirs(os.path.dirname(full) or ".", exist_ok=True)
             with open(full, "wb") as f:
                 f.write(before[path])
-        else:
-            os.unlink(full)
     return discarded
 
 
@@ -286,7 +332,8 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
                "kind": kind, "runner_args": spec.get("runner_args", []),
                "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
                "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
-               "plugins": spec.get("plugins", []), "defs": definitions(repo, spec),
+               "plugins": spec.get("plugins", []),
+               "defs": definitions(repo, spec) if kind == "pytest" else {},
                "pytest_args": with_summary(spec.get("pytest_args", ["-q"])),
                "trusted": spec.get("trusted")}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",

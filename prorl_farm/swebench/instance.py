@@ -53,10 +53,20 @@ def in_runner(path: str, runner: str) -> bool:
                for p in RUNNER_FILES.get(runner, ()))
 
 
+def command_words(spec: EnvSpec) -> tuple[list[str], list[str]]:
+    """A spec's test command as (its leading environment assignments, the program and its
+    arguments)."""
+    words = shlex.split(spec.test_cmd)
+    n = 0
+    while n < len(words) and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[n]):
+        n += 1
+    return words[:n], words[n:]
+
+
 def runner_of(spec: EnvSpec) -> str | None:
     """``pytest``, ``django`` or ``sympy``: how the harness runs ``spec``'s tests (None: a
     runner it does not read)."""
-    words = [w for w in shlex.split(spec.test_cmd) if "=" not in w.split("/")[0]]
+    words = command_words(spec)[1]
     return RUNNERS.get(words[0]) if words else None
 
 
@@ -239,7 +249,7 @@ def grading_spec(inst: dict, prep: Prepared, changed: set[str], test_paths: set[
     run, the runner (pytest with the spec's options and the environment's plugins; Django's
     ``runtests.py`` or sympy's ``bin/test``, with their files protected)."""
     runner = runner_of(prep.spec)
-    words = [w for w in shlex.split(prep.spec.test_cmd) if "=" not in w.split("/")[0]]
+    words = command_words(prep.spec)[1]
     return {"tests": grading.test_names(inst["FAIL_TO_PASS"])
             + grading.test_names(inst["PASS_TO_PASS"]),
             "files": grading.test_directives(inst["test_patch"], runner), "every_test": True,
