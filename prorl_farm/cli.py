@@ -145,17 +145,14 @@ def _cmd_check_pool(args) -> int:
 
 
 def _read_jsonl(path: str) -> list[dict]:
-    import json
+    """The rows of a ``.jsonl`` file (or a ``.json`` list); a line that is not JSON ends
+    the command with its place."""
+    from prorl_farm.swebench.predictions import read_json_rows
 
-    rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as e:
-                    raise SystemExit(f"{path}:{number}: not JSON ({e})") from None
-    return rows
+    try:
+        return read_json_rows(path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _cmd_submit(args) -> int:
