@@ -175,12 +175,12 @@ def main() -> None:
                 t0 = time.perf_counter()
                 env = builder.ensure(spec, files, repos.full_commit(git_dir, setup), **base)
                 cached = time.perf_counter() - t0
-                prep = Prepared(spec, git_dir, base["base_files"], env)
+                prep = Prepared(spec, git_dir, row["base_commit"], env)
                 for _ in range(args.rounds):  # INIT with the environment cached
                     t0 = time.perf_counter()
                     again = builder.ensure(spec, repos.tree(git_dir, setup),
                                            repos.full_commit(git_dir, setup), **base)
-                    ws = Prepared(spec, git_dir, repos.tree(git_dir, row["base_commit"]),
+                    ws = Prepared(spec, git_dir, row["base_commit"],
                                   again).workspace(row["base_commit"])
                     sb = manager.start(SandboxSpec(workspace_files=ws, ro_paths=again.ro_paths,
                                                    env=again.sandbox_env))

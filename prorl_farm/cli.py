@@ -147,7 +147,7 @@ def _cmd_check_pool(args) -> int:
 def _read_jsonl(path: str) -> list[dict]:
     """The rows of a ``.jsonl`` file (or a ``.json`` list); a line that is not JSON ends
     the command with its place."""
-    from prorl_farm.swebench.predictions import read_json_rows
+    from prorl_farm.trainer.swebench import read_json_rows
 
     try:
         return read_json_rows(path)
@@ -295,7 +295,7 @@ def _cmd_swebench(args) -> int:
     swebench reports it; ``swebench lock``: locks for a user's own instances."""
     import json
 
-    from prorl_farm.swebench import predictions as grading
+    from prorl_farm.trainer import swebench as grading
 
     try:
         dataset = grading.read_json_rows(args.dataset if args.action == "grade"

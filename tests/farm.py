@@ -35,8 +35,21 @@ def kept(name: str) -> Path | None:
     value = os.environ.get("PRORL_TEST_CACHE", str(home / "prorl-farm" / "tests"))
     return Path(value) / name if value else None
 STAGES = ("init", "run", "eval")
-# Sandboxes of the test session's worker pools (short: Unix socket paths are limited).
-SANDBOX_DIR = f"/tmp/prs-{os.getpid()}-pools"
+
+
+def sandbox_root(name: str) -> str:
+    """Where a test farm's sandboxes live (short: Unix socket paths are limited): in memory
+    (``/dev/shm``) where the node has it. On this kind of node the disk takes seconds to
+    create a checkout of thousands of files (a Django tree: 6,600 files, about 7 s) that
+    memory takes a tenth of a second for; the farm's own default is an operator's choice
+    (``PRORL_SANDBOX_DIR``), and what a sandbox writes is bounded either way."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else "/tmp"
+    return f"{base}/prs-{name}"
+
+
+# Sandboxes of the test session's worker pools.
+SANDBOX_DIR = sandbox_root(f"{os.getpid()}-pools")
 # Trajectory stores of the test session's farms: one per Redis (a store belongs to one farm:
 # its sweeps delete what that farm's Redis does not know).
 STORE_ROOT = f"/tmp/prs-{os.getpid()}-store"
@@ -412,7 +425,7 @@ def scripted_farm(redis_url: str, log_dir: Path, tokenizer: str, plans: dict, ta
     from tests.policy_server import PolicyServer, text_planner
 
     server = PolicyServer(planner=text_planner(tokenizer, plans))
-    overrides = dict(sandbox_dir=f"/tmp/prs-{tag}-{os.getpid()}", run_concurrency=8,
+    overrides = dict(sandbox_dir=sandbox_root(f"{tag}-{os.getpid()}"), run_concurrency=8,
                      **settings)
     env = farm_env(redis_url, **overrides)
     if user is not None:
@@ -456,7 +469,7 @@ def http_farm(redis_url: str, log_dir: Path, tag: str, **settings):
     override the PRORL_* settings. Its sandbox directory goes with it."""
     from prorl_farm.trainer import FarmClient
 
-    sandbox_dir = f"/tmp/prs-{tag}-{free_port()}"
+    sandbox_dir = sandbox_root(f"{tag}-{free_port()}")
     pools = Pools(farm_env(redis_url, sandbox_dir=sandbox_dir, **settings), log_dir)
     port = free_port()
     api = gunicorn_api(pools.env, port, log_dir / "api.log")

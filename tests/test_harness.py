@@ -37,6 +37,7 @@ from tests.farm import (
     readable_copy,
     run_batch,
     sampled_ids,
+    sandbox_root,
     scripted_farm,
     use_only_backend,
     wait_until,
@@ -280,7 +281,7 @@ def _ids(tiny_model, *turns: str) -> list[int]:
 def _nothing_left(client) -> None:
     """No sandbox of the farm's left (their directories go with them; with docker, their
     containers) and no harness process."""
-    root = Path(f"/tmp/prs-{client.tag}-{os.getpid()}")
+    root = Path(sandbox_root(f"{client.tag}-{os.getpid()}"))
     wait_until(lambda: not [p for p in root.glob("*") if not p.name.startswith(".")], 30,
                0.2, "sandboxes stopped")
     if client.engine is not None:

@@ -144,19 +144,27 @@ def _base_file(row: dict) -> str:
 
 
 def test_real_instances_grade_as_swebench_grades_them(bench_farm, r):
-    # Every instance's gold patch by reference; the agent's replay of it, a wrong and an empty
-    # patch on one instance of each repository (the agent's diff is graded as the reference
-    # is, and a fail is a fail of the same tests: more of them would cost the suite minutes
-    # and show nothing more).
+    # Every instance's gold patch by reference; a wrong patch on one instance of each
+    # repository; the agent's replay of the gold patch and an empty patch through RUN and
+    # EVAL on one instance of each pytest repository (the agent's diff is graded as the
+    # reference is, and a fail is a fail of the same tests: more of them would cost the
+    # suite minutes and show nothing more); Django's and sympy's base trees graded as they
+    # are (a patch that touches no code: the empty patch's verdict, by reference, without
+    # an agent's checkout of thousands of files).
     firsts = [row for i, row in enumerate(ROWS)
               if row["repo"] not in {earlier["repo"] for earlier in ROWS[:i]}]
+    own_runner = [row for row in firsts if row["repo"] in ("django/django", "sympy/sympy")]
+    pytests = [row for row in firsts if row not in own_runner]
     wrong = [{**row, "patch": wrong_patch(row, _base_file(row))} for row in firsts]
-    reference = _batch(bench_farm, [*ROWS, *wrong], mode="reference")
-    policy = _batch(bench_farm, [_case(row, f"gold-{row['instance_id']}") for row in firsts]
-                    + [_case(row, "empty") for row in firsts])
-    n, k = len(ROWS), len(firsts)
-    runs = {"gold": (ROWS, reference[:n]), "wrong": (firsts, reference[n:]),
-            "agent": (firsts, policy[:k]), "empty": (firsts, policy[k:])}
+    untouched = [{**row, "patch": _edit(row, "AUTHORS", "\n", "\n\n", last=True)}
+                 for row in own_runner]
+    reference = _batch(bench_farm, [*ROWS, *wrong, *untouched], mode="reference")
+    policy = _batch(bench_farm, [_case(row, f"gold-{row['instance_id']}") for row in pytests]
+                    + [_case(row, "empty") for row in pytests])
+    n, w, k = len(ROWS), len(wrong), len(pytests)
+    runs = {"gold": (ROWS, reference[:n]), "wrong": (firsts, reference[n:n + w]),
+            "no code changed": (own_runner, reference[n + w:]),
+            "agent": (pytests, policy[:k]), "empty": (pytests, policy[k:])}
     table = []
     for kind, (rows, jobs) in runs.items():
         assert len(rows) == len(jobs)
@@ -269,8 +277,10 @@ def test_rows_as_other_tools_publish_them_load_and_what_cannot_be_built_is_refus
     from tests.test_submit import _snapshot
 
     server = RedisServer(tmp_path / "redis")
+    app = create_app(load_settings(farm_env(server.url)))
+    r = redis.Redis.from_url(server.url, decode_responses=True)
     try:
-        client = create_app(load_settings(farm_env(server.url))).test_client()
+        client = app.test_client()
         row = next(r for r in ROWS if r["repo"] == "marshmallow-code/marshmallow")
         moatless = {**row, "patch_files": ["src/marshmallow/fields.py"],
                     "test_patch_files": ["tests/test_fields.py"], "patch_diff_details": {}}
@@ -284,7 +294,6 @@ def test_rows_as_other_tools_publish_them_load_and_what_cannot_be_built_is_refus
             ((0,), "fields kept but not used: patch_diff_details, patch_files, "
                    "test_patch_files"),
             ((1,), "fields kept but not used: query, task_id")}, said
-        r = redis.Redis.from_url(server.url, decode_responses=True)
         before = _snapshot(r)
         # SWE-Gym's rows as published (test lists, no environment_setup_commit) of a
         # repository SWE-bench has no spec for; a version with none; a row without its
@@ -302,6 +311,8 @@ def test_rows_as_other_tools_publish_them_load_and_what_cannot_be_built_is_refus
         assert list(details["2"]) == ["environment_setup_commit"], details
         assert _snapshot(r) == before
     finally:
+        r.close()
+        app.extensions["prorl"].close()  # its Redis and broker connections
         server.stop()
 
 
@@ -332,13 +343,15 @@ def test_several_roots_are_searched_in_order_and_the_error_names_each_source(tmp
                       [str(DATA / "repos")], cache)[0] == git_dir
 
 
-def _edit(row: dict, path: str, old: str, new: str) -> str:
-    """A patch that replaces ``old`` (once) with ``new`` in ``path`` at the base commit."""
+def _edit(row: dict, path: str, old: str, new: str, last: bool = False) -> str:
+    """A patch that replaces ``old`` (once; ``last``: its last occurrence) with ``new`` in
+    ``path`` at the base commit."""
     from prorl_farm.handlers.swe import unified_diff
 
     before = _tree(row, row["base_commit"])[path].decode()
-    assert before.count(old) == 1, (path, old)
-    return unified_diff({path: before.encode()}, {path: before.replace(old, new).encode()})
+    assert before.count(old) == 1 or last, (path, old)
+    head, _, tail = before.rpartition(old)
+    return unified_diff({path: before.encode()}, {path: (head + new + tail).encode()})
 
 
 def test_sympy_and_django_candidates_that_forge_their_runners_log_earn_nothing(bench_farm):

@@ -45,9 +45,9 @@ def test_every_sample_reference_passes(farm_url, handler):
 
 def test_a_swebench_predictions_file_is_graded_and_reported_as_swebench_reports_it(
         farm_url, tmp_path):
-    """``prorl-farm swebench grade`` on a predictions file over the shipped rows: the gold
-    patch of one instance of each repository (every gold patch also grades in
-    tests/test_swebench.py), a wrong patch, two empty ones (``""`` and null), an instance
+    """``prorl-farm swebench grade`` on a predictions file over the shipped rows: two gold
+    patches (a pytest repository's, sympy's: every gold patch also grades in
+    tests/test_swebench.py), a wrong patch, two empty ones (``""`` and null), instances
     not predicted, and a row the farm refuses (a version with no environment spec): each
     lands in swebench's own report as swebench's harness would put it, the refusal an error
     with its reason, never an unresolved instance; each instance's log, read by swebench
@@ -57,9 +57,11 @@ def test_a_swebench_predictions_file_is_graded_and_reported_as_swebench_reports_
     url, env = farm_url
     shipped = ROOT / "examples" / "swe-bench" / "instances.jsonl"
     rows = [json.loads(line) for line in shipped.read_text().splitlines() if line.strip()]
-    firsts = [row for i, row in enumerate(rows)
-              if row["repo"] not in {earlier["repo"] for earlier in rows[:i]}]
-    others = [row for row in rows if row not in firsts]
+    by_id = {row["instance_id"]: row for row in rows}
+    firsts = [by_id["marshmallow-code__marshmallow-1359"], by_id["sympy__sympy-20590"]]
+    others = [by_id[i] for i in ("marshmallow-code__marshmallow-1343", "sqlfluff__sqlfluff-1733",
+                                 "sqlfluff__sqlfluff-1517")]
+    others += [row for row in rows if row not in firsts and row not in others]
     unknown = {**rows[0], "instance_id": "pytest-dev__pytest-no-spec", "version": "0.0.1"}
     predictions = [{"instance_id": row["instance_id"], "model_name_or_path": "org/model-x",
                     "model_patch": row["patch"]} for row in firsts]

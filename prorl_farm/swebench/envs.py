@@ -56,6 +56,10 @@ PASS_ENV = re.compile(r"^(PIP_\w+|UV_\w+|(https?|no|all)_proxy|(HTTPS?|NO|ALL)_P
 SKIP_TOP = {"proc", "dev", "sys", "tmp", "run", "workspace", "lost+found"}
 
 
+# A repository's files: {path: content}, or a function that reads them.
+Tree = dict[str, bytes] | Callable[[], dict[str, bytes]]
+
+
 class EnvError(InvalidInstance):
     """The environment could not be built: the instance cannot be graded here."""
 
@@ -343,16 +347,18 @@ class EnvBuilder:
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16], prefix, version
 
-    def ensure(self, spec: EnvSpec, files: dict[str, bytes], commit: str,
+    def ensure(self, spec: EnvSpec, files: Tree, commit: str,
                log: Callable[[str], None] = lambda s: None, resolve: bool = False,
-               base_files: dict[str, bytes] | None = None, base_commit: str = "") -> Env:
+               base_files: Tree | None = None, base_commit: str = "") -> Env:
         """The environment of one instance, cached, as SWE-bench's two images: the spec's
         packages, built from ``files`` (the tree at ``commit``: the instance's
         ``environment_setup_commit``), shared by every instance of (repo, version); over it
         (hard links), the repository installed from ``base_files`` (the tree at
         ``base_commit``), so that nothing of a later commit (its version, its file list)
         shows. ``resolve``: ignore the lock, resolve from the registry and install the
-        repository at ``commit`` in one build (to make a lock)."""
+        repository at ``commit`` in one build (to make a lock). A tree may be given as a
+        function that reads it: read only where a layer is built (a job that finds its
+        environment ready reads no tree for it)."""
         if spec.pre_install:
             raise EnvError(f"{spec.name}: the spec needs system packages "
                            f"({'; '.join(spec.pre_install)}), which a farm node does not "
@@ -389,11 +395,12 @@ class EnvBuilder:
                 shutil.rmtree(tmp, ignore_errors=True)
         return Env(str(final), manifest)
 
-    def _build(self, spec: EnvSpec, files: dict[str, bytes], commit: str, prefix: str,
+    def _build(self, spec: EnvSpec, files: Tree, commit: str, prefix: str,
                version: str, tmp: Path, log: Callable[[str], None], resolve: bool = False,
                install: bool = True, over: Env | None = None) -> dict:
         """One layer: the interpreter and the packages (``over`` None), or the repository
         installed over the packages of ``over``."""
+        files = files() if callable(files) else files
         started = time.monotonic()
         lock = None if resolve else spec.lock(self.lock_dirs)
         lock_file = None if lock is None else spec.lock_file(self.lock_dirs)

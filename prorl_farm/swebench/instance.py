@@ -14,6 +14,7 @@ farm's own sample repository, instances with their own ``setup`` commands) keep 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -147,9 +148,15 @@ def swebench_spec(inst: dict) -> EnvSpec | None:
 class Prepared:
     spec: EnvSpec
     git_dir: str
-    base: dict[str, bytes]
+    base_commit: str
     env: Env
     source: str = ""  # where the repository came from
+
+    @functools.cached_property
+    def base(self) -> dict[str, bytes]:
+        """The tree at the base commit (read when first asked for: INIT in reference mode
+        needs only the environment)."""
+        return repos.tree(self.git_dir, self.base_commit)
 
     @property
     def overlay(self) -> dict[str, bytes]:
@@ -215,13 +222,13 @@ def prepare(inst: dict, spec: EnvSpec, settings, roots: list[str], log=lambda s:
     git_dir, where = git_source(inst, roots, cache)
     base = inst["base_commit"]
     setup = inst["environment_setup_commit"]
-    base_files = repos.tree(git_dir, base)
     builder = EnvBuilder(settings.swe_env_dir, settings.swe_pythons,
                          lock_dirs=lock_dirs(settings))
-    env = builder.ensure(spec, repos.tree(git_dir, setup), repos.full_commit(git_dir, setup),
-                         log, base_files=base_files,
+    env = builder.ensure(spec, lambda: repos.tree(git_dir, setup),
+                         repos.full_commit(git_dir, setup), log,
+                         base_files=lambda: repos.tree(git_dir, base),
                          base_commit=repos.full_commit(git_dir, base))
-    return Prepared(spec, git_dir, base_files, env, where)
+    return Prepared(spec, git_dir, base, env, where)
 
 
 def lock_dirs(settings) -> tuple[str, ...]:

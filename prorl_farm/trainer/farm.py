@@ -200,8 +200,8 @@ class FarmClient:
         """Grade a SWE-bench predictions file (or ``{instance_id: prediction}``) on its
         ``dataset`` rows (or their file) through the farm; write swebench's run report and
         instance reports under ``report_dir``; returns ``{"report", "path", "instances"}``
-        (``prorl_farm/swebench/predictions.py``)."""
-        from prorl_farm.swebench import predictions as grading
+        (``prorl_farm/trainer/swebench.py``)."""
+        from prorl_farm.trainer import swebench as grading
 
         if isinstance(predictions, str):
             predictions = grading.read_predictions(predictions)
