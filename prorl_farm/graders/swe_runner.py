@@ -1667,7 +1667,7 @@ def evidence_plugin(request, emit, ids, guard_of, watchers, guard):
     return Built(plugin=Evidence(), check=check)
 
 
-def foreign_code(modules, untrusted, path_of):
+def foreign_code(untrusted, path_of):
     """``foreign(module)``: the first function of ``module`` or of a class it defines (its
     methods, static and class methods, properties) whose code is untrusted (the candidate's
     code put in the runner's place), as ``module.name``; or None. The runner is the
@@ -1857,7 +1857,7 @@ def runner_evidence(own, guard_of, emit, guard, t):
     runner's modules hold nothing of the candidate's when they are kept, and at each record
     (its wrappers run ``check`` before each) nothing of the runtime, the runner's modules
     or the test modules has changed since (the guard's ``tampered``)."""
-    foreign = foreign_code(own.modules, t.untrusted, t.path_of)
+    foreign = foreign_code(t.untrusted, t.path_of)
     tampered = guard_of.tampered
     if guard:
         why = next(filter(None, map(foreign, own.modules)), None)

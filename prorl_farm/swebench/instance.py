@@ -234,7 +234,7 @@ def prepare(inst: dict, spec: EnvSpec, settings, roots: list[str], log=lambda s:
 def lock_dirs(settings) -> tuple[str, ...]:
     """Where environment locks are looked for, in order: ``PRORL_SWE_LOCKS`` (a user's own,
     written by ``prorl-farm swebench lock``), then the package's."""
-    return tuple(filter(None, [getattr(settings, "swe_locks", "")]))
+    return tuple(filter(None, [settings.swe_locks]))
 
 
 def environment(prep: Prepared) -> dict:
