@@ -10,6 +10,7 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Queue
 
+from prorl_farm import redisconn
 from prorl_farm.config import STAGES, Settings, load_settings
 
 TASK_NAMES = {"init": "prorl.init", "run": "prorl.run", "eval": "prorl.eval"}
@@ -31,7 +32,9 @@ def stage_of_queue(queue: str) -> str | None:
 def create_celery_app(settings: Settings | None = None, include: list[str] | None = None
                       ) -> Celery:
     settings = settings or load_settings()
-    app = Celery("prorl_farm", broker=settings.redis_url, include=include or [])
+    broker, transport_options = redisconn.celery_broker(settings.redis_url) \
+        if settings.redis_url else (None, {})
+    app = Celery("prorl_farm", broker=broker, include=include or [])
     app.conf.update(
         # JSON only: payloads cross process and machine boundaries; never pickle.
         task_serializer="json",
@@ -45,7 +48,8 @@ def create_celery_app(settings: Settings | None = None, include: list[str] | Non
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s,
+                                  **transport_options},
         broker_connection_retry_on_startup=True,
         task_default_queue="init",
         task_create_missing_queues=True,

@@ -102,7 +102,17 @@ class Settings:
     """Farm-wide settings; build with :func:`load_settings`."""
 
     redis_url: str | None = setting(
-        None, "Redis to use; unset: `up` starts a private one", cast=str, shown="unset")
+        None, "Redis to use: `redis://host:port/db`, or a Sentinel service as "
+        "`redis+sentinel://host:26379,host:26379/SERVICE/DB` (docs/architecture.md); unset: "
+        "`up` starts a private one", cast=str, shown="unset")
+    redis_ha: bool = setting(
+        False, "`up` (with no PRORL_REDIS_URL) starts a primary, a replica and three "
+        "sentinels on loopback instead of one redis-server, and the farm follows a failover")
+    redis_failover_s: float = setting(
+        20.0, "how long a command to a Sentinel service that lost its connection is retried "
+        "before it fails (longer than a failover: the sentinels' down-after time and an "
+        "election; a single server: 1.5 s)", lo=0.1,
+        hi=600)
     redis_appendfsync: str = setting(
         "everysec", "when the Redis that `up` or the Slurm head starts writes its append-only "
         "file to disk: `everysec` (a crash of the machine loses up to the last second of "
@@ -472,6 +482,10 @@ def _check_together(values: dict) -> None:
         raise ConfigError(
             f"PRORL_WATCHDOG_S={watchdog:g} must be 0 (off) or at least 3 x "
             f"PRORL_HEARTBEAT_INTERVAL_S={beat:g}: a live pool would be killed")
+    if values["redis_url"]:
+        from prorl_farm.redisconn import parse
+
+        parse(values["redis_url"])  # a malformed URL stops start-up with what is wrong
     if values["flower_basic_auth"] and ":" not in values["flower_basic_auth"]:
         raise ConfigError("PRORL_FLOWER_BASIC_AUTH: expected user:password")
     from prorl_farm.access import parse_allow_list

@@ -156,6 +156,9 @@ LEFT = f"{PREFIX}left"
 # Client name of each worker process's presence connection (worker/liveness.py):
 # "<prefix><stage>:<node>:<host>:<pid>:<random>".
 PRESENCE_PREFIX = "prorl-worker:"
+# Hash: a Redis primary's replication id -> when a reaper first met it (Redis's clock): a
+# replica promoted by Sentinel has a new id, and presence is not trusted just after it.
+PRIMARY_SINCE = f"{PREFIX}primary_since"
 # Hash: state -> jobs in it now; terminal states count up (the farm's lifetime totals).
 STATE_COUNTS = f"{PREFIX}metrics:states"
 # Hash: failure kind -> jobs that failed with it (farm lifetime).

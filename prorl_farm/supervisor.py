@@ -26,10 +26,11 @@ from pathlib import Path
 
 import redis
 
-from prorl_farm import keys
+from prorl_farm import keys, redisconn
 from prorl_farm.access import is_loopback
 from prorl_farm.config import STAGES, Settings
 from prorl_farm.errors import FarmError
+from prorl_farm.redis_ha import RedisHA, free_port
 from prorl_farm.sandbox.process import parent_death_signal
 from prorl_farm.tenants import parse_tenants
 
@@ -67,12 +68,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return ""
     return "\n".join("    | " + line for line in text.splitlines()[-lines:])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -131,7 +126,7 @@ class Child:
 
 
 def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
-    client = redis.Redis.from_url(url)
+    client = redisconn.client(url)
     end = time.monotonic() + timeout_s
     while True:
         try:
@@ -176,7 +171,7 @@ class Supervisor:
         self.home = Path(settings.home).resolve()
         self.logs = self.home / "logs"
         self.children: list[Child] = []
-        self.redis: Child | None = None
+        self.redis: list[Child] = []  # the private Redis: one server, or the HA trio
         self._stopping = False
 
     def _python(self, *args: str) -> list[str]:
@@ -205,8 +200,9 @@ class Supervisor:
                       else {"FLOWER_UNAUTHENTICATED_API": "1"})
         self.children.append(Child(
             "flower",
-            self._python("-m", "celery", "-A", "prorl_farm.celery_app", "--broker", redis_url,
-                         "flower", f"--port={s.flower_port}", f"--address={s.api_host}"),
+            self._python("-m", "celery", "-A", "prorl_farm.celery_app",
+                         "--broker", redisconn.celery_broker(redis_url)[0], "flower",
+                         f"--port={s.flower_port}", f"--address={s.api_host}"),
             self.logs / "flower.log", env=flower_env, after_ready=True))
         if self.dev_model:
             self.children.append(Child(
@@ -217,6 +213,8 @@ class Supervisor:
                 self.logs / "dev-model.log"))
 
     def _start_redis(self) -> str:
+        if self.settings.redis_ha:
+            return self._start_redis_ha()
         if not shutil.which("redis-server"):
             raise SystemExit("redis-server not found: install it (apt-get install redis-server) "
                              "or set PRORL_REDIS_URL")
@@ -226,13 +224,13 @@ class Supervisor:
         # Append-only file, fsync every second (or every write: PRORL_REDIS_APPENDFSYNC):
         # finished results (kept result_ttl_s), queued jobs and the dashboard's history
         # survive a restart of `up`. The port changes; the data does not.
-        self.redis = Child("redis", [
+        self.redis = [Child("redis", [
             "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
             "--appendonly", "yes", "--appendfsync", self.settings.redis_appendfsync,
             "--save", "",
             "--hash-max-listpack-value", str(keys.HASH_MAX_LISTPACK_VALUE), "--daemonize", "no",
-        ], self.logs / "redis.log", restart=False)
-        self.redis.start(dict(os.environ))
+        ], self.logs / "redis.log", restart=False)]
+        self.redis[0].start(dict(os.environ))
         url = f"redis://127.0.0.1:{port}/0"
         try:
             wait_for_redis(url, timeout_s=60)  # loading a large append-only file takes a while
@@ -240,6 +238,20 @@ class Supervisor:
             raise StartupError("the private redis-server did not start:\n"
                                + log_tail(self.logs / "redis.log")) from None
         return url
+
+    def _start_redis_ha(self) -> str:
+        """A primary, a replica and three sentinels (redis_ha.py), restarted when one exits
+        (a primary that comes back rejoins as a replica): the farm follows a failover."""
+        ha = RedisHA(self.home / "redis-ha", appendfsync=self.settings.redis_appendfsync)
+        self.redis = [Child(m.name, m.argv, m.log, restart=True) for m in ha.members()]
+        for child in self.redis:
+            child.start(dict(os.environ))
+        try:
+            ha.wait_ready(60)
+        except TimeoutError as e:
+            raise StartupError(f"{e}:\n" + "\n".join(
+                f"{c.name}:\n{log_tail(c.log_path)}" for c in self.redis)) from None
+        return ha.url
 
     def _lock_home(self) -> None:
         """One `up` per data directory: two private Redis servers must never share it."""
@@ -359,7 +371,7 @@ class Supervisor:
             if time.monotonic() > end or self._stopping:
                 raise SystemExit(f"dev model did not come up; see {self.logs}/dev-model.log")
             time.sleep(0.2)
-        registry = BackendRegistry(redis.Redis.from_url(redis_url, decode_responses=True))
+        registry = BackendRegistry(redisconn.client(redis_url, decode_responses=True))
         name = Path(self.dev_model).name
         self.dev_backend_id = registry.register(BackendSpec(
             url=base, kind="vllm", model=name, tokenizer=self.dev_model,
@@ -376,7 +388,8 @@ class Supervisor:
             f"  Flower  http://{s.api_host}:{s.flower_port}",
             *([f"  Gym     http://{s.api_host}:{s.gym_port}   (NeMo Gym agent server: /run)"]
               if s.gym_port else []),
-            f"  Redis   {url}" + ("   (private)" if self.redis else ""),
+            f"  Redis   {redisconn.parse(url).shown()}"
+            + (f"   (private{', HA' if len(self.redis) > 1 else ''})" if self.redis else ""),
             "  pools   " + ", ".join(f"{st}: {s.pool(st).pool} x{s.pool(st).concurrency}"
                                       for st in STAGES),
             f"  node    {s.node}",
@@ -399,12 +412,12 @@ class Supervisor:
 
     def _monitor(self, env: dict) -> int:
         while not self._stopping:
-            if self.redis is not None and not self.redis.alive():
+            if self.redis and not any(c.restart or c.alive() for c in self.redis):
                 log.error("private redis-server exited; stopping the farm")
                 print("redis-server exited; stopping", file=sys.stderr, flush=True)
                 return 1
             now = time.monotonic()
-            for child in self.children:
+            for child in self.redis + self.children:
                 if child.alive() or not child.restart:
                     continue
                 if child.next_start == 0.0:
@@ -432,11 +445,11 @@ class Supervisor:
         for child in groups:
             child.signal_group(signal.SIGTERM)
         self._reap(groups)
-        if self.redis is not None:
-            self.redis.signal_group(signal.SIGTERM)
-            self._reap([self.redis])
+        for child in self.redis:
+            child.signal_group(signal.SIGTERM)
+        self._reap(self.redis)
         self.children = []
-        self.redis = None
+        self.redis = []
 
     @staticmethod
     def _reap(children: list[Child]) -> None:

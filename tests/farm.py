@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import redis
 
+from prorl_farm import redisconn
 from prorl_farm.keys import HASH_MAX_LISTPACK_VALUE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +198,7 @@ class Pools:
         # with the farm's packages on PYTHONPATH, as an operator without root would).
         self.user = user
         self.procs: dict[str, subprocess.Popen] = {}
-        self.r = redis.Redis.from_url(env["PRORL_REDIS_URL"], decode_responses=True)
+        self.r = redisconn.client(env["PRORL_REDIS_URL"], decode_responses=True, failover_s=20)
 
     def start(self, *stages: str, wait: bool = True) -> None:
         Pools.live.add(self)

@@ -24,7 +24,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # The foundations import nothing of the farm but each other.
     "prorl_farm.errors": (), "prorl_farm.keys": (), "prorl_farm.states": (),
     "prorl_farm.counters": (), "prorl_farm.columns": (),
-    "prorl_farm.config": ("prorl_farm.errors", "prorl_farm.access", "prorl_farm.tenants"),
+    "prorl_farm.config": ("prorl_farm.errors", "prorl_farm.access", "prorl_farm.tenants",
+                          "prorl_farm.redisconn"),
+    "prorl_farm.redisconn": ("prorl_farm.errors",),
     "prorl_farm.access": ("prorl_farm.errors",),
     "prorl_farm.tenants": ("prorl_farm.errors", "prorl_farm.keys"),
     "prorl_farm.lua": (*_BASE, "prorl_farm.metrics"),

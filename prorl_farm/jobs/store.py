@@ -13,10 +13,8 @@ from dataclasses import dataclass
 from itertools import islice
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
-from prorl_farm import counters, keys
+from prorl_farm import counters, keys, redisconn
 from prorl_farm.config import Settings
 from prorl_farm.errors import ConfigError, NotFound
 from prorl_farm.jobs.messages import StageMessages
@@ -57,18 +55,15 @@ def _read_counts(pipe, batch_id: str):
 
 def connect(settings: Settings, max_connections: int = 64) -> redis.Redis:
     """A Redis client for a process with many threads: callers wait for a free connection
-    (never fail for want of one), and transient connection errors are retried. The socket
-    timeout lies above the longest blocking read the farm makes (``max_wait_s``)."""
+    (never fail for want of one), and commands that lose their connection are retried for
+    ``redis_failover_s`` (a Sentinel failover; a single server briefly: redisconn.py). The
+    socket timeout lies above the longest blocking read the farm makes (``max_wait_s``)."""
     if not settings.redis_url:
         raise ConfigError("PRORL_REDIS_URL is not set")
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=max_connections, timeout=30,
-        decode_responses=True, health_check_interval=30,
+    return redisconn.client(
+        settings.redis_url, failover_s=settings.redis_failover_s, blocking=True,
+        max_connections=max_connections, decode_responses=True, health_check_interval=30,
         socket_timeout=settings.max_wait_s + SOCKET_SLACK_S, socket_connect_timeout=10)
-    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
-    return redis.Redis(connection_pool=pool, retry=retry,
-                       retry_on_error=[redis.exceptions.ConnectionError,
-                                       redis.exceptions.TimeoutError])
 
 
 def new_id() -> str:

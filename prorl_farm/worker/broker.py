@@ -34,12 +34,16 @@ import logging
 from kombu.transport import redis as kombu_redis
 
 from prorl_farm.lua import Scripts
+from prorl_farm.redisconn import parse
 from prorl_farm.worker.kombu import message_args
 
 log = logging.getLogger(__name__)
 
 
-class Channel(kombu_redis.Channel):
+class FarmChannel:
+    """What the farm's channels change of kombu's (mixed into its plain and Sentinel
+    channels)."""
+
     ack_emulation = False
 
     def _restore(self, message, leftmost=False):
@@ -65,9 +69,26 @@ class Channel(kombu_redis.Channel):
         log.info("message of job %s pushed back onto %s", args[0], queue)
 
 
+class Channel(FarmChannel, kombu_redis.Channel):
+    pass
+
+
+class SentinelChannel(FarmChannel, kombu_redis.SentinelChannel):
+    pass
+
+
 class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
 # For Celery's ``broker_transport`` (kombu resolves "module:Class").
 TRANSPORT = f"{__name__}:Transport"
+
+
+def transport_for(redis_url: str) -> str:
+    """Celery's ``broker_transport`` for the farm's Redis at ``redis_url``."""
+    return f"{__name__}:SentinelTransport" if parse(redis_url).ha else TRANSPORT

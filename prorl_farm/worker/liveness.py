@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import redis
 
-from prorl_farm import keys
+from prorl_farm import keys, redisconn
 from prorl_farm.config import Settings
 from prorl_farm.context import JobContext
 from prorl_farm.jobs.store import JobStore
@@ -52,9 +52,9 @@ class Presence:
         self.name = (f"{keys.PRESENCE_PREFIX}{stage}:{settings.node}:"
                      f"{socket.gethostname().replace(' ', '_')}:{os.getpid()}:"
                      f"{os.urandom(4).hex()}")
-        self.r = redis.Redis.from_url(settings.redis_url, client_name=self.name,
-                                      single_connection_client=True, socket_timeout=10,
-                                      socket_connect_timeout=10)
+        self.r = redisconn.client(settings.redis_url, client_name=self.name,
+                                  single_connection_client=True, socket_timeout=10,
+                                  socket_connect_timeout=10)
 
     def beat(self, pool: str = "", at: float = 0.0) -> None:
         """Heartbeat ``pool`` ("<stage>:<node>") at ``at`` (Redis's clock), or just ping."""
@@ -73,11 +73,25 @@ class Presence:
 
 def present(r, settle_s: float) -> dict[str, str] | None:
     """The worker processes connected now: {presence name: "<stage>:<node>"}. None where
-    that cannot be trusted: a Redis that started less than ``settle_s`` ago may not have
-    seen every live process reconnect yet (callers fall back to heartbeat age)."""
+    that cannot be trusted: a Redis that started, or became the primary (a Sentinel
+    failover), less than ``settle_s`` ago may not have seen every live process reconnect yet
+    (callers fall back to heartbeat age)."""
     try:
-        if int(r.info("server").get("uptime_in_seconds", 0)) < settle_s:
+        info = r.info("server", "replication")
+        if int(info.get("uptime_in_seconds", 0)) < settle_s:
             return None
+        # A replica promoted to primary has been up all along, but its replication id is
+        # new: the first sweep that meets an id records when (shared by every reaper).
+        replid = info.get("master_replid")
+        if replid:
+            now = float(r.time()[0])
+            pipe = r.pipeline(transaction=False)
+            pipe.hsetnx(keys.PRIMARY_SINCE, replid, now)
+            pipe.hget(keys.PRIMARY_SINCE, replid)
+            pipe.expire(keys.PRIMARY_SINCE, 7 * 24 * 3600)
+            since = float(pipe.execute()[1])
+            if now - since < settle_s:
+                return None
         clients = r.client_list(_type="normal")
     except redis.exceptions.ResponseError as e:  # CLIENT or INFO refused (renamed, ACL)
         log.warning("worker presence unavailable (%s); set PRORL_PRESENCE=0", e)

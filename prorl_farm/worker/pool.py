@@ -17,7 +17,7 @@ from celery import Celery
 from celery.exceptions import WorkerShutdown
 from celery.signals import worker_process_init, worker_ready, worker_shutting_down
 
-from prorl_farm import keys
+from prorl_farm import keys, redisconn
 from prorl_farm.celery_app import create_celery_app, queue_for, stage_of_queue
 from prorl_farm.config import STAGES, Settings, load_settings
 from prorl_farm.errors import StageFailed
@@ -31,7 +31,7 @@ from prorl_farm.sandbox import cgroups, warm_graders
 from prorl_farm.states import Reap, StageOutcome
 from prorl_farm.watchdog import Watchdog
 from prorl_farm.worker import logs
-from prorl_farm.worker.broker import TRANSPORT
+from prorl_farm.worker.broker import transport_for
 from prorl_farm.worker.liveness import Liveness, present
 from prorl_farm.worker.reaper import Reaper, left_reason
 from prorl_farm.worker.runner import StageRunner
@@ -296,10 +296,8 @@ def _check_backends(settings: Settings) -> None:
     """Before a RUN pool takes a job: the backends registered (by this run, or by a
     previous life of the farm whose Redis kept them) whose server or tokenizer is gone
     leave the heap, so no job is pinned to them (the reaper probes them again later)."""
-    import redis
-
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True,
-                                  socket_timeout=10, socket_connect_timeout=10)
+    client = redisconn.client(settings.redis_url, decode_responses=True, socket_timeout=10,
+                              socket_connect_timeout=10)
     try:
         down, up = BackendRegistry(client).probe_all()
         if down or up:
@@ -330,7 +328,7 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     # kombu's Redis transport with deliveries tracked in memory, not in Redis (broker.py):
     # the pools are what reserve and ack messages. Other processes (the API, Flower) keep
     # kombu's own, whose URL monitors know (Flower's broker page reads it off the app).
-    _app.conf.broker_transport = TRANSPORT
+    _app.conf.broker_transport = transport_for(settings.redis_url)
     if pool.pool in EVENT_LOOP_POOLS:
         # An idle pool's one standing Redis call: a BRPOP that times out every few seconds
         # (kombu's default, 1 s, costs an idle node a command a second per pool). Its event
