@@ -156,6 +156,8 @@ LEFT = f"{PREFIX}left"
 # Client name of each worker process's presence connection (worker/liveness.py):
 # "<prefix><stage>:<node>:<host>:<pid>:<random>".
 PRESENCE_PREFIX = "prorl-worker:"
+# String: a counter written just before a WAIT for a replica (jobs/store.py, replicated).
+REPLICATED = f"{PREFIX}replicated"
 # Hash: a Redis primary's replication id -> when a reaper first met it (Redis's clock): a
 # replica promoted by Sentinel has a new id, and presence is not trusted just after it.
 PRIMARY_SINCE = f"{PREFIX}primary_since"

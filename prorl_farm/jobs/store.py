@@ -46,6 +46,9 @@ CREATE_CHUNK = 2048
 RECORDS_KEPT = 64
 RECORDS_NAMED = 8
 RECORD_KEPT_BYTES = 256 * 1024
+# On a Sentinel service, milliseconds a submission or a page of results waits for a replica
+# to hold it (store.replicated) before it is answered anyway.
+REPLICA_WAIT_MS = 1000
 
 
 def _read_counts(pipe, batch_id: str):
@@ -101,10 +104,29 @@ class JobStore:
         self._records: OrderedDict[str, str] = OrderedDict()
         self._records_lock = threading.Lock()
         self._tenants: dict[str, str] = {}  # batch -> tenant (tenant_of)
+        self._replicated = bool(settings.redis_url) and redisconn.parse(settings.redis_url).ha
 
     @classmethod
     def from_settings(cls, settings: Settings, max_connections: int = 64) -> JobStore:
         return cls(connect(settings, max_connections), settings)
+
+    def replicated(self) -> int | None:
+        """On a Sentinel service, wait (up to REPLICA_WAIT_MS) until every write made so far,
+        by any client, has reached a replica: what the caller says next (a 202, a page of
+        results) then survives a failover. Replication is one ordered stream, so a write of
+        this connection's after them, acknowledged by a replica (``WAIT``), covers them
+        all. The replicas that acknowledged it (0: none did in time; the caller goes on,
+        logged), or None on a single server."""
+        if not self._replicated:
+            return None
+        pipe = self.r.pipeline(transaction=False)
+        pipe.incr(keys.REPLICATED)
+        pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+        acked = int(pipe.execute()[1])
+        if acked < 1:
+            log.warning("no replica acknowledged the farm's writes within %d ms",
+                        REPLICA_WAIT_MS)
+        return acked
 
     @property
     def _ttl(self) -> int:
@@ -184,6 +206,7 @@ class JobStore:
             pipe.set(keys.idempotency(key), json.dumps(
                 {"digest": digest, "batch_id": batch_id, "job_ids": ids}), ex=self._ttl)
         pipe.execute()
+        self.replicated()  # the 202 promises jobs a failover cannot take back
         return jobs
 
     def reserve_idempotency(self, key: str, digest: str, wait_s: float = 10.0) -> dict | None:
@@ -450,6 +473,8 @@ class JobStore:
             jobs = [next(raws) for _ in items]
             out[batch_id] = {"results": [j for j in jobs if j], "summary": summary,
                              "cursor": items[-1][0] if items else cursors[batch_id]}
+        if entries:
+            self.replicated()  # a result read is one a failover cannot take back
         return out
 
     # -- the trajectory store's accounting -----------------------------------------------
