@@ -38,14 +38,15 @@ def pct(xs: list[float], p: float) -> float:
 
 
 @contextlib.contextmanager
-def private_redis():
+def private_redis(maxclients: int = 10_000):
     """A throw-away redis-server on a free port; yields its URL."""
     with tempfile.TemporaryDirectory() as d:
         port = free_port()
         server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                                    "--save", "", "--appendonly", "no", "--dir", d,
                                    # as the farm's own Redis servers run (prorl_farm/keys.py)
-                                   "--hash-max-listpack-value", "1024"],
+                                   "--hash-max-listpack-value", "1024",
+                                   "--maxclients", str(maxclients)],
                                   stdout=subprocess.DEVNULL)
         url = f"redis://127.0.0.1:{port}/0"
         try:

@@ -114,8 +114,9 @@ def pen_flows(queue: str) -> str:
 
 def held(queue: str) -> str:
     """Hash: flow -> the slots of ``queue`` its jobs hold (a message pushed, until the
-    job leaves the stage); ``#shared`` and ``#reserve``: the slots
-    the queue's live pools register, summed at the last registration (lua/fair_fill.lua)."""
+    job leaves the stage); ``#shared`` and ``#reserve``: the slots the queue's live pools
+    register, summed when a registration changed them or, for renewals, at most once a
+    second (``#swept``: when; lua/fair_fill.lua)."""
     return f"{PREFIX}fair:{queue}:held"
 
 
@@ -132,6 +133,13 @@ WEIGHTS = f"{PREFIX}fair:weights"
 # Hash: "<stage>:<tenant>:reserve" -> reserve slots handed to the tenant's jobs (farm
 # lifetime).
 FAIR_GIVEN = f"{PREFIX}metrics:fair-given"
+
+
+def moved(holder: str) -> str:
+    """Counter: bumped whenever a job the worker process ``holder`` (its presence name) holds
+    is taken from it (cancelled, failed by its deadline, re-queued by the reaper): the
+    process then beats its jobs at once and learns which to abort (worker/liveness.py)."""
+    return f"{PREFIX}moved:{holder}"
 
 
 def janitor_lock(node: str) -> str:
@@ -313,7 +321,7 @@ _LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN", "HISTORY_WAITS_SEEN", "LEFT")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
                   "batch_stream", "queued", "backend", "histogram", "history", "tenant",
-                  "pen", "pen_messages", "pen_flows", "held", "slots")
+                  "pen", "pen_messages", "pen_flows", "held", "slots", "moved")
 
 
 def _lua() -> str:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 import requests
 
+from prorl_farm.redis_ha import RedisHA
 from prorl_farm.trainer import FarmClient, FarmUnauthorized
 from tests.farm import ROOT, SANDBOX_DIR, chromium_dom, free_port, wait_until
 
@@ -59,13 +60,16 @@ def _flower_pages_in_chromium(port: int, tmp_path) -> None:
 
 
 def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
+    """`up --auth` with PRORL_REDIS_HA=1: a Redis primary, its replica and three sentinels
+    under the farm (Flower's broker pages through them too); a pool and the primary killed
+    mid-run, each replaced, and everything gone at the stop."""
     api_port, flower_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
                PRORL_FLOWER_PORT=str(flower_port), PRORL_NODE="upnode",
                PRORL_GYM_PORT=str(free_port()),
                PRORL_SANDBOX_DIR=SANDBOX_DIR,
-               PRORL_HEARTBEAT_STALE_S="5", PRORL_LOG_LEVEL="WARNING")
+               PRORL_HEARTBEAT_STALE_S="5", PRORL_LOG_LEVEL="WARNING", PRORL_REDIS_HA="1")
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up", "--auth"], env=env,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -93,8 +97,8 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
 
         wait_until(flower_up, 60, 0.25, "Flower")
         names = " ".join(_cmd(p) for p in _descendants(proc.pid))
-        for part in ("redis-server", "gunicorn", "worker init", "worker run", "worker eval",
-                     "flower"):
+        for part in ("redis-server", "a.conf", "b.conf", "s1.conf", "s2.conf", "s3.conf",
+                     "gunicorn", "worker init", "worker run", "worker eval", "flower"):
             assert part in names, f"{part} not started: {names}"
 
         sub = farm.submit("synthetic", [{"run_s": 0.1}, {"fail_stage": "eval"}], n=3)
@@ -117,6 +121,19 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
                                for p in _descendants(proc.pid)), 30, 0.2, "run pool restart")
         sub = farm.submit("synthetic", [{"run_s": 0.1}])
         assert [j["state"] for j in farm.iter_results(sub["batch_id"], timeout_s=60)] == ["done"]
+
+        # The Redis primary killed: the sentinels promote the replica, the farm follows it,
+        # and `up` starts the dead server again (it rejoins as a replica).
+        ha = RedisHA(tmp_path / "farm" / "redis-ha")
+        first = ha.primary()
+        primary = next(p for p in _descendants(proc.pid) if f"{first}.conf" in _cmd(p))
+        primary.kill()
+        sub = farm.submit("synthetic", [{"run_s": 0.1}], n=4)
+        assert [j["state"] for j in farm.iter_results(sub["batch_id"], timeout_s=90)] == \
+            ["done"] * 4
+        assert ha.primary() not in (None, first)
+        wait_until(lambda: any(f"{first}.conf" in _cmd(p) and p.pid != primary.pid
+                               for p in _descendants(proc.pid)), 30, 0.2, "the server again")
 
         everything = _descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)

@@ -19,6 +19,7 @@ for i = 1, #rows, 2 do
   if state and not TERMINAL[state] and j[2] == 'active' and at + grace > now then
     -- running: its stage stops by itself within the grace, or its pool ends it
   elseif state and not TERMINAL[state] then
+    signal_holder(jk)
     finish(id, jk, 'failed', 'timeout', 'job deadline passed', ttl, now)
     redis.call('HINCRBY', K.REAPER_ACTIONS, 'deadline:failed', 1)
     n = n + 1

@@ -13,6 +13,7 @@ local j = finish_read(jk)
 if not j[1] then return 'missing' end
 if TERMINAL[j[1]] then return 'terminal:' .. j[1] end
 if token ~= '' and (j[6] ~= token or j[3] ~= 'active') then return 'stale' end
+if token == '' then signal_holder(jk) end  -- not the holder's own end
 local extra = {}
 for i = 7, #ARGV do extra[#extra + 1] = ARGV[i] end
 return 'ok:' .. finish(id, jk, state, kind, msg, ttl, now_s(), extra, j)

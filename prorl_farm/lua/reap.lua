@@ -38,6 +38,7 @@ elseif j[2] ~= 'waiting' or (mode ~= 'orphan' and j[3] ~= queue) then
   return 'moved'
 end
 local now = now_s()
+signal_holder(jk)
 local n = tonumber(j[4] or '0')
 if n >= maxrq and mode ~= 'leave' then
   finish(id, jk, 'failed', 'worker_lost', msg, ttl, now)

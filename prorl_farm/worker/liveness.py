@@ -23,7 +23,13 @@ from prorl_farm.context import JobContext
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.states import FailureKind, JobState
 from prorl_farm.tenants import parse_tenants
-from prorl_farm.worker.reaper import STOP_GRACE_S, Reaper, pool_beat_s
+from prorl_farm.worker.reaper import (
+    STOP_GRACE_S,
+    Reaper,
+    heartbeat_refresh_s,
+    pool_beat_s,
+    slots_renew_s,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +132,13 @@ class Liveness:
         self.slots: tuple[str, int, int] | None = None
         self._slots_lock = threading.Lock()
         self._left = False
-        self._next_beat = self._next_janitor = self._next_clock = 0.0
+        self._next_beat = self._next_janitor = self._next_clock = self._next_slots = 0.0
+        # Full heartbeats (_beat): when the next is due, the jobs beaten since the last, and
+        # the K.moved counter as last read.
+        self._refresh_s = heartbeat_refresh_s(settings)
+        self._next_refresh = 0.0
+        self._beaten: set[tuple[str, str]] = set()
+        self._moved: str | None = None
         self._clock_offset = 0.0  # Redis's clock less this host's
         self._running: dict[tuple[str, str], JobContext] = {}
         self._lock = threading.Lock()
@@ -175,11 +187,8 @@ class Liveness:
     def tick(self) -> None:
         with self._lock:
             running = dict(self._running)
-        held = set(running)
-        if self.reserved is not None:
-            held.update(self.reserved())
-        # One script call for every job held; none while nothing is.
-        for pair in self.store.heartbeat(held, self.presence.name):
+        reserved = set(self.reserved()) if self.reserved is not None else set()
+        for pair in self._beat(set(running) | reserved, reserved):
             ctx = running.get(pair)
             if ctx is not None:
                 ctx.abort("job ended or moved on elsewhere")
@@ -199,6 +208,8 @@ class Liveness:
             self._next_beat = now + pool_beat_s(self.settings)
             self.presence.beat(f"{self.stage}:{self.settings.node}",
                                time.time() + self._clock_offset)
+        if now >= self._next_slots:
+            self._next_slots = now + slots_renew_s(self.settings)
             self.register_slots()
         if self.reaper is not None:
             self.reaper.sweep()
@@ -207,6 +218,29 @@ class Liveness:
             lock = keys.janitor_lock(self.settings.node)
             if self.store.try_lock(lock, self.stage, JANITOR_EVERY_S):
                 self.janitor()
+
+    def _beat(self, held: set[tuple[str, str]], reserved: set[tuple[str, str]]
+              ) -> list[tuple[str, str]]:
+        """Heartbeat the jobs this process holds, in one script call: all of them every
+        heartbeat_refresh_s, or at once when one was taken from it (its K.moved counter,
+        read each tick, changed: lua/lib/jobs.lua signal_holder); between, only the
+        ``reserved`` ones (prefetched, not claimed) it has not beaten yet, so that their
+        holder is recorded at once (a claim records its own and beats its job). Nothing
+        while nothing is held. Returns the pairs to abort."""
+        if not held:
+            self._beaten = set()
+            return []
+        now = time.monotonic()
+        moved = self.store.r.get(keys.moved(self.presence.name))
+        full = now >= self._next_refresh or moved != self._moved
+        self._moved = moved
+        pairs = held if full else reserved - self._beaten
+        if full:
+            self._next_refresh = now + self._refresh_s
+            self._beaten = set(held)
+        else:
+            self._beaten = (self._beaten & held) | pairs
+        return self.store.heartbeat(pairs, self.presence.name) if pairs else []
 
     def register_slots(self, leaving: bool = False) -> None:
         """(Re)register this process's slots of its queue, lapsing unless renewed within

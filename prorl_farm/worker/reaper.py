@@ -60,6 +60,11 @@ log = logging.getLogger(__name__)
 # is connected is dead once its heartbeat is twice this old (or presence_grace_s). Never
 # more than a quarter of heartbeat_stale_s: see pool_beat_s.
 POOL_BEAT_S = 2.0
+# At most this many seconds between a worker's full heartbeats of its jobs (see
+# heartbeat_refresh_s): the refresh is what a held job costs Redis every second, and 64 of
+# them on each of 1,000 nodes beaten every tick took more than a Redis core
+# (bench/control_plane.py).
+REFRESH_S = 5.0
 # Candidates looked at per kind and sweep.
 BATCH = 1000
 # After a Redis (re)start, seconds before a missing presence connection counts as a death.
@@ -83,6 +88,21 @@ HEALTH_EVERY_S = 10.0
 # whose records expired (unacknowledged at the result TTL) go, and what writers that died
 # mid-write left.
 PAYLOAD_SWEEP_S = 60.0
+
+
+def heartbeat_refresh_s(settings) -> float:
+    """Seconds between a worker process's full heartbeats of the jobs it holds (between them
+    each tick beats only the jobs it took since, and all of them when one was taken from it:
+    worker/liveness.py): a sixth of the stale age, at most REFRESH_S, never under a tick."""
+    return max(settings.heartbeat_interval_s, min(REFRESH_S, settings.heartbeat_stale_s / 6))
+
+
+def slots_renew_s(settings) -> float:
+    """Seconds between a pool process's renewals of the slots it registers on its queue
+    (lua/fair_fill.lua; they lapse at the stale age, and a dead process's are withdrawn at
+    once by the reaper): a quarter of the stale age, never more often than its pool beat.
+    Every node's INIT pools register on the one `init` queue."""
+    return max(pool_beat_s(settings), settings.heartbeat_stale_s / 4)
 
 
 def pool_beat_s(settings) -> float:
@@ -194,7 +214,10 @@ class Reaper:
         settle_s = min(self.settings.heartbeat_stale_s, PRESENCE_SETTLE_S)
         present = self.present(r, settle_s) if self.present else None
         # With presence known: a heartbeat older than this, from a process that is gone.
-        quick = now - self.settings.presence_grace_s if present is not None else cutoff
+        # (A live process's job may be a full refresh old: heartbeat_refresh_s.)
+        quick = (now - max(self.settings.presence_grace_s, heartbeat_refresh_s(self.settings)
+                           + self.settings.heartbeat_interval_s)
+                 if present is not None else cutoff)
 
         def gone(holder: str | None) -> bool:
             return present is not None and bool(holder) and holder not in present

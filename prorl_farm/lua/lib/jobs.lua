@@ -45,6 +45,18 @@ local function unqueue(id, queue)
   end
 end
 
+-- A job taken from the worker process holding it (cancelled, failed at its deadline,
+-- re-queued): the holder's K.moved counter is bumped, so its next tick beats its jobs at
+-- once and learns which to abort (worker/liveness.py beats them in full only every few
+-- seconds otherwise).
+local function signal_holder(jk)
+  local holder = redis.call('HGET', jk, 'holder')
+  if holder and holder ~= '' then
+    redis.call('INCR', K.moved(holder))
+    redis.call('EXPIRE', K.moved(holder), 86400)
+  end
+end
+
 -- What a terminal transition reads of its job (finish_read), in this order.
 local function finish_read(jk)
   return redis.call('HMGET', jk, 'state', 'stage', 'phase', 'batch_id', 'queue', 'token',
