@@ -357,7 +357,8 @@ def main() -> None:
              f"processes' liveness threads and reapers, its RUN pool holding {SANDBOXES} "
              f"jobs; jobs of {JOB_S:g} s, so N nodes finish N x {SANDBOXES / JOB_S:.2f} "
              f"jobs/s; a dashboard reading every {DASHBOARD_S:g} s. {args.seconds:g} "
-             f"simulated seconds per phase, {args.jobs} jobs through phase B.", "",
+             f"simulated seconds per phase, {args.jobs - args.jobs % SUBMIT or SUBMIT} jobs "
+             "through phase B.", "",
              "| nodes | jobs/s at target | nodes alone: Redis CPU ms/s | commands/s | "
              "a job's own: CPU ms | commands | Redis CPU at target (cores) | "
              "CPU ms per job | claim p50 / p99 (ms) | reaper sweep p50 / max (ms) |",

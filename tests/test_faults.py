@@ -6,10 +6,7 @@ mid-batch: tests/test_backends.py::test_dead_backend_mid_batch_fails_over_or_fai
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import subprocess
 import time
 
 import pytest
@@ -17,7 +14,7 @@ import redis
 
 from prorl_farm import keys
 from prorl_farm.llm.registry import BackendRegistry
-from tests.farm import Pools, RedisServer, active_in, farm_env, sandbox_root, wait_until
+from tests.farm import Pools, RedisServer, active_in, farm_env, wait_until
 from tests.policy_server import PolicyServer
 
 # kill -9 of pools and of Redis, with recovery times printed: on a machine of its own
@@ -177,63 +174,3 @@ def test_a_wedged_pool_is_killed_by_its_watchdog_and_its_jobs_recovered(tmp_path
         app.extensions["prorl"].store.r.connection_pool.disconnect()  # as `faulty` does
         server.stop()
 
-
-SHELL = {"commands": ["sleep 0.2; echo $((6 * 7)) > out.txt"],
-         "check": "test \"$(cat out.txt)\" = 42"}
-
-
-def test_sigkill_of_the_redis_primary_mid_batch_fails_over_to_its_replica_losing_nothing(
-        tmp_path):
-    """A primary, a replica and three sentinels under the farm (PRORL_REDIS_URL a Sentinel
-    URL); a batch of shell jobs, each in two sandboxes; kill -9 of the primary mid-batch.
-    The sentinels promote the replica, every process follows it by itself (no pool exits),
-    and every job ends done, once in the result stream, none lost."""
-    from api import create_app
-    from prorl_farm.config import load_settings
-    from prorl_farm.redis_ha import RedisHA
-
-    ha = RedisHA(tmp_path / "ha", down_after_ms=1000, failover_timeout_ms=5000)
-    members = {}
-    for m in ha.members():
-        with open(m.log, "ab") as log:
-            members[m.name] = subprocess.Popen(m.argv, stdout=log, stderr=subprocess.STDOUT)
-    pools = app = None
-    try:
-        ha.wait_ready(60)
-        first = ha.primary()
-        env = farm_env(ha.url, heartbeat_stale_s=10, heartbeat_interval_s=0.2,
-                       reap_interval_s=0.5, init_concurrency=8, run_concurrency=16,
-                       eval_concurrency=8, sandbox_dir=sandbox_root(f"ha-{os.getpid()}"))
-        pools = Pools(env, tmp_path)
-        pools.start()
-        app = create_app(load_settings(env))
-        client = app.test_client()
-        r = pools.r
-        resp = client.post("/v1/jobs", json={"handler": "shell", "instances": [SHELL],
-                                             "n": 200})
-        assert resp.status_code == 202, resp.get_json()
-        sub = resp.get_json()
-        batch = f"/v1/batches/{sub['batch_id']}"
-        wait_until(lambda: client.get(batch).get_json()["finished"] >= 40, 120,
-                   what="40 jobs finished")
-        killed_at = time.time()
-        members[f"redis-{first}"].kill()
-        wait_until(lambda: client.get(batch).get_json()["complete"], 240, 0.2, "the batch")
-        assert ha.primary() not in (None, first)
-        assert {stage: p.poll() for stage, p in pools.procs.items()} == \
-            {stage: None for stage in pools.procs}, "a pool exited at the failover"
-        jobs = _check_exact(client, r, [sub])
-        after = sorted(j["finished_at"] for j in jobs if j["finished_at"] > killed_at)
-        requeued = sum(j["requeues"] > 0 for j in jobs)
-        print(f"\nkill -9 of the Redis primary: first job finished {after[0] - killed_at:.1f} s "
-              f"after, the batch {after[-1] - killed_at:.1f} s after; {requeued} of "
-              f"{len(jobs)} jobs re-queued")
-    finally:
-        if pools is not None:
-            pools.stop()
-        if app is not None:
-            app.extensions["prorl"].store.r.connection_pool.disconnect()
-        for p in members.values():
-            p.kill()
-            p.wait()
-        shutil.rmtree(sandbox_root(f"ha-{os.getpid()}"), ignore_errors=True)
