@@ -16,6 +16,7 @@ from api.schemas import (
     RegisterQuerySchema,
 )
 from api.services import json_body, services
+from prorl_farm import redisconn
 from prorl_farm.access import backend_url_refusal
 from prorl_farm.llm import weights
 from prorl_farm.llm.registry import BackendSpec, context_length, probe, tokenizer_error
@@ -36,7 +37,8 @@ def register():
     body = BackendRegisterSchema().load(json_body())
     svc = services()
     spec = BackendSpec(**{**body, "tenant": _owner(svc, body.pop("tenant", None))})
-    refusal = backend_url_refusal(spec.url, svc.allow_list, svc.settings.redis_url)
+    refusal = backend_url_refusal(spec.url, svc.allow_list,
+                                  redisconn.endpoints(svc.settings.redis_url))
     if refusal:
         raise ApiError(403, "backend_not_allowed", f"url: {refusal}", {"url": [refusal]})
     why = tokenizer_error(spec.tokenizer)

@@ -74,8 +74,11 @@ def _url_port(parts) -> int:
     return parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def backend_url_refusal(url: str, allow: AllowList, redis_url: str | None) -> str | None:
+def backend_url_refusal(url: str, allow: AllowList,
+                        redis_endpoints: list[tuple[str, int]]) -> str | None:
     """Why ``url`` may not be registered as a backend, or None if it may.
+    ``redis_endpoints``: the farm's Redis as the farm reaches it (its server, or a Sentinel
+    service's sentinels: redisconn.endpoints), never a backend.
 
     A host name is allowed if it is named in the list, or if every address it resolves to
     lies in an allowed network (so a name cannot smuggle in an address the list refuses).
@@ -91,13 +94,12 @@ def backend_url_refusal(url: str, allow: AllowList, redis_url: str | None) -> st
         if host in allow.hosts:
             return None  # named by the operator; registered unhealthy until it resolves
         return f"host {host!r} does not resolve ({e})"
-    if redis_url:
-        r = urlsplit(redis_url)
+    for redis_host, redis_port in redis_endpoints:
         try:
-            redis_addresses = _addresses(r.hostname or "127.0.0.1", r.port or 6379)
+            redis_addresses = _addresses(redis_host, redis_port)
         except OSError:
             redis_addresses = set()
-        if (r.port or 6379) == port and addresses & redis_addresses:
+        if redis_port == port and addresses & redis_addresses:
             return "that is the farm's own Redis"
     if host in allow.hosts:
         return None

@@ -123,6 +123,20 @@ def parse(url: str) -> Target:
                   options.get("sentinel_password"))
 
 
+def endpoints(url: str | None) -> list[tuple[str, int]]:
+    """The (host, port) pairs the farm reaches its Redis at: the server, or the sentinels
+    (a unix socket: none)."""
+    if not url:
+        return []
+    target = parse(url)
+    if target.ha:
+        return list(target.sentinels)
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return []
+    return [(parts.hostname or "127.0.0.1", parts.port or 6379)]
+
+
 def retry(failover_s: float) -> Retry:
     """Retries that span ``failover_s``: backoff from 50 ms doubling to BACKOFF_CAP_S."""
     tries, waited, wait = 0, 0.0, 0.05

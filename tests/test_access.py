@@ -11,6 +11,7 @@ from prorl_farm import keys
 from prorl_farm.access import backend_url_refusal, parse_allow_list
 from prorl_farm.config import load_settings
 from prorl_farm.errors import ConfigError
+from prorl_farm.redisconn import endpoints
 from tests.farm import farm_env
 
 TOKEN = "s3cret-token"
@@ -84,17 +85,21 @@ def test_backend_urls_outside_the_allow_list_are_refused_with_the_rule(client, r
 
 def test_allow_list_rules():
     allow = parse_allow_list("10.0.0.0/8, gpu-node-3, 192.168.1.7")
-    assert backend_url_refusal("http://10.9.8.7:8000", allow, None) is None
-    assert backend_url_refusal("http://192.168.1.7", allow, None) is None
-    assert "allow-list" in backend_url_refusal("http://192.168.1.8", allow, None)
-    assert backend_url_refusal("http://gpu-node-3:8000", allow, None) is None  # named
-    assert backend_url_refusal("http://[::1]:8000", allow, None) is None
+    assert backend_url_refusal("http://10.9.8.7:8000", allow, []) is None
+    assert backend_url_refusal("http://192.168.1.7", allow, []) is None
+    assert "allow-list" in backend_url_refusal("http://192.168.1.8", allow, [])
+    assert backend_url_refusal("http://gpu-node-3:8000", allow, []) is None  # named
+    assert backend_url_refusal("http://[::1]:8000", allow, []) is None
     assert "allow-list" in backend_url_refusal("http://172.16.0.1", parse_allow_list(""),
-                                               None)
+                                               [])
     # A name is judged by every address it resolves to.
-    assert backend_url_refusal("http://localhost:8000", parse_allow_list(""), None) is None
+    assert backend_url_refusal("http://localhost:8000", parse_allow_list(""), []) is None
     assert "Redis" in backend_url_refusal("http://localhost:6379", allow,
-                                          "redis://127.0.0.1:6379/0")
+                                          endpoints("redis://127.0.0.1:6379/0"))
+    # A Sentinel service: its sentinels are the farm's Redis too.
+    sentinels = endpoints("redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/prorl/0")
+    assert sentinels == [("127.0.0.1", 26379), ("127.0.0.1", 26380)]
+    assert "Redis" in backend_url_refusal("http://localhost:26380", allow, sentinels)
     with pytest.raises(ConfigError, match="PRORL_BACKEND_ALLOW"):
         load_settings(farm_env("redis://127.0.0.1:1", backend_allow="10.0.0.0/8,not a host"))
 

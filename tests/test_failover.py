@@ -76,3 +76,25 @@ def test_sigkill_of_the_redis_primary_mid_batch_fails_over_to_its_replica_losing
             p.kill()
             p.wait()
         shutil.rmtree(sandbox_root(f"ha-{os.getpid()}"), ignore_errors=True)
+
+
+def test_a_sentinel_url_is_read_or_refused_with_what_is_wrong():
+    from prorl_farm.config import load_settings
+    from prorl_farm.errors import ConfigError
+    from prorl_farm.redisconn import celery_broker, parse
+
+    t = parse("redis+sentinel://:pw@10.0.0.1:26379,10.0.0.2/farm/3?sentinel_password=s")
+    assert (t.sentinels, t.service, t.db, t.password, t.sentinel_password) == (
+        (("10.0.0.1", 26379), ("10.0.0.2", 26379)), "farm", 3, "pw", "s")
+    assert "pw" not in t.shown() and t.ha
+    assert celery_broker(t.url) == (
+        "sentinel://:pw@10.0.0.1:26379/3;sentinel://:pw@10.0.0.2:26379/3",
+        {"master_name": "farm", "sentinel_kwargs": {"password": "s"}})
+    assert celery_broker("redis://h:1/0") == ("redis://h:1/0", {})
+    for bad, why in [("redis+sentinel://h:1", "names its service"),
+                     ("redis+sentinel://h:x/s", "not a number"),
+                     ("redis+sentinel://h/s/a", "/SERVICE/DB"),
+                     ("redis+sentinel://h/s?x=1", "unknown option"),
+                     ("http://h/0", "scheme 'http'")]:
+        with pytest.raises(ConfigError, match=why):
+            load_settings({"PRORL_REDIS_URL": bad})

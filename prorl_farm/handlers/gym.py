@@ -30,6 +30,7 @@ import math
 import requests
 from marshmallow import ValidationError, fields, validate, validates_schema
 
+from prorl_farm import redisconn
 from prorl_farm.agent.loop import AgentLimits, run_episode
 from prorl_farm.agent.parsers import get_parser
 from prorl_farm.agent.tools import truncate
@@ -158,7 +159,7 @@ class GymHandler(AgentHandler):
         from prorl_farm.access import backend_url_refusal, parse_allow_list
 
         why = backend_url_refusal(instance["server"], parse_allow_list(settings.backend_allow),
-                                  settings.redis_url)
+                                  redisconn.endpoints(settings.redis_url))
         return {"server": [why]} if why else {}
 
     def visible_instance(self, instance: dict) -> dict:
