@@ -28,11 +28,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / ".prorl" / "soak"
-# What `make soak` runs by default: the tests of recovery (kill -9 of pools and of Redis,
-# the watchdog), of liveness and leaving (SIGTERM with re-queue, dead nodes' queues), of
-# the Slurm deployment and of the compose deployment.
-DEFAULT = ["tests/test_faults.py", "tests/test_liveness.py", "tests/test_slurm.py",
-           "tests/test_compose.py", "tests/test_fair.py"]
+# What `make soak` runs by default: the tests of recovery (kill -9 of pools, of Redis and
+# of a Sentinel service's primary, the watchdog), of liveness and leaving (SIGTERM with
+# re-queue, dead nodes' queues), of the Slurm deployment and of the compose deployment.
+DEFAULT = ["tests/test_faults.py", "tests/test_failover.py", "tests/test_liveness.py",
+           "tests/test_slurm.py", "tests/test_compose.py", "tests/test_fair.py"]
 
 
 def _hog(stop) -> None:
