@@ -172,6 +172,7 @@ class Supervisor:
         self.logs = self.home / "logs"
         self.children: list[Child] = []
         self.redis: list[Child] = []  # the private Redis: one server, or the HA trio
+        self._ha: RedisHA | None = None
         self._stopping = False
 
     def _python(self, *args: str) -> list[str]:
@@ -242,7 +243,8 @@ class Supervisor:
     def _start_redis_ha(self) -> str:
         """A primary, a replica and three sentinels (redis_ha.py), restarted when one exits
         (a primary that comes back rejoins as a replica): the farm follows a failover."""
-        ha = RedisHA(self.home / "redis-ha", appendfsync=self.settings.redis_appendfsync)
+        ha = self._ha = RedisHA(self.home / "redis-ha",
+                                appendfsync=self.settings.redis_appendfsync)
         self.redis = [Child(m.name, m.argv, m.log, restart=True) for m in ha.members()]
         for child in self.redis:
             child.start(dict(os.environ))
@@ -418,7 +420,7 @@ class Supervisor:
                 return 1
             now = time.monotonic()
             for child in self.redis + self.children:
-                if child.alive() or not child.restart:
+                if child.alive() or not child.restart or self._primary_not_replaced(child):
                     continue
                 if child.next_start == 0.0:
                     backoff = min(MAX_BACKOFF_S, 2.0 ** min(child.restarts, 5))
@@ -432,6 +434,16 @@ class Supervisor:
                     child.start(env)
             time.sleep(0.2)
         return 0
+
+    def _primary_not_replaced(self, child: Child) -> bool:
+        """Whether ``child`` is the HA trio's dead primary that the sentinels have not yet
+        replaced: started again before the failover, it would come back as the primary
+        from its own append-only file (without its last second, with everysec) and its
+        replica would copy that, losing what the replica held. Once a replica is promoted,
+        it comes back as a replica of the new primary."""
+        if self._ha is None or not child.name.startswith("redis-"):
+            return False
+        return self._ha.primary() == child.name.removeprefix("redis-")
 
     def stop(self) -> None:
         """Stop every child: SIGTERM its group, SIGKILL what is left after the grace period."""

@@ -97,8 +97,11 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
 
         wait_until(flower_up, 60, 0.25, "Flower")
         names = " ".join(_cmd(p) for p in _descendants(proc.pid))
-        for part in ("redis-server", "a.conf", "b.conf", "s1.conf", "s2.conf", "s3.conf",
-                     "gunicorn", "worker init", "worker run", "worker eval", "flower"):
+        # (redis-server names itself by its address.)
+        ha = RedisHA(tmp_path / "farm" / "redis-ha")
+        for part in (*(f"redis-server 127.0.0.1:{port}" for port in ha.ports.values()),
+                     "[sentinel]", "gunicorn", "worker init", "worker run", "worker eval",
+                     "flower"):
             assert part in names, f"{part} not started: {names}"
 
         sub = farm.submit("synthetic", [{"run_s": 0.1}, {"fail_stage": "eval"}], n=3)
@@ -124,15 +127,15 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
 
         # The Redis primary killed: the sentinels promote the replica, the farm follows it,
         # and `up` starts the dead server again (it rejoins as a replica).
-        ha = RedisHA(tmp_path / "farm" / "redis-ha")
         first = ha.primary()
-        primary = next(p for p in _descendants(proc.pid) if f"{first}.conf" in _cmd(p))
+        server = f"redis-server 127.0.0.1:{ha.ports[first]}"
+        primary = next(p for p in _descendants(proc.pid) if server in _cmd(p))
         primary.kill()
         sub = farm.submit("synthetic", [{"run_s": 0.1}], n=4)
         assert [j["state"] for j in farm.iter_results(sub["batch_id"], timeout_s=90)] == \
             ["done"] * 4
         assert ha.primary() not in (None, first)
-        wait_until(lambda: any(f"{first}.conf" in _cmd(p) and p.pid != primary.pid
+        wait_until(lambda: any(server in _cmd(p) and p.pid != primary.pid
                                for p in _descendants(proc.pid)), 30, 0.2, "the server again")
 
         everything = _descendants(proc.pid)
