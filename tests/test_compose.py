@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     reason="Debian's docker-compose is not installed (make test installs it)")]
 
 SERVICES = ("redis", "api", "init", "run", "eval", "flower", "gym", "dev-model",
-            "sentinel-1", "sentinel-2", "sentinel-3")
+            "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3")
 PROFILES = ("--profile", "dev", "--profile", "ha")
 TOKEN = "compose-test-token"
 # Pools' heartbeats: how long a restarting pool has to come back before the jobs waiting on
@@ -69,8 +69,9 @@ class Compose:
         redis_url = (f"redis+sentinel://127.0.0.1:{p['s1']},127.0.0.1:{p['s2']},"
                      f"127.0.0.1:{p['s3']}/prorl/0")
 
-        def health(*test: str) -> dict:
-            return {"test": ["CMD", *test], "interval": "1s", "timeout": "15s",
+        def health(*test: str, every: str = "2s") -> dict:
+            # (Each check is a process started in the container: a cost of the machine's.)
+            return {"test": ["CMD", *test], "interval": every, "timeout": "15s",
                     "retries": 30, "start_period": "0s"}
 
         farm_env = {"PRORL_REDIS_URL": redis_url}
@@ -88,12 +89,14 @@ class Compose:
                 "redis-server", "--port", str(p["replica"]), "--bind", "127.0.0.1", "--dir",
                 "/data", "--appendonly", "yes", "--appendfsync", "always", "--save", "",
                 "--hash-max-listpack-value", "1024", "--replicaof", "127.0.0.1",
-                str(p["redis"]), "--repl-diskless-sync-delay", "0"]},
+                str(p["redis"]), "--repl-diskless-sync-delay", "0"],
+                "healthcheck": health("redis-cli", "-p", str(p["replica"]), "ping",
+                                      every="5s")},
             **{f"sentinel-{i}": {"environment": {"PRIMARY": f"127.0.0.1 {p['redis']}",
                                                  "SENTINEL_PORT": str(p[f"s{i}"])},
                                  "healthcheck": health("sh", "-c", f"redis-cli -p {p[f's{i}']} "
                                                        "sentinel get-master-addr-by-name "
-                                                       "prorl | grep -q .")}
+                                                       "prorl | grep -q .", every="5s")}
                for i in (1, 2, 3)},
             "flower": {"environment": farm_env,
                        "command": ["celery", "-A", "prorl_farm.celery_app", "flower",

@@ -18,7 +18,10 @@ from tests.farm import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
-SERVICES = {"redis", "api", "init", "run", "eval", "flower", "gym", "dev-model"}
+SERVICES = {"redis", "api", "init", "run", "eval", "flower", "gym", "dev-model",
+            "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"}
+# Redis's own programs (on the Redis image), not the project's.
+REDIS_SERVICES = {"redis", "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,10 @@ def test_compose_has_every_part_with_health_checks(compose):
     for name in ("api", "init", "run", "eval"):  # one trajectory store for the API and pools
         assert "trajectories:/var/lib/prorl/trajectories" in services[name]["volumes"]
     assert services["dev-model"]["profiles"] == ["dev"]
+    for name in REDIS_SERVICES - {"redis"}:  # a replica and three sentinels on demand
+        assert services[name]["profiles"] == ["ha"]
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1:][:2] == ["redis", "6379"]
     for stage in ("init", "run", "eval"):
         assert services[stage]["command"] == ["prorl-farm", "worker", "--mount-proc", stage]
         assert "sandboxes:/var/lib/prorl/sandboxes" in services[stage]["volumes"]
@@ -81,7 +88,7 @@ def test_compose_has_every_part_with_health_checks(compose):
 
 def test_every_service_command_is_a_real_entry_point(compose):
     for name, svc in compose["services"].items():
-        if name == "redis":
+        if name in REDIS_SERVICES:
             continue
         _check_command(svc["command"])
 
