@@ -96,8 +96,10 @@ N = 300  # tokens a turn: long enough that turns are mid-way when the update com
 JOBS = 32  # of which at least 20 are generating when the update comes
 # On vLLM's CPU build, unseeded: its sampler failed once with seeded requests ("CPU Generator
 # does not use offset", a seeded request's token discarded) on a loaded machine; what is
-# checked (each token's logprob under the weights that sampled it) needs no seed.
-N_VLLM = 600
+# checked (each token's logprob under the weights that sampled it) needs no seed. Turns of
+# 1,000 tokens: on a loaded machine the 32 turns reach vLLM over several seconds, and 600
+# tokens a turn (~2,000 a second in all) let the first end before the twentieth began.
+N_VLLM = 1000
 
 
 @pytest.mark.slow
