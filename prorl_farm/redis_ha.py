@@ -156,8 +156,7 @@ class RedisHA:
                     c.close()
                 if int(master.get("num-other-sentinels", 0)) < len(SENTINELS) - 1:
                     return False
-                if not any(r.get("master-link-status") == "ok"
-                           or r.get("master_link_status") == "ok" for r in replicas):
+                if not any(r.get("master-link-status") == "ok" for r in replicas):
                     return False
             return True
         except redis.exceptions.RedisError:

@@ -92,8 +92,9 @@ PAYLOAD_SWEEP_S = 60.0
 
 def heartbeat_refresh_s(settings) -> float:
     """Seconds between a worker process's full heartbeats of the jobs it holds (between them
-    each tick beats only the jobs it took since, and all of them when one was taken from it:
-    worker/liveness.py): a sixth of the stale age, at most REFRESH_S, never under a tick."""
+    each tick beats only the prefetched jobs it has not beaten yet, and all of them when one
+    was taken from it: worker/liveness.py): a sixth of the stale age, at most REFRESH_S,
+    never under a tick."""
     return max(settings.heartbeat_interval_s, min(REFRESH_S, settings.heartbeat_stale_s / 6))
 
 
