@@ -113,7 +113,8 @@ def _cmd_gym(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         await serve(args.host or s.api_host, port, args.farm or s.url, s.api_token,
-                    resources_server=args.resources_server or s.gym_resources_server)
+                    resources_server=args.resources_server or s.gym_resources_server,
+                    grader=args.grader or s.gym_grader)
 
     try:
         asyncio.run(main())
@@ -393,9 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, help="port (default: PRORL_GYM_PORT)")
     g.add_argument("--farm", help="the farm's API (default: PRORL_URL); PRORL_API_TOKEN is "
                    "sent where set")
-    g.add_argument("--resources-server", metavar="URL",
-                   help="a Gym resources server: rows naming no farm task run on it as `gym` "
-                   "jobs (default: PRORL_GYM_RESOURCES_SERVER)")
+    g.add_argument("--resources-server", metavar="[NAME=]URL[,...]",
+                   help="Gym resources servers: rows naming no farm task run on them as "
+                   "`gym` jobs, on NAME's when the row's agent_ref.name is NAME, else on the "
+                   "one without a name (default: PRORL_GYM_RESOURCES_SERVER)")
+    g.add_argument("--grader", choices=("math", "contains"),
+                   help="the farm grader of rows graded by expected_answer that name none "
+                   "and have no resources server (default: PRORL_GYM_GRADER; none: such "
+                   "rows are refused)")
     g.set_defaults(func=_cmd_gym)
     sm = sub.add_parser("serve-model", help="serve a local causal LM on the CPU: the farm's "
                         "dev server (vLLM and SGLang routes) or vLLM's CPU build")

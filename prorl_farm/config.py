@@ -132,9 +132,14 @@ class Settings:
         8010, "the NeMo Gym agent server's port (`prorl-farm gym`; `up` starts it on the "
         "API's host; 0: `up` does not)", lo=0, hi=65535)
     gym_resources_server: str = setting(
-        "", "a NeMo Gym resources server (URL) that the Gym agent server runs rows naming no "
-        "farm task on, as `gym` jobs (empty: such rows are graded by expected_answer)",
-        pattern=r"^(https?://\S+)?$")
+        "", "NeMo Gym resources servers the Gym agent server runs rows naming no farm task "
+        "on, as `gym` jobs: `URL` (every row) or `NAME=URL` (rows whose agent_ref.name is "
+        "NAME), comma-separated",
+        pattern=r"^([A-Za-z0-9_.-]+=)?https?://[^\s,]+(,([A-Za-z0-9_.-]+=)?https?://[^\s,]+)*$|^$")
+    gym_grader: str = setting(
+        "", "the farm grader of Gym rows graded by expected_answer alone, with no resources "
+        "server (`math`: math-verify; `contains`; empty: such rows are refused)",
+        choices=("", "math", "contains"))
     url: str = setting("http://127.0.0.1:8000",
                        "the farm the CLI's `submit`, `watch`, `export`, `validate` talk to")
     log_level: str = setting("INFO", "log level of every farm process", choices=LOG_LEVELS)

@@ -89,6 +89,15 @@ class SandboxError(FarmError, RuntimeError):
     """A sandbox could not be started or reached."""
 
 
+class EnvironmentUnreachable(FarmError, ConnectionError):
+    """A task's environment server (a Gym resources server) could not be reached: no
+    answer at all, as opposed to an answer that is an error (EnvironmentFailed)."""
+
+
+class EnvironmentFailed(FarmError, RuntimeError):
+    """A task's environment server answered a request of the farm's own with an error."""
+
+
 class ToolRejected(FarmError, RuntimeError):
     """A tool call its tool refused (bad path, ambiguous edit, unknown tool, bad arguments).
     Raised by the tool inside a sandbox, sent back as an error reply (never fatal to the

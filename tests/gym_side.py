@@ -16,6 +16,13 @@
                                                             session), built as Gym's own
                                                             tests build its servers, served
                                                             by uvicorn with its access log
+    python tests/gym_side.py serve ENV PORT                 the resources server of any
+                                                            environment Gym ships
+                                                            (resources_servers/ENV), built
+                                                            the same way from its own
+                                                            config file, with no model
+                                                            server behind it (a judge it
+                                                            calls fails its /verify)
 """
 
 from __future__ import annotations
@@ -53,6 +60,47 @@ def counter(port: str) -> None:
     uvicorn.run(server.setup_webserver(), host="127.0.0.1", port=int(port), log_level="info")
 
 
+def server_of(env: str, port: int):
+    """The resources server ENV ships, built from its config file (configs/ENV.yaml, else
+    its first) as Gym's own tests build one: the config class validated from the file's
+    ``resources_servers`` block, a ServerClient that reaches nothing."""
+    import importlib
+    from pathlib import Path
+    from unittest.mock import MagicMock
+
+    import yaml
+    from nemo_gym.base_resources_server import SimpleResourcesServer
+    from nemo_gym.server_utils import ServerClient
+
+    module = importlib.import_module(f"resources_servers.{env}.app")
+    here = Path(module.__file__).parent
+    classes = [c for c in vars(module).values() if isinstance(c, type)
+               and issubclass(c, SimpleResourcesServer) and c.__module__ == module.__name__]
+    cls = next(c for c in classes if not any(o is not c and issubclass(o, c) for o in classes))
+    configs = sorted((here / "configs").glob("*.yaml"))
+    config_file = here / "configs" / f"{env}.yaml"
+    doc = yaml.safe_load((config_file if config_file.exists() else configs[0]).read_text())
+    block = next(v["resources_servers"] for v in doc.values()
+                 if isinstance(v, dict) and "resources_servers" in v)
+    name, fields = next(iter(block.items()))
+    config_cls = cls.model_fields["config"].annotation
+    config = config_cls.model_validate({**fields, "host": "127.0.0.1", "port": port,
+                                        "name": name})
+    return cls(config=config, server_client=MagicMock(spec=ServerClient))
+
+
+def serve(env: str, port: str) -> None:
+    import importlib.util
+    import os
+
+    import uvicorn
+
+    # Relative data paths in configs are the server's own.
+    os.chdir(importlib.util.find_spec(f"resources_servers.{env}").submodule_search_locations[0])
+    server = server_of(env, int(port))
+    uvicorn.run(server.setup_webserver(), host="127.0.0.1", port=int(port), log_level="info")
+
+
 def validate(path: str) -> None:
     from nemo_gym.base_resources_server import BaseVerifyResponse
 
@@ -63,16 +111,27 @@ def validate(path: str) -> None:
 
 
 def postprocess(row: dict, result: dict) -> dict:
-    """The token layout of NeMo RL's ``NemoGym._postprocess_nemo_gym_to_nemo_rl_result``
-    (nemo_rl/environments/nemo_gym.py, NVIDIA-NeMo/RL at 7ea279ab), re-implemented without
-    torch: for each output item with non-empty ``generation_token_ids`` (its
-    ``_is_trainable_output_item``), assert the item's ``prompt_token_ids`` begin with every
-    token seen so far ("Non-contiguous messages found!"), then a ``user`` message of the
-    new prompt tokens and an ``assistant`` message of the generated tokens with their
-    ``generation_logprobs``. Flattened as its ``batched_message_log_to_flat_message`` does
-    (nemo_rl/data/llm_message_utils.py): ``token_ids`` concatenated, generation logprobs 0
-    on non-assistant tokens, the loss mask 1 on assistant tokens (GRPO's
-    ``add_grpo_token_loss_masks_and_generation_logprobs``)."""
+    """What NeMo RL makes of one ``/run`` result (NVIDIA-NeMo/RL at 7ea279ab), re-implemented
+    without torch, step by step as its code does:
+
+    - ``NemoGym._postprocess_nemo_gym_to_nemo_rl_result`` (nemo_rl/environments/
+      nemo_gym.py): for each output item with non-empty ``generation_token_ids`` (its
+      ``_is_trainable_output_item``), assert the item's ``prompt_token_ids`` begin with every
+      token seen so far ("Non-contiguous messages found!"), then a ``user`` message of the
+      new prompt tokens and an ``assistant`` message of the generated tokens with their
+      ``generation_logprobs``; no such item raises ValueError ("NeMo Gym returned a result
+      with no generation data"), which its rollout manager counts as a data failure of the
+      prompt (nemo_rl/experience/failures.py: retried ``max_data_attempts_per_prompt``
+      times, then skipped while ``max_skipped_prompts`` allows, else the step fails);
+    - flattened as ``batched_message_log_to_flat_message`` does (nemo_rl/data/
+      llm_message_utils.py): ``token_ids`` concatenated, generation logprobs 0 on
+      non-assistant tokens, the loss mask 1 on assistant tokens (GRPO's
+      ``add_grpo_token_loss_masks_and_generation_logprobs``);
+    - ``reward``: ``float(result["reward"])`` (rollout_manager.py ``_result_to_completion``);
+      ``mask_sample``: ``result["instance_config"]["mask_sample"]`` (rollouts.py
+      ``_extract_mask_sample_flags``), whose rows get ``loss_multiplier`` 0 (grpo.py
+      ``_apply_mask_sample_filter``)."""
+    assert isinstance(result, dict), f"Hit a non-successful response: {result}"
     seen: list[int] = []
     message_log = []
     for item in result["response"]["output"]:
@@ -93,9 +152,10 @@ def postprocess(row: dict, result: dict) -> dict:
         flat["token_ids"] += m["token_ids"]
         flat["generation_logprobs"] += m.get("generation_logprobs") or [0.0] * n
         flat["token_loss_mask"] += [1 if m["role"] == "assistant" else 0] * n
+    mask = bool((result.get("instance_config") or {}).get("mask_sample", False))
     return {"rowidx": row["_rowidx"], "job_id": result["prorl_job_id"],
-            "reward": result["reward"], "mask_sample": result.get("mask_sample", False),
-            **flat}
+            "reward": float(result["reward"]), "mask_sample": mask,
+            "loss_multiplier": 0.0 if mask else 1.0, **flat}
 
 
 def nemo_rl(host: str, port: str, rows_path: str) -> None:
@@ -109,7 +169,12 @@ def nemo_rl(host: str, port: str, rows_path: str) -> None:
         for task in helper.run_examples(
                 examples=rows, head_server_config=BaseServerConfig(host=host, port=int(port))):
             row, result = await task
-            print(json.dumps(postprocess(row, result)), flush=True)
+            try:
+                laid = postprocess(row, result)
+            except Exception as e:  # noqa: BLE001 - what NeMo RL's rollout manager catches
+                laid = {"rowidx": row["_rowidx"], "job_id": result.get("prorl_job_id"),
+                        "error": f"{type(e).__name__}: {e}"}
+            print(json.dumps(laid), flush=True)
 
     asyncio.run(run())
 
@@ -120,4 +185,5 @@ if __name__ == "__main__":
         sys.argv = [sys.argv[0], *args]
         head()
     else:
-        {"validate": validate, "nemo_rl": nemo_rl, "counter": counter}[what](*args)
+        {"validate": validate, "nemo_rl": nemo_rl, "counter": counter,
+         "serve": serve}[what](*args)

@@ -84,7 +84,7 @@ def math_row(case: str, answer: str = "49", **extra) -> dict:
         "input": [{"role": "developer", "content": "Be brief."},
                   {"role": "user", "content": f"[case:{case}] What is 7 squared?"}],
         "temperature": 1.0, "top_p": 1.0, "max_output_tokens": 64},
-        "question": "What is 7 squared?", "expected_answer": answer,
+        "question": "What is 7 squared?", "expected_answer": answer, "prorl_grader": "math",
         "agent_ref": {"type": "responses_api_agents", "name": "prorl_farm"},
         "_ng_task_index": 0, "_ng_rollout_index": 0, **extra}
 
@@ -177,25 +177,99 @@ def test_math_rows_come_back_token_exact_with_the_farms_reward(gym_farm):
     assert "49" in result["output"] and "\\boxed{49}" in answer["content"][0]["text"]
 
 
-def test_a_failed_job_is_masked_never_a_zero_reward(gym_farm):
+def test_a_failed_job_without_a_rollout_is_gyms_failure_record_never_a_reward(gym_farm):
+    """A job that failed before its model generated: Gym's record of a rollout that did not
+    happen (``_ng_failure_class``, no reward, the failure), which Gym's collector sets
+    apart from the scored rows."""
     base, farm, _ = gym_farm
     row = {"responses_create_params": {"input": "x"},
            "prorl": {"handler": "synthetic", "instance": {"fail_stage": "eval"}}}
     out = requests.post(base + "/run", json=row, timeout=60).json()
-    assert out["mask_sample"] is True and out["reward"] is None
+    assert "reward" not in out and out["mask_sample"] is True
+    assert out["_ng_failure_class"] == "agent_run_error" and "_ng_failure_terminal" not in out
     assert out["failure_kind"] == "verifier_error" and out["failure_reason"]
+    assert out["response"]["status"] == "failed" and out["response"]["error"]["code"] == \
+        "eval_error"
     assert farm.job(out["prorl_job_id"])["state"] == "failed"
+
+
+class _Verifier:
+    """A resources server whose verifier is down: seed_session answers, /verify is a 500
+    (a judge that failed)."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, body = (200, b"{}") if self.path == "/seed_session" else \
+                    (500, b'{"detail": "the judge is down"}')
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        import threading
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def broken_verifier():
+    v = _Verifier()
+    yield v.url
+    v.close()
+
+
+def masked_row(server: str, i: int = 0) -> dict:
+    """A tool-less row of an environment whose /verify fails after the model answered."""
+    return {"responses_create_params": {"input": f"[case:hi] question {i}"},
+            "prorl": {"resources_server": server}, "expected_answer": "42"}
+
+
+def test_a_failed_job_that_generated_is_masked_with_its_real_tokens(gym_farm, broken_verifier):
+    """A job whose model answered and whose verifier then failed: the row comes back with
+    the tokens the farm stored, masked as Gym's verifiers mask one (``mask_sample`` at the
+    top and in ``instance_config``, where NeMo RL reads it; the failure named), reward 0.0
+    only because Gym's ``BaseVerifyResponse`` requires a float under the mask."""
+    base, farm, _ = gym_farm
+    out = requests.post(base + "/run", json=masked_row(broken_verifier), timeout=60).json()
+    assert out["mask_sample"] is True and out["instance_config"] == {"mask_sample": True}
+    assert out["reward"] == 0.0 and "_ng_failure_class" not in out
+    assert out["failure_kind"] == "verifier_error" and "judge is down" in out["failure_reason"]
+    job = farm.job(out["prorl_job_id"])
+    assert (job["handler"], job["state"], job["reward"]) == ("gym", "failed", None)
+    t = job["result"]
+    [item] = [i for i in out["response"]["output"] if i.get("generation_token_ids")]
+    assert item["prompt_token_ids"] == t["prompt_ids"]
+    assert item["generation_token_ids"] == t["response_ids"]
+    assert item["generation_log_probs"] == t["response_logprobs"]
 
 
 @pytest.mark.parametrize("row, loc", [
     ({"responses_create_params": {"input": "x", "temprature": 1}, "expected_answer": "1"},
      ["body", "responses_create_params", "temprature"]),
     ({"expected_answer": "1"}, ["body", "responses_create_params"]),
-    ({"responses_create_params": {"input": "x"}}, ["body", "expected_answer"]),
+    ({"responses_create_params": {"input": "x"}}, ["body", "prorl"]),
+    # An expected_answer alone does not say how Gym's environment compares it.
+    ({"responses_create_params": {"input": "x"}, "expected_answer": "B"},
+     ["body", "prorl_grader"]),
     ({"responses_create_params": {"input": "x", "tools": [{"type": "function", "name": "f"}]},
-      "expected_answer": "1"}, ["body", "responses_create_params", "tools"]),
-    ({"responses_create_params": {"input": "x", "temperature": 99}, "expected_answer": "1"},
-     ["body", "responses_create_params", "temperature"]),
+      "expected_answer": "1", "prorl_grader": "math"},
+     ["body", "responses_create_params", "tools"]),
+    ({"responses_create_params": {"input": "x", "temperature": 99}, "expected_answer": "1",
+      "prorl_grader": "math"}, ["body", "responses_create_params", "temperature"]),
     ({"responses_create_params": {"input": "x"},
       "prorl": {"handler": "math", "instance": {"problem": "p"}}},
      ["body", "prorl", "instance", "answer"]),
@@ -224,25 +298,36 @@ def test_a_failed_job_is_masked_never_a_zero_reward(gym_farm):
       "prorl": {"resources_server": "http://10.255.1.2:8080"}},
      ["body", "prorl", "resources_server"]),
 ])
-def test_a_bad_row_is_a_422_naming_the_field_and_nothing_is_enqueued(gym_farm, row, loc):
+def test_a_bad_row_is_refused_alone_naming_the_field_and_nothing_is_enqueued(gym_farm, row,
+                                                                            loc):
+    """A row the farm cannot take is answered as Gym's agents answer a rollout that did not
+    happen (a terminal failure record, so Gym's collector sets it apart and goes on), its
+    fields named as FastAPI's 422 would; nothing is enqueued."""
     base, farm, _ = gym_farm
     before = _jobs(farm)
     resp = requests.post(base + "/run", json=row, timeout=30)
-    assert resp.status_code == 422, resp.text
-    assert loc in [d["loc"] for d in resp.json()["detail"]], resp.json()
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["_ng_failure_class"] == "agent_run_error" and out["_ng_failure_terminal"]
+    assert "reward" not in out and out["mask_sample"] is True
+    assert loc in [d["loc"] for d in out["prorl_refused"]], out
+    assert {k: out[k] for k in row} == row
     assert _jobs(farm) == before
 
 
-def test_an_unreachable_resources_server_masks_the_row_never_a_zero(gym_farm):
+def test_an_unreachable_resources_server_is_named_so_never_a_zero(gym_farm):
     """A ``gym`` row whose resources server cannot be reached: the job fails at INIT (its
-    /seed_session), and the row comes back masked with the failure, reward null."""
+    /seed_session) as EnvironmentUnreachable, and the row comes back as Gym's failure record
+    of kind ``transport_unreachable``, no reward."""
     base, farm, _ = gym_farm
     row = {"responses_create_params": {"input": "[case:hi] count", "tools": [
         {"type": "function", "name": "increment_counter", "parameters": {}}]},
         "prorl": {"resources_server": f"http://127.0.0.1:{free_port()}"}, "expected_count": 1}
     out = requests.post(base + "/run", json=row, timeout=60).json()
-    assert out["mask_sample"] is True and out["reward"] is None, out
-    assert out["failure_kind"] == "session_lost" and "seed_session" in out["failure_reason"]
+    assert out["mask_sample"] is True and "reward" not in out, out
+    assert out["failure_kind"] == "transport_unreachable", out
+    assert "EnvironmentUnreachable" in out["failure_reason"] and \
+        "seed_session" in out["failure_reason"]
     job = farm.job(out["prorl_job_id"])
     assert (job["handler"], job["state"]) == ("gym", "failed")
 
@@ -257,10 +342,10 @@ def test_a_bad_row_among_good_ones_fails_alone(gym_farm):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda row: requests.post(base + "/run", json=row, timeout=60),
                                 [good, bad] * 4))
-    assert [a.status_code for a in answers] == [200, 422] * 4
+    assert [a.status_code for a in answers] == [200] * 8
     assert all(a.json()["reward"] == 0.5 for a in answers[::2])
     assert all(d["loc"] == ["body", "prorl", "instance", "reward"]
-               for a in answers[1::2] for d in a.json()["detail"])
+               for a in answers[1::2] for d in a.json()["prorl_refused"])
 
 
 def test_many_rows_at_once_share_the_servers_batch(gym_farm):
@@ -430,8 +515,9 @@ def _two_task_types(n: int) -> list[dict]:
 
 
 def _collect(config: Path, rows: list[dict], tmp_path: Path, parallel: int,
-             agent: str = "prorl_farm_agent") -> list[dict]:
-    """``ng_collect_rollouts`` (Gym's CLI) over ``rows``; its output rows (exit 0)."""
+             agent: str = "prorl_farm_agent", failed: int = 0) -> list[dict]:
+    """``ng_collect_rollouts`` (Gym's CLI) over ``rows``; its output rows (exit 0), and
+    ``failed`` rows in its failures file (rows that produced no rollout)."""
     inp, out = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     collect = Path(require_gym()).parent / "ng_collect_rollouts"
@@ -442,8 +528,16 @@ def _collect(config: Path, rows: list[dict], tmp_path: Path, parallel: int,
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) == len(rows)
+    assert len(results) == len(rows) - failed
+    assert len(_failures(tmp_path)) == failed
     return results
+
+
+def _failures(tmp_path: Path) -> list[dict]:
+    """The rows of the collection's failures file (Gym's sidecar)."""
+    side = tmp_path / "rollouts_failures.jsonl"
+    return [json.loads(line) for line in side.read_text().splitlines()] if side.exists() \
+        else []
 
 
 def test_ng_collect_rollouts_runs_64_rows_through_the_farm(gym_farm, gym_head, tmp_path):
@@ -475,32 +569,53 @@ def test_ng_collect_rollouts_runs_64_rows_through_the_farm(gym_farm, gym_head, t
     assert metrics, "no aggregate metrics written"
 
 
-def test_ng_collect_rollouts_keeps_a_failed_row_masked_not_zero(gym_farm, gym_head, tmp_path):
-    """A row whose job fails, among rows that succeed, through Gym's own collector: exit 0;
-    the failed row is kept masked with its failure kind and no reward (Gym counts it
-    apart: "an infrastructure failure is not a score of zero")."""
+def test_ng_collect_rollouts_finishes_the_good_rows_beside_failed_and_refused_ones(
+        gym_farm, gym_head, broken_verifier, tmp_path):
+    """Through Gym's own collector, rows that succeed beside a row the farm refuses, a row
+    whose job fails before its model ran, and a row whose verifier fails after it did: exit
+    0 and every good row done; the refused and the failed row in Gym's failures file (no
+    reward, the reason), out of the score; the row whose model ran kept masked with its
+    tokens, out of the score too (Gym's aggregate counts only unmasked rows)."""
     _, farm, _ = gym_farm
     _, _, config = gym_head
     failing = {"responses_create_params": {"input": "x"},
                "prorl": {"handler": "synthetic", "instance": {"fail_stage": "eval"}}}
-    results = _collect(config, _two_task_types(2) + [failing], tmp_path, 4)
-    [failed] = [r for r in results if r.get("mask_sample")]
-    assert failed["reward"] is None and failed["failure_kind"] == "verifier_error"
-    assert farm.job(failed["prorl_job_id"])["state"] == "failed"
-    assert sorted(r["reward"] for r in results if not r.get("mask_sample")) == [1.0, 1.0]
+    bad = {"responses_create_params": {"input": "x"}, "expected_answer": "B"}
+    rows = _two_task_types(4) + [failing, bad, masked_row(broken_verifier)]
+    results = _collect(config, rows, tmp_path, 8, failed=2)
+    [masked] = [r for r in results if r.get("mask_sample")]
+    assert masked["failure_kind"] == "verifier_error" and masked["reward"] == 0.0
+    assert sorted(r["reward"] for r in results if not r.get("mask_sample")) == \
+        [0.0, 1.0, 1.0, 1.0]
+    failures = {"prorl_refused" in f: f for f in _failures(tmp_path)}
+    assert failures[True]["prorl_refused"][0]["loc"] == ["body", "prorl_grader"]
+    assert failures[True]["_ng_failure_terminal"] is True
+    assert failures[False]["failure_kind"] == "verifier_error" and "reward" not in \
+        failures[False]
+    assert farm.job(failures[False]["prorl_job_id"])["state"] == "failed"
+    metrics = json.loads((tmp_path / "rollouts_aggregate_metrics.json").read_text())
+    text = json.dumps(metrics)
+    assert "0.75" in text, text[:2000]  # 3 of the 4 scored rows: the masked one left out
 
 
-def test_nemo_rl_call_path_gives_the_verl_adapters_tensors(gym_farm, gym_head, tmp_path):
+def test_nemo_rl_call_path_gives_the_verl_adapters_tensors(gym_farm, gym_head,
+                                                          broken_verifier, tmp_path):
     """Rows as NeMo RL's ``NemoGym.run_rollouts`` sends them (``agent_ref``, ``_rowidx``)
-    through Gym's ``RolloutCollectionHelper.run_examples``, each result laid out as NeMo
-    RL's postprocess does (tests/gym_side.py): the same tokens, loss mask and logprobs as
-    the farm's VeRL adapter gives for the same job, up to the last sampled token (where
-    NeMo RL's message log ends)."""
+    through Gym's ``RolloutCollectionHelper.run_examples``, each result taken as NeMo RL
+    takes it (tests/gym_side.py): the good rows give the same tokens, loss mask and
+    logprobs as the farm's VeRL adapter gives for the same job, up to the last sampled
+    token (where NeMo RL's message log ends); a row whose verifier failed after its model
+    answered is taken with its tokens and masked out of the loss (``loss_multiplier`` 0);
+    a row whose job failed before any generation is NeMo RL's data failure of that prompt
+    (retried, then skipped), never a reward."""
     from prorl_farm.trainer.adapters import to_verl
 
     _, farm, _ = gym_farm
     host, port, _ = gym_head
-    rows = _two_task_types(8)
+    good = _two_task_types(8)
+    failing = {"responses_create_params": {"input": "x"},
+               "prorl": {"handler": "synthetic", "instance": {"fail_stage": "eval"}}}
+    rows = good + [masked_row(broken_verifier, 1), failing]
     for i, row in enumerate(rows):
         row["agent_ref"] = {"type": "responses_api_agents", "name": "prorl_farm_agent"}
         row["_rowidx"] = i
@@ -512,10 +627,19 @@ def test_nemo_rl_call_path_gives_the_verl_adapters_tensors(gym_farm, gym_head, t
     laid = sorted((json.loads(line) for line in run.stdout.splitlines()),
                   key=lambda x: x["rowidx"])
     assert [x["rowidx"] for x in laid] == list(range(len(rows)))
+    *laid, masked, failed = laid
+    assert failed["error"].startswith("ValueError: NeMo Gym returned a result with no "
+                                      "generation data"), failed
+    assert farm.job(failed["job_id"])["state"] == "failed"
+    assert masked["mask_sample"] is True and masked["loss_multiplier"] == 0.0
+    job = farm.job(masked["job_id"])
+    assert job["state"] == "failed" and masked["token_ids"] == \
+        job["result"]["prompt_ids"] + job["result"]["response_ids"]
     jobs = [farm.job(x["job_id"]) for x in laid]
     verl = to_verl([jobs], pad_token_id=0, logprobs_mode=None)["batch"]
     for i, (x, job) in enumerate(zip(laid, jobs)):
         assert x["reward"] == job["reward"] and x["mask_sample"] is False
+        assert x["loss_multiplier"] == 1.0
         prompt = job["result"]["prompt_ids"]
         n_resp = len(x["token_ids"]) - len(prompt)
         p_len = verl["prompts"].shape[1]

@@ -123,6 +123,8 @@ def _loop(ctx, session, traj, ep, offered, parser, limits, runner) -> None:
         # The clients pass on only the sampling parameters a backend knows.
         sampling = dict(ctx.sampling, max_tokens=min(limits.max_tokens_per_turn, budget, room),
                         seed=turn_seed(ctx, turn))
+        # A turn cut by its length was cut by the context when that was the nearer limit.
+        cut = CONTEXT if room < min(limits.max_tokens_per_turn, budget) else MAX_TOKENS
         t0 = time.monotonic()
         got = session.generate(context, sampling)
         ep.llm_s += time.monotonic() - t0
@@ -130,10 +132,13 @@ def _loop(ctx, session, traj, ep, offered, parser, limits, runner) -> None:
         traj.add_turn(context, got)
         generated += len(g.token_ids)
         ep.turns += 1
+        if not offered:  # no tools: the turn is the answer, whatever it says
+            ep.end_reason = cut if g.finish_reason == "length" else ANSWERED
+            return
         parsed = parser.parse(traj.messages[-1]["content"])
         if not parsed.any:
             if g.finish_reason == "length":  # cut off mid-turn, no call to run
-                ep.end_reason = MAX_TOKENS
+                ep.end_reason = cut
                 return
             if limits.answer_ends:
                 ep.end_reason = ANSWERED

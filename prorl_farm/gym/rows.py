@@ -4,21 +4,25 @@ A Gym data row (what ``ng_collect_rollouts`` and NeMo RL's ``NemoGym`` environme
 an agent's ``/run``) holds ``responses_create_params`` (an OpenAI Responses create body:
 ``input`` required, no key Gym's ``NeMoGymResponseCreateParamsNonStreaming`` lacks) and any
 dataset fields, ``agent_ref`` and Gym's ``_ng_*`` / ``_rowidx`` metadata. The farm task a
-row becomes (docs/trainers.md, "NeMo Gym"):
+row becomes (docs/trainers.md, "NeMo Gym"), the first rule that applies:
 
-- ``prorl: {"handler": NAME, "instance": {...}, "deadline_s": S}``: that farm task, as
-  given (any handler: ``math``, ``swe``, ``code``, an ``agent`` harness...);
-- ``prorl: {"resources_server": URL, "deadline_s": S}``, or any row when the Gym server has
-  a ``--resources-server``: ``gym``, the environment of that Gym resources server
-  (handlers/gym.py: its ``/seed_session``, the row's function tools on it, its ``/verify``
-  for the reward), the row sent to it as Gym's own agent sends it;
-- else ``expected_answer`` (Gym's math datasets): ``math``, the row's last user message
-  the problem as written (``prompt_template: "{problem}"``), its ``developer``/``system``
-  messages and ``instructions`` the system prompt, the farm's ``python`` tool offered, the
-  final ``\\boxed{}`` graded by math-verify against ``expected_answer``; with
-  ``prorl_grader: "contains"``, ``chat`` instead: the row's messages as given, no tools,
-  reward 1 when the final answer contains ``expected_answer``;
-- else the row is refused (422): the farm grades nothing it has no grader for.
+1. ``prorl: {"handler": NAME, "instance": {...}, "deadline_s": S}``: that farm task, as
+   given (any handler: ``math``, ``swe``, ``code``, an ``agent`` harness...);
+2. ``prorl: {"resources_server": URL}``, or a resources server the Gym server was given for
+   the row's agent (``--resources-server NAME=URL``, ``NAME`` the row's ``agent_ref.name``)
+   or for every row (``--resources-server URL``): ``gym``, the environment of that Gym
+   resources server (handlers/gym.py: its ``/seed_session``, the row's function tools if it
+   has any, its ``/verify`` for the reward), the row sent to it as Gym's own agent sends it;
+3. ``expected_answer`` and a farm grader named, by the row (``prorl_grader``) or for every
+   row (``--grader``): ``math``, the row's last user message the problem as written
+   (``prompt_template: "{problem}"``), its ``developer``/``system`` messages and
+   ``instructions`` the system prompt, the farm's ``python`` tool offered, the final
+   ``\\boxed{}`` graded by math-verify against ``expected_answer``; or ``contains``: a
+   ``chat`` job, the row's messages as given, no tools, reward 1 when the final answer
+   contains ``expected_answer``;
+4. else the row is refused. An ``expected_answer`` alone does not say how it is compared
+   (Gym's string_match, mcqa and math_with_judge rows look alike and are graded three ways):
+   the farm grades nothing by a guess.
 
 Sampling comes from ``responses_create_params``: ``temperature``, ``top_p``,
 ``max_output_tokens`` (per model call: the farm's ``max_tokens``), ``max_tool_calls``
@@ -27,9 +31,10 @@ Sampling comes from ``responses_create_params``: ``temperature``, ``top_p``,
 The answer is the row, plus ``response`` (a Responses object whose ``output`` is the
 episode: per model call its items, the last carrying ``prompt_token_ids``,
 ``generation_token_ids`` and ``generation_log_probs`` exactly as the farm stored them;
-tool results as ``function_call_output`` items), ``reward``, and for a failed job
-``mask_sample: true`` with ``failure_kind``/``failure_reason`` and ``reward: null``: a
-failure is never a zero reward.
+tool results as ``function_call_output`` items) and ``reward``. A row that did not earn a
+reward is answered as Gym's own servers answer one (:func:`run_answer`, :func:`refused`):
+masked when the model generated, a failure record otherwise; never a zero reward that
+reads as a measurement.
 """
 
 from __future__ import annotations
@@ -55,13 +60,13 @@ CREATE_PARAMS = frozenset({
     "top_logprobs", "top_p", "truncation", "user"})
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 GRADERS = ("math", "contains")
-# The farm's failure kinds as Gym's (nemo_gym/failure_kinds.py).
+# The farm's failure kinds (states.FailureKind) as Gym's (nemo_gym/failure_kinds.py).
 FAILURE_KINDS = {
     "timeout": "agent_timeout", "cancelled": "cancelled",
-    "backend_unavailable": "provider_unavailable", "backend_error": "provider_unavailable",
-    "sandbox_error": "session_lost", "grading_error": "verifier_error",
-    "init_error": "session_lost", "eval_error": "verifier_error",
-    "harness_error": "agent_run_error", "lost": "kill_shaped", "requeue_limit": "kill_shaped",
+    "backend_unavailable": "provider_unavailable", "invalid_instance": "agent_run_error",
+    "init_error": "session_lost", "run_error": "agent_run_error",
+    "eval_error": "verifier_error", "harness_error": "agent_run_error",
+    "worker_lost": "kill_shaped", "storage_error": "persistence_failed",
 }
 
 # The server's own routes (nemo_gym's RESERVED_MCP_TOOL_NAMES, and the routes beside them):
@@ -72,10 +77,12 @@ TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 
 
 def tool_errors(tools) -> list[str]:
-    """What is wrong with a resources server row's tools (function tools, each with a
-    name that is none of the server's own routes), or []."""
-    if not isinstance(tools, list) or not tools:
-        return ["a non-empty list of function tools (the resources server's)"]
+    """What is wrong with a resources server row's tools (none, or function tools, each
+    with a name that is none of the server's own routes), or []."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        return ["a list of function tools (the resources server's)"]
     errors, seen = [], set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -201,10 +208,44 @@ def _gym(row: dict, params: dict, sampling: dict, server, deadline_s=None) -> Su
                       fields={"server": ("prorl", "resources_server"), "row": ()})
 
 
-def to_submission(row, resources_server: str | None = None) -> Submission:
+def parse_servers(spec: str) -> dict[str, str]:
+    """``--resources-server``'s value: comma-separated ``URL`` (every row's) or
+    ``NAME=URL`` (the rows whose ``agent_ref.name`` is NAME) as {name or "": URL}."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        name, _, url = part.partition("=") if "=" in part.split("://", 1)[0] else \
+            ("", "", part)
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{part!r}: a resources server is URL or NAME=URL "
+                             "(http:// or https://)")
+        if name in out:
+            raise ValueError(f"{part!r}: {'the default' if not name else name} is given twice")
+        out[name] = url
+    return out
+
+
+def agent_name(row: dict) -> str | None:
+    ref = row.get("agent_ref")
+    return ref.get("name") if isinstance(ref, dict) and isinstance(ref.get("name"), str) \
+        else None
+
+
+NO_GRADER = ("the farm has no grader for this row. Gym grades a row by its environment's "
+             "/verify, and an expected_answer alone does not say how (string_match, mcqa and "
+             "math_with_judge rows look alike and are compared three ways). Run it on its "
+             "environment: `prorl-farm gym --resources-server URL` (or NAME=URL for the rows "
+             "whose agent_ref.name is NAME), or the row's prorl.resources_server; or name "
+             "the farm's grader: prorl_grader \"math\" (math-verify on the last \\boxed{}) or "
+             "\"contains\" (per row, or `prorl-farm gym --grader` for every row); or a farm "
+             "task: prorl {handler, instance}")
+
+
+def to_submission(row, resources_server: str | dict | None = None,
+                  grader: str | None = None) -> Submission:
     """The farm job of a Gym row, or :class:`RowError` naming what is wrong.
     ``resources_server``: where rows that name no farm task go (the Gym server's
-    ``--resources-server``)."""
+    ``--resources-server``: a URL, or {agent name or "": URL}); ``grader``: the farm grader
+    of rows graded by ``expected_answer`` that name none (``--grader``)."""
     if not isinstance(row, dict):
         raise RowError([((), "a JSON object")])
     params = row.get("responses_create_params")
@@ -238,27 +279,30 @@ def to_submission(row, resources_server: str | None = None) -> Submission:
         return Submission(explicit["handler"], explicit["instance"], sampling, deadline,
                           explicit["instance"].get("parser") or "hermes",
                           ("prorl", "instance"))
-    if resources_server:
-        return _gym(row, params, sampling, resources_server)
+    servers = resources_server if isinstance(resources_server, dict) else \
+        {"": resources_server} if resources_server else {}
+    server = servers.get(agent_name(row) or "") or servers.get("")
+    if server:
+        return _gym(row, params, sampling, server)
     if "expected_answer" not in row:
-        raise RowError([(("expected_answer",), "the farm grades a row by its expected_answer "
-                                               "(math-verify, or 'contains' with prorl_grader)"
-                                               " or runs the farm task its 'prorl' names; this "
-                                               "row has neither")])
+        raise RowError([(("prorl",), NO_GRADER)])
+    grader = row.get("prorl_grader", grader)
+    if grader is None:
+        raise RowError([(("prorl_grader",), NO_GRADER)])
+    if grader not in GRADERS:
+        raise RowError([(("prorl_grader",), f"one of {', '.join(GRADERS)}")])
     answer = row["expected_answer"]
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
         raise RowError([(("expected_answer",), "a non-empty string (or a number)")])
-    grader = row.get("prorl_grader", "math")
-    if grader not in GRADERS:
-        raise RowError([(("prorl_grader",), f"one of {', '.join(GRADERS)}")])
     messages = messages_of(params)
     if params.get("tools"):
-        raise RowError([(("responses_create_params", "tools"), "the farm runs its own tools "
-                                                              "(math: python); a row's tools "
-                                                              "have nothing to run them: "
-                                                              "leave tools out")])
+        raise RowError([(("responses_create_params", "tools"), "the farm's graders run the "
+                                                              "farm's own tools (math: "
+                                                              "python); a row's tools run on "
+                                                              "its resources server: give "
+                                                              "--resources-server")])
     if grader == "contains":
         return Submission("chat", {"messages": messages, "answer": answer}, sampling)
     if messages[-1]["role"] != "user":
@@ -356,18 +400,29 @@ def output_items(result: dict, parser_name: str = "hermes") -> list[dict]:
     return out
 
 
+def _trained(output: list[dict]) -> bool:
+    """Whether the items hold a sampled token (what NeMo RL trains on)."""
+    return any(item.get("generation_token_ids") for item in output)
+
+
 def response_object(row: dict, job: dict, parser: str = "hermes") -> dict:
-    """The Responses object of a finished job (``output`` empty for a failed one)."""
+    """The Responses object of a finished job: the episode's items when it has one (a
+    failed job's too: what its model generated before the failure), ``status`` completed
+    only for a job done, and the failure as the Responses ``error`` otherwise."""
     params = row.get("responses_create_params") or {}
-    result = job.get("result") if job.get("state") == "done" else None
+    result = job.get("result") or None
     output = output_items(result, parser) if result else []
     turns = (result or {}).get("turns")
     generated = sum(t["generated"] for t in turns) if isinstance(turns, list) else 0
+    done = job.get("state") == "done"
+    failure = job.get("failure") or {}
     return {
         "id": f"resp_{job['id']}", "object": "response",
         "created_at": float(job.get("created_at") or time.time()),
         "model": params.get("model") or "prorl-farm", "output": output,
-        "status": "completed" if result else "failed",
+        "status": "completed" if done else "failed",
+        "error": None if done else {"code": failure.get("kind") or job.get("state"),
+                                    "message": (failure.get("message") or "")[:2000]},
         "parallel_tool_calls": bool(params.get("parallel_tool_calls", True)),
         "tool_choice": params.get("tool_choice") or "auto",
         "tools": list(params.get("tools") or []),
@@ -381,9 +436,50 @@ def response_object(row: dict, job: dict, parser: str = "hermes") -> dict:
     }
 
 
+# Gym's record of a /run that produced no rollout (nemo_gym/rollout_collection.py: a result
+# carrying ``_ng_failure_class`` goes to the collection's failures sidecar, out of the score;
+# ``_ng_failure_terminal`` rows are not dispatched again on resume).
+FAILURE_CLASS = "agent_run_error"
+# Failures that a second attempt would meet again.
+TERMINAL = frozenset({"invalid_instance", "refused"})
+
+
+def _masked(out: dict, kind: str, reason: str) -> dict:
+    """A rollout whose reward is not a measurement, as Gym's verifiers mark one
+    (nemo_gym/judge.py's ``judge_failsafe``): ``mask_sample`` true at the top level and in
+    ``instance_config``, where NeMo RL reads it (nemo_rl/experience/rollouts.py,
+    ``_extract_mask_sample_flags``), ``failure_kind`` and ``failure_reason``. Gym's
+    ``BaseVerifyResponse`` requires a float ``reward``: it is 0.0 under the mask, which
+    every Gym and NeMo RL consumer leaves out of scores and losses."""
+    out["reward"] = 0.0
+    out["mask_sample"] = True
+    out["instance_config"] = {**(out.get("instance_config") if isinstance(
+        out.get("instance_config"), dict) else {}), "mask_sample": True}
+    out["failure_kind"] = kind
+    out["failure_reason"] = reason[:2000]
+    return out
+
+
+def _failure_record(out: dict, kind: str, reason: str, farm_kind: str) -> dict:
+    """A /run that produced no rollout (no token generated), as Gym's agents record one: no
+    reward, ``_ng_failure_class`` (Gym's collector writes it to the failures sidecar and
+    goes on with the other rows), ``mask_sample``, the failure."""
+    out.pop("reward", None)
+    out["mask_sample"] = True
+    out["failure_kind"] = kind
+    out["failure_reason"] = reason[:2000]
+    out["_ng_failure_class"] = FAILURE_CLASS
+    out["_ng_failure_message"] = reason[:2000]
+    if farm_kind in TERMINAL:
+        out["_ng_failure_terminal"] = True
+    return out
+
+
 def run_answer(row: dict, job: dict, parser: str = "hermes") -> dict:
-    """``/run``'s answer: the row, the ``response``, the ``reward`` (null and masked, with
-    the failure, when the job failed), and the farm's job id."""
+    """``/run``'s answer: the row, the ``response``, the ``reward`` and the farm's job id.
+    A failed job that generated comes back masked (:func:`_masked`: its tokens are real, its
+    reward is not a measurement); one that did not, as a failure record
+    (:func:`_failure_record`)."""
     out = dict(row)
     out["response"] = response_object(row, job, parser)
     out["prorl_job_id"] = job["id"]
@@ -395,11 +491,35 @@ def run_answer(row: dict, job: dict, parser: str = "hermes") -> dict:
         out["mask_sample"] = False
         return out
     failure = job.get("failure") or {"kind": job.get("state") or "failed", "message": ""}
-    out["reward"] = None
-    out["mask_sample"] = True
-    out["failure_kind"] = FAILURE_KINDS.get(failure["kind"], "agent_run_error")
-    out["failure_reason"] = f"{failure['kind']}: {failure.get('message', '')}"[:2000]
-    return out
+    kind = failure_kind(failure)
+    reason = f"{failure['kind']}: {failure.get('message', '')}"
+    if _trained(out["response"]["output"]):
+        return _masked(out, kind, reason)
+    return _failure_record(out, kind, reason, failure["kind"])
+
+
+def failure_kind(failure: dict) -> str:
+    """The farm's failure in Gym's vocabulary (nemo_gym/failure_kinds.py)."""
+    if UNREACHABLE in (failure.get("message") or ""):
+        return "transport_unreachable"
+    return FAILURE_KINDS.get(failure.get("kind"), "agent_run_error")
+
+
+# How handlers/gym.py says a resources server could not be reached.
+UNREACHABLE = "EnvironmentUnreachable"
+
+
+def refused(row, error: RowError) -> dict:
+    """``/run``'s answer to a row the farm cannot take: a failure record (nothing was
+    enqueued) whose ``prorl_refused`` is FastAPI's 422 ``detail`` naming each field, so
+    one bad row among many fails alone and the collection goes on."""
+    out = dict(row) if isinstance(row, dict) else {"row": row}
+    reason = f"refused: {error}"
+    out["response"] = {"id": f"resp_{uuid.uuid4().hex}", "object": "response",
+                       "created_at": time.time(), "output": [], "status": "failed",
+                       "error": {"code": "refused", "message": str(error)[:2000]}}
+    out["prorl_refused"] = error.detail()
+    return _failure_record(out, "agent_run_error", reason, "refused")
 
 
 def aggregate(verify_responses: list[dict]) -> dict:

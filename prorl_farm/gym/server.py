@@ -15,9 +15,12 @@ Routes: ``POST /run``, ``POST /aggregate_metrics``, ``POST /v1/responses`` (the 
 of a Responses create body, as a ``chat`` job: its response, no reward),
 ``POST /v1/agent_sessions`` and ``POST /v1/agent_sessions/close`` (Gym's session protocol:
 sessions are remembered, the farm needs none), ``GET /healthz``. A row the farm cannot take
-is answered 422 with FastAPI's ``{"detail": [{"loc", "msg", "type"}]}`` (what Gym's own
-servers answer), and nothing is enqueued for it; a failed job comes back 200, masked, with
-its failure (gym/rows.py).
+is answered 200 as Gym's agents answer a rollout that did not happen (rows.refused: a
+failure record, which Gym's collector sets aside in its failures file and goes on; the
+fields named as FastAPI's 422 ``detail`` would), and nothing is enqueued for it: one bad
+row among many fails alone. A failed job comes back 200, masked or as a failure record
+(rows.run_answer). Only a body that is not JSON is a 400, and a farm that cannot be reached
+a 502 (Gym's "the rollout did not run").
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from prorl_farm.gym.rows import (
     RowError,
     Submission,
     aggregate,
+    parse_servers,
+    refused,
     response_object,
     run_answer,
     to_submission,
@@ -288,10 +293,11 @@ def _request_locs(err: dict) -> list[tuple[tuple, str]]:
 class _Base(RequestHandler):
     farm: Farm
 
-    def initialize(self, farm: Farm, sessions: dict, resources_server: str = "",
-                   guard: str = ""):
+    def initialize(self, farm: Farm, sessions: dict, resources_server: dict | None = None,
+                   grader: str | None = None, guard: str = ""):
         self.farm, self.sessions = farm, sessions
-        self.resources_server = resources_server
+        self.resources_server = resources_server or {}
+        self.grader = grader
         self.guard = guard
 
     def prepare(self):
@@ -327,10 +333,10 @@ class RunHandler(_Base):
     async def post(self):
         row = self._json()
         try:
-            sub = to_submission(row, self.resources_server)
+            sub = to_submission(row, self.resources_server, self.grader)
             batch, job_id, ended = await self.farm.submit(sub)
         except RowError as e:
-            return self.reply(422, {"detail": e.detail()})
+            return self.refuse(row, e)
         except FarmUnavailable as e:
             return self.reply(502, {"detail": str(e)})
         self._job, self._ended = (batch, job_id), ended
@@ -348,6 +354,10 @@ class RunHandler(_Base):
 
     def answer(self, row: dict, job: dict, sub: Submission) -> dict:
         return run_answer(row, job, sub.parser)
+
+    def refuse(self, row, error: RowError) -> None:
+        log.info("gym: row refused: %s", error)
+        self.reply(200, refused(row, error))
 
     def on_connection_close(self) -> None:
         self._gone = True
@@ -368,8 +378,11 @@ class ResponsesHandler(RunHandler):
         row = {"responses_create_params": body, "expected_answer": "\u2063",
                "prorl_grader": "contains"}
         self.request.body = json.dumps(row).encode()
-        self.resources_server = ""  # a bare Responses body is a chat episode
+        self.resources_server = {}  # a bare Responses body is a chat episode
         await super().post()
+
+    def refuse(self, row, error: RowError) -> None:  # the Responses API's own refusal
+        self.reply(422, {"detail": error.detail()})
 
     def answer(self, row: dict, job: dict, sub: Submission) -> dict:
         if job.get("state") != "done":
@@ -423,10 +436,12 @@ class HealthHandler(_Base):
 
 
 def make_app(farm_url: str, token: str = "", resources_server: str = "",
-             guard: bool = False) -> Application:
-    """``guard``: callers must show ``token`` (a server off loopback)."""
+             guard: bool = False, grader: str = "") -> Application:
+    """``guard``: callers must show ``token`` (a server off loopback); ``resources_server``
+    and ``grader``: where rows naming no farm task go (rows.to_submission)."""
     shared = {"farm": Farm(farm_url, token), "sessions": {},
-              "resources_server": resources_server, "guard": token if guard else ""}
+              "resources_server": parse_servers(resources_server),
+              "grader": grader or None, "guard": token if guard else ""}
     return Application([
         (r"/run", RunHandler, shared),
         (r"/aggregate_metrics", AggregateHandler, shared),
@@ -437,20 +452,27 @@ def make_app(farm_url: str, token: str = "", resources_server: str = "",
 
 
 async def serve(host: str, port: int, farm_url: str, token: str = "",
-                ready=None, resources_server: str = "") -> None:
-    """Serve until cancelled. ``resources_server``: the Gym resources server that rows
-    naming no farm task run on (rows.py). Off loopback it needs ``token`` and asks its
-    callers for it."""
+                ready=None, resources_server: str = "", grader: str = "") -> None:
+    """Serve until cancelled. ``resources_server``: the Gym resources servers that rows
+    naming no farm task run on (``URL`` or ``NAME=URL``, comma-separated: rows.py);
+    ``grader``: the farm grader of rows graded by ``expected_answer`` alone. Off loopback it
+    needs ``token`` and asks its callers for it."""
+    try:
+        parse_servers(resources_server)
+    except ValueError as e:
+        raise ConfigError(f"--resources-server {e}") from None
     exposed = not is_loopback(host)
     if exposed and not token:
         raise ConfigError(f"the Gym server on {host} (not loopback) would submit to the farm "
                           "for anyone: give it a key (PRORL_API_TOKEN), which its callers "
                           "then show, or bind it to loopback")
-    server = HTTPServer(make_app(farm_url, token, resources_server, guard=exposed),
+    server = HTTPServer(make_app(farm_url, token, resources_server, guard=exposed,
+                                 grader=grader),
                         max_body_size=64 << 20, idle_connection_timeout=3600)
     server.listen(port, host, backlog=1024)
     log.info("gym agent server on http://%s:%d, the farm at %s%s", host, port, farm_url,
-             f", rows to the resources server {resources_server}" if resources_server else "")
+             f", rows to the resources servers {resources_server}" if resources_server
+             else "")
     if ready is not None:
         ready()
     try:

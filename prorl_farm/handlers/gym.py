@@ -9,7 +9,8 @@ does, with the farm's token-in/token-out loop as the agent:
 - INIT seeds the session with the whole Gym row (its task fields too) and keeps the cookies;
 - RUN runs the agent loop on the row's messages with the row's function tools, each call a
   ``POST {server}/{name}`` of its arguments with the session's cookies (an HTTP error's body
-  is the model's observation, as in Gym);
+  is the model's observation, as in Gym); a row without tools is one model call, its text
+  the answer (Gym's single-turn environments);
 - EVAL posts the row and the episode as Gym's ``response`` (the items ``/run`` answers
   with, token ids included) to ``/verify``; its ``reward`` is the job's.
 
@@ -17,9 +18,9 @@ The policy sees the row's ``responses_create_params`` only (the task fields, suc
 expected answer, stay with INIT and EVAL). It reaches the server through the tools the row
 declares and nothing else: a tool named like one of the server's own routes (``verify``,
 ``seed_session``...) is refused at submit, and a call of an undeclared name never leaves the
-farm. A server that cannot be reached, answers ``/seed_session`` or ``/verify`` with an
-error, gives no finite reward, or masks its own verdict (``mask_sample``) fails the job: a
-failure is never a zero reward.
+farm. A server that cannot be reached (``EnvironmentUnreachable``), answers
+``/seed_session`` or ``/verify`` with an error, gives no finite reward, or masks its own
+verdict (``mask_sample``) fails the job: a failure is never a zero reward.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from prorl_farm import redisconn
 from prorl_farm.agent.loop import AgentLimits, run_episode
 from prorl_farm.agent.parsers import get_parser
 from prorl_farm.agent.tools import truncate
-from prorl_farm.errors import GradingError, SandboxError
+from prorl_farm.errors import EnvironmentFailed, EnvironmentUnreachable, GradingError
 from prorl_farm.gym.rows import (
     RESERVED,
     ROLES,
@@ -65,7 +66,7 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
 # What the row must hold (rows.messages_of, rows.tool_errors), published with the instance
 # schema. Tool names must also differ from each other, which JSON Schema cannot say.
 ROW_SCHEMA = {"type": "object", "required": ["responses_create_params"], "properties": {
-    "responses_create_params": {"type": "object", "required": ["input", "tools"],
+    "responses_create_params": {"type": "object", "required": ["input"],
                                 "properties": {
         "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "properties": {
@@ -74,7 +75,7 @@ ROW_SCHEMA = {"type": "object", "required": ["responses_create_params"], "proper
                 "content": {"oneOf": [{"type": "string"},
                                       {"type": "array", "items": _TEXT_PART}]}}}}]},
         "instructions": {"type": "string"},
-        "tools": {"type": "array", "minItems": 1, "uniqueItems": True, "items": {
+        "tools": {"type": "array", "uniqueItems": True, "items": {
             "type": "object", "required": ["type", "name"], "properties": {
                 "type": {"type": "string", "enum": ["function"]},
                 "name": {"type": "string", "pattern": TOOL_NAME.pattern,
@@ -85,8 +86,8 @@ ROW_SCHEMA = {"type": "object", "required": ["responses_create_params"], "proper
 class GymInstance(LoopOptions):
     server = fields.String(required=True, validate=validate.Regexp(
         URL, error="an http(s) URL of the resources server"))
-    # The Gym data row: ``responses_create_params`` (input, function tools) and its task
-    # fields, as the resources server's seed_session and verify read them.
+    # The Gym data row: ``responses_create_params`` (input, function tools if any) and its
+    # task fields, as the resources server's seed_session and verify read them.
     row = fields.Dict(required=True)
 
     @validates_schema
@@ -108,7 +109,7 @@ def _schemas(params: dict) -> dict[str, dict]:
     return {t["name"]: {"type": "function", "function": {
         "name": t["name"], "description": t.get("description") or "",
         "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
-        for t in params["tools"]}
+        for t in params.get("tools") or []}
 
 
 def _cookies(response: requests.Response) -> dict:
@@ -133,8 +134,8 @@ class GymTools:
         except requests.Timeout:
             return f"error: the tool took more than {timeout_s or self.timeout_s:g} s", False
         except requests.RequestException as e:
-            raise SandboxError(f"the resources server {self.server} is unreachable: {e}"
-                               ) from e
+            raise EnvironmentUnreachable(f"the resources server {self.server} is "
+                                         f"unreachable: {e}") from e
         self.cookies.update(_cookies(r))
         return r.text, r.ok
 
@@ -170,7 +171,8 @@ class GymHandler(AgentHandler):
 
     def init(self, ctx: JobContext) -> dict:
         inst = ctx.instance
-        r = _post(inst["server"], "seed_session", inst["row"], {}, _timeout(ctx), SandboxError)
+        r = _post(inst["server"], "seed_session", inst["row"], {}, _timeout(ctx),
+                  EnvironmentFailed)
         return {"cookies": _cookies(r)}
 
     def run(self, ctx: JobContext) -> dict:
@@ -218,12 +220,13 @@ def _timeout(ctx: JobContext) -> float:
 
 def _post(server: str, route: str, body: dict, cookies: dict, timeout_s: float,
           error: type[Exception]) -> requests.Response:
-    """POST one of the resources server's own routes; any failure raises ``error``."""
+    """POST one of the resources server's own routes: an error answer raises ``error``,
+    no answer at all ``EnvironmentUnreachable``."""
     url = f"{server.rstrip('/')}/{route}"
     try:
         r = requests.post(url, json=body, cookies=cookies, timeout=timeout_s)
     except requests.RequestException as e:
-        raise error(f"{url}: {e}") from e
+        raise EnvironmentUnreachable(f"{url}: {e}") from e
     if not r.ok:
         raise error(f"{url} answered {r.status_code}: {r.text[:1000]}")
     return r
