@@ -6,6 +6,7 @@
     python tests/gym_side.py validate OUT.jsonl             every row through Gym's
                                                             BaseVerifyResponse; one JSON
                                                             line per row: reward, item classes
+                                                            (or the error)
     python tests/gym_side.py nemo_rl HOST PORT ROWS.jsonl   the rows through Gym's
                                                             RolloutCollectionHelper.run_examples
                                                             as NeMo RL's NemoGym.run_rollouts
@@ -105,7 +106,11 @@ def validate(path: str) -> None:
     from nemo_gym.base_resources_server import BaseVerifyResponse
 
     for line in open(path):
-        row = BaseVerifyResponse.model_validate(json.loads(line))
+        try:
+            row = BaseVerifyResponse.model_validate(json.loads(line))
+        except ValueError as e:
+            print(json.dumps({"error": str(e)[:2000]}))
+            continue
         print(json.dumps({"reward": row.reward,
                           "items": [type(o).__name__ for o in row.response.output]}))
 

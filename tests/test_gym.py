@@ -32,6 +32,7 @@ import pytest
 import requests
 
 from prorl_farm.trainer import FarmClient
+from tests import gym_datasets
 from tests.farm import ROOT, free_port, http_farm, require_venv, stop_process, wait_until
 from tests.policy_server import PolicyServer, text_planner, tool_call
 
@@ -57,14 +58,20 @@ FORGE = [tool_call("verify", expected_count=0), tool_call("seed_session", initia
 def planner(tokenizer_path: str):
     """The [case:] plans (text_planner), and a policy for the rows of Gym's
     example_session_state_mgmt dataset ("add A then add B then get the count"): it adds A,
-    adds B, reads the counter, answers; with [case:forge] it calls the grader's routes."""
+    adds B, reads the counter, answers; with [case:forge] it calls the grader's routes.
+    Rows of the Gym environment a test replays (``plan.replay``, tests/gym_datasets.py)
+    get their recorded answers."""
     from transformers import AutoTokenizer
 
     cases = text_planner(tokenizer_path, {**PLANS, "forge": FORGE})
     tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     end = tok.convert_tokens_to_ids("<|im_end|>")
+    replay = gym_datasets.Replay(tokenizer_path)
 
     def plan(prompt: list[int], max_tokens: int):
+        replayed = replay(prompt, max_tokens) if replay.cases else None
+        if replayed is not None:
+            return replayed
         text = tok.decode(prompt, skip_special_tokens=False)
         m = COUNTER.search(text)
         if m is None or "[case:" in text:
@@ -76,6 +83,7 @@ def planner(tokenizer_path: str):
         ids = [*tok.encode(steps[min(turn, len(steps) - 1)], add_special_tokens=False), end]
         return (ids, "stop") if len(ids) <= max_tokens else (ids[:max_tokens], "length")
 
+    plan.replay = replay
     return plan
 
 
@@ -102,7 +110,9 @@ def gym_farm(redis_server, tiny_model, tmp_path_factory):
     _clear(left)
     left.close()
     log_dir = tmp_path_factory.mktemp("gym")
-    server = PolicyServer(planner=planner(str(tiny_model)))
+    plan = planner(str(tiny_model))
+    server = PolicyServer(planner=plan)
+    server.replay = plan.replay
     try:
         with http_farm(redis_server.url, log_dir, "gym", run_concurrency=16) as (url, env):
             farm = FarmClient(url)
@@ -436,7 +446,14 @@ def counter_gym(gym_farm, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gym_head(gym_farm, counter_gym, tmp_path_factory):
+def datasets_port():
+    """Where the `prorl-farm gym` of a replayed Gym environment listens (gym_head's
+    ``prorl_farm_datasets`` agent)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def gym_head(gym_farm, counter_gym, datasets_port, tmp_path_factory):
     """Gym's head server (its own HeadServer, no Ray) serving a config with the farm behind
     both entries an agent needs: the agent server and its legacy_agent environment server.
     Yields (host, port, config path)."""
@@ -479,6 +496,23 @@ prorl_farm_counter_environment_server:
       agent_server:
         type: responses_api_agents
         name: prorl_farm_counter
+      max_concurrent_episodes: null
+      queue_timeout_seconds: null
+      default_episode_timeout_seconds: 21600
+      cleanup_timeout_seconds: 180
+prorl_farm_datasets:
+  responses_api_agents:
+    prorl_farm:
+      host: 127.0.0.1
+      port: {datasets_port}
+prorl_farm_datasets_environment_server:
+  environment_servers:
+    legacy_agent:
+      host: 127.0.0.1
+      port: {datasets_port}
+      agent_server:
+        type: responses_api_agents
+        name: prorl_farm_datasets
       max_concurrent_episodes: null
       queue_timeout_seconds: null
       default_episode_timeout_seconds: 21600
@@ -781,3 +815,41 @@ def test_rows_in_flight_survive_a_redis_restart_and_an_api_restart(tmp_path):
                 stop_process(proc)
         pools.stop()
         server.stop()
+
+
+@pytest.mark.parametrize("env", ["string_match", "example_multi_step"])
+def test_gyms_own_environments_grade_the_farms_rows_as_gym_grades_them(
+        gym_farm, gym_head, datasets_port, env, tmp_path):
+    """Two of the environments nemo-gym ships, as they come (tests/gym_datasets.py): its
+    server from Gym's code, its example rows through ``ng_collect_rollouts`` and a `prorl-
+    farm gym` that sends the rows of its agent to that server (``--resources-server
+    NAME=URL``). The recorded model's answers, replayed through the farm, earn what Gym's
+    own server gives the same answers (string_match, no tools: its right answers, "Final
+    answer: Saturn" and a last line "Pacific Ocean" among them, earn 1.0; example_multi_step:
+    tool calls on the server's session, then the answer); a scripted wrong answer earns
+    what Gym gives it. Every row comes back valid as Gym's ``BaseVerifyResponse``."""
+    _, farm, policy = gym_farm
+    _, _, config = gym_head
+    procs = []
+
+    def start_gym(server: str):
+        with open(tmp_path / "gym.log", "ab") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "prorl_farm.cli", "gym", "--port", str(datasets_port),
+                 "--farm", farm.base_url, "--resources-server",
+                 f"prorl_farm_datasets={server}"], cwd=ROOT, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True))
+        wait_until(lambda: _up(f"http://127.0.0.1:{datasets_port}"), 30, 0.1, "gym server")
+        return lambda: stop_process(procs[-1])
+
+    require_gym()
+    try:
+        got = gym_datasets.run_env(env, policy.replay, start_gym, config, tmp_path,
+                                   free_port(), limit=6, agent="prorl_farm_datasets")
+    finally:
+        policy.replay.cases = []
+    assert not got.disagreements and got.rows >= 4, got
+    assert got.returned == got.valid == got.rows and got.right == got.wrong == \
+        (got.rows, got.rows), got
+    if env == "string_match":
+        assert got.earned == 1.0 and got.rows == 5, got  # Saturn, Pacific Ocean among them
