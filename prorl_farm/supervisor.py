@@ -324,6 +324,8 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         try:
             self._lock_home()
+            # What `up` makes it removes when it stops (_remove_sandbox_dir).
+            self._made_sandbox_dir = not Path(self.settings.sandbox_dir).exists()
             self._check_ports()
             print(f"starting prorl-farm (logs in {self.logs}/) ...", flush=True)
             url = self.settings.redis_url or self._start_redis()
@@ -462,6 +464,22 @@ class Supervisor:
         self._reap(self.redis)
         self.children = []
         self.redis = []
+        self._remove_sandbox_dir()
+
+    def _remove_sandbox_dir(self) -> None:
+        """The sandbox directory, when `up` made it, once its pools are gone: removed if it
+        holds no sandbox (only the runtime's own files, such as ``.etc``); a sandbox a
+        killed pool left is kept, and said (the next pool on the node reaps it)."""
+        root = Path(self.settings.sandbox_dir)
+        if not getattr(self, "_made_sandbox_dir", False) or not root.is_dir():
+            return
+        left = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+        if left:
+            log.warning("%s still holds %d sandboxes (%s): kept", root, len(left),
+                        ", ".join(left[:5]))
+            return
+        shutil.rmtree(root, ignore_errors=True)
+        self._made_sandbox_dir = False
 
     @staticmethod
     def _reap(children: list[Child]) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -15,7 +17,7 @@ import requests
 
 from prorl_farm.redis_ha import RedisHA
 from prorl_farm.trainer import FarmClient, FarmUnauthorized
-from tests.farm import ROOT, SANDBOX_DIR, chromium_dom, free_port, wait_until
+from tests.farm import ROOT, SANDBOX_DIR, chromium_dom, free_port, sandbox_root, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -62,13 +64,16 @@ def _flower_pages_in_chromium(port: int, tmp_path) -> None:
 def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
     """`up --auth` with PRORL_REDIS_HA=1: a Redis primary, its replica and three sentinels
     under the farm (Flower's broker pages through them too); a pool and the primary killed
-    mid-run, each replaced, and everything gone at the stop."""
+    mid-run, each replaced, and everything gone at the stop, the sandbox directory the
+    pools made among it."""
     api_port, flower_port = free_port(), free_port()
+    sandboxes = Path(sandbox_root(f"{os.getpid()}-up"))
+    shutil.rmtree(sandboxes, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORL_")}
     env.update(PRORL_HOME=str(tmp_path / "farm"), PRORL_API_PORT=str(api_port),
                PRORL_FLOWER_PORT=str(flower_port), PRORL_NODE="upnode",
                PRORL_GYM_PORT=str(free_port()),
-               PRORL_SANDBOX_DIR=SANDBOX_DIR,
+               PRORL_SANDBOX_DIR=str(sandboxes),
                PRORL_HEARTBEAT_STALE_S="5", PRORL_LOG_LEVEL="WARNING", PRORL_REDIS_HA="1")
     proc = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "up", "--auth"], env=env,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -145,6 +150,7 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         assert "prorl-farm is up" in out and f"http://127.0.0.1:{api_port}" in out
         assert f"token   {token}" in out
         assert _alive(everything) == []
+        assert not sandboxes.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
