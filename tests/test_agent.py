@@ -118,6 +118,11 @@ def test_malformed_calls_and_limits_end_episodes_as_they_say(agent_farm, r):
     assert len(t["prompt_ids"]) + len(t["response_ids"]) < 420
     [chatty] = _math(client, ["chatty"], sampling={"max_tokens": 16})
     assert chatty["result"]["stats"]["end_reason"] == "max_tokens" and chatty["reward"] == 0.0
+    # A turn the context cut (the room left nearer than max_tokens) says so.
+    room = len(chatty["result"]["prompt_ids"]) + 12
+    [cut] = _math(client, ["chatty"], sampling={"max_tokens": 64, "context_length": room})
+    assert cut["result"]["stats"]["end_reason"] == "context", cut["result"]["stats"]
+    assert 0 < len(cut["result"]["response_ids"]) <= 12
     [long] = _math(client, ["long-output"], observation_chars=600)
     [observation] = [m["content"] for m in long["result"]["messages"] if m["role"] == "tool"]
     assert observation.startswith("a" * 400) and observation.rstrip().endswith("b" * 150)
