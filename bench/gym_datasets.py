@@ -67,7 +67,7 @@ def head_config(tmp: Path, head_port: int, gym_port: int) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env", action="append", help="only these environments")
-    ap.add_argument("--limit", type=int, default=8, help="rows per environment")
+    ap.add_argument("--limit", type=int, default=4, help="rows per environment")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     if not gd.GYM_PYTHON.exists():
@@ -112,7 +112,7 @@ def main() -> None:
 
             for name in args.env or gd.environments():
                 r = gd.run_env(name, replay, start_gym, config, tmp, free_port(),
-                               limit=args.limit)
+                               f"http://127.0.0.1:{gym_port}", limit=args.limit)
                 results.append(r)
                 print(r.line(), flush=True)
                 for d in r.disagreements[:3]:
@@ -136,7 +136,8 @@ def main() -> None:
         "recorded model's answers replayed through the farm, the farm's reward against Gym's "
         "own verdict on the same answer (its server's /seed_session + /verify called directly "
         "for rows without tools; the recorded reward for rows with tools); **wrong**: a "
-        f"scripted wrong answer ({gd.WRONG!r}) against its server's verdict. **earned**: the "
+        f"scripted wrong answer ({gd.WRONG!r}, posted to `/run` as the collector posts) "
+        "against its server's verdict. **earned**: the "
         "farm's mean reward in the right pass. An environment that cannot run here says why "
         f"(the farm's and Gym's own words). {len(ran)} ran; the farm agreed with Gym on "
         f"**{agree} of {compared}** answers. {time.monotonic() - t0:.0f} s in all.", "",

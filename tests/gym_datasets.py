@@ -170,6 +170,8 @@ def cases(env: str, limit: int = 0) -> tuple[list[Case], str]:
             out.append(Case(row, [], math.nan, {}))
         if limit and len(out) >= limit:
             break
+    if not out:
+        return [], "its rows hold no prompt text (the environment makes the prompt itself)"
     return out, "no recorded rollout of these rows to replay: the wrong pass only"
 
 
@@ -186,22 +188,23 @@ class Replay:
         self.cases: list[Case] = []
         self.wrong = False
 
-    def turns(self, text: str) -> list[str] | None:
-        if self.wrong:
-            return [WRONG]
+    def case(self, text: str) -> Case | None:
         for case in self.cases:
             if key_of(case.row) in text:
-                return case.turns
+                return case
         return None
 
     def __call__(self, prompt: list[int], max_tokens: int):
         """The planner's answer, or None: not a row of these cases."""
         with self.lock:
             text = self.tok.decode(prompt, skip_special_tokens=False)
-        turns = self.turns(text)
-        if turns is None:
+        case = self.case(text)
+        if case is None:
             return None
-        turn = max(0, text.count("<|im_start|>assistant") - 1)
+        turns = [WRONG] if self.wrong else case.turns
+        # The model's calls so far: the assistant turns of the prompt past the row's own.
+        before = sum(role == "assistant" for role, _ in _texts(case.row))
+        turn = max(0, text.count("<|im_start|>assistant") - 1 - before)
         answer = turns[turn] if turn < len(turns) else "I am done."
         with self.lock:
             ids = list(self.tok.encode(answer, add_special_tokens=False))
@@ -339,12 +342,35 @@ class EnvResult:
                 f"{self.reason} |")
 
 
+def post_rows(gym_url: str, rows: list[dict], agent: str) -> tuple[list, list, str]:
+    """The rows POSTed to the Gym server's ``/run`` as Gym's collector sends them (eight at
+    a time, ``agent_ref`` stamped): (rows with a reward, failure records, "" or what
+    failed)."""
+    import concurrent.futures
+
+    def one(row: dict) -> dict:
+        body = {**row, "agent_ref": {"type": "responses_api_agents", "name": agent}}
+        r = requests.post(gym_url + "/run", json=body, timeout=900)
+        r.raise_for_status()
+        return r.json()
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(one, rows))
+    except requests.RequestException as e:
+        return [], [], f"/run: {e}"[:300]
+    return ([a for a in answers if "_ng_failure_class" not in a],
+            [a for a in answers if "_ng_failure_class" in a], "")
+
+
 def run_env(env: str, replay: Replay, start_gym, config: Path, tmp: Path, port: int,
-            limit: int = 0, passes: tuple[bool, ...] = (False, True),
+            gym_url: str, limit: int = 0, passes: tuple[bool, ...] = (False, True),
             agent: str = "prorl_farm_agent") -> EnvResult:
     """One environment through the farm (``start_gym(resources_server_url)`` starts the
-    `prorl-farm gym` the config names as ``agent`` and returns its stopper); ``passes``:
-    the right pass (False), the wrong one (True)."""
+    `prorl-farm gym` at ``gym_url`` the config names as ``agent`` and returns its
+    stopper); ``passes``: the right pass (False: through ``ng_collect_rollouts``), the
+    wrong one (True: through ``ng_collect_rollouts`` when it is the only one, else posted
+    to ``/run`` as the collector posts)."""
     res = EnvResult(env)
     got, why = cases(env, limit)
     if not got:
@@ -368,8 +394,9 @@ def run_env(env: str, replay: Replay, start_gym, config: Path, tmp: Path, port: 
             else:
                 truth_right.append(server.verdict(case.row, case.response))
             truth_wrong.append(server.verdict(case.row, message_response(WRONG)))
-        blocked = [w for (v, w) in truth_right + truth_wrong if v is None]
-        if len(blocked) == len(truth_right) + len(truth_wrong):
+        asked = [t for t, c in zip(truth_right, got) if c.turns] + truth_wrong
+        blocked = [w for (v, w) in asked if v is None]
+        if len(blocked) == len(asked):
             res.reason = f"its /verify gives no verdict here: {blocked[0]}"
             return res
         replay.cases = got
@@ -380,9 +407,10 @@ def run_env(env: str, replay: Replay, start_gym, config: Path, tmp: Path, port: 
             for wrong in passes:
                 replay.wrong = wrong
                 name = f"{env}-{'wrong' if wrong else 'right'}"
-                results, failures, why = collect(config, rows, tmp, name, agent=agent)
-                if why:
-                    res.reason = why
+                if wrong and passes != (True,):  # the second pass: /run itself
+                    results, failures, why = post_rows(gym_url, rows, agent)
+                else:
+                    results, failures, why = collect(config, rows, tmp, name, agent=agent)
                 scored = [r for r in results if not r.get("mask_sample")]
                 truth = truth_wrong if wrong else truth_right
                 agree = compared = 0
@@ -407,10 +435,9 @@ def run_env(env: str, replay: Replay, start_gym, config: Path, tmp: Path, port: 
                 res.returned = len(scored)
                 res.valid = valid(tmp / f"{name}-rollouts.jsonl")
                 lost = failures + [r for r in results if r.get("mask_sample")]
-                if lost:
-                    res.reason = "; ".join(filter(None, [res.reason, *sorted({
-                        str(f.get("failure_reason") or f.get("_ng_failure_message"))[:120]
-                        for f in lost})]))[:300]
+                res.reason = "; ".join(filter(None, [res.reason, *sorted({
+                    str(f.get("failure_reason") or f.get("_ng_failure_message"))[:160]
+                    for f in lost}), why if not lost else ""]))[:400]
             if blocked and not res.reason:
                 res.reason = f"Gym's own verdict missing on {len(blocked)} answers: " \
                              f"{blocked[0]}"

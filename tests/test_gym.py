@@ -187,6 +187,22 @@ def test_math_rows_come_back_token_exact_with_the_farms_reward(gym_farm):
     assert "49" in result["output"] and "\\boxed{49}" in answer["content"][0]["text"]
 
 
+def test_a_row_holding_a_conversation_answers_with_the_models_own_text(gym_farm):
+    """A row whose input holds earlier assistant messages (a conversation so far): the
+    answer's message is the model's call, not an earlier turn's, token-exact."""
+    base, farm, _ = gym_farm
+    row = {"responses_create_params": {"input": [
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "[case:hi] What is the answer?"}]},
+        "expected_answer": "42", "prorl_grader": "contains"}
+    out = requests.post(base + "/run", json=row, timeout=60).json()
+    assert out["reward"] == 1.0, out
+    [item] = out["response"]["output"]
+    assert item["content"][0]["text"] == "The answer is 42."
+    _check_against_the_farm(farm, out)
+
+
 def test_a_failed_job_without_a_rollout_is_gyms_failure_record_never_a_reward(gym_farm):
     """A job that failed before its model generated: Gym's record of a rollout that did not
     happen (``_ng_failure_class``, no reward, the failure), which Gym's collector sets
@@ -845,7 +861,8 @@ def test_gyms_own_environments_grade_the_farms_rows_as_gym_grades_them(
     require_gym()
     try:
         got = gym_datasets.run_env(env, policy.replay, start_gym, config, tmp_path,
-                                   free_port(), limit=6, agent="prorl_farm_datasets")
+                                   free_port(), f"http://127.0.0.1:{datasets_port}", limit=6,
+                                   agent="prorl_farm_datasets")
     finally:
         policy.replay.cases = []
     assert not got.disagreements and got.rows >= 4, got

@@ -369,7 +369,10 @@ def output_items(result: dict, parser_name: str = "hermes") -> list[dict]:
     prompt, response = result["prompt_ids"], result["response_ids"]
     logprobs = result["response_logprobs"]
     messages = result.get("messages") or []
+    # The model's calls are the last assistant messages: a row's input may hold a
+    # conversation's earlier ones, which come first.
     assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    assistants = assistants[len(assistants) - len(turns):]
     out: list[dict] = []
     if len(assistants) != len(turns):  # ids without the texts (a fabricated trajectory)
         for turn in turns:
