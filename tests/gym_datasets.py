@@ -45,6 +45,14 @@ GYM_PYTHON = ROOT / ".venv-gym" / "bin" / "python"
 GYM_SIDE = str(ROOT / "tests" / "gym_side.py")
 ENVS = ROOT / ".venv-gym" / "lib" / "python3.13" / "site-packages" / "resources_servers"
 WRONG = "I cannot answer this."
+# What an environment's call of a model server (a judge, a user or tool simulator) gives
+# here, where the server's ServerClient reaches nothing.
+NO_MODEL = "Input must be bytes, bytearray, memoryview, or str"
+NO_MODEL_SAYS = "it calls a model server (a judge or a simulator), none here"
+
+
+def _plain(reason: str) -> str:
+    return NO_MODEL_SAYS if NO_MODEL in reason else reason
 # What a recorded rollout holds beside its row (the row's own task fields are kept).
 RECORDED = ("response", "reward", "agent_ref", "mask_sample", "failure_kind", "failure_reason")
 
@@ -397,7 +405,7 @@ def run_env(env: str, replay: Replay, start_gym, config: Path, tmp: Path, port: 
         asked = [t for t, c in zip(truth_right, got) if c.turns] + truth_wrong
         blocked = [w for (v, w) in asked if v is None]
         if len(blocked) == len(asked):
-            res.reason = f"its /verify gives no verdict here: {blocked[0]}"
+            res.reason = f"its /verify gives no verdict here: {_plain(blocked[0])}"
             return res
         replay.cases = got
         stop = start_gym(server.url)
@@ -435,12 +443,16 @@ def run_env(env: str, replay: Replay, start_gym, config: Path, tmp: Path, port: 
                 res.returned = len(scored)
                 res.valid = valid(tmp / f"{name}-rollouts.jsonl")
                 lost = failures + [r for r in results if r.get("mask_sample")]
+                simulated = any(NO_MODEL in str(i.get("output")) for r in results
+                                for i in r["response"]["output"]
+                                if i.get("type") == "function_call_output")
                 res.reason = "; ".join(filter(None, [res.reason, *sorted({
-                    str(f.get("failure_reason") or f.get("_ng_failure_message"))[:160]
-                    for f in lost}), why if not lost else ""]))[:400]
+                    _plain(str(f.get("failure_reason") or f.get("_ng_failure_message")))[:160]
+                    for f in lost}), why if not lost else "",
+                    f"its tools: {NO_MODEL_SAYS}" if simulated else ""]))[:400]
             if blocked and not res.reason:
                 res.reason = f"Gym's own verdict missing on {len(blocked)} answers: " \
-                             f"{blocked[0]}"
+                             f"{_plain(blocked[0])}"
         finally:
             stop()
     finally:

@@ -221,7 +221,8 @@ def test_a_failed_job_without_a_rollout_is_gyms_failure_record_never_a_reward(gy
 
 class _Verifier:
     """A resources server whose verifier is down: seed_session answers, /verify is a 500
-    (a judge that failed)."""
+    (a judge that failed); under ``/masked`` its /verify answers a reward it masks in
+    ``instance_config`` (as Gym's conversational_tool_use_simulation does)."""
 
     def __init__(self):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -232,7 +233,9 @@ class _Verifier:
 
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status, body = (200, b"{}") if self.path == "/seed_session" else \
+                status, body = (200, b"{}") if self.path.endswith("/seed_session") else \
+                    (200, b'{"reward": 0.0, "instance_config": {"mask_sample": true}}') \
+                    if self.path == "/masked/verify" else \
                     (500, b'{"detail": "the judge is down"}')
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -281,6 +284,11 @@ def test_a_failed_job_that_generated_is_masked_with_its_real_tokens(gym_farm, br
     assert item["prompt_token_ids"] == t["prompt_ids"]
     assert item["generation_token_ids"] == t["response_ids"]
     assert item["generation_log_probs"] == t["response_logprobs"]
+    # A verdict masked in instance_config (where NeMo RL reads it) is no reward either.
+    out = requests.post(base + "/run", json=masked_row(broken_verifier + "/masked"),
+                        timeout=60).json()
+    assert out["mask_sample"] is True and "masked its own verdict" in out["failure_reason"]
+    assert farm.job(out["prorl_job_id"])["state"] == "failed"
 
 
 @pytest.mark.parametrize("row, loc", [

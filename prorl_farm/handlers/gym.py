@@ -20,7 +20,8 @@ declares and nothing else: a tool named like one of the server's own routes (``v
 ``seed_session``...) is refused at submit, and a call of an undeclared name never leaves the
 farm. A server that cannot be reached (``EnvironmentUnreachable``), answers
 ``/seed_session`` or ``/verify`` with an error, gives no finite reward, or masks its own
-verdict (``mask_sample``) fails the job: a failure is never a zero reward.
+verdict (``mask_sample``, at the top level or in ``instance_config``) fails the job: a
+failure is never a zero reward.
 """
 
 from __future__ import annotations
@@ -202,7 +203,10 @@ class GymHandler(AgentHandler):
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or \
                 not math.isfinite(reward):
             raise GradingError(f"/verify gave no finite reward: {r.text[:500]}")
-        if verdict.get("mask_sample"):
+        config = verdict.get("instance_config")
+        if verdict.get("mask_sample") or isinstance(config, dict) and config.get("mask_sample"):
+            # (Gym's verifiers mask at the top level, and in instance_config where NeMo RL
+            # reads it: either way the reward is no measurement.)
             raise GradingError(f"/verify masked its own verdict "
                                f"({verdict.get('failure_kind')}): "
                                f"{verdict.get('failure_reason') or ''}"[:2000])
