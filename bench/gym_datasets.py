@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4, help="rows per environment")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
+    # Stopped, it stops what it started (each server is a process group of its own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     if not gd.GYM_PYTHON.exists():
         sys.exit("needs NeMo Gym: make gym")
     tmp = Path(tempfile.mkdtemp(prefix="prorl-bench-gym-datasets-"))

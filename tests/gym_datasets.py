@@ -49,6 +49,7 @@ WRONG = "I cannot answer this."
 # here, where the server's ServerClient reaches nothing.
 NO_MODEL = "Input must be bytes, bytearray, memoryview, or str"
 NO_MODEL_SAYS = "it calls a model server (a judge or a simulator), none here"
+VERDICT_S = 90.0  # how long Gym's own verdict on one answer may take
 
 
 def _plain(reason: str) -> str:
@@ -239,6 +240,7 @@ class EnvServer:
     def __init__(self, env: str, port: int, log: Path):
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
+        self.slow = ""
         with open(log, "ab") as out:
             self.proc = subprocess.Popen([str(GYM_PYTHON), GYM_SIDE, "serve", env, str(port)],
                                          stdout=out, stderr=subprocess.STDOUT,
@@ -257,13 +259,19 @@ class EnvServer:
 
     def verdict(self, row: dict, response: dict) -> tuple[float | None, str]:
         """Gym's own verdict on ``response`` for ``row``: seed the session, verify, as
-        Gym's agent does; (reward, "") or (None, why not)."""
+        Gym's agent does; (reward, "") or (None, why not). A server that once took more
+        than VERDICT_S is not asked again."""
+        if self.slow:
+            return None, self.slow
         http = requests.Session()
         try:
-            r = http.post(self.url + "/seed_session", json=row, timeout=120)
+            r = http.post(self.url + "/seed_session", json=row, timeout=VERDICT_S)
             if r.ok:
                 r = http.post(self.url + "/verify", json={**row, "response": response},
-                              timeout=300)
+                              timeout=VERDICT_S)
+        except requests.Timeout:
+            self.slow = f"it gave no verdict in {VERDICT_S:g} s"
+            return None, self.slow
         except requests.RequestException as e:
             return None, f"{type(e).__name__}: {e}"[:200]
         finally:
