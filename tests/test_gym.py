@@ -188,19 +188,28 @@ def test_math_rows_come_back_token_exact_with_the_farms_reward(gym_farm):
 
 
 def test_a_row_holding_a_conversation_answers_with_the_models_own_text(gym_farm):
-    """A row whose input holds earlier assistant messages (a conversation so far): the
-    answer's message is the model's call, not an earlier turn's, token-exact."""
+    """A row whose input holds a conversation so far (earlier assistant messages, a function
+    call and its output, as Gym's citation_if rows do): the answer's message is the model's
+    call, not an earlier turn's, token-exact."""
     base, farm, _ = gym_farm
     row = {"responses_create_params": {"input": [
         {"role": "user", "content": "Hello."},
         {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Look it up."},
+        {"type": "function_call", "name": "web_search", "call_id": "c1",
+         "arguments": "{\"query\": \"the answer\"}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
         {"role": "user", "content": "[case:hi] What is the answer?"}]},
         "expected_answer": "42", "prorl_grader": "contains"}
     out = requests.post(base + "/run", json=row, timeout=60).json()
-    assert out["reward"] == 1.0, out
+    assert out.get("reward") == 1.0, out
     [item] = out["response"]["output"]
     assert item["content"][0]["text"] == "The answer is 42."
-    _check_against_the_farm(farm, out)
+    job = _check_against_the_farm(farm, out)
+    roles = [m["role"] for m in job["result"]["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant", "tool", "user", "assistant"]
+    assert job["result"]["messages"][3]["tool_calls"][0]["function"] == {
+        "name": "web_search", "arguments": {"query": "the answer"}}
 
 
 def test_a_failed_job_without_a_rollout_is_gyms_failure_record_never_a_reward(gym_farm):

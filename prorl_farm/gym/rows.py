@@ -148,23 +148,49 @@ def _text(content, loc: tuple) -> str:
 
 
 def messages_of(params: dict) -> list[dict]:
-    """The row's input as chat messages (``developer`` as ``system``); text only."""
+    """The row's input as chat messages (``developer`` as ``system``; text only): messages,
+    and the function calls of a conversation so far (``function_call`` items joined to the
+    assistant message before them, or making one, ``function_call_output`` items as tool
+    messages), as the chat template takes them."""
     loc = ("responses_create_params", "input")
     raw = params.get("input")
     items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
     if not isinstance(items, list) or not items:
         raise RowError([(loc, "a string or a non-empty list of messages")])
-    out = []
+    out: list[dict] = []
     if isinstance(params.get("instructions"), str) and params["instructions"]:
         out.append({"role": "system", "content": params["instructions"]})
     for i, item in enumerate(items):
-        if not isinstance(item, dict) or item.get("type", "message") != "message" or \
-                item.get("role") not in ROLES:
-            raise RowError([((*loc, i), "the farm takes messages (role user, system, developer "
-                                        "or assistant) as a row's input")])
-        out.append({"role": ROLES[item["role"]], "content": _text(item.get("content"),
-                                                                   (*loc, i, "content"))})
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "function_call" and isinstance(item.get("name"), str):
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append({"type": "function", "function": {
+                "name": item["name"], "arguments": _arguments(item.get("arguments"))}})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "content": output if isinstance(output, str) else
+                        _text(output, (*loc, i, "output")) if isinstance(output, list)
+                        else json.dumps(output)})
+        elif kind == "message" and item.get("role") in ROLES:
+            out.append({"role": ROLES[item["role"]], "content": _text(item.get("content"),
+                                                                       (*loc, i, "content"))})
+        else:
+            raise RowError([((*loc, i), "the farm takes messages (role user, system, "
+                                        "developer or assistant), function_call and "
+                                        "function_call_output items as a row's input")])
     return out
+
+
+def _arguments(raw):
+    """A function call's arguments as the chat template takes them: an object."""
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw or "{}")
+        except ValueError:
+            return raw
+        return value
+    return raw if raw is not None else {}
 
 
 def _sampling(row: dict, params: dict) -> dict:
