@@ -47,13 +47,13 @@ ENVS = ROOT / ".venv-gym" / "lib" / "python3.13" / "site-packages" / "resources_
 WRONG = "I cannot answer this."
 # What an environment's call of a model server (a judge, a user or tool simulator) gives
 # here, where the server's ServerClient reaches nothing.
-NO_MODEL = "Input must be bytes, bytearray, memoryview, or str"
+NO_MODEL = ("Input must be bytes, bytearray, memoryview, or str", "AsyncMock", "MagicMock")
 NO_MODEL_SAYS = "it calls a model server (a judge or a simulator), none here"
 VERDICT_S = 90.0  # how long Gym's own verdict on one answer may take
 
 
 def _plain(reason: str) -> str:
-    return NO_MODEL_SAYS if NO_MODEL in reason else reason
+    return NO_MODEL_SAYS if any(m in reason for m in NO_MODEL) else reason
 # What a recorded rollout holds beside its row (the row's own task fields are kept).
 RECORDED = ("response", "reward", "agent_ref", "mask_sample", "failure_kind", "failure_reason")
 
@@ -451,8 +451,8 @@ def run_env(env: str, replay: Replay, start_gym, config: Path, tmp: Path, port: 
                 res.returned = len(scored)
                 res.valid = valid(tmp / f"{name}-rollouts.jsonl")
                 lost = failures + [r for r in results if r.get("mask_sample")]
-                simulated = any(NO_MODEL in str(i.get("output")) for r in results
-                                for i in r["response"]["output"]
+                simulated = any(_plain(str(i.get("output"))) == NO_MODEL_SAYS
+                                for r in results for i in r["response"]["output"]
                                 if i.get("type") == "function_call_output")
                 res.reason = "; ".join(filter(None, [res.reason, *sorted({
                     _plain(str(f.get("failure_reason") or f.get("_ng_failure_message")))[:160]
