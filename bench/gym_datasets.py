@@ -190,6 +190,7 @@ def math_grader(replay, start_gym, config, tmp, limit) -> gd.EnvResult:
                     res.right = (agree, compared)
                     scored = [x for x in results if not x.get("mask_sample")]
                     res.returned = len(scored)
+                    res.valid = gd.valid(tmp / "mwj-False-rollouts.jsonl")
                     res.earned = sum(x["reward"] for x in scored) / max(1, len(scored))
         finally:
             stop()
