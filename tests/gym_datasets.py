@@ -40,6 +40,8 @@ from pathlib import Path
 
 import requests
 
+from prorl_farm.gym.rows import RowError, messages_of
+
 ROOT = Path(__file__).resolve().parent.parent
 GYM_PYTHON = ROOT / ".venv-gym" / "bin" / "python"
 GYM_SIDE = str(ROOT / "tests" / "gym_side.py")
@@ -193,11 +195,17 @@ class Replay:
 
         self.tok = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
         self.end = self.tok.convert_tokens_to_ids(end_token)
+        self.end_text = end_token
         self.lock = threading.Lock()
         self.cases: list[Case] = []
         self.wrong = False
 
     def case(self, text: str) -> Case | None:
+        """The row the prompt is: its key closing a message (a key met elsewhere, such as
+        in a tool's output, is another row's text quoted)."""
+        for case in self.cases:
+            if key_of(case.row) + self.end_text in text:
+                return case
         for case in self.cases:
             if key_of(case.row) in text:
                 return case
@@ -211,8 +219,13 @@ class Replay:
         if case is None:
             return None
         turns = [WRONG] if self.wrong else case.turns
-        # The model's calls so far: the assistant turns of the prompt past the row's own.
-        before = sum(role == "assistant" for role, _ in _texts(case.row))
+        # The model's calls so far: the assistant turns of the prompt past the row's own
+        # (its messages as the farm renders them: function calls make assistant turns).
+        try:
+            before = sum(m["role"] == "assistant" for m in messages_of(
+                case.row["responses_create_params"]))
+        except RowError:
+            before = 0
         turn = max(0, text.count("<|im_start|>assistant") - 1 - before)
         answer = turns[turn] if turn < len(turns) else "I am done."
         with self.lock:
@@ -438,8 +451,10 @@ def run_env(env: str, replay: Replay, start_gym, config: Path, tmp: Path, port: 
                     if abs(float(r["reward"]) - want) < 1e-9:
                         agree += 1
                     else:
+                        said = [(i["type"], str(i.get("content") or i.get("name"))[:200])
+                                for i in r["response"]["output"]]
                         res.disagreements.append((name, key_of(case.row)[-60:],
-                                                  r["reward"], want))
+                                                  r["reward"], want, said))
                 if wrong:
                     res.wrong = (agree, compared)
                 else:

@@ -151,7 +151,7 @@ def messages_of(params: dict) -> list[dict]:
     """The row's input as chat messages (``developer`` as ``system``; text only): messages,
     and the function calls of a conversation so far (``function_call`` items joined to the
     assistant message before them, or making one, ``function_call_output`` items as tool
-    messages), as the chat template takes them."""
+    messages; ``reasoning`` items left out), as the chat template takes them."""
     loc = ("responses_create_params", "input")
     raw = params.get("input")
     items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
@@ -172,6 +172,8 @@ def messages_of(params: dict) -> list[dict]:
             out.append({"role": "tool", "content": output if isinstance(output, str) else
                         _text(output, (*loc, i, "output")) if isinstance(output, list)
                         else json.dumps(output)})
+        elif kind == "reasoning":
+            continue  # an earlier call's reasoning: chat templates leave it out of history
         elif kind == "message" and item.get("role") in ROLES:
             out.append({"role": ROLES[item["role"]], "content": _text(item.get("content"),
                                                                        (*loc, i, "content"))})
