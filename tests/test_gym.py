@@ -187,7 +187,8 @@ def test_math_rows_come_back_token_exact_with_the_farms_reward(gym_farm):
     assert "49" in result["output"] and "\\boxed{49}" in answer["content"][0]["text"]
 
 
-def test_a_row_holding_a_conversation_answers_with_the_models_own_text(gym_farm):
+def test_a_row_holding_a_conversation_answers_with_the_models_own_text(gym_farm,
+                                                                      broken_verifier):
     """A row whose input holds a conversation so far (earlier assistant messages, a function
     call and its output, as Gym's citation_if rows do): the answer's message is the model's
     call, not an earlier turn's, token-exact."""
@@ -200,7 +201,7 @@ def test_a_row_holding_a_conversation_answers_with_the_models_own_text(gym_farm)
          "arguments": "{\"query\": \"the answer\"}"},
         {"type": "function_call_output", "call_id": "c1", "output": "42"},
         {"role": "user", "content": "[case:hi] What is the answer?"}]},
-        "expected_answer": "42", "prorl_grader": "contains"}
+        "prorl": {"resources_server": broken_verifier + "/ok"}}
     out = requests.post(base + "/run", json=row, timeout=60).json()
     assert out.get("reward") == 1.0, out
     [item] = out["response"]["output"]
@@ -231,7 +232,8 @@ def test_a_failed_job_without_a_rollout_is_gyms_failure_record_never_a_reward(gy
 class _Verifier:
     """A resources server whose verifier is down: seed_session answers, /verify is a 500
     (a judge that failed); under ``/masked`` its /verify answers a reward it masks in
-    ``instance_config`` (as Gym's conversational_tool_use_simulation does)."""
+    ``instance_config`` (as Gym's conversational_tool_use_simulation does), under ``/ok``
+    a reward of 1."""
 
     def __init__(self):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -245,6 +247,7 @@ class _Verifier:
                 status, body = (200, b"{}") if self.path.endswith("/seed_session") else \
                     (200, b'{"reward": 0.0, "instance_config": {"mask_sample": true}}') \
                     if self.path == "/masked/verify" else \
+                    (200, b'{"reward": 1.0}') if self.path == "/ok/verify" else \
                     (500, b'{"detail": "the judge is down"}')
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -97,9 +97,10 @@ JOBS = 32  # of which at least 20 are generating when the update comes
 # On vLLM's CPU build, unseeded: its sampler failed once with seeded requests ("CPU Generator
 # does not use offset", a seeded request's token discarded) on a loaded machine; what is
 # checked (each token's logprob under the weights that sampled it) needs no seed. Turns of
-# 1,000 tokens: on a loaded machine the 32 turns reach vLLM over several seconds, and 600
-# tokens a turn (~2,000 a second in all) let the first end before the twentieth began.
-N_VLLM = 1000
+# 2,000 tokens: on a loaded machine the 32 turns reach vLLM over several seconds, and 600
+# tokens a turn (~2,000 a second in all) let the first end before the twentieth began; at
+# 1,000, once under a full suite, every turn ended before the pause reached the engine.
+N_VLLM = 2000
 
 
 @pytest.mark.slow

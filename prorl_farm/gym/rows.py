@@ -167,10 +167,10 @@ def messages_of(params: dict) -> list[dict]:
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append({"type": "function", "function": {
                 "name": item["name"], "arguments": _arguments(item.get("arguments"))}})
-        elif kind == "function_call_output":
+        elif kind == "function_call_output":  # a tool's output as the model reads it
             output = item.get("output")
             out.append({"role": "tool", "content": output if isinstance(output, str) else
-                        _text(output, (*loc, i, "output")) if isinstance(output, list)
+                        _text(output, (*loc, i, "output")) if _text_parts(output)
                         else json.dumps(output)})
         elif kind == "reasoning":
             continue  # an earlier call's reasoning: chat templates leave it out of history
@@ -182,6 +182,12 @@ def messages_of(params: dict) -> list[dict]:
                                         "developer or assistant), function_call and "
                                         "function_call_output items as a row's input")])
     return out
+
+
+def _text_parts(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+        and isinstance(p.get("text"), str) for p in value)
 
 
 def _arguments(raw):

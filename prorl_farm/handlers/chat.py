@@ -25,9 +25,6 @@ class Message(Schema):
     role = fields.String(required=True, validate=validate.OneOf(
         ["system", "user", "assistant", "tool"]))
     content = fields.String(required=True)
-    # An assistant message's calls ({"type": "function", "function": {"name", "arguments"}}),
-    # as the chat template takes them: a conversation so far that called tools.
-    tool_calls = fields.List(fields.Dict())
 
 
 class ChatInstance(Schema):

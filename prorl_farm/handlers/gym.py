@@ -70,16 +70,11 @@ ROW_SCHEMA = {"type": "object", "required": ["responses_create_params"], "proper
     "responses_create_params": {"type": "object", "required": ["input"],
                                 "properties": {
         "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
-            "oneOf": [{"type": "object", "required": ["role", "content"], "properties": {
+            "type": "object", "required": ["role", "content"], "properties": {
                 "type": {"type": "string", "enum": ["message"]},
                 "role": {"type": "string", "enum": sorted(ROLES)},
                 "content": {"oneOf": [{"type": "string"},
-                                      {"type": "array", "items": _TEXT_PART}]}}},
-                {"type": "object", "required": ["type", "name"], "properties": {
-                    "type": {"type": "string", "enum": ["function_call"]},
-                    "name": {"type": "string"}, "arguments": {"type": "string"}}},
-                {"type": "object", "required": ["type", "output"], "properties": {
-                    "type": {"type": "string", "enum": ["function_call_output"]}}}]}}]},
+                                      {"type": "array", "items": _TEXT_PART}]}}}}]},
         "instructions": {"type": "string"},
         "tools": {"type": "array", "uniqueItems": True, "items": {
             "type": "object", "required": ["type", "name"], "properties": {
