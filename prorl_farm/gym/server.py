@@ -385,11 +385,7 @@ class ResponsesHandler(RunHandler):
         self.reply(422, {"detail": error.detail()})
 
     def answer(self, row: dict, job: dict, sub: Submission) -> dict:
-        if job.get("state") != "done":
-            failure = job.get("failure") or {}
-            return {"error": {"code": failure.get("kind"), "message": failure.get("message")},
-                    **response_object(row, job, sub.parser)}
-        return response_object(row, job, sub.parser)
+        return response_object(row, job, sub.parser)  # a failed job's carries its error
 
 
 class AggregateHandler(_Base):
