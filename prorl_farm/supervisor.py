@@ -174,6 +174,7 @@ class Supervisor:
         self.redis: list[Child] = []  # the private Redis: one server, or the HA trio
         self._ha: RedisHA | None = None
         self._stopping = False
+        self._made_sandbox_dir = False  # `up` made PRORL_SANDBOX_DIR: it removes it at stop
 
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, *args]
@@ -324,7 +325,6 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         try:
             self._lock_home()
-            # What `up` makes it removes when it stops (_remove_sandbox_dir).
             self._made_sandbox_dir = not Path(self.settings.sandbox_dir).exists()
             self._check_ports()
             print(f"starting prorl-farm (logs in {self.logs}/) ...", flush=True)
@@ -471,7 +471,7 @@ class Supervisor:
         holds no sandbox (only the runtime's own files, such as ``.etc``); a sandbox a
         killed pool left is kept, and said (the next pool on the node reaps it)."""
         root = Path(self.settings.sandbox_dir)
-        if not getattr(self, "_made_sandbox_dir", False) or not root.is_dir():
+        if not self._made_sandbox_dir or not root.is_dir():
             return
         left = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
         if left:
