@@ -71,7 +71,11 @@ def _addresses(host: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.IP
 
 
 def _url_port(parts) -> int:
-    return parts.port or (443 if parts.scheme == "https" else 80)
+    """The URL's port (its scheme's when none is written); ValueError out of 1-65535."""
+    port = parts.port  # ValueError above 65535
+    if port == 0:
+        raise ValueError("port 0")
+    return port or (443 if parts.scheme == "https" else 80)
 
 
 def backend_url_refusal(url: str, allow: AllowList,
@@ -89,6 +93,9 @@ def backend_url_refusal(url: str, allow: AllowList,
         return "no host in the URL"
     try:
         port = _url_port(parts)
+    except ValueError:
+        return "the port is not a number from 1 to 65535"
+    try:
         addresses = _addresses(host, port)
     except (OSError, ValueError) as e:
         if host in allow.hosts:

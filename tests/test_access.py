@@ -100,6 +100,10 @@ def test_allow_list_rules():
     sentinels = endpoints("redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/prorl/0")
     assert sentinels == [("127.0.0.1", 26379), ("127.0.0.1", 26380)]
     assert "Redis" in backend_url_refusal("http://localhost:26380", allow, sentinels)
+    # A port out of range is said to be that, not a host that does not resolve.
+    for port in ("99999", "0"):
+        assert backend_url_refusal(f"http://localhost:{port}", allow, []) == \
+            "the port is not a number from 1 to 65535"
     with pytest.raises(ConfigError, match="PRORL_BACKEND_ALLOW"):
         load_settings(farm_env("redis://127.0.0.1:1", backend_allow="10.0.0.0/8,not a host"))
 

@@ -324,6 +324,30 @@ def test_rows_as_other_tools_publish_them_load_and_what_cannot_be_built_is_refus
         server.stop()
 
 
+def test_the_published_rule_says_what_the_refusal_says():
+    """The instance schema's rule (OpenAPI 3.0 keywords) takes a row exactly when the
+    refusal does: every repository and version of the specs, with and without what makes a
+    row a plain swe one, and the shipped rows."""
+    import jsonschema_rs
+
+    from prorl_farm.swebench.envs import load_specs
+    from prorl_farm.swebench.instance import published_rule, refusal
+
+    rule = jsonschema_rs.Draft4Validator(published_rule())
+    specs = load_specs()["specs"]
+    base = {k: v for k, v in ROWS[0].items() if k != "patch"}
+    cases = list(ROWS)
+    for repo in [*specs, "getmoto/moto"]:
+        for version in [*specs.get(repo, {}), "9.9", None, ""]:
+            row = {**base, "repo": repo, "version": version}
+            cases += [row, {**row, "environment_setup_commit": None},
+                      {**row, "setup": ["pip install -e ."]}, {**row, "setup": []},
+                      {**row, "archive": "a.tar"}, {**row, "image": "img.sif"}]
+    wrong = [(c["repo"], c["version"], {k: c.get(k) for k in ("setup", "archive", "image")})
+             for c in cases if rule.is_valid(c) != (not refusal(c))]
+    assert len(cases) > 1000 and not wrong, wrong[:5]
+
+
 def test_several_roots_are_searched_in_order_and_the_error_names_each_source(tmp_path):
     import shutil
 

@@ -177,13 +177,16 @@ class CodeHandler(ToolAgentHandler):
          "not": {"anyOf": [{"required": ["test_code"]}, {"required": ["test_list"]}]}},
         {"required": ["entry_point"], "not": {"required": ["tests"]},
          "anyOf": [{"required": ["test_code"]}, {"required": ["test_list"]}]},
-    ], "allOf": [  # a checker judges stdio tests; "program" comes with its program
-        {"if": {"required": ["checker"], "properties": {"checker": {"const": "program"}}},
-         "then": {"required": ["checker_program"]}},
-        {"if": {"required": ["checker_program"]},
-         "then": {"required": ["checker"], "properties": {"checker": {"const": "program"}}}},
-        {"if": {"required": ["checker"], "properties": {"checker": {"not": {"const": "tokens"}}}},
-         "then": {"required": ["tests"]}},
+    ], "allOf": [  # a checker judges stdio tests; "program" comes with its program. In
+        # OpenAPI 3.0's schema (no if/then, no const): "if A then B" is "not A, or B".
+        {"anyOf": [{"not": {"required": ["checker"],
+                            "properties": {"checker": {"enum": ["program"]}}}},
+                   {"required": ["checker_program"]}]},
+        {"anyOf": [{"not": {"required": ["checker_program"]}},
+                   {"required": ["checker"], "properties": {"checker": {"enum": ["program"]}}}]},
+        {"anyOf": [{"not": {"required": ["checker"],
+                            "properties": {"checker": {"not": {"enum": ["tokens"]}}}}},
+                   {"required": ["tests"]}]},
     ]}
     visible_fields = ("statement", "prompt_template", "time_limit_s", "memory_mb",
                       "entry_point", *AGENT_OPTIONS)

@@ -55,12 +55,14 @@ ECHOED = frozenset({"responses_create_params", "response", "reward"})
 KEEP_CHARS = 16_000
 
 
-# A resources server's URL: http(s), a host name, IPv4 or [IPv6] address, a port, a path.
-URL = r"^https?://([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?(/\S*)?$"
+# A resources server's URL: http(s), a host name, IPv4 or [IPv6] address, a port (1-65535),
+# a path (printable ASCII: what is not, percent-encoded; Python's and ECMA's \S differ).
+_PORT = r"(:(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3}))"
+URL = rf"^https?://([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]){_PORT}?(/[!-~]*)?$"
 # The same on loopback only: what the backend allow-list takes with PRORL_BACKEND_ALLOW empty.
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 LOOPBACK_URL = (rf"^https?://(localhost|127\.{_OCTET}\.{_OCTET}\.{_OCTET}|\[::1\])"
-                r"(:[0-9]{1,5})?(/\S*)?$")
+                rf"{_PORT}?(/[!-~]*)?$")
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"type": "string", "enum": ["input_text", "output_text", "text"]},
     "text": {"type": "string"}}}

@@ -47,6 +47,7 @@ from prorl_farm.swebench.instance import (
     grading_spec,
     in_runner,
     prepare,
+    published_rule,
     read_verdict,
     refusal,
     runner_of,
@@ -392,6 +393,10 @@ class SweHandler(ToolAgentHandler):
 
     def refusals(self, instance: dict, settings) -> dict:
         return {**super().refusals(instance, settings), **refusal(instance)}
+
+    @functools.cached_property
+    def instance_constraints(self) -> dict:
+        return published_rule()
 
     def warnings(self, instance: dict) -> list[str]:
         extra = sorted(set(instance) - set(self.instance_schema._declared_fields))

@@ -81,7 +81,8 @@ def is_swebench(inst: dict) -> bool:
 
 
 def _version_key(version: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in version.split("."))
+    """Orders "4.3" before "5.0" before "v5.3" (astropy's specs hold both kinds)."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in version.split("."))
 
 
 def refusal(inst: dict) -> dict[str, list[str]]:
@@ -124,6 +125,30 @@ def refusal(inst: dict) -> dict[str, list[str]]:
             "builds the environment from, a field of every SWE-bench row; never taken to be "
             "the base commit"]}
     return {}
+
+
+def published_rule() -> dict:
+    """What :func:`refusal` asks of a SWE-bench instance, as OpenAPI 3.0 schema keywords for
+    the instance: it is not one (no ``version``; ``setup`` or an ``archive``; an ``image``
+    of a repository with no spec), or its repository and version are ones the farm grades
+    as SWE-bench does, and it names its ``environment_setup_commit``. (A gold ``patch`` that
+    changes the test runner's own files is refused too; no schema says that.)"""
+    specs = load_specs()["specs"]
+    gradable = {repo: sorted((v for v in table if not refusal(
+        {"repo": repo, "version": v, "environment_setup_commit": "x"})), key=_version_key)
+        for repo, table in sorted(specs.items())}
+    nonempty = {"type": "string", "minLength": 1}
+    not_swebench = [
+        {"not": {"required": ["version"], "properties": {"version": nonempty}}},
+        {"required": ["setup"], "properties": {"setup": {"type": "array", "minItems": 1}}},
+        {"required": ["archive"], "properties": {"archive": nonempty}},
+        {"required": ["image"], "properties": {"image": nonempty,
+                                               "repo": {"not": {"enum": sorted(specs)}}}}]
+    graded = {"required": ["repo", "version", "environment_setup_commit"], "properties": {
+        "environment_setup_commit": nonempty}, "anyOf": [
+        {"properties": {"repo": {"enum": [repo]}, "version": {"enum": versions}}}
+        for repo, versions in gradable.items() if versions]}
+    return {"anyOf": [*not_swebench, graded]}
 
 
 def _patch_files(patch: str) -> set[str]:
