@@ -173,8 +173,8 @@ lock: $(UV) $(STAMP)
 		locks/verl.in -o locks/verl.txt
 	$(UV) pip compile --quiet --no-header --python-version 3.13.14 locks/gym.in \
 		-o locks/gym.txt
-	for name in $$($(PY) -c 'from prorl_farm.gateway.harness import PRESETS; print(*PRESETS)'); do \
-		$(PY) -c "from prorl_farm.gateway.harness import PRESETS; \
+	for name in $$($(PY) -c 'from prorl_farm.harness import PRESETS; print(*PRESETS)'); do \
+		$(PY) -c "from prorl_farm.harness import PRESETS; \
 			print(*PRESETS['$$name'].packages, sep='\n')" | \
 		$(UV) pip compile --quiet --no-header --python /usr/bin/python3 - \
 			-o locks/harness-$$name.txt; done

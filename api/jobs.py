@@ -15,7 +15,7 @@ from api.schemas import ID_RE, SubmitSchema
 from api.services import json_body, services
 from prorl_farm import keys
 from prorl_farm.errors import InvalidInstance, NotFound
-from prorl_farm.gateway.harness import context_refusal, needed_context
+from prorl_farm.harness import context_refusal, needed_context
 from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 from prorl_farm.jobs.store import new_id

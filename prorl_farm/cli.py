@@ -338,7 +338,7 @@ def _cmd_settings(args) -> int:
 
 def _cmd_harness(args) -> int:
     from prorl_farm.config import load_settings
-    from prorl_farm.gateway.harness import PRESETS, install
+    from prorl_farm.harness import PRESETS, install
 
     if args.action == "list":
         for name, preset in PRESETS.items():

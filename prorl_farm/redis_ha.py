@@ -72,9 +72,6 @@ class RedisHA:
         hosts = ",".join(f"127.0.0.1:{self.ports[s]}" for s in SENTINELS)
         return f"{SENTINEL_SCHEME}://{hosts}/{SERVICE}/0"
 
-    def server_url(self, name: str) -> str:
-        return f"redis://127.0.0.1:{self.ports[name]}/0"
-
     def members(self) -> list[Member]:
         """The processes to start, servers first; config files written where missing (a
         config Redis or Sentinel rewrote is theirs and kept)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from prorl_farm.config import load_settings
-from prorl_farm.gateway.harness import PRESETS, install
+from prorl_farm.harness import PRESETS, install
 from prorl_farm.sandbox.abstract import INSIDE_HARNESSES
 from tests.farm import farm_env, run_batch, sampled_ids, scripted_farm, use_only_backend
 from tests.policy_server import tool_call

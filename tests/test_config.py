@@ -16,7 +16,7 @@ import yaml
 from prorl_farm import config
 from prorl_farm.config import DEPLOY_ENV, env_names, load_settings, read
 from prorl_farm.errors import ConfigError
-from prorl_farm.gateway.harness import MODEL_ENV, PROMPT_FILE_ENV
+from prorl_farm.harness import MODEL_ENV, PROMPT_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 # Set by the farm for the programs inside a sandbox: not settings of the farm.

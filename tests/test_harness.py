@@ -24,7 +24,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from prorl_farm.config import load_settings
-from prorl_farm.gateway.harness import PRESETS, install
+from prorl_farm.harness import PRESETS, install
 from prorl_farm.sandbox.abstract import INSIDE_HARNESSES
 from tests.farm import (
     ROOT,

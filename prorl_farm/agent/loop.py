@@ -87,9 +87,7 @@ def run_episode(ctx: JobContext, messages: list[dict], tools: list[str], parser:
     failure (BackendUnavailable) and cancellation. A passed deadline raises StageTimeout:
     the job fails ``timeout`` (a deadline is never graded as a zero reward), carrying the
     episode so far, end reason ``timeout``, when at least one turn was taken."""
-    s = ctx.settings
-    session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
-                             request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
+    session = BackendSession.for_job(ctx)
     with session:
         first, chat = session.first_backend(load_chat_tokens)
         offered = [(schemas or {}).get(t) or SCHEMAS[t] for t in tools] or None

@@ -207,12 +207,6 @@ class Trajectory:
         self.messages += [dict(m) for m in new_messages]
         return True
 
-    def last_text(self) -> str:
-        for m in reversed(self.messages):
-            if m["role"] == "assistant":
-                return m["content"]
-        return ""
-
     def version_boundaries(self) -> list[list[int]]:
         """[response index, policy version] where the version of the sampled tokens changes
         (the first sampled token's included): every sampled token's version, compactly."""

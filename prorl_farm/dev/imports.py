@@ -23,7 +23,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "prorl_farm": ("prorl_farm",),
     # The foundations import nothing of the farm but each other.
     "prorl_farm.errors": (), "prorl_farm.keys": (), "prorl_farm.states": (),
-    "prorl_farm.counters": (), "prorl_farm.columns": (),
+    "prorl_farm.counters": (), "prorl_farm.columns": (), "prorl_farm.retry": (),
     "prorl_farm.config": ("prorl_farm.errors", "prorl_farm.access", "prorl_farm.tenants",
                           "prorl_farm.redisconn"),
     "prorl_farm.redisconn": ("prorl_farm.errors",),
@@ -35,7 +35,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # What runs inside a sandbox: only the wire contract and the exceptions.
     "prorl_farm.toolserver": ("prorl_farm.errors",),
     # The trainer's SDK: HTTP only, no Redis, Celery or farm internals.
-    "prorl_farm.trainer": ("prorl_farm.config", "prorl_farm.errors", "prorl_farm.columns"),
+    "prorl_farm.trainer": ("prorl_farm.config", "prorl_farm.errors", "prorl_farm.columns",
+                           "prorl_farm.retry"),
     # The host side of sandboxes speaks to the tool server through its protocol only.
     "prorl_farm.sandbox": ("prorl_farm.context", "prorl_farm.lua",
                            "prorl_farm.toolserver.protocol", *_BASE),

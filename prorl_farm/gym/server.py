@@ -48,6 +48,7 @@ from prorl_farm.gym.rows import (
     run_answer,
     to_submission,
 )
+from prorl_farm.retry import backoff_s
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ EARLY_KEEP_S = 600.0
 MAX_BATCH = 512  # rows per submit, at most
 POLL_WAIT_S = 1.0  # the results long-poll's wait
 MAX_POLLS = 1  # long-polls in flight at once (each holds an API thread while it waits)
-RETRY_S = (0.2, 0.5, 1, 2, 5)  # pauses after a failed call to the farm's API
+RETRY_S, RETRY_MAX_S = 0.2, 5.0  # pauses after a failed call to the farm's API
 SESSION_KEEP_S = 300.0  # closed sessions remembered (Gym's retry window)
 
 
@@ -228,8 +229,8 @@ class Farm:
                         timeout_s=POLL_WAIT_S + 60)
                     failures = 0
                 except (HTTPClientError, OSError, asyncio.TimeoutError) as e:
-                    pause = RETRY_S[min(failures, len(RETRY_S) - 1)]
                     failures += 1
+                    pause = backoff_s(failures, RETRY_S, RETRY_MAX_S)
                     log.warning("gym: reading results failed (%s); again in %g s", e, pause)
                     await asyncio.sleep(pause)
                     continue

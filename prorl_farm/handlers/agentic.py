@@ -1,6 +1,6 @@
 """What the tool-using handlers (math, stem, code, swe) share: the agent options of their
 instances, a sandbox for their tools, and one episode of the agent loop, or of the agent
-harness an instance names in ``agent`` (prorl_farm/gateway/harness.py)."""
+harness an instance names in ``agent`` (prorl_farm/harness/)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from prorl_farm.agent.loop import AgentLimits, Episode, run_episode
 from prorl_farm.agent.parsers import PARSERS, get_parser
 from prorl_farm.agent.tools import ToolRunner
 from prorl_farm.agent.trajectory import Trajectory
-from prorl_farm.gateway.harness import HarnessOptions, run_harness
 from prorl_farm.handlers.base import AgentHandler, JobContext
+from prorl_farm.harness import HarnessOptions, run_harness
 from prorl_farm.sandbox.abstract import SandboxSpec
 from prorl_farm.sandbox.connection import ToolConnection
 from prorl_farm.sandbox.runtimes import GATEWAY_RUNTIMES

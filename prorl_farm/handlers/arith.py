@@ -38,10 +38,7 @@ class ArithHandler(AgentHandler):
         return {}
 
     def run(self, ctx: JobContext) -> dict:
-        s = ctx.settings
-        session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
-                                 request_timeout_s=s.llm_request_timeout_s,
-                                 retries=s.llm_retries)
+        session = BackendSession.for_job(ctx)
         with session:
             _, chat = session.first_backend(load_chat_tokens)
             traj = Trajectory.start(chat,

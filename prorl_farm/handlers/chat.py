@@ -54,9 +54,7 @@ class ChatHandler(AgentHandler):
 
     def run(self, ctx: JobContext) -> dict:
         inst = ctx.instance
-        s = ctx.settings
-        session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
-                                 request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
+        session = BackendSession.for_job(ctx)
         with session:
             first, chat = session.first_backend(load_chat_tokens)
             traj = Trajectory.start(chat, inst["messages"])

@@ -156,9 +156,7 @@ class SyntheticHandler(AgentHandler):
                     ctx.job_id, ctx.instance["prompt_tokens"],
                     ctx.instance["trajectory_tokens"], ctx.instance["trajectory_turns"]))
             return out
-        s = ctx.settings
-        session = BackendSession(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
-                                 request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
+        session = BackendSession.for_job(ctx)
         prompt = [1, 2, 3]
         backends, versions, newest = [], [], []
         with session:

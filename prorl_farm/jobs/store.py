@@ -372,9 +372,6 @@ class JobStore:
                     raw["sampling"] = of[raw["sampling_id"]]
         return raws
 
-    def batch_exists(self, batch_id: str) -> bool:
-        return bool(self.r.exists(keys.batch(batch_id)))
-
     def batch_summary(self, batch_id: str) -> dict:
         pipe = self.r.pipeline(transaction=True)
         pipe.hgetall(keys.batch(batch_id))

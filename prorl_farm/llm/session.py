@@ -77,6 +77,14 @@ class Turn:
 
 
 class BackendSession:
+    @classmethod
+    def for_job(cls, ctx: JobContext) -> BackendSession:
+        """The job's session under the farm's settings (fail-overs, request timeout,
+        retries), on the job's backend registry."""
+        s = ctx.settings
+        return cls(ctx.backends, ctx, max_failovers=s.llm_max_failovers,
+                   request_timeout_s=s.llm_request_timeout_s, retries=s.llm_retries)
+
     def __init__(self, registry: BackendRegistry, ctx: JobContext, max_failovers: int = 1,
                  request_timeout_s: float = 600.0, retries: int = 2):
         self.registry = registry

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prorl_farm.errors import InvalidInstance
+from prorl_farm.harness import uv_binary
 from prorl_farm.swebench.repos import _Locked
 
 HERE = Path(__file__).resolve().parent
@@ -422,8 +423,6 @@ class EnvBuilder:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
         steps: list[tuple[str, str]] = []
-        from prorl_farm.gateway.harness import uv_binary
-
         uv_host = uv_binary()
         uv = UV_INSIDE if uv_host else None
         if lock is not None:

@@ -22,6 +22,7 @@ import urllib3
 from prorl_farm.columns import ARROW_STREAM, read_page
 from prorl_farm.config import read
 from prorl_farm.errors import FarmError
+from prorl_farm.retry import with_retries
 
 
 class FarmHTTPError(FarmError, RuntimeError):
@@ -116,8 +117,14 @@ class FarmClient:
         Arrow stream and return the page it holds (jobs, page meta)."""
         if binary:
             kw["headers"] = {**kw.get("headers", {}), "Accept": ARROW_STREAM}
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries or retry == "none"
+        where = f"{method} {self.base_url}{path}"
+
+        def lost(e: Exception, retry_ok: bool) -> FarmConnectionError:
+            out = FarmConnectionError(f"{where}: {e}")
+            out.retry_ok = retry_ok
+            return out
+
+        def once(last: bool):
             try:
                 resp = self.http.request(method, self.base_url + path,
                                          timeout=timeout_s or self.timeout_s,
@@ -125,37 +132,29 @@ class FarmClient:
             except requests.ConnectionError as e:
                 received = not isinstance(e, requests.ConnectTimeout) and \
                     "NewConnectionError" not in repr(e)
-                if last or (retry == "connect" and received):
-                    raise FarmConnectionError(f"{method} {self.base_url}{path}: {e}") from e
-            except requests.Timeout as e:
-                if last or retry != "all":
-                    raise FarmConnectionError(f"{method} {self.base_url}{path}: {e}") from e
-            except requests.exceptions.ChunkedEncodingError as e:  # the answer cut short
-                if last or retry != "all":
-                    raise FarmConnectionError(f"{method} {self.base_url}{path}: {e}") from e
-            else:
-                if resp.status_code == 503 and not last:
-                    resp.close()  # retried below
-                elif resp.status_code >= 400:
-                    with resp:
-                        raise _error(resp.status_code, resp)
-                elif binary:
-                    # One read of the whole body (requests' .content reads 10 KB at a time).
-                    with resp:
-                        try:
-                            body = resp.raw.read(decode_content=True)
-                        except (urllib3.exceptions.HTTPError, OSError) as e:
-                            # the API went away mid-answer (a restart): asked again
-                            if last or retry != "all":
-                                raise FarmConnectionError(
-                                    f"{method} {self.base_url}{path}: {e}") from e
-                            body = None
-                    if body is not None:
-                        return read_page(body)
-                else:
-                    return resp.json()
-            time.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** attempt))
-        raise AssertionError("unreachable")
+                raise lost(e, retry == "all" or not received) from e
+            except (requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+                # no answer in time; the answer cut short
+                raise lost(e, retry == "all") from e
+            if resp.status_code >= 400:
+                with resp:
+                    error = _error(resp.status_code, resp)
+                    error.retry_ok = resp.status_code == 503  # the request was not taken
+                    raise error
+            if not binary:
+                return resp.json()
+            # One read of the whole body (requests' .content reads 10 KB at a time).
+            with resp:
+                try:
+                    body = resp.raw.read(decode_content=True)
+                except (urllib3.exceptions.HTTPError, OSError) as e:
+                    # the API went away mid-answer (a restart): asked again
+                    raise lost(e, retry == "all") from e
+            return read_page(body)
+
+        return with_retries(once, 0 if retry == "none" else self.retries, self.backoff_s,
+                            self.max_backoff_s,
+                            retryable=lambda e: getattr(e, "retry_ok", False))
 
     # -- jobs and batches -----------------------------------------------------------------
 

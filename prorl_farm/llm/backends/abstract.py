@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from prorl_farm import fastjson
 from prorl_farm.errors import BackendError, BackendRequestError, FarmError, JobAborted
+from prorl_farm.retry import with_retries
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +96,16 @@ class LLMClient(ABC):
 
     def post_json(self, path: str, body: dict, abort_hook=None) -> dict:
         """POST with bounded retries on connection errors and 5xx; 4xx is not retried."""
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
-            try:
-                return self._post_once(path, body, abort_hook)
-            except BackendError as e:
-                last = e
-                log.info("%s%s attempt %d failed: %s", self.url, path, attempt + 1, e)
-        raise BackendError(f"{self.url}{path}: {last}") from last
+        def said(attempt: int, e: BaseException) -> None:
+            log.info("%s%s attempt %d failed: %s", self.url, path, attempt, e)
+
+        try:
+            return with_retries(lambda last: self._post_once(path, body, abort_hook),
+                                self.retries, self.retry_backoff_s,
+                                retryable=lambda e: isinstance(e, BackendError), on_retry=said)
+        except BackendError as e:
+            said(self.retries + 1, e)
+            raise BackendError(f"{self.url}{path}: {e}") from e
 
     def _connection(self, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
         """(connection, reused): the kept-alive one, an idle one of this process to the same

@@ -5,16 +5,11 @@ sandbox: SIGTERM to its process group, then SIGKILL."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import INSIDE_RUN, INSIDE_WORKSPACE, SandboxSpec
 from prorl_farm.sandbox.interpreter import python_binds
 from prorl_farm.sandbox.runtimes.image import ImageRuntime, inside_env, inside_server
-
-
-def apptainer_binary() -> str | None:
-    return shutil.which("apptainer") or shutil.which("singularity")
 
 
 def apptainer_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path,
