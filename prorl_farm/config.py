@@ -4,7 +4,7 @@ A setting is a field of :class:`Settings` (or, for each stage's pool, of
 :class:`PoolSettings`) made with :func:`setting`: its default, its range or choices and one
 line of documentation. From these declarations follow loading from ``PRORL_*`` environment
 variables (:func:`load_settings`, :func:`read`), validation, the table ``prorl-farm
-settings`` prints and the README carries, and the checks of the compose and Slurm files
+settings`` prints and docs/configuration.md carries, and the checks of the compose and Slurm files
 (``tests/test_deploy.py``). Nothing else in the farm reads a ``PRORL_*`` variable.
 
 Every duration is in seconds and says so in its name (``*_s``).
@@ -512,7 +512,7 @@ def _shown(value: Any) -> str:
 
 
 def table() -> str:
-    """The settings as a Markdown table (``prorl-farm settings``, the README)."""
+    """The settings as a Markdown table (``prorl-farm settings``, docs/configuration.md)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     stages = "{" + ",".join(s.upper() for s in STAGES) + "}"
     for f in dataclasses.fields(Settings):

@@ -117,3 +117,12 @@ def test_every_import_is_a_declared_dependency():
                     if not found & declared:
                         undeclared.setdefault(top, str(path.relative_to(ROOT)))
     assert undeclared == {}, f"imported, not in requirements: {undeclared}"
+
+
+def test_the_readme_fits_a_newcomer_and_maps_every_page_of_docs():
+    """The README is what the farm is, the two commands, examples and a map of docs/: under
+    200 lines, linking every page there."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert [p for p in pages if f"](docs/{p})" not in text] == []

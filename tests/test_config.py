@@ -1,4 +1,4 @@
-"""Settings are declared once (prorl_farm/config.py): loading, validation, the README's
+"""Settings are declared once (prorl_farm/config.py): loading, validation, the documented
 table and the deployment files all follow from the declaration, and nothing else reads a
 PRORL_* variable."""
 
@@ -25,11 +25,11 @@ INSIDE_ENV = {"PRORL_SANDBOX_ID", "PRORL_SANDBOX_IP", MODEL_ENV, PROMPT_FILE_ENV
 SUITE_ENV = {"PRORL_TEST_CACHE"}
 
 
-def test_the_readme_table_is_the_declaration():
-    text = (ROOT / "README.md").read_text()
+def test_the_documented_table_is_the_declaration():
+    text = (ROOT / "docs" / "configuration.md").read_text()
     block = re.search(r"<!-- settings:begin[^>]*-->\n(.*?)<!-- settings:end -->", text, re.S)
-    assert block, "README.md has no generated settings table"
-    assert block.group(1) == config.table(), "README.md's table is stale: paste " \
+    assert block, "docs/configuration.md has no generated settings table"
+    assert block.group(1) == config.table(), "docs/configuration.md's table is stale: paste " \
         "`prorl-farm settings` between the settings markers"
     out = subprocess.run([sys.executable, "-m", "prorl_farm.cli", "settings"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout

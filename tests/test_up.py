@@ -209,7 +209,7 @@ def test_up_with_a_dev_model_serves_chat_and_100_math_episodes_with_tools(tmp_pa
                    "sandboxes stopped")
         assert farm.backends()[0]["in_flight"] == 0
 
-        # The trainer-loop template as the README runs it (--task letter: even a random
+        # The trainer-loop template as docs/trainers.md runs it (--task letter: even a random
         # model's groups vary), its weight syncs amid carried-over groups: no rollout fails
         # for meeting a drained backend, and the version grows by one per step.
         loop = subprocess.run([sys.executable, "examples/train_loop.py", "--url",
