@@ -356,6 +356,15 @@ def _cmd_harness(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prorl-farm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    _process_commands(sub)
+    _server_commands(sub)
+    _batch_commands(sub, read("url"))
+    _tool_commands(sub)
+    return p
+
+
+def _process_commands(sub) -> None:
+    """The farm's processes: up, a pool, its health check, the API."""
     up = sub.add_parser("up", help="run the whole farm on this machine (private Redis unless "
                         "PRORL_REDIS_URL is set)")
     up.add_argument("--model", "--dev-model", metavar="DIR", dest="model",
@@ -387,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(func=_cmd_check_pool)
     a = sub.add_parser("api", help="serve the HTTP API with gunicorn")
     a.set_defaults(func=_cmd_api)
+
+
+def _server_commands(sub) -> None:
+    """Servers beside the farm: the Gym agent server, a model server."""
     g = sub.add_parser("gym", help="serve the farm as a NeMo Gym agent server (/run, "
                        "/aggregate_metrics, /v1/responses, sessions): each row a farm job, "
                        "through the farm's API (docs/trainers.md)")
@@ -420,7 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "temperature and truncation, or of the distribution sampled from (what "
                     "VeRL's actor computes); register the backend with the same")
     sm.set_defaults(func=_cmd_serve_model)
-    url = read("url")
+
+
+def _batch_commands(sub, url: str) -> None:
+    """What a user does with a running farm's batches: submit, watch, export, validate,
+    grade SWE-bench predictions; the tenants' usage."""
     s = sub.add_parser("submit", help="submit a JSONL dataset, show progress until the batch "
                        "ends, then a summary (mean reward, pass@k, failures, end reasons)")
     s.add_argument("file", metavar="FILE.jsonl")
@@ -477,6 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "PRORL_SANDBOX_MOUNT_ROOTS), comma-separated")
     sl.add_argument("--force", action="store_true", help="make locks that exist again")
     sw.set_defaults(func=_cmd_swebench)
+
+
+def _tool_commands(sub) -> None:
+    """Tools beside the farm: the settings table, harness presets, a tiny model."""
     st = sub.add_parser("settings", help="every PRORL_* setting: default, range, meaning (a "
                         "Markdown table)")
     st.add_argument("--deploy", action="store_true",
@@ -499,7 +520,6 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--tie-embeddings", action="store_true",
                     help="share the output layer with the embeddings (as small Qwen models do)")
     tm.set_defaults(func=_cmd_tiny_model)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

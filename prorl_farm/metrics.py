@@ -157,134 +157,155 @@ def read_counters(r: redis.Redis, api: bool = True) -> FarmCounters:
                                                                hists[len(hist_names):])))
 
 
-def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float],
-            trajectories: dict | None = None, tenants: dict | None = None) -> list:
-    """Every farm metric family (``trajectories``: overview.trajectory_store_view;
-    ``tenants``: the configured tenants, prorl_farm/tenants.py)."""
+def _prom():
+    """prometheus_client's metric families (imported where metrics are served only)."""
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
         HistogramMetricFamily,
     )
 
+    return CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+
+def collect(r: redis.Redis, backends: list[dict], pools: dict[str, float],
+            trajectories: dict | None = None, tenants: dict | None = None) -> list:
+    """Every farm metric family (``trajectories``: overview.trajectory_store_view;
+    ``tenants``: the configured tenants, prorl_farm/tenants.py)."""
+    snap = read_counters(r)
+    return [*_job_families(snap), *_queue_and_pool_families(snap, pools),
+            *_backend_families(backends), *_sandbox_and_store_families(snap, trajectories),
+            *_reaper_and_api_families(snap), *_tenant_families(r, tenants or {})]
+
+
+def _job_families(snap: FarmCounters) -> list:
+    """Jobs per state, finished and failed, and each stage's wait and active time."""
     from prorl_farm.config import STAGES
     from prorl_farm.states import ALL_STATES, TERMINAL_STATES
 
-    snap = read_counters(r)
-    states, stats, failures, reaper, started = (snap.states, snap.stats, snap.failures,
-                                                snap.reaper, snap.started)
-
+    Counter, Gauge, Histogram = _prom()
     fams = []
-    g = GaugeMetricFamily("prorl_jobs", "Jobs now in each non-terminal state.",
-                          labels=["state"])
+    g = Gauge("prorl_jobs", "Jobs now in each non-terminal state.", labels=["state"])
     terminal = {s.value for s in TERMINAL_STATES}
     for state in ALL_STATES:
         if state not in terminal:
-            g.add_metric([state], max(0, int(states.get(state, 0))))
+            g.add_metric([state], max(0, int(snap.states.get(state, 0))))
     fams.append(g)
-    c = CounterMetricFamily("prorl_jobs_finished", "Jobs that reached a terminal state.",
-                            labels=["state"])
+    c = Counter("prorl_jobs_finished", "Jobs that reached a terminal state.", labels=["state"])
     for state in sorted(terminal):
-        c.add_metric([state], int(stats.get(state, 0)))
+        c.add_metric([state], int(snap.stats.get(state, 0)))
     fams.append(c)
-    c = CounterMetricFamily("prorl_jobs_failed", "Failed jobs by failure kind.",
-                            labels=["kind"])
-    for kind, n in sorted(failures.items()):
+    c = Counter("prorl_jobs_failed", "Failed jobs by failure kind.", labels=["kind"])
+    for kind, n in sorted(snap.failures.items()):
         c.add_metric([kind], int(n))
     fams.append(c)
     for kind, doc in (("wait", "Time a job waited on a stage's queue."),
                       ("active", "Time a stage ran (claim to hand-off or end).")):
-        h = HistogramMetricFamily(f"prorl_stage_{kind}_seconds", doc, labels=["stage"])
+        h = Histogram(f"prorl_stage_{kind}_seconds", doc, labels=["stage"])
         for stage in STAGES:
             buckets, total = read_histogram(snap.hists[f"{kind}:{stage}"])
             h.add_metric([stage], buckets, total)
         fams.append(h)
-    g = GaugeMetricFamily("prorl_queue_depth", "Jobs waiting on each queue.", labels=["queue"])
+    return fams
+
+
+def _queue_and_pool_families(snap: FarmCounters, pools: dict[str, float]) -> list:
+    _, Gauge, _ = _prom()
+    g = Gauge("prorl_queue_depth", "Jobs waiting on each queue.", labels=["queue"])
     for q, (n, _) in snap.queues.items():
         g.add_metric([q], n)
-    fams.append(g)
-    fams.append(GaugeMetricFamily("prorl_jobs_held", "Jobs held (reserved or running) by a "
-                                  "live worker.", value=snap.held))
-    g = GaugeMetricFamily("prorl_pool_heartbeat_age_seconds", "Age of each live pool's "
-                          "heartbeat.", labels=["stage", "node"])
+    held = Gauge("prorl_jobs_held", "Jobs held (reserved or running) by a live worker.",
+                 value=snap.held)
+    ages = Gauge("prorl_pool_heartbeat_age_seconds", "Age of each live pool's heartbeat.",
+                 labels=["stage", "node"])
     for pool, age in sorted(pools.items()):
         stage, _, node = pool.partition(":")
-        g.add_metric([stage, node], age)
-    fams.append(g)
-    per_backend = {
-        "in_flight": ("Jobs pinned to the backend now.", lambda b: b["in_flight"]),
-        "capacity": ("The backend's registered capacity.", lambda b: b["capacity"]),
-        "load": ("In-flight / capacity.", lambda b: b["load"]),
-        "expected_delay_ms": ("Its min-heap key: the request time one more job would add "
-                              "there (absent when out of the heap).",
-                              lambda b: b["expected_delay_ms"]),
-        "latency_ms": ("Moving average of the backend's request latency.",
-                       lambda b: b["latency_ms"]),
-        "service_ms": ("Moving average of its service time (latency less queueing).",
-                       lambda b: b["service_ms"]),
-        "healthy": ("1 if the last probe or request succeeded.", lambda b: int(b["healthy"])),
-        "drained": ("1 while drained (no new jobs).", lambda b: int(b["drained"])),
-        "policy_version": ("The policy version the backend serves.",
-                           lambda b: b["policy_version"]),
-        "weights_mismatch": ("1 while its weights failed their check after a sync (kept out "
-                             "of the heap).", lambda b: int(bool(b["weights"]["error"]))),
-        "weights_max_error": ("The largest logprob error its last weight check measured.",
-                              lambda b: b["weights"]["max_error"]),
-        "max_model_len": ("The context length the engine serves.",
-                          lambda b: b["max_model_len"]),
-    }
-    for name, (doc, get) in per_backend.items():
-        g = GaugeMetricFamily(f"prorl_backend_{name}", doc, labels=["backend", "model"])
+        ages.add_metric([stage, node], age)
+    return [g, held, ages]
+
+
+# Each backend's gauges: name -> (doc, the value of a backend's view; None: not shown).
+PER_BACKEND = {
+    "in_flight": ("Jobs pinned to the backend now.", lambda b: b["in_flight"]),
+    "capacity": ("The backend's registered capacity.", lambda b: b["capacity"]),
+    "load": ("In-flight / capacity.", lambda b: b["load"]),
+    "expected_delay_ms": ("Its min-heap key: the request time one more job would add there "
+                          "(absent when out of the heap).", lambda b: b["expected_delay_ms"]),
+    "latency_ms": ("Moving average of the backend's request latency.",
+                   lambda b: b["latency_ms"]),
+    "service_ms": ("Moving average of its service time (latency less queueing).",
+                   lambda b: b["service_ms"]),
+    "healthy": ("1 if the last probe or request succeeded.", lambda b: int(b["healthy"])),
+    "drained": ("1 while drained (no new jobs).", lambda b: int(b["drained"])),
+    "policy_version": ("The policy version the backend serves.",
+                       lambda b: b["policy_version"]),
+    "weights_mismatch": ("1 while its weights failed their check after a sync (kept out of "
+                         "the heap).", lambda b: int(bool(b["weights"]["error"]))),
+    "weights_max_error": ("The largest logprob error its last weight check measured.",
+                          lambda b: b["weights"]["max_error"]),
+    "max_model_len": ("The context length the engine serves.", lambda b: b["max_model_len"]),
+}
+
+
+def _backend_families(backends: list[dict]) -> list:
+    Counter, Gauge, _ = _prom()
+    fams = []
+    for name, (doc, get) in PER_BACKEND.items():
+        g = Gauge(f"prorl_backend_{name}", doc, labels=["backend", "model"])
         for b in backends:
             value = get(b)
             if value is not None:
                 g.add_metric([b["id"], b["model"]], value)
         fams.append(g)
-    c = CounterMetricFamily("prorl_backend_requests", "LLM requests sent to the backend.",
-                            labels=["backend", "model"])
+    c = Counter("prorl_backend_requests", "LLM requests sent to the backend.",
+                labels=["backend", "model"])
     for b in backends:
         c.add_metric([b["id"], b["model"]], b["requests_total"])
-    fams.append(c)
-    g = GaugeMetricFamily("prorl_sandboxes_live", "Sandboxes running on each node.",
-                          labels=["node"])
+    return [*fams, c]
+
+
+STORE_GAUGES = {
+    "bytes": "Bytes of trajectory payloads in the store.",
+    "files": "Trajectory payloads in the store.",
+    "unacked_batches": "Batches with payloads not acknowledged by the trainer.",
+    "oldest_unacked_age_s": "Age of the oldest unacknowledged batch's first payload.",
+    "free_bytes": "Free bytes on the trajectory store's medium.",
+}
+
+
+def _sandbox_and_store_families(snap: FarmCounters, trajectories: dict | None) -> list:
+    Counter, Gauge, _ = _prom()
+    live = Gauge("prorl_sandboxes_live", "Sandboxes running on each node.", labels=["node"])
     for node, n in snap.live.items():
-        g.add_metric([node], n)
-    fams.append(g)
-    c = CounterMetricFamily("prorl_sandboxes_started", "Sandboxes started on each node.",
-                            labels=["node"])
+        live.add_metric([node], n)
+    started = Counter("prorl_sandboxes_started", "Sandboxes started on each node.",
+                      labels=["node"])
     for node in snap.live:
-        c.add_metric([node], int(started.get(node, 0)))
-    fams.append(c)
-    store_gauges = {
-        "bytes": "Bytes of trajectory payloads in the store.",
-        "files": "Trajectory payloads in the store.",
-        "unacked_batches": "Batches with payloads not acknowledged by the trainer.",
-        "oldest_unacked_age_s": "Age of the oldest unacknowledged batch's first payload.",
-        "free_bytes": "Free bytes on the trajectory store's medium.",
-    }
-    for name, doc in store_gauges.items():
+        started.add_metric([node], int(snap.started.get(node, 0)))
+    fams = [live, started]
+    for name, doc in STORE_GAUGES.items():
         value = (trajectories or {}).get(name)
         if value is not None:
             metric = name.replace("_age_s", "_age_seconds")
-            fams.append(GaugeMetricFamily(f"prorl_trajectory_store_{metric}", doc,
-                                          value=value))
-    c = CounterMetricFamily("prorl_reaper_actions", "Reaper actions: re-queues and failures "
-                            "by how the job was found (active: stale heartbeat, queued: dead "
-                            "node's queue, orphan, lost message; deadline).",
-                            labels=["mode", "outcome"])
-    for key, n in sorted(reaper.items()):
+            fams.append(Gauge(f"prorl_trajectory_store_{metric}", doc, value=value))
+    return fams
+
+
+def _reaper_and_api_families(snap: FarmCounters) -> list:
+    Counter, _, Histogram = _prom()
+    c = Counter("prorl_reaper_actions", "Reaper actions: re-queues and failures by how the job "
+                "was found (active: stale heartbeat, queued: dead node's queue, orphan, lost "
+                "message; deadline).", labels=["mode", "outcome"])
+    for key, n in sorted(snap.reaper.items()):
         mode, _, outcome = key.partition(":")
         c.add_metric([mode, outcome], int(n))
-    fams.append(c)
-    h = HistogramMetricFamily("prorl_api_request_seconds", "API request latency by route.",
-                              labels=["method", "route"])
+    h = Histogram("prorl_api_request_seconds", "API request latency by route.",
+                  labels=["method", "route"])
     for name, raw in snap.api.items():
         _, method, route = name.split(":", 2)
         buckets, total = read_histogram(raw)
         h.add_metric([method, route], buckets, total)
-    fams.append(h)
-    fams += _tenant_families(r, tenants or {})
-    return fams
+    return [c, h]
 
 
 def _tenant_families(r: redis.Redis, tenants: dict) -> list:

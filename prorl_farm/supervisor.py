@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,39 +141,191 @@ def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
             client.close()
 
 
+def with_credentials(settings: Settings, auth: bool) -> tuple[Settings, list[str]]:
+    """The settings `up` runs with, and which credentials it made up: off loopback the API
+    needs a token and Flower a password, made up if not given. With tenants' keys, the
+    operator's token too (the farm's own surfaces are its: api/access.py), and Flower, whose
+    pages show every tenant's tasks, is behind it."""
+    exposed = not is_loopback(settings.api_host)
+    keyed = any(t.token_sha256 for t in parse_tenants(settings.tenants).values())
+    generated: list[str] = []
+    if (auth or exposed or keyed) and not settings.api_token:
+        settings = dataclasses.replace(settings, api_token=secrets.token_urlsafe(24))
+        generated.append("api_token")
+    if (exposed or keyed) and not settings.flower_basic_auth:
+        settings = dataclasses.replace(
+            settings, flower_basic_auth=f"operator:{settings.api_token}" if keyed
+            else f"prorl:{secrets.token_urlsafe(16)}")
+        generated.append("flower_basic_auth")
+    return settings, generated
+
+
+def reap(children: list[Child]) -> None:
+    """Wait for the groups of ``children`` (told to stop) to empty; SIGKILL what is left
+    after the grace period."""
+    end = time.monotonic() + GRACE_S
+    while time.monotonic() < end and not all(c.group_empty() for c in children):
+        time.sleep(0.1)
+    for child in children:
+        if not child.group_empty():
+            child.signal_group(signal.SIGKILL)
+        if child.proc is not None:
+            try:
+                child.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) did not exit after SIGKILL", child.name, child.proc.pid)
+
+
+class PrivateRedis:
+    """The farm's own Redis under `up` (no PRORL_REDIS_URL): one redis-server, or with
+    PRORL_REDIS_HA a primary, a replica and three sentinels, its data under the home."""
+
+    def __init__(self, settings: Settings, home: Path, logs: Path):
+        self.settings, self.home, self.logs = settings, home, logs
+        self.children: list[Child] = []
+        self.ha: RedisHA | None = None
+
+    def start(self) -> str:
+        """Start it; its URL once it answers."""
+        if self.settings.redis_ha:
+            return self._start_ha()
+        if not shutil.which("redis-server"):
+            raise SystemExit("redis-server not found: install it (apt-get install redis-server) "
+                             "or set PRORL_REDIS_URL")
+        data = self.home / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        # Append-only file, fsync every second (or every write: PRORL_REDIS_APPENDFSYNC):
+        # finished results (kept result_ttl_s), queued jobs and the dashboard's history
+        # survive a restart of `up`. The port changes; the data does not.
+        self.children = [Child("redis", [
+            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+            "--appendonly", "yes", "--appendfsync", self.settings.redis_appendfsync,
+            "--save", "",
+            "--hash-max-listpack-value", str(keys.HASH_MAX_LISTPACK_VALUE), "--daemonize", "no",
+        ], self.logs / "redis.log", restart=False)]
+        self.children[0].start(dict(os.environ))
+        url = f"redis://127.0.0.1:{port}/0"
+        try:
+            wait_for_redis(url, timeout_s=60)  # loading a large append-only file takes a while
+        except redis.exceptions.ConnectionError:
+            raise StartupError("the private redis-server did not start:\n"
+                               + log_tail(self.logs / "redis.log")) from None
+        return url
+
+    def _start_ha(self) -> str:
+        """A primary, a replica and three sentinels (redis_ha.py), restarted when one exits
+        (a primary that comes back rejoins as a replica): the farm follows a failover."""
+        ha = self.ha = RedisHA(self.home / "redis-ha", appendfsync=self.settings.redis_appendfsync)
+        self.children = [Child(m.name, m.argv, m.log, restart=True) for m in ha.members()]
+        for child in self.children:
+            child.start(dict(os.environ))
+        try:
+            ha.wait_ready(60)
+        except TimeoutError as e:
+            raise StartupError(f"{e}:\n" + "\n".join(
+                f"{c.name}:\n{log_tail(c.log_path)}" for c in self.children)) from None
+        return ha.url
+
+    def gone(self) -> bool:
+        """Whether it ran and is gone for good (a single server is not restarted)."""
+        return bool(self.children) and not any(c.restart or c.alive() for c in self.children)
+
+    def held_back(self, child: Child) -> bool:
+        """Whether ``child`` is the HA trio's dead primary that the sentinels have not yet
+        replaced: started again before the failover, it would come back as the primary
+        from its own append-only file (without its last second, with everysec) and its
+        replica would copy that, losing what the replica held. Once a replica is promoted,
+        it comes back as a replica of the new primary."""
+        if self.ha is None or not child.name.startswith("redis-"):
+            return False
+        return self.ha.primary() == child.name.removeprefix("redis-")
+
+    def described(self) -> str:
+        return (f"   (private{', HA' if len(self.children) > 1 else ''})"
+                if self.children else "")
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.signal_group(signal.SIGTERM)
+        reap(self.children)
+        self.children = []
+
+
+class ModelServer:
+    """The local model `up --model` serves on the CPU (the dev server or vLLM's CPU build)
+    and registers as a backend while the farm is up."""
+
+    def __init__(self, path: str, engine: str, logprobs_mode: str, logs: Path):
+        from prorl_farm.dev.engines import choose
+
+        self.path = str(Path(path).resolve())
+        self.port = free_port()
+        self.logprobs_mode = logprobs_mode  # what the model server returns, and says so
+        self.engine, _, self.engine_line = choose(engine)
+        print(self.engine_line, flush=True)
+        self.logs = logs
+        self.backend_id: str | None = None
+        self._registry = None
+
+    def child(self, cli: list[str]) -> Child:
+        return Child("dev-model", cli + ["serve-model", "--model", self.path,
+                                         "--port", str(self.port), "--engine", self.engine,
+                                         "--logprobs-mode", self.logprobs_mode],
+                     self.logs / "dev-model.log")
+
+    def register(self, redis_url: str, stopping: Callable[[], bool]) -> None:
+        """Once it answers /health, register it as a backend."""
+        from prorl_farm.llm.registry import BackendRegistry, BackendSpec, context_length
+
+        base = f"http://127.0.0.1:{self.port}"
+        end = time.monotonic() + (600 if self.engine == "vllm" else 120)
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > end or stopping():
+                raise SystemExit(f"dev model did not come up; see {self.logs}/dev-model.log")
+            time.sleep(0.2)
+        registry = BackendRegistry(redisconn.client(redis_url, decode_responses=True))
+        name = Path(self.path).name
+        self.backend_id = registry.register(BackendSpec(
+            url=base, kind="vllm", model=name, tokenizer=self.path,
+            capacity=4, logprobs_mode=self.logprobs_mode,
+            max_model_len=context_length(base, name) or 0))
+        self._registry = registry
+
+    def unregister(self) -> None:
+        if self.backend_id is None:
+            return
+        try:
+            self._registry.unregister(self.backend_id)
+        except Exception:
+            log.warning("could not unregister the dev model backend", exc_info=True)
+        self.backend_id = None
+
+    def described(self) -> str:
+        return (f"  model   {self.path} on http://127.0.0.1:{self.port} "
+                f"(backend {self.backend_id}; {self.engine_line})")
+
+
 class Supervisor:
+    """`up`: the farm's processes (pools, API, Flower, the Gym agent server, a model server)
+    started in order, kept running, and stopped; its Redis (:class:`PrivateRedis`) and its
+    model (:class:`ModelServer`) are parts of their own."""
+
     def __init__(self, settings: Settings, dev_model: str | None = None, auth: bool = False,
                  engine: str = "dev", logprobs_mode: str = "raw_logprobs"):
-        # Off loopback, the API needs a token and Flower a password: made up if not given.
-        # With tenants' keys, the operator's too (the farm's own surfaces are its: api/
-        # access.py), and Flower, whose pages show every tenant's tasks, is behind it.
-        exposed = not is_loopback(settings.api_host)
-        keyed = any(t.token_sha256 for t in parse_tenants(settings.tenants).values())
-        self.generated: list[str] = []
-        if (auth or exposed or keyed) and not settings.api_token:
-            settings = dataclasses.replace(settings, api_token=secrets.token_urlsafe(24))
-            self.generated.append("api_token")
-        if (exposed or keyed) and not settings.flower_basic_auth:
-            settings = dataclasses.replace(
-                settings, flower_basic_auth=f"operator:{settings.api_token}" if keyed
-                else f"prorl:{secrets.token_urlsafe(16)}")
-            self.generated.append("flower_basic_auth")
-        self.settings = settings
-        self.dev_model = str(Path(dev_model).resolve()) if dev_model else None
-        self.dev_model_port = free_port() if dev_model else None
-        self.engine, self.engine_line = "dev", ""
-        self.logprobs_mode = logprobs_mode  # what the model server returns, and says so
-        if dev_model:
-            from prorl_farm.dev.engines import choose
-
-            self.engine, _, self.engine_line = choose(engine)
-            print(self.engine_line, flush=True)
-        self.dev_backend_id: str | None = None
-        self.home = Path(settings.home).resolve()
+        self.settings, self.generated = with_credentials(settings, auth)
+        self.home = Path(self.settings.home).resolve()
         self.logs = self.home / "logs"
+        self.model = (ModelServer(dev_model, engine, logprobs_mode, self.logs) if dev_model
+                      else None)
         self.children: list[Child] = []
-        self.redis: list[Child] = []  # the private Redis: one server, or the HA trio
-        self._ha: RedisHA | None = None
+        self.redis = PrivateRedis(self.settings, self.home, self.logs)
         self._stopping = False
         self._made_sandbox_dir = False  # `up` made PRORL_SANDBOX_DIR: it removes it at stop
 
@@ -206,55 +359,8 @@ class Supervisor:
                          "--broker", redisconn.celery_broker(redis_url)[0], "flower",
                          f"--port={s.flower_port}", f"--address={s.api_host}"),
             self.logs / "flower.log", env=flower_env, after_ready=True))
-        if self.dev_model:
-            self.children.append(Child(
-                "dev-model", cli + ["serve-model", "--model", self.dev_model,
-                                    "--port", str(self.dev_model_port),
-                                    "--engine", self.engine,
-                                    "--logprobs-mode", self.logprobs_mode],
-                self.logs / "dev-model.log"))
-
-    def _start_redis(self) -> str:
-        if self.settings.redis_ha:
-            return self._start_redis_ha()
-        if not shutil.which("redis-server"):
-            raise SystemExit("redis-server not found: install it (apt-get install redis-server) "
-                             "or set PRORL_REDIS_URL")
-        data = self.home / "redis"
-        data.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        # Append-only file, fsync every second (or every write: PRORL_REDIS_APPENDFSYNC):
-        # finished results (kept result_ttl_s), queued jobs and the dashboard's history
-        # survive a restart of `up`. The port changes; the data does not.
-        self.redis = [Child("redis", [
-            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-            "--appendonly", "yes", "--appendfsync", self.settings.redis_appendfsync,
-            "--save", "",
-            "--hash-max-listpack-value", str(keys.HASH_MAX_LISTPACK_VALUE), "--daemonize", "no",
-        ], self.logs / "redis.log", restart=False)]
-        self.redis[0].start(dict(os.environ))
-        url = f"redis://127.0.0.1:{port}/0"
-        try:
-            wait_for_redis(url, timeout_s=60)  # loading a large append-only file takes a while
-        except redis.exceptions.ConnectionError:
-            raise StartupError("the private redis-server did not start:\n"
-                               + log_tail(self.logs / "redis.log")) from None
-        return url
-
-    def _start_redis_ha(self) -> str:
-        """A primary, a replica and three sentinels (redis_ha.py), restarted when one exits
-        (a primary that comes back rejoins as a replica): the farm follows a failover."""
-        ha = self._ha = RedisHA(self.home / "redis-ha",
-                                appendfsync=self.settings.redis_appendfsync)
-        self.redis = [Child(m.name, m.argv, m.log, restart=True) for m in ha.members()]
-        for child in self.redis:
-            child.start(dict(os.environ))
-        try:
-            ha.wait_ready(60)
-        except TimeoutError as e:
-            raise StartupError(f"{e}:\n" + "\n".join(
-                f"{c.name}:\n{log_tail(c.log_path)}" for c in self.redis)) from None
-        return ha.url
+        if self.model:
+            self.children.append(self.model.child(cli))
 
     def _lock_home(self) -> None:
         """One `up` per data directory: two private Redis servers must never share it."""
@@ -328,7 +434,7 @@ class Supervisor:
             self._made_sandbox_dir = not Path(self.settings.sandbox_dir).exists()
             self._check_ports()
             print(f"starting prorl-farm (logs in {self.logs}/) ...", flush=True)
-            url = self.settings.redis_url or self._start_redis()
+            url = self.settings.redis_url or self.redis.start()
             # Flower runs here, so the pools send task events unless told otherwise.
             env = dict(os.environ, PRORL_REDIS_URL=url)
             env.setdefault("PRORL_TASK_EVENTS", "1")
@@ -339,8 +445,8 @@ class Supervisor:
             for child in self.children:
                 if not child.after_ready:
                     child.start(env)
-            if self.dev_model:
-                self._register_dev_model(url)
+            if self.model:
+                self.model.register(url, lambda: self._stopping)
             self._wait_ready()
             if self._stopping:
                 return 0
@@ -360,29 +466,6 @@ class Supervisor:
             f.write(value + "\n")
         os.chmod(path, 0o600)
 
-    def _register_dev_model(self, redis_url: str) -> None:
-        from prorl_farm.llm.registry import BackendRegistry, BackendSpec, context_length
-
-        base = f"http://127.0.0.1:{self.dev_model_port}"
-        end = time.monotonic() + (600 if self.engine == "vllm" else 120)
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > end or self._stopping:
-                raise SystemExit(f"dev model did not come up; see {self.logs}/dev-model.log")
-            time.sleep(0.2)
-        registry = BackendRegistry(redisconn.client(redis_url, decode_responses=True))
-        name = Path(self.dev_model).name
-        self.dev_backend_id = registry.register(BackendSpec(
-            url=base, kind="vllm", model=name, tokenizer=self.dev_model,
-            capacity=4, logprobs_mode=self.logprobs_mode,
-            max_model_len=context_length(base, name) or 0))
-        self._registry = registry
-
     def _announce(self, url: str) -> None:
         s = self.settings
         lines = [
@@ -392,8 +475,7 @@ class Supervisor:
             f"  Flower  http://{s.api_host}:{s.flower_port}",
             *([f"  Gym     http://{s.api_host}:{s.gym_port}   (NeMo Gym agent server: /run)"]
               if s.gym_port else []),
-            f"  Redis   {redisconn.parse(url).shown()}"
-            + (f"   (private{', HA' if len(self.redis) > 1 else ''})" if self.redis else ""),
+            f"  Redis   {redisconn.parse(url).shown()}{self.redis.described()}",
             "  pools   " + ", ".join(f"{st}: {s.pool(st).pool} x{s.pool(st).concurrency}"
                                       for st in STAGES),
             f"  node    {s.node}",
@@ -405,9 +487,8 @@ class Supervisor:
                          "  token   from PRORL_API_TOKEN (every call needs it)")
         if "flower_basic_auth" in self.generated:
             lines.append(f"  Flower login  {s.flower_basic_auth}")
-        if self.dev_model:
-            lines.append(f"  model   {self.dev_model} on http://127.0.0.1:{self.dev_model_port} "
-                         f"(backend {self.dev_backend_id}; {self.engine_line})")
+        if self.model:
+            lines.append(self.model.described())
         lines += [f"  logs    {self.logs}/", "Ctrl-C stops everything."]
         print("\n".join(lines), flush=True)
 
@@ -416,13 +497,13 @@ class Supervisor:
 
     def _monitor(self, env: dict) -> int:
         while not self._stopping:
-            if self.redis and not any(c.restart or c.alive() for c in self.redis):
+            if self.redis.gone():
                 log.error("private redis-server exited; stopping the farm")
                 print("redis-server exited; stopping", file=sys.stderr, flush=True)
                 return 1
             now = time.monotonic()
-            for child in self.redis + self.children:
-                if child.alive() or not child.restart or self._primary_not_replaced(child):
+            for child in self.redis.children + self.children:
+                if child.alive() or not child.restart or self.redis.held_back(child):
                     continue
                 if child.next_start == 0.0:
                     backoff = min(MAX_BACKOFF_S, 2.0 ** min(child.restarts, 5))
@@ -437,33 +518,16 @@ class Supervisor:
             time.sleep(0.2)
         return 0
 
-    def _primary_not_replaced(self, child: Child) -> bool:
-        """Whether ``child`` is the HA trio's dead primary that the sentinels have not yet
-        replaced: started again before the failover, it would come back as the primary
-        from its own append-only file (without its last second, with everysec) and its
-        replica would copy that, losing what the replica held. Once a replica is promoted,
-        it comes back as a replica of the new primary."""
-        if self._ha is None or not child.name.startswith("redis-"):
-            return False
-        return self._ha.primary() == child.name.removeprefix("redis-")
-
     def stop(self) -> None:
         """Stop every child: SIGTERM its group, SIGKILL what is left after the grace period."""
-        if self.dev_backend_id is not None:
-            try:
-                self._registry.unregister(self.dev_backend_id)
-            except Exception:
-                log.warning("could not unregister the dev model backend", exc_info=True)
-            self.dev_backend_id = None
+        if self.model:
+            self.model.unregister()
         groups = [c for c in self.children if c.proc is not None]
         for child in groups:
             child.signal_group(signal.SIGTERM)
-        self._reap(groups)
-        for child in self.redis:
-            child.signal_group(signal.SIGTERM)
-        self._reap(self.redis)
+        reap(groups)
+        self.redis.stop()
         self.children = []
-        self.redis = []
         self._remove_sandbox_dir()
 
     def _remove_sandbox_dir(self) -> None:
@@ -480,18 +544,3 @@ class Supervisor:
             return
         shutil.rmtree(root, ignore_errors=True)
         self._made_sandbox_dir = False
-
-    @staticmethod
-    def _reap(children: list[Child]) -> None:
-        end = time.monotonic() + GRACE_S
-        while time.monotonic() < end and not all(c.group_empty() for c in children):
-            time.sleep(0.1)
-        for child in children:
-            if not child.group_empty():
-                child.signal_group(signal.SIGKILL)
-            if child.proc is not None:
-                try:
-                    child.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    log.error("%s (pid %d) did not exit after SIGKILL", child.name,
-                              child.proc.pid)
