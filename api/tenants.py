@@ -1,5 +1,5 @@
 """GET /v1/tenants: each tenant's weight, quotas and usage now (prorl_farm/tenants.py), and
-each queue's fair share now (prorl_farm/sharing.py)."""
+each queue's fair share now (prorl_farm/fair_view.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from flask import Blueprint, g
 
 from api.access import may_see, sees
 from api.services import services
-from prorl_farm import sharing as fair
+from prorl_farm import fair_view as fair
 from prorl_farm.tenants import DEFAULT, tenant_rows
 
 bp = Blueprint("tenants", __name__)

@@ -338,11 +338,11 @@ def _tenant_families(r: redis.Redis, tenants: dict) -> list:
 
 
 def _fair_families(r: redis.Redis, tenants: dict) -> list:
-    """Fair share (prorl_farm/sharing.py): each queue's slots, and per tenant with work there
+    """Fair share (prorl_farm/fair_view.py): each queue's slots, and per tenant with work there
     its slots held, jobs waiting, share received and due; slots handed out over time."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    from prorl_farm import sharing as fair
+    from prorl_farm import fair_view as fair
 
     slots = GaugeMetricFamily("prorl_fair_slots", "A queue's slots its live pools share out "
                               "(shared) and keep for tenants under their share (reserve).",

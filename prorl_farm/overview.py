@@ -67,7 +67,7 @@ def farm_overview(store, backends, settings, batches: int = 10, payloads=None,
                   tenants: dict | None = None) -> dict:
     """Queues, stages, pools, backends, sandboxes, jobs by state, tenants (``tenants``: the
     configured ones) and the newest batches."""
-    from prorl_farm import sharing as fair
+    from prorl_farm import fair_view as fair
     from prorl_farm.tenants import tenant_rows
 
     r = store.r

@@ -6,7 +6,7 @@ stops. Real pools, real sandboxes."""
 from __future__ import annotations
 
 from prorl_farm import keys
-from prorl_farm.sharing import warm_stats
+from prorl_farm.fair_view import warm_stats
 from tests.farm import http_farm, wait_until
 
 # Each job looks for what an earlier job would have left (a file in its workspace and in

@@ -30,8 +30,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "prorl_farm.access": ("prorl_farm.errors",),
     "prorl_farm.tenants": ("prorl_farm.errors", "prorl_farm.keys"),
     "prorl_farm.lua": (*_BASE, "prorl_farm.metrics"),
-    "prorl_farm.metrics": (*_BASE, "prorl_farm.config", "prorl_farm.sharing"),
-    "prorl_farm.sharing": _BASE,
+    "prorl_farm.metrics": (*_BASE, "prorl_farm.config", "prorl_farm.fair_view"),
+    "prorl_farm.fair_view": _BASE,
     # What runs inside a sandbox: only the wire contract and the exceptions.
     "prorl_farm.toolserver": ("prorl_farm.errors",),
     # The trainer's SDK: HTTP only, no Redis, Celery or farm internals.
