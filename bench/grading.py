@@ -35,15 +35,15 @@ import redis
 from common import graders_at, machine, private_redis, report  # noqa: E402
 
 from prorl_farm.graders import answers, source  # noqa: E402
-from prorl_farm.handlers.swe import (  # noqa: E402
+from prorl_farm.sandbox.abstract import Limits, SandboxSpec  # noqa: E402
+from prorl_farm.sandbox.connection import ToolConnection  # noqa: E402
+from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
+from prorl_farm.swebench.tree import (  # noqa: E402
     _git_tree,
     builds_native,
     patch_paths,
     trusted_code,
 )
-from prorl_farm.sandbox.abstract import Limits, SandboxSpec  # noqa: E402
-from prorl_farm.sandbox.connection import ToolConnection  # noqa: E402
-from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOUBLE = "import sys\nprint(2 * int(sys.stdin.read()))\n"

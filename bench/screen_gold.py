@@ -25,8 +25,8 @@ from common import machine, report  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from prorl_farm.graders.screen import screen  # noqa: E402
-from prorl_farm.handlers.swe import patch_paths, reference_tree  # noqa: E402
 from prorl_farm.swebench import repos  # noqa: E402
+from prorl_farm.swebench.tree import patch_paths, reference_tree  # noqa: E402
 
 DATA = ROOT / "examples" / "swe-bench"
 

@@ -37,19 +37,11 @@ import redis
 from common import graders_at as shipped_at  # noqa: E402
 from common import machine, private_redis, report  # noqa: E402
 
-from prorl_farm.handlers.swe import (  # noqa: E402
-    PROTECTED_NAMES,
-    PROTECTED_SUFFIXES,
-    SKIP_DIRS,
-    builds_native,
-    patch_paths,
-    trusted_code,
-)
 from prorl_farm.sandbox.abstract import Limits, SandboxSpec  # noqa: E402
 from prorl_farm.sandbox.connection import ToolConnection  # noqa: E402
-from prorl_farm.sandbox.grading import tagged_verdict  # noqa: E402
+from prorl_farm.sandbox.isolated import tagged_verdict  # noqa: E402
 from prorl_farm.sandbox.manager import SandboxManager  # noqa: E402
-from prorl_farm.swebench import grading, repos  # noqa: E402
+from prorl_farm.swebench import repos, verdicts  # noqa: E402
 from prorl_farm.swebench.envs import EnvBuilder, spec_for  # noqa: E402
 from prorl_farm.swebench.instance import (  # noqa: E402
     GRADER_DIR,
@@ -57,6 +49,14 @@ from prorl_farm.swebench.instance import (  # noqa: E402
     command_words,
     grading_spec,
     runner_of,
+)
+from prorl_farm.swebench.tree import (  # noqa: E402
+    PROTECTED_NAMES,
+    PROTECTED_SUFFIXES,
+    SKIP_DIRS,
+    builds_native,
+    patch_paths,
+    trusted_code,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +121,7 @@ def bare_command(spec, test_patch: str) -> str:
         program = ["python", *program]
     return " ".join(["env", "-u", "PYTHONSAFEPATH", *map(shlex.quote, assigns),
                      *map(shlex.quote, program),
-                     *grading.test_directives(test_patch, runner)])
+                     *verdicts.test_directives(test_patch, runner)])
 
 
 def bare(manager, row, prep) -> float:
@@ -201,16 +201,16 @@ def main() -> None:
                 _, empty = grade(manager, row, prep, None)
                 base_file = prep.base[row["patch"].split("diff --git a/", 1)[1].split(" ")[0]]
                 _, wrong = grade(manager, row, prep, wrong_patch(row, base_file.decode()))
-                verdicts = {}
+                decided = {}
                 for kind, v in (("gold", gold), ("empty", empty), ("wrong", wrong)):
-                    d = grading.verdict(v["outcomes"], v.get("exit_code"),
-                                        grading.test_names(row["FAIL_TO_PASS"]),
-                                        grading.test_names(row["PASS_TO_PASS"]),
+                    d = verdicts.verdict(v["outcomes"], v.get("exit_code"),
+                                        verdicts.test_names(row["FAIL_TO_PASS"]),
+                                        verdicts.test_names(row["PASS_TO_PASS"]),
                                         runner_of(spec))
                     theirs = swebench("5.0.2", "report", [{"instance": row, "log":
-                                      grading.log_text(v.get("output", ""),
+                                      verdicts.log_text(v.get("output", ""),
                                                        v.get("exit_code"))}])[0]
-                    verdicts[kind] = (d["resolved"], theirs["resolved"])
+                    decided[kind] = (d["resolved"], theirs["resolved"])
                 ratio = statistics.median(farm_s) / statistics.median(bare_s)
                 ratios.append(ratio)
                 then = (f" {statistics.median(before_s):.1f} | "
@@ -225,7 +225,7 @@ def main() -> None:
                     f"{statistics.median(bare_s):.1f} | {ratio:.2f} |{then} "
                     + " | ".join(f"{'resolved' if ours else 'no'}"
                                  f"{' (=)' if ours == theirs else ' (DIFFERS)'}"
-                                 for ours, theirs in verdicts.values()) + " |")
+                                 for ours, theirs in decided.values()) + " |")
         finally:
             shutil.rmtree(manager.root, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)

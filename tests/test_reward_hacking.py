@@ -56,7 +56,7 @@ from pathlib import Path
 
 import pytest
 
-from prorl_farm.handlers.swe import _git_tree, unified_diff
+from prorl_farm.swebench.tree import _git_tree, unified_diff
 from tests.farm import (
     ROOT,
     code_harness_verdict,
@@ -1157,7 +1157,7 @@ except JailError as e:
 
 def test_no_verdict_is_a_failure_never_a_zero():
     from prorl_farm.errors import GradingError
-    from prorl_farm.sandbox.grading import required_verdict
+    from prorl_farm.sandbox.isolated import required_verdict
 
     out = {"stdout": 'printed by the program\nN {"passed": 1, "total": 1}\nN2 {"passed": 9}\n',
            "stderr": "", "timed_out": False, "exit_code": 0}

@@ -99,7 +99,7 @@ def wrong_patch(row: dict, base_file: str) -> str:
     if len(hunks) > 2:
         kept = hunks[: (len(hunks) + 1) // 2]
         return "\n@@ ".join(kept).rstrip("\n") + "\n"
-    from prorl_farm.handlers.swe import unified_diff
+    from prorl_farm.swebench.tree import unified_diff
 
     path = patch.split("diff --git a/", 1)[1].split(" ", 1)[0]
     return unified_diff({path: base_file.encode()},
@@ -220,8 +220,8 @@ def test_the_agent_sees_the_base_commit_and_nothing_after_it(bench_farm):
 
 def test_the_eval_steps_are_swebench_builders_but_for_the_listed_differences():
     from prorl_farm.swebench.envs import spec_for
-    from prorl_farm.swebench.grading import eval_script
     from prorl_farm.swebench.instance import runner_of
+    from prorl_farm.swebench.verdicts import eval_script
 
     theirs = swebench("4.1.0", "script", [{"instance": row} for row in ROWS])
     # What SWE-bench's script does that the farm does not, and why:
@@ -378,7 +378,7 @@ def test_several_roots_are_searched_in_order_and_the_error_names_each_source(tmp
 def _edit(row: dict, path: str, old: str, new: str, last: bool = False) -> str:
     """A patch that replaces ``old`` (once; ``last``: its last occurrence) with ``new`` in
     ``path`` at the base commit."""
-    from prorl_farm.handlers.swe import unified_diff
+    from prorl_farm.swebench.tree import unified_diff
 
     before = _tree(row, row["base_commit"])[path].decode()
     assert before.count(old) == 1 or last, (path, old)
@@ -387,7 +387,7 @@ def _edit(row: dict, path: str, old: str, new: str, last: bool = False) -> str:
 
 
 def test_sympy_and_django_candidates_that_forge_their_runners_log_earn_nothing(bench_farm):
-    from prorl_farm.swebench import grading
+    from prorl_farm.swebench import verdicts
 
     # The log SWE-bench reads is the runner's output, which the candidate's code writes to
     # as well: a forged "ok" where its wrong fix fails passes SWE-bench's own parser. The
@@ -429,6 +429,6 @@ def test_sympy_and_django_candidates_that_forge_their_runners_log_earn_nothing(b
     forged = [(row, job) for (row, _), job in zip(attacks.values(), jobs)
               if "disagrees" in job["result"]["eval"]["verdict"]]
     theirs = swebench("5.0.2", "report", [
-        {"instance": row, "log": grading.log_text(job["result"]["eval"]["output"], 1)}
+        {"instance": row, "log": verdicts.log_text(job["result"]["eval"]["output"], 1)}
         for row, job in forged])
     assert [t["resolved"] for t in theirs] == [True] * len(forged), theirs

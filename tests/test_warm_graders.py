@@ -18,7 +18,7 @@ from prorl_farm.errors import JobAborted
 from prorl_farm.graders import source
 from prorl_farm.handlers.code import CodeInstance, grade_program
 from prorl_farm.sandbox import warm_graders
-from prorl_farm.sandbox.grading import GRADER_LIMITS
+from prorl_farm.sandbox.isolated import GRADER_LIMITS
 from prorl_farm.sandbox.manager import SandboxManager
 from tests.farm import wait_until
 

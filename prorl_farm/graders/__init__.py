@@ -1,5 +1,5 @@
 """Graders: trusted programs that EVAL runs in a fresh sandbox (see
-:mod:`prorl_farm.sandbox.grading`). They use the standard library only (the repository
+:mod:`prorl_farm.sandbox.isolated`). They use the standard library only (the repository
 tests' one adds pytest), run isolated (``python3 -I``), and print their verdict on their
 own stdout in a way no program under test can forge."""
 

@@ -32,7 +32,7 @@ from prorl_farm.handlers.agentic import (
 )
 from prorl_farm.handlers.base import JobContext
 from prorl_farm.sandbox import warm_graders
-from prorl_farm.sandbox.grading import GRADER_LIMITS, jail_spec, required_verdict, run_isolated
+from prorl_farm.sandbox.isolated import GRADER_LIMITS, jail_spec, required_verdict, run_isolated
 
 log = logging.getLogger(__name__)
 

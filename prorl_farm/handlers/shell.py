@@ -17,7 +17,7 @@ from marshmallow import RAISE, Schema, fields, validate
 from prorl_farm.handlers.base import AgentHandler, JobContext, run_setup, sandbox_bash
 from prorl_farm.sandbox.abstract import SandboxSpec
 from prorl_farm.sandbox.connection import ToolConnection
-from prorl_farm.sandbox.grading import agent_files, run_isolated
+from prorl_farm.sandbox.isolated import agent_files, run_isolated
 
 
 class ShellInstance(Schema):

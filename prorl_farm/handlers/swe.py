@@ -15,30 +15,21 @@ commit and each test's outcome are kept.
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import functools
-import hashlib
 import json
 import logging
-import os
-import posixpath
-import re
 import secrets
-import subprocess
-import tempfile
 
 from marshmallow import INCLUDE, ValidationError, fields, validate
 
-from prorl_farm.errors import InvalidInstance, SandboxError
+from prorl_farm.errors import InvalidInstance
 from prorl_farm.graders import source
-from prorl_farm.graders.screen import screen
 from prorl_farm.handlers.agentic import AGENT_OPTIONS, AgentOptions, ToolAgentHandler
 from prorl_farm.handlers.base import JobContext, run_setup
 from prorl_farm.sandbox.abstract import Limits
 from prorl_farm.sandbox.connection import ToolConnection
-from prorl_farm.sandbox.grading import jail_spec, required_verdict, run_isolated
-from prorl_farm.sandbox.manager import under_mount_roots
-from prorl_farm.swebench import repos
+from prorl_farm.sandbox.isolated import jail_spec, required_verdict, run_isolated
 from prorl_farm.swebench.instance import (
     GRADER_DIR,
     RUNNER_REPOS,
@@ -53,6 +44,20 @@ from prorl_farm.swebench.instance import (
     runner_of,
     swebench_spec,
 )
+from prorl_farm.swebench.tree import (
+    PROTECTED_NAMES,
+    PROTECTED_SUFFIXES,
+    SKIP_DIRS,
+    base_tree,
+    builds_native,
+    graded_tree,
+    patch_paths,
+    protected_base,
+    reference_tree,
+    refused,
+    trusted_code,
+    unified_diff,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,23 +69,8 @@ DEFAULT_PROMPT = (
 HARNESS_PROMPT = ("The current directory is a checkout of the repository {repo}. Resolve the "
                   "issue below by editing its source files (changes to test files are "
                   "discarded).\n\n{problem_statement}")
-# Files the agent's changes never reach the graded tree through (restored from the base).
-# Test configuration (what pytest 8 and 9 read; the grader adds what the grading pytest's
-# own source names), site hooks.
-PROTECTED_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
-                             ".pytest.toml", "tox.ini", "setup.cfg", "pyproject.toml",
-                             "sitecustomize.py", "usercustomize.py"})
-PROTECTED_SUFFIXES = (".pth", ".pyc", ".pyo")
-SKIP_DIRS = (".git", "__pycache__")
 GIT_IDENTITY = "-c user.name=prorl -c user.email=prorl@localhost"
 MAX_DIFF = 200_000
-# Native code: sources a build compiles, and object code (docs/security.md, "No native code
-# of the candidate's"). A repository whose base holds none of these builds no native code:
-# its tree is mounted noexec when its tests run, and a change that adds any is refused.
-NATIVE_SUFFIXES = (".c", ".cc", ".cpp", ".cxx", ".c++", ".m", ".mm", ".pyx", ".pxd", ".pxi",
-                   ".f", ".f90", ".f95", ".for", ".rs", ".go", ".s", ".S", ".asm", ".cu",
-                   ".so", ".o", ".a", ".pyd", ".dylib", ".dll")
-OBJECT_MAGIC = (b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"!<arch>\n")
 SETUP_TIMEOUT_S = 600.0  # per setup command
 
 
@@ -158,151 +148,6 @@ class SweInstance(AgentOptions):
     environment_setup_commit = fields.String(load_default=None, allow_none=True)
 
 
-# -- the base tree ----------------------------------------------------------------------
-
-
-_git_tree = repos.tree
-
-
-@functools.lru_cache(maxsize=4)
-def _archive_tree(path: str, mtime_ns: int, size: int) -> dict[str, bytes]:
-    return repos.tar_files(path=path)
-
-
-def base_tree(inst: dict, roots: list[str]) -> dict[str, bytes]:
-    """The repository's files at ``base_commit`` (read on this node, never in a sandbox)."""
-    try:
-        if inst.get("archive"):
-            path = under_mount_roots(inst["archive"], roots, "archive")
-            st = os.stat(path)
-            return _archive_tree(path, st.st_mtime_ns, st.st_size)
-        if inst.get("repo_path"):
-            return _git_tree(under_mount_roots(inst["repo_path"], roots, "repo_path"),
-                             inst["base_commit"])
-    except SandboxError as e:
-        raise InvalidInstance(str(e)) from e
-    found = repos.sources(inst["repo"], roots)
-    for _, opened in found:  # the first, in the roots' order, that holds the base commit
-        if repos.has_commit(opened(), inst["base_commit"]):
-            return _git_tree(opened(), inst["base_commit"])
-    raise InvalidInstance(f"repository {inst['repo']} not found under the mount roots "
-                          f"({', '.join(roots) or 'none set: PRORL_SANDBOX_MOUNT_ROOTS'})"
-                          + (f" with base_commit {inst['base_commit']}: searched "
-                             f"{', '.join(w for w, _ in found)}" if found else ""))
-
-
-# -- what is graded ---------------------------------------------------------------------
-
-_PATCH_PATH = re.compile(r"^(?:diff --git a/(\S+) b/(\S+)|[-+]{3} [ab]/(\S+))", re.MULTILINE)
-
-
-def patch_paths(patch: str) -> set[str]:
-    """Every path a patch touches, as ``git apply -p1`` (the grader's) reads it: git's own
-    parse, whatever the prefixes (``x/``, ``y/``) or quoting of the names, renames' both
-    sides. A patch git cannot parse does not apply; its paths are then the headers'."""
-    out = subprocess.run(["git", "apply", "--numstat", "-z", "-p1", "-"],
-                         input=patch.encode(), capture_output=True)
-    if out.returncode != 0:
-        return {posixpath.normpath(p) for m in _PATCH_PATH.finditer(patch)
-                for p in m.groups() if p}
-    paths, fields_ = set(), out.stdout.decode("utf-8", "surrogateescape").split("\0")
-    i = 0
-    while i < len(fields_):
-        entry = fields_[i]
-        if not entry:
-            i += 1
-            continue
-        path = entry.split("\t", 2)[2] if entry.count("\t") >= 2 else ""
-        if path:
-            paths.add(path)
-            i += 1
-        else:  # a rename or copy: its two names follow
-            paths.update(p for p in fields_[i + 1:i + 3] if p)
-            i += 3
-    return {posixpath.normpath(p) for p in paths}
-
-
-def trusted_code(base: dict[str, bytes]) -> dict[str, str]:
-    """The repository's own Python at the base, by content (path -> SHA-256): the only
-    repository code the test run trusts is a file whose content is one of these, at its
-    path (a file setup writes, or one the candidate changed, is the candidate's)."""
-    return {p: hashlib.sha256(d).hexdigest() for p, d in base.items() if p.endswith(".py")}
-
-
-def builds_native(base: dict[str, bytes]) -> bool:
-    """Whether the base holds native code: sources a build compiles, or object code."""
-    return any(p.endswith(NATIVE_SUFFIXES) or data.startswith(OBJECT_MAGIC)
-               for p, data in base.items())
-
-
-def native_change(base: dict[str, bytes], tree: dict[str, bytes], paths) -> str | None:
-    """Why the change refuses to be graded in a repository that builds no native code: a
-    path of ``paths`` whose content in ``tree`` differs from the base and is native code
-    (by its name or its first bytes); None if there is none."""
-    for path in sorted(paths):
-        data = tree.get(path)
-        if data is None or data == base.get(path):
-            continue
-        if path.endswith(NATIVE_SUFFIXES) or data.startswith(OBJECT_MAGIC):
-            return (f"the change adds native code ({path}) to a repository that builds "
-                    f"none: its tree is noexec when the tests run, and such a change is "
-                    f"refused")
-    return None
-
-
-def is_protected(path: str, test_files: set[str]) -> bool:
-    name = posixpath.basename(path)
-    return (path in test_files or name in PROTECTED_NAMES or name.endswith(PROTECTED_SUFFIXES)
-            or any(part in SKIP_DIRS for part in path.split("/")))
-
-
-def protected_base(base: dict[str, bytes], test_files: set[str]) -> dict[str, str]:
-    """The protected files at the base, for the grader to put back after the instance's
-    setup commands (which run the candidate's code): path -> content as latin-1 text."""
-    return {p: d.decode("latin-1") for p, d in base.items() if is_protected(p, test_files)}
-
-
-def graded_tree(base: dict[str, bytes], agent: dict[str, bytes], test_files: set[str],
-                also: frozenset[str] = frozenset()) -> tuple[dict[str, bytes], list[str]]:
-    """The agent's tree with every protected file (and each of ``also``) as it was at the
-    base commit; and the protected paths whose changes were discarded."""
-    tree = dict(agent)
-    discarded = []
-    for path in set(base) | set(agent):
-        if is_protected(path, test_files) or path in also:
-            if agent.get(path) != base.get(path):
-                discarded.append(path)
-            if path in base:
-                tree[path] = base[path]
-            else:
-                tree.pop(path, None)
-    return tree, sorted(discarded)
-
-
-def patched(base: dict[str, bytes], patch: str, touched: set[str]) -> dict[str, bytes] | None:
-    """The files ``patch`` touches (``touched``: its :func:`patch_paths`), as ``git apply``
-    leaves them over ``base`` (in a directory of its own; None if it does not apply): a
-    reference patch, for the screen."""
-    with tempfile.TemporaryDirectory(prefix="prorl-screen-") as d:
-        for path in touched:
-            if path in base:
-                target = os.path.join(d, path)
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                with open(target, "wb") as f:
-                    f.write(base[path])
-        out = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1", "-"], cwd=d,
-                             input=patch.encode(), capture_output=True)
-        if out.returncode != 0:
-            return None
-        tree = {}
-        for path in touched:
-            target = os.path.join(d, path)
-            if os.path.isfile(target):
-                with open(target, "rb") as f:
-                    tree[path] = f.read()
-        return tree
-
-
 def protection(ctx: JobContext, base: dict[str, bytes], test_files: set[str],
                native: bool) -> dict:
     """What the grader's spec says of protected files and scratch space: the rule's names,
@@ -325,60 +170,67 @@ def disk_full(verdict: dict) -> dict:
     return {"disk_full": verdict["disk_full"]} if verdict.get("disk_full") else {}
 
 
-def reference_tree(base: dict[str, bytes], patch: str,
-                   touched: set[str]) -> dict[str, bytes] | None:
-    """The tree a reference ``patch`` (touching ``touched``) makes of the base (None if it
-    does not apply)."""
-    after = patched(base, patch, touched)
-    if after is None:
-        return None
-    tree = {**base, **after}
-    for path in touched - set(after):
-        tree.pop(path, None)
-    return tree
+@dataclasses.dataclass
+class Grading:
+    """Where the two kinds of swe instance are graded differently. Plain: the repository
+    under ``repo/``, the grader's files under ``grader/``, the sandbox's Python after the
+    instance's setup commands, the outcomes read test by test. SWE-bench: the tree at the
+    workspace itself, where its environment's editable install looks, that environment's
+    Python and read-only paths, SWE-bench's test files run whole, the outcomes read as
+    swebench 5.0.2 reads a log (prorl_farm/swebench/)."""
 
+    base: dict[str, bytes]  # the tree at the base commit (with the environment's output)
+    python: str
+    repo: str  # where the tree goes in the grading sandbox
+    grader: str  # where the grader's files go
+    kept: dict  # what the result says of the environment
+    screen: bool = True  # the screen runs on the change (off where the repo is the runner)
+    also: frozenset[str] = frozenset()  # more paths restored from the base
+    sandbox: dict = dataclasses.field(default_factory=dict)  # run_isolated's options
+    prep: Prepared | None = None
 
-def refused(base: dict[str, bytes], tree: dict[str, bytes] | None, changed: set[str],
-            test_files: set[str], native: bool, guard: bool = True
-            ) -> tuple[str, bool] | None:
-    """Why the candidate's change earns 0 before any test runs, and whether that is
-    ``suspicious``: flagged by the screen (``graders/screen.py``), or native code added to a
-    repository that builds none (``native``: the base does). ``tree``: the candidate's
-    (None: the patch does not apply, which the harness says)."""
-    if tree is None:
-        return None
-    if not native:
-        why = native_change(base, tree, changed)
-        if why:
-            return why, False
-    flagged = screen(base, tree, skip=test_files) if guard else None
-    return (f"the change was screened out: {flagged}", True) if flagged else None
+    @classmethod
+    def plain(cls, ctx: JobContext) -> Grading:
+        inst = ctx.instance
+        return cls(base=base_tree(inst, ctx.sandboxes.mount_roots), python=inst["python"],
+                   repo="repo", grader="grader", screen=inst["screen"], kept={
+                       "environment": inst["image"] or f"the sandbox's {inst['python']}, "
+                       "with the instance's setup commands", "pinned": False})
 
+    @classmethod
+    def swebench(cls, inst: dict, prep: Prepared) -> Grading:
+        base = {**prep.base, **prep.overlay}
+        # the environment's install output and the runner's files as at the base
+        runner = frozenset(p for p in base if in_runner(p, runner_of(prep.spec)))
+        return cls(base=base, python=prep.env.python, repo=".", grader=GRADER_DIR,
+                   kept=environment(prep), also=frozenset(prep.overlay) | runner,
+                   screen=inst["screen"] and inst["repo"] not in RUNNER_REPOS,
+                   sandbox={"ro_paths": prep.env.ro_paths, "env": prep.env.sandbox_env},
+                   prep=prep)
 
-def unified_diff(base: dict[str, bytes], tree: dict[str, bytes]) -> str:
-    """``git diff``-style patch from ``base`` to ``tree`` (binary files named only)."""
-    out = []
-    for path in sorted(set(base) | set(tree)):
-        a, b = base.get(path), tree.get(path)
-        if a == b:
-            continue
-        out.append(f"diff --git a/{path} b/{path}\n")
-        if a is None:
-            out.append("new file mode 100644\n")
-        elif b is None:
-            out.append("deleted file mode 100644\n")
-        try:
-            a_text, b_text = (a or b"").decode(), (b or b"").decode()
-        except UnicodeDecodeError:
-            out.append(f"Binary files a/{path} and b/{path} differ\n")
-            continue
-        for line in difflib.unified_diff(
-                a_text.splitlines(True), b_text.splitlines(True),
-                "/dev/null" if a is None else f"a/{path}",
-                "/dev/null" if b is None else f"b/{path}"):
-            out.append(line if line.endswith("\n")
-                       else line + "\n\\ No newline at end of file\n")
-    return "".join(out)
+    def spec(self, inst: dict, changed: set[str], test_paths: set[str],
+             protected: dict) -> dict:
+        """The harness's spec.json: the tests, what changed, the protection rules."""
+        if self.prep is None:
+            return {"tests": inst["FAIL_TO_PASS"] + inst["PASS_TO_PASS"],
+                    "setup": inst["setup"], "changed": sorted(changed - test_paths),
+                    "test_files": sorted(test_paths), "timeout_s": inst["test_timeout_s"],
+                    **protected}
+        spec = grading_spec(inst, self.prep, changed, test_paths, protected)
+        if "protected_base" in spec:  # the runner's files too, put back after setup
+            spec["protected_base"].update({p: self.base[p].decode("latin-1") for p in self.base
+                                           if in_runner(p, spec["kind"])})
+        return spec
+
+    def outcome(self, inst: dict, verdict: dict) -> dict:
+        """Reward, resolved and each named test's outcome from the harness's verdict."""
+        if self.prep is not None:
+            return read_verdict(inst, verdict)
+        outcomes = verdict["outcomes"]
+        tests = {kind: {t: outcomes.get(t, "missing") for t in inst[kind]}
+                 for kind in ("FAIL_TO_PASS", "PASS_TO_PASS")}
+        resolved = all(o == "passed" for o in outcomes.values()) and bool(outcomes)
+        return {"reward": 1.0 if resolved else 0.0, "resolved": resolved, "tests": tests}
 
 
 class SweHandler(ToolAgentHandler):
@@ -452,63 +304,55 @@ class SweHandler(ToolAgentHandler):
                                   problem_statement=inst["problem_statement"]))
 
     def eval(self, ctx: JobContext) -> dict:
+        """One path for both kinds of instance (:class:`Grading` says where they differ):
+        the tree graded (the gold patch in reference mode, else what the agent left but
+        protected files), refused before any test runs by the screen or native code, then
+        the named tests run by the harness in a fresh sandbox, the test patch applied."""
         inst = ctx.instance
         prep = self._swebench(ctx)
-        if prep is not None:
-            return self._eval_swebench(ctx, prep)
-        base = base_tree(inst, ctx.sandboxes.mount_roots)
+        g = Grading.swebench(inst, prep) if prep is not None else Grading.plain(ctx)
+        test_paths = patch_paths(inst["test_patch"])
         files: dict[str, str | bytes] = {}
         discarded: list[str] = []
-        test_files = patch_paths(inst["test_patch"])
         if ctx.mode == "reference":
-            tree, diff = base, inst["patch"]
-            files["grader/model.patch"] = inst["patch"]
+            tree, diff = g.base, inst["patch"]
+            files[f"{g.grader}/model.patch"] = inst["patch"]
+            changed = patch_paths(inst["patch"])
         else:
-            tree, discarded, diff = self._candidate(ctx, base, test_files)
-        tests = {"FAIL_TO_PASS": inst["FAIL_TO_PASS"], "PASS_TO_PASS": inst["PASS_TO_PASS"]}
-        changed = (patch_paths(inst["patch"]) if ctx.mode == "reference" else
-                   {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)})
-        native = builds_native(base)
-        why = refused(base, reference_tree(base, inst["patch"], changed)
-                      if ctx.mode == "reference" else tree, changed, test_files, native,
-                      guard=inst["screen"])
+            tree, discarded, diff = self._candidate(ctx, g.base, test_paths, g.also)
+            changed = {p for p in set(g.base) | set(tree) if g.base.get(p) != tree.get(p)}
+        native = builds_native(g.base)
+        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded, **g.kept}
+        why = refused(g.base, reference_tree(g.base, inst["patch"], changed)
+                      if ctx.mode == "reference" else tree, changed, test_paths, native,
+                      guard=g.screen)
         if why:
-            return {"reward": 0.0, "resolved": False, "suspicious": why[1],
-                    "diff": diff[:MAX_DIFF], "discarded": discarded, "verdict": why[0]}
-        spec = {"tests": tests["FAIL_TO_PASS"] + tests["PASS_TO_PASS"], "setup": inst["setup"],
-                "changed": sorted(changed - test_files), "test_files": sorted(test_files),
-                "timeout_s": inst["test_timeout_s"],
-                **protection(ctx, base, test_files, native)}
-        files.update({f"repo/{p}": data for p, data in tree.items()})
-        files.update({"grader/spec.json": json.dumps(spec), "grader/test.patch":
-                      inst["test_patch"], "grader/swe_harness.py": source("swe_harness.py"),
-                      "grader/swe_runner.py": source("swe_runner.py")})
+            return {"reward": 0.0, "resolved": False, "suspicious": why[1], **kept,
+                    "verdict": why[0]}
+        spec = g.spec(inst, changed, test_paths, protection(ctx, g.base, test_paths, native))
+        files.update({p if g.repo == "." else f"{g.repo}/{p}": data for p, data in tree.items()})
+        files.update({f"{g.grader}/spec.json": json.dumps(spec),
+                      f"{g.grader}/test.patch": inst["test_patch"],
+                      f"{g.grader}/swe_harness.py": source("swe_harness.py"),
+                      f"{g.grader}/swe_runner.py": source("swe_runner.py")})
         nonce = secrets.token_hex(16)
-        out = run_isolated(ctx, files, [inst["python"], "-I", "grader/swe_harness.py"],
+        out = run_isolated(ctx, files, [g.python, "-I", f"{g.grader}/swe_harness.py", g.repo,
+                                        g.grader],
                            timeout_s=inst["test_timeout_s"], stdin=nonce + "\n",
-                           limits=Limits(processes=256))
+                           limits=Limits(processes=256), **g.sandbox)
         verdict = required_verdict(out, nonce, "swe harness")
         if verdict.get("discarded"):  # undone in the sandbox (the patch's, the setup's)
-            discarded = sorted(set(discarded) | set(verdict["discarded"]))
-        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded,
-                "environment": inst["image"] or f"the sandbox's {inst['python']}, with the "
-                "instance's setup commands", "pinned": False}
+            kept["discarded"] = sorted(set(discarded) | set(verdict["discarded"]))
         if verdict.get("applied") is False:
-            return {"reward": 0.0, "resolved": False, **kept,
+            return {"reward": 0.0, "resolved": False, **kept, "invalid": "patch",
                     "verdict": f"the patch does not apply: {verdict['why']}"}
         if verdict.get("suspicious"):
             return {"reward": 0.0, "resolved": False, "suspicious": True, **kept,
                     "verdict": f"the candidate reached into the test process: "
                                f"{verdict['suspicious']}", "output": verdict.get("output", "")}
-        outcomes = verdict["outcomes"]
-        by_kind = {kind: {t: outcomes.get(t, "missing") for t in names}
-                   for kind, names in tests.items()}
-        resolved = all(o == "passed" for o in outcomes.values()) and bool(outcomes)
-        return {"reward": 1.0 if resolved else 0.0, "resolved": resolved, "suspicious": False,
-                **kept, "tests": by_kind, "jail": verdict.get("jail"),
-                "timed_out": verdict.get("timed_out", False),
-                **disk_full(verdict),
-                "unwitnessed": verdict.get("unwitnessed", [])}
+        return {**g.outcome(inst, verdict), "suspicious": False, **kept,
+                "jail": verdict.get("jail"), "timed_out": verdict.get("timed_out", False),
+                **disk_full(verdict), "unwitnessed": verdict.get("unwitnessed", [])}
 
     @staticmethod
     def _candidate(ctx: JobContext, base: dict[str, bytes], test_paths: set[str],
@@ -525,63 +369,3 @@ class SweHandler(ToolAgentHandler):
         agent = {p: d for p, d in agent.items() if not p.startswith(GRADER_DIR + "/")}
         tree, discarded = graded_tree(base, agent, test_paths, also)
         return tree, discarded, unified_diff(base, tree)
-
-    def _eval_swebench(self, ctx: JobContext, prep: Prepared) -> dict:
-        """EVAL with SWE-bench's steps and verdict: the tree (the base commit, the
-        environment's install output, the candidate's changes but to protected files) at
-        the workspace itself, where the environment's editable install looks; the test
-        files reset and the test patch applied by the harness; SWE-bench's test files run
-        whole under the evidence runner; the outcomes read as swebench 5.0.2 reads a log."""
-        inst = ctx.instance
-        overlay = prep.overlay
-        base = {**prep.base, **overlay}
-        test_paths = patch_paths(inst["test_patch"])
-        files: dict[str, str | bytes] = {}
-        discarded: list[str] = []
-        if ctx.mode == "reference":
-            tree, diff = base, inst["patch"]
-            files[f"{GRADER_DIR}/model.patch"] = inst["patch"]
-            changed = patch_paths(inst["patch"])
-        else:  # the environment's install output and the runner's files as at the base
-            runner = frozenset(p for p in base if in_runner(p, runner_of(prep.spec)))
-            tree, discarded, diff = self._candidate(ctx, base, test_paths,
-                                                    frozenset(overlay) | runner)
-            changed = {p for p in set(base) | set(tree) if base.get(p) != tree.get(p)}
-        native = builds_native(base)
-        why = refused(base, reference_tree(base, inst["patch"], changed)
-                      if ctx.mode == "reference" else tree, changed, test_paths, native,
-                      guard=inst["screen"] and inst["repo"] not in RUNNER_REPOS)
-        if why:
-            return {"reward": 0.0, "resolved": False, "suspicious": why[1],
-                    "diff": diff[:MAX_DIFF], "discarded": discarded, **environment(prep),
-                    "verdict": why[0]}
-        spec = grading_spec(inst, prep, changed, test_paths,
-                            protection(ctx, base, test_paths, native))
-        if "protected_base" in spec:  # the runner's files too, put back after setup
-            spec["protected_base"].update({p: base[p].decode("latin-1") for p in base
-                                           if in_runner(p, spec["kind"])})
-        files.update(tree)
-        files.update({f"{GRADER_DIR}/spec.json": json.dumps(spec),
-                      f"{GRADER_DIR}/test.patch": inst["test_patch"],
-                      f"{GRADER_DIR}/swe_harness.py": source("swe_harness.py"),
-                      f"{GRADER_DIR}/swe_runner.py": source("swe_runner.py")})
-        nonce = secrets.token_hex(16)
-        out = run_isolated(ctx, files, [prep.env.python, "-I", f"{GRADER_DIR}/swe_harness.py",
-                                        ".", GRADER_DIR],
-                           timeout_s=inst["test_timeout_s"], stdin=nonce + "\n",
-                           limits=Limits(processes=256), ro_paths=prep.env.ro_paths,
-                           env=prep.env.sandbox_env)
-        verdict = required_verdict(out, nonce, "swe harness")
-        if verdict.get("discarded"):
-            discarded = sorted(set(discarded) | set(verdict["discarded"]))
-        kept = {"diff": diff[:MAX_DIFF], "discarded": discarded, **environment(prep)}
-        if verdict.get("applied") is False:
-            return {"reward": 0.0, "resolved": False, **kept, "invalid": "patch",
-                    "verdict": f"the patch does not apply: {verdict['why']}"}
-        if verdict.get("suspicious"):
-            return {"reward": 0.0, "resolved": False, "suspicious": True, **kept,
-                    "verdict": f"the candidate reached into the test process: "
-                               f"{verdict['suspicious']}", "output": verdict.get("output", "")}
-        return {**read_verdict(inst, verdict), "suspicious": False, **kept,
-                "jail": verdict.get("jail"), "timed_out": verdict.get("timed_out", False),
-                **disk_full(verdict), "unwitnessed": verdict.get("unwitnessed", [])}

@@ -21,7 +21,7 @@ import shlex
 from dataclasses import dataclass
 
 from prorl_farm.errors import InvalidInstance
-from prorl_farm.swebench import grading, repos
+from prorl_farm.swebench import repos, verdicts
 from prorl_farm.swebench.envs import Env, EnvBuilder, EnvSpec, load_specs, spec_for
 
 GRADER_DIR = ".prorl-grader"  # the grader's files in the grading sandbox (removed first)
@@ -282,9 +282,9 @@ def grading_spec(inst: dict, prep: Prepared, changed: set[str], test_paths: set[
     ``runtests.py`` or sympy's ``bin/test``, with their files protected)."""
     runner = runner_of(prep.spec)
     words = command_words(prep.spec)[1]
-    return {"tests": grading.test_names(inst["FAIL_TO_PASS"])
-            + grading.test_names(inst["PASS_TO_PASS"]),
-            "files": grading.test_directives(inst["test_patch"], runner), "every_test": True,
+    return {"tests": verdicts.test_names(inst["FAIL_TO_PASS"])
+            + verdicts.test_names(inst["PASS_TO_PASS"]),
+            "files": verdicts.test_directives(inst["test_patch"], runner), "every_test": True,
             "kind": runner, "runner_args": words[1:],
             "protected_paths": list(RUNNER_FILES[runner]),
             "pytest_args": words[1:],
@@ -296,20 +296,20 @@ def grading_spec(inst: dict, prep: Prepared, changed: set[str], test_paths: set[
 
 def read_verdict(inst: dict, verdict: dict) -> dict:
     """The job's result from the harness's verdict, read as SWE-bench 5.0.2 would."""
-    f2p = grading.test_names(inst["FAIL_TO_PASS"])
-    p2p = grading.test_names(inst["PASS_TO_PASS"])
-    decided = grading.verdict(verdict["outcomes"], verdict.get("exit_code"), f2p, p2p,
+    f2p = verdicts.test_names(inst["FAIL_TO_PASS"])
+    p2p = verdicts.test_names(inst["PASS_TO_PASS"])
+    decided = verdicts.verdict(verdict["outcomes"], verdict.get("exit_code"), f2p, p2p,
                               runner_of(spec_for(inst["repo"], inst["version"])))
     sm = decided["status_map"]
 
     def status(case):
-        key = grading._resolve(case, sm)
+        key = verdicts._resolve(case, sm)
         return sm[key] if key is not None else "MISSING"
     out = {"reward": 1.0 if decided["resolved"] else 0.0, "resolved": decided["resolved"],
            "tests": {"FAIL_TO_PASS": {t: status(t) for t in f2p},
                      "PASS_TO_PASS": {t: status(t) for t in p2p}},
-           "log": grading.log_text(verdict.get("output", ""), verdict.get("exit_code")),
-           "grading": f"swebench {grading.SWEBENCH_VERSION} semantics",
+           "log": verdicts.log_text(verdict.get("output", ""), verdict.get("exit_code")),
+           "grading": f"swebench {verdicts.SWEBENCH_VERSION} semantics",
            "trust": ("candidate-runner: the repository is the test runner, whose reports come "
                      "from the candidate's code (as SWE-bench's log does)"
                      if inst["repo"] in RUNNER_REPOS else "evidence")}
