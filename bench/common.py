@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import posixpath
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,8 @@ def graders_at(rev: str | None, names: tuple[str, ...]) -> dict[str, str]:
     from prorl_farm.graders import source
 
     def read(name):
-        return subprocess.run(["git", "show", f"{rev}:prorl_farm/graders/{name}"], cwd=ROOT,
+        path = posixpath.normpath(f"prorl_farm/graders/{name}")  # an include of ../x
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout
     return {n: source(n, read if rev else None) for n in names}
 

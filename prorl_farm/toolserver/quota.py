@@ -24,42 +24,11 @@ import signal
 import threading
 import time
 
+from prorl_farm.toolserver.disk import disk_usage
+
 COST_SHARE = 0.05  # of one core, for the measuring
 MIN_EVERY_S = 0.2
 MAX_EVERY_S = 10.0
-
-
-def disk_usage(root: str) -> int:
-    """Bytes on disk under ``root`` (``st_blocks``; hard links once), without following
-    links or entering another file system. (A grader's jail measures alike with its own
-    copy, graders/jail.py's: a grader ships with the standard library alone, and the tool
-    server does not import the graders.)"""
-    try:
-        dev = os.lstat(root).st_dev
-    except OSError:
-        return 0
-    total, seen, todo = 0, set(), [root]
-    while todo:
-        try:
-            entries = os.scandir(todo.pop())
-        except OSError:
-            continue
-        with entries:
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if st.st_dev != dev:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    todo.append(entry.path)
-                if st.st_nlink > 1:
-                    if st.st_ino in seen:
-                        continue
-                    seen.add(st.st_ino)
-                total += st.st_blocks * 512
-    return total
 
 
 class WorkspaceGuard:
