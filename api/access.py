@@ -109,82 +109,97 @@ def _unauthorized():
 def install(app: Flask, settings: Settings, tenants: dict[str, Tenant], store,
             backends) -> None:
     """Check every request against its endpoint's rule (see the module's docstring)."""
-    from api.errors import ApiError, error_response
-
     keyed = any_key(settings.api_token, tenants)
-
-    def who() -> None:
-        g.prorl_tenant, g.prorl_operator, g.prorl_sees = DEFAULT, not keyed, None
-        if not keyed:
-            return
-        header = request.headers.get("Authorization")
-        if settings.api_token and token_ok(header, settings.api_token):
-            g.prorl_operator = True
-            return
-        scheme, _, given = (header or "").partition(" ")
-        tenant = tenant_of_token(tenants, given.strip()) if scheme.lower() == "bearer" \
-            else None
-        if tenant is None:
-            g.prorl_tenant = None
-            g.prorl_sees = frozenset()
-            return
-        g.prorl_tenant = tenant.name
-        g.prorl_sees = frozenset({tenant.name, *tenant.may_use})
 
     @app.before_request
     def _check():
-        who()
-        if request.endpoint is None:  # no such route: Flask's own 404
-            return None
-        rule = RULES.get(request.endpoint)
-        if rule is None:
-            return error_response(500, "no_access_rule", f"route {request.endpoint!r} has "
-                                  "no access rule (api/access.py): refused")
-        if rule == OPEN or g.prorl_operator:
-            return None
-        if g.prorl_tenant is None:
-            return _unauthorized()
-        if rule == OPERATOR:
-            raise ApiError(403, "operator_only", "this route is the farm operator's: it "
-                           "needs PRORL_API_TOKEN, not a tenant's key")
-        # Another tenant's batch, job or backend is answered here exactly as one that does
-        # not exist: the same 404, before the route runs (nothing done, nothing told).
-        args = request.view_args or {}
-        if rule == BACKEND:
-            tenant = backends.tenant_of(args["backend_id"])
-            if tenant is None or not may_see(tenant):
-                raise NotFound(f"backend {args['backend_id']!r} not found")
-        if rule == OWNER:
-            if "batch_id" in args and not batch_visible(store, args["batch_id"]):
-                raise NotFound(f"batch {args['batch_id']!r} not found")
-            if "job_id" in args:
-                batch_id = store.r.hget(keys.job(args["job_id"]), "batch_id")
-                if batch_id is None or not batch_visible(store, batch_id):
-                    raise NotFound(f"job {args['job_id']!r} not found")
-        return None
-
-    limit = settings.api_denials_per_min
+        _identify(settings, tenants, keyed)
+        return _admit(store, backends)
 
     @app.after_request
     def _count_denials(resp):
-        if not keyed or not limit or resp.status_code not in (401, 404):
+        if not keyed or not settings.api_denials_per_min or resp.status_code not in (401, 404):
             return resp
-        client = request.remote_addr or "?"
-        window = int(time.time() // DENIAL_WINDOW_S)
-        key = f"{keys.PREFIX}denials:{client}:{window}"
-        try:
-            pipe = store.r.pipeline(transaction=False)
-            pipe.incr(key)
-            pipe.expire(key, 2 * DENIAL_WINDOW_S)
-            n = pipe.execute()[0]
-        except Exception:  # noqa: BLE001 - Redis away: the reply stands
-            return resp
-        if n <= limit:
-            return resp
-        slow, status = error_response(429, "too_many_denials", f"{n} calls from this "
-                                      f"address were refused (401/404) within a minute "
-                                      f"(at most {limit}: PRORL_API_DENIALS_PER_MIN); try "
-                                      f"again later")
-        slow.status_code = status
-        slow.headers["Retry-After"] = str(DENIAL_WINDOW_S - int(time.time()) % DENIAL_WINDOW_S)
-        return slow
+        return _slowed(store, resp, settings.api_denials_per_min)
+
+
+def _identify(settings: Settings, tenants: dict[str, Tenant], keyed: bool) -> None:
+    """Who calls: the operator (``g.prorl_operator``: its token, or a farm with no keys), a
+    tenant (``g.prorl_tenant``, and ``g.prorl_sees``: its own and its ``may_use``), or
+    nobody the farm knows (tenant None, sees nothing)."""
+    g.prorl_tenant, g.prorl_operator, g.prorl_sees = DEFAULT, not keyed, None
+    if not keyed:
+        return
+    header = request.headers.get("Authorization")
+    if settings.api_token and token_ok(header, settings.api_token):
+        g.prorl_operator = True
+        return
+    scheme, _, given = (header or "").partition(" ")
+    tenant = tenant_of_token(tenants, given.strip()) if scheme.lower() == "bearer" else None
+    if tenant is None:
+        g.prorl_tenant = None
+        g.prorl_sees = frozenset()
+        return
+    g.prorl_tenant = tenant.name
+    g.prorl_sees = frozenset({tenant.name, *tenant.may_use})
+
+
+def _admit(store, backends):
+    """None if the caller may go on to the route; else the refusal (a response, or an
+    ApiError/NotFound raised)."""
+    from api.errors import ApiError, error_response
+
+    if request.endpoint is None:  # no such route: Flask's own 404
+        return None
+    rule = RULES.get(request.endpoint)
+    if rule is None:
+        return error_response(500, "no_access_rule", f"route {request.endpoint!r} has "
+                              "no access rule (api/access.py): refused")
+    if rule == OPEN or g.prorl_operator:
+        return None
+    if g.prorl_tenant is None:
+        return _unauthorized()
+    if rule == OPERATOR:
+        raise ApiError(403, "operator_only", "this route is the farm operator's: it "
+                       "needs PRORL_API_TOKEN, not a tenant's key")
+    # Another tenant's batch, job or backend is answered here exactly as one that does
+    # not exist: the same 404, before the route runs (nothing done, nothing told).
+    args = request.view_args or {}
+    if rule == BACKEND:
+        tenant = backends.tenant_of(args["backend_id"])
+        if tenant is None or not may_see(tenant):
+            raise NotFound(f"backend {args['backend_id']!r} not found")
+    if rule == OWNER:
+        if "batch_id" in args and not batch_visible(store, args["batch_id"]):
+            raise NotFound(f"batch {args['batch_id']!r} not found")
+        if "job_id" in args:
+            batch_id = store.r.hget(keys.job(args["job_id"]), "batch_id")
+            if batch_id is None or not batch_visible(store, batch_id):
+                raise NotFound(f"job {args['job_id']!r} not found")
+    return None
+
+
+def _slowed(store, resp, limit: int):
+    """``resp`` (a 401 or 404), or a 429 once this address has had more than ``limit`` of
+    them within the minute (PRORL_API_DENIALS_PER_MIN): guessing keys and ids is slowed."""
+    from api.errors import error_response
+
+    client = request.remote_addr or "?"
+    window = int(time.time() // DENIAL_WINDOW_S)
+    key = f"{keys.PREFIX}denials:{client}:{window}"
+    try:
+        pipe = store.r.pipeline(transaction=False)
+        pipe.incr(key)
+        pipe.expire(key, 2 * DENIAL_WINDOW_S)
+        n = pipe.execute()[0]
+    except Exception:  # noqa: BLE001 - Redis away: the reply stands
+        return resp
+    if n <= limit:
+        return resp
+    slow, status = error_response(429, "too_many_denials", f"{n} calls from this "
+                                  f"address were refused (401/404) within a minute "
+                                  f"(at most {limit}: PRORL_API_DENIALS_PER_MIN); try "
+                                  f"again later")
+    slow.status_code = status
+    slow.headers["Retry-After"] = str(DENIAL_WINDOW_S - int(time.time()) % DENIAL_WINDOW_S)
+    return slow

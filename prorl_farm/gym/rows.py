@@ -282,6 +282,20 @@ def to_submission(row, resources_server: str | dict | None = None,
     of rows graded by ``expected_answer`` that name none (``--grader``)."""
     if not isinstance(row, dict):
         raise RowError([((), "a JSON object")])
+    params = _create_params(row)
+    sampling = _sampling(row, params)
+    if row.get("prorl") is not None:
+        return _named_task(row, params, sampling)
+    servers = resources_server if isinstance(resources_server, dict) else \
+        {"": resources_server} if resources_server else {}
+    server = servers.get(agent_name(row) or "") or servers.get("")
+    if server:
+        return _gym(row, params, sampling, server)
+    return _farm_graded(row, params, sampling, row.get("prorl_grader", grader))
+
+
+def _create_params(row: dict) -> dict:
+    """The row's ``responses_create_params``, checked as Gym's model checks it."""
     params = row.get("responses_create_params")
     if not isinstance(params, dict):
         raise RowError([(("responses_create_params",), "required: an object (the Responses "
@@ -295,32 +309,33 @@ def to_submission(row, resources_server: str | dict | None = None,
     if params.get("stream"):
         raise RowError([(("responses_create_params", "stream"), "/run answers whole: "
                                                                "stream must be false")])
-    sampling = _sampling(row, params)
-    explicit = row.get("prorl")
-    if explicit is not None:
-        if not isinstance(explicit, dict) or not (
-                "resources_server" in explicit or isinstance(explicit.get("handler"), str)
-                and isinstance(explicit.get("instance"), dict)):
-            raise RowError([(("prorl",), "an object with 'handler' (a farm task type) and "
-                                         "'instance' (its instance), or with "
-                                         "'resources_server' (a Gym resources server's URL)")])
-        deadline = explicit.get("deadline_s")
-        if deadline is not None and (isinstance(deadline, bool) or not isinstance(
-                deadline, (int, float)) or not 0 < deadline < math.inf):
-            raise RowError([(("prorl", "deadline_s"), "a positive number of seconds")])
-        if "resources_server" in explicit:
-            return _gym(row, params, sampling, explicit["resources_server"], deadline)
-        return Submission(explicit["handler"], explicit["instance"], sampling, deadline,
-                          explicit["instance"].get("parser") or "hermes",
-                          ("prorl", "instance"))
-    servers = resources_server if isinstance(resources_server, dict) else \
-        {"": resources_server} if resources_server else {}
-    server = servers.get(agent_name(row) or "") or servers.get("")
-    if server:
-        return _gym(row, params, sampling, server)
+    return params
+
+
+def _named_task(row: dict, params: dict, sampling: dict) -> Submission:
+    """A row whose ``prorl`` names the farm task, or the resources server, it runs on."""
+    explicit = row["prorl"]
+    if not isinstance(explicit, dict) or not (
+            "resources_server" in explicit or isinstance(explicit.get("handler"), str)
+            and isinstance(explicit.get("instance"), dict)):
+        raise RowError([(("prorl",), "an object with 'handler' (a farm task type) and "
+                                     "'instance' (its instance), or with "
+                                     "'resources_server' (a Gym resources server's URL)")])
+    deadline = explicit.get("deadline_s")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(
+            deadline, (int, float)) or not 0 < deadline < math.inf):
+        raise RowError([(("prorl", "deadline_s"), "a positive number of seconds")])
+    if "resources_server" in explicit:
+        return _gym(row, params, sampling, explicit["resources_server"], deadline)
+    return Submission(explicit["handler"], explicit["instance"], sampling, deadline,
+                      explicit["instance"].get("parser") or "hermes", ("prorl", "instance"))
+
+
+def _farm_graded(row: dict, params: dict, sampling: dict, grader: str | None) -> Submission:
+    """A row graded by its ``expected_answer`` with the farm grader named (``contains``: a
+    chat job; ``math``: a math job on its one problem); refused without one."""
     if "expected_answer" not in row:
         raise RowError([(("prorl",), NO_GRADER)])
-    grader = row.get("prorl_grader", grader)
     if grader is None:
         raise RowError([(("prorl_grader",), NO_GRADER)])
     if grader not in GRADERS:

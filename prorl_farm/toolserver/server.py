@@ -213,7 +213,7 @@ def _hold_lifeline(path: str, server) -> None:
     threading.Thread(target=watch, daemon=True, name="lifeline").start()
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="prorl-farm in-sandbox tool server")
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket", help="bind a listening socket at this path")
@@ -236,7 +236,22 @@ def main(argv=None) -> int:
                     "(the sandbox's /tmp on disk)")
     ap.add_argument("--nproc", type=int, default=None,
                     help="cap the tasks of this sandbox's user namespace (RLIMIT_NPROC)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _say_ready(args) -> None:
+    """'ready' on the host's pipe, or into the FIFO (a container inherits no fd)."""
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, b"ready")
+        os.close(args.ready_fd)
+    elif args.ready_path:
+        fd = os.open(args.ready_path, os.O_WRONLY)
+        os.write(fd, b"ready")
+        os.close(fd)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     _harden()
     if args.nproc is not None:
@@ -268,13 +283,7 @@ def main(argv=None) -> int:
     if os.getpid() == 1:
         threading.Thread(target=_reap_orphans, args=(stop, tools.children), daemon=True,
                          name="reaper").start()
-    if args.ready_fd is not None:
-        os.write(args.ready_fd, b"ready")
-        os.close(args.ready_fd)
-    elif args.ready_path:
-        fd = os.open(args.ready_path, os.O_WRONLY)
-        os.write(fd, b"ready")
-        os.close(fd)
+    _say_ready(args)
     try:
         server.serve_forever(poll_interval=0.05)
     finally:

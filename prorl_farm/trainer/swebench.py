@@ -115,11 +115,48 @@ def grade(farm, predictions: dict[str, dict], dataset: list[dict], run_id: str,
                          f"{', '.join(unknown[:10])}")
     empty = sorted(i for i, p in predictions.items() if p.get("model_patch") in ("", None))
     to_grade = [i for i in rows if i in predictions and i not in empty]
+    jobs, errors = _graded_jobs(farm, rows, predictions, to_grade, deadline_s, progress, say)
+    instances: dict[str, dict] = {}
+    for instance_id in rows:
+        prediction = predictions.get(instance_id)
+        if prediction is None or instance_id in empty:
+            continue
+        job = jobs.get(instance_id)
+        report = instance_report(instance_id, prediction, job)
+        if instance_id in errors:
+            report[instance_id].setdefault("farm", {})["error"] = errors[instance_id]
+        instances[instance_id] = report
+        _write_logs(Path(report_dir) / LOG_DIR / run_id / _model(prediction) / instance_id,
+                    report if instance_id not in errors else None, job, prediction)
+    report = run_report(predictions, list(rows.values()), instances, errors, empty)
+    models = {_model(p) for p in predictions.values()} or {"model"}
+    path = Path(report_dir) / f"{'+'.join(sorted(models))}.{run_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=4))
+    return {"report": report, "path": str(path), "instances": instances}
+
+
+def _write_logs(folder: Path, report: dict | None, job: dict | None, prediction: dict) -> None:
+    """An instance's folder of logs/run_evaluation as swebench writes it: its report (none
+    for an error: swebench's error is a run with no report), the test output, the patch."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if report is not None:
+        (folder / "report.json").write_text(json.dumps(report, indent=4))
+    log = ((job or {}).get("result") or {}).get("eval", {}).get("log")
+    if log:
+        (folder / "test_output.txt").write_text(log)
+    (folder / "patch.diff").write_text(prediction.get("model_patch") or "")
+
+
+def _graded_jobs(farm, rows: dict[str, dict], predictions: dict[str, dict],
+                 to_grade: list[str], deadline_s: float, progress: bool | None,
+                 say: Callable[[str], None]) -> tuple[dict[str, dict], dict[str, str]]:
+    """Each prediction as a reference-mode ``swe`` job: ({instance: finished job},
+    {instance: error}). The rows the farm refuses are errors; the rest are submitted once
+    the refused are left out."""
     errors: dict[str, str] = {}
-    jobs: dict[str, dict] = {}
     pending = list(to_grade)
-    batch = None
-    while pending:  # the rows the farm refuses are errors; the rest are submitted
+    while pending:
         instances = [{**rows[i], "patch": predictions[i]["model_patch"]} for i in pending]
         try:
             batch = farm.submit("swe", instances, mode="reference", deadline_s=deadline_s)
@@ -133,58 +170,43 @@ def grade(farm, predictions: dict[str, dict], dataset: list[dict], run_id: str,
             pending = [i for n, i in enumerate(pending) if str(n) not in refused
                        and n not in refused]
             continue
-        by_job = dict(zip(batch["job_ids"], pending))
-        bar = None
-        if progress or (progress is None and sys.stderr.isatty()):
-            from tqdm import tqdm
+        return _collect(farm, batch, pending, deadline_s, progress, say, errors), errors
+    return {}, errors
 
-            bar = tqdm(total=len(pending), unit="instance", desc="grading", file=sys.stderr)
-        resolved = 0
-        for job in farm.iter_results(batch["batch_id"], timeout_s=deadline_s + 120):
-            instance_id = by_job[job["id"]]
-            jobs[instance_id] = job
-            eval_ = (job.get("result") or {}).get("eval") or {}
-            if job["state"] != "done":
-                failure = job.get("failure") or {}
-                errors[instance_id] = f"{job['state']}: {failure.get('kind')}: " \
-                                      f"{str(failure.get('message', ''))[:500]}"
-            resolved += bool(eval_.get("resolved"))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(resolved=resolved, errors=len(errors))
-            else:
-                say(f"[{len(jobs)}/{len(pending)}] {instance_id}: "
-                    + ("resolved" if eval_.get("resolved") else errors.get(instance_id)
-                       or (eval_.get("invalid") and f"unresolved ({eval_['invalid']})")
-                       or "unresolved"))
+
+def _collect(farm, batch: dict, pending: list[str], deadline_s: float,
+             progress: bool | None, say: Callable[[str], None],
+             errors: dict[str, str]) -> dict[str, dict]:
+    """The batch's finished jobs by instance, shown as they come (a bar on a terminal);
+    a job that did not finish is an error of its instance."""
+    by_job = dict(zip(batch["job_ids"], pending))
+    jobs: dict[str, dict] = {}
+    bar = None
+    if progress or (progress is None and sys.stderr.isatty()):
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(pending), unit="instance", desc="grading", file=sys.stderr)
+    resolved = 0
+    for job in farm.iter_results(batch["batch_id"], timeout_s=deadline_s + 120):
+        instance_id = by_job[job["id"]]
+        jobs[instance_id] = job
+        eval_ = (job.get("result") or {}).get("eval") or {}
+        if job["state"] != "done":
+            failure = job.get("failure") or {}
+            errors[instance_id] = f"{job['state']}: {failure.get('kind')}: " \
+                                  f"{str(failure.get('message', ''))[:500]}"
+        resolved += bool(eval_.get("resolved"))
         if bar is not None:
-            bar.close()
-        pending = []
-    instances: dict[str, dict] = {}
-    for instance_id in rows:
-        prediction = predictions.get(instance_id)
-        if prediction is None or instance_id in empty:
-            continue
-        job = jobs.get(instance_id)
-        report = instance_report(instance_id, prediction, job)
-        if instance_id in errors:
-            report[instance_id].setdefault("farm", {})["error"] = errors[instance_id]
-        instances[instance_id] = report
-        model = _model(prediction)
-        folder = Path(report_dir) / LOG_DIR / run_id / model / instance_id
-        folder.mkdir(parents=True, exist_ok=True)
-        if instance_id not in errors:  # swebench: an error is a run with no report
-            (folder / "report.json").write_text(json.dumps(report, indent=4))
-        log = ((job or {}).get("result") or {}).get("eval", {}).get("log")
-        if log:
-            (folder / "test_output.txt").write_text(log)
-        (folder / "patch.diff").write_text(prediction.get("model_patch") or "")
-    report = run_report(predictions, list(rows.values()), instances, errors, empty)
-    models = {_model(p) for p in predictions.values()} or {"model"}
-    path = Path(report_dir) / f"{'+'.join(sorted(models))}.{run_id}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=4))
-    return {"report": report, "path": str(path), "instances": instances}
+            bar.update(1)
+            bar.set_postfix(resolved=resolved, errors=len(errors))
+        else:
+            say(f"[{len(jobs)}/{len(pending)}] {instance_id}: "
+                + ("resolved" if eval_.get("resolved") else errors.get(instance_id)
+                   or (eval_.get("invalid") and f"unresolved ({eval_['invalid']})")
+                   or "unresolved"))
+    if bar is not None:
+        bar.close()
+    return jobs
 
 
 def run_report(predictions: dict, dataset: list[dict], instances: dict, errors: dict,
