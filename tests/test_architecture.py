@@ -145,7 +145,6 @@ LONG_FUNCTIONS = {
     "prorl_farm/graders/swe_runner.py:equality_probe": 111,
     "prorl_farm/graders/swe_harness.py:run_tests": 107,
     "prorl_farm/graders/swe_runner.py:evidence_plugin": 82,
-    "prorl_farm/trainer/dapo.py:DynamicSampler.next_batch": 79,
     "prorl_farm/dev/answer_corpus.py:dresses": 77,
     "prorl_farm/graders/swe_runner.py:sympy_evidence": 75,
     "prorl_farm/worker/reaper.py:Reaper._sweep": 75,
@@ -154,13 +153,10 @@ LONG_FUNCTIONS = {
     "prorl_farm/graders/values.py:encode": 72,
     "prorl_farm/graders/call_server.py:main": 70,
     "prorl_farm/sandbox/manager.py:SandboxManager.start": 70,
-    "prorl_farm/trainer/adapters.py:to_verl": 66,
     "prorl_farm/graders/swe_runner.py:runner_state": 65,
     "prorl_farm/graders/values.py:decode": 65,
     "prorl_farm/graders/swe_runner.py:audit_hook.hook": 64,
     "prorl_farm/toolserver/bash.py:BashSession._run": 64,
-    "prorl_farm/worker/pool.py:worker_main": 62,
-    "prorl_farm/worker/runner.py:StageRunner._run_claimed": 62,
 }
 
 

@@ -126,33 +126,12 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
     check_logprobs_mode(samples, logprobs_mode)
     temperature = _temperature(samples)
     b = len(samples)
-    p = max(len(job["result"]["prompt_ids"]) for _, job in samples)
-    r = max(max(len(job["result"]["response_ids"]) for _, job in samples), 1)
-    prompts = np.full((b, p), pad_token_id, dtype=np.int64)
-    prompt_mask = np.zeros((b, p), dtype=np.int64)
-    responses = np.full((b, r), pad_token_id, dtype=np.int64)
-    response_attn = np.zeros((b, r), dtype=np.int64)
-    response_mask = np.zeros((b, r), dtype=np.int64)
-    logprobs = np.zeros((b, r), dtype=np.float32)
-    scores = np.zeros((b, r), dtype=np.float32)
-    token_vers = np.full((b, r), -1, dtype=np.int64)
-    uids, versions, turns = [], [], []
-    for i, (g, job) in enumerate(samples):
-        res = job["result"]
-        prompt, response = res["prompt_ids"], res["response_ids"]
-        prompts[i, p - len(prompt):] = prompt
-        prompt_mask[i, p - len(prompt):] = 1
-        responses[i, :len(response)] = response
-        response_attn[i, :len(response)] = 1
-        response_mask[i, :len(response)] = res["response_mask"]
-        logprobs[i, :len(response)] = res["response_logprobs"]
-        token_vers[i, :len(response)] = token_versions(res, job.get("policy_version"))
-        # An empty response's reward goes where VeRL's agent loop puts it: at index -1.
-        scores[i, len(response) - 1 if len(response) else -1] = job["reward"]
-        uids.append(_uid(groups[g], g))
-        versions.append(job.get("policy_version"))
-        # VeRL counts chat turns: the prompt, then each assistant or tool/user message.
-        turns.append(1 + len(mask_runs(res["response_mask"])))
+    prompts, prompt_mask, responses, response_attn, response_mask, logprobs, scores, \
+        token_vers = _padded(samples, pad_token_id)
+    uids = [_uid(groups[g], g) for g, _ in samples]
+    versions = [job.get("policy_version") for _, job in samples]
+    # VeRL counts chat turns: the prompt, then each assistant or tool/user message.
+    turns = [1 + len(mask_runs(job["result"]["response_mask"])) for _, job in samples]
     attention_mask = np.concatenate([prompt_mask, response_attn], axis=1)
     position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None) * attention_mask
     batch = {"prompts": prompts, "responses": responses,
@@ -172,6 +151,37 @@ def to_verl(groups, pad_token_id: int = 0, as_torch: bool = False,
                                  "__num_turns__": np.array(turns, dtype=np.int32),
                                  "multi_modal_inputs": multi_modal},
             "meta_info": {"temperature": temperature}}
+
+
+def _padded(samples, pad_token_id: int) -> tuple[np.ndarray, ...]:
+    """The samples' arrays as VeRL lays them out: prompts left-padded and their mask;
+    responses right-padded, their attention and loss masks, logprobs, the reward on the
+    last response token, and each token's policy version (-1 where none sampled it)."""
+    b = len(samples)
+    p = max(len(job["result"]["prompt_ids"]) for _, job in samples)
+    r = max(max(len(job["result"]["response_ids"]) for _, job in samples), 1)
+    prompts = np.full((b, p), pad_token_id, dtype=np.int64)
+    prompt_mask = np.zeros((b, p), dtype=np.int64)
+    responses = np.full((b, r), pad_token_id, dtype=np.int64)
+    response_attn = np.zeros((b, r), dtype=np.int64)
+    response_mask = np.zeros((b, r), dtype=np.int64)
+    logprobs = np.zeros((b, r), dtype=np.float32)
+    scores = np.zeros((b, r), dtype=np.float32)
+    token_vers = np.full((b, r), -1, dtype=np.int64)
+    for i, (_, job) in enumerate(samples):
+        res = job["result"]
+        prompt, response = res["prompt_ids"], res["response_ids"]
+        prompts[i, p - len(prompt):] = prompt
+        prompt_mask[i, p - len(prompt):] = 1
+        responses[i, :len(response)] = response
+        response_attn[i, :len(response)] = 1
+        response_mask[i, :len(response)] = res["response_mask"]
+        logprobs[i, :len(response)] = res["response_logprobs"]
+        token_vers[i, :len(response)] = token_versions(res, job.get("policy_version"))
+        # An empty response's reward goes where VeRL's agent loop puts it: at index -1.
+        scores[i, len(response) - 1 if len(response) else -1] = job["reward"]
+    return (prompts, prompt_mask, responses, response_attn, response_mask, logprobs, scores,
+            token_vers)
 
 
 def mask_runs(mask) -> list[tuple[int, int, int]]:

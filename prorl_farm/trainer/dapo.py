@@ -340,20 +340,7 @@ class DynamicSampler:
         stats = self._stats = StepStats(step=self.step)
         self.step += 1
         oldest = policy_version - self.staleness
-        # What the last step left: stale groups go, fresh ones count.
-        stale_ready = [g for g in self.ready if g.policy_version < oldest]
-        self.ready = [g for g in self.ready if g.policy_version >= oldest]
-        stats.dropped_stale += len(stale_ready)
-        stats.rollouts_wasted += sum(len(g.job_ids) for g in stale_ready)
-        # In flight: stale where a finished rollout's oldest token is (the group is judged by
-        # its oldest), or, with stale_in_flight="cancel", where it was submitted.
-        stale = [g for g in self.in_flight
-                 if (g.stale_known is not None and g.stale_known < oldest)
-                 or (self.stale_in_flight == "cancel" and g.submitted_version < oldest)]
-        self.in_flight = [g for g in self.in_flight if g not in stale]
-        self._cancel(stale, stats)
-        stats.dropped_stale += len(stale)
-        stats.carried_in = len(self.ready) + len(self.in_flight)
+        self._drop_stale(oldest, stats)
         accepted: list[Group] = self.ready[:self.batch_groups]
         self.ready = self.ready[self.batch_groups:]
         start = time.monotonic()
@@ -396,6 +383,27 @@ class DynamicSampler:
                     else:
                         self.ready.append(group)
         stats.wait_s = round(time.monotonic() - start, 3)
+        return self._end_step(stats, accepted, rewards, samples, policy_version)
+
+    def _drop_stale(self, oldest: int, stats: StepStats) -> None:
+        """What the last step left: stale groups go, fresh ones count (carried in). In
+        flight, a group is stale where a finished rollout's oldest token is (the group is
+        judged by its oldest), or, with stale_in_flight="cancel", where it was submitted."""
+        stale_ready = [g for g in self.ready if g.policy_version < oldest]
+        self.ready = [g for g in self.ready if g.policy_version >= oldest]
+        stats.dropped_stale += len(stale_ready)
+        stats.rollouts_wasted += sum(len(g.job_ids) for g in stale_ready)
+        stale = [g for g in self.in_flight
+                 if (g.stale_known is not None and g.stale_known < oldest)
+                 or (self.stale_in_flight == "cancel" and g.submitted_version < oldest)]
+        self.in_flight = [g for g in self.in_flight if g not in stale]
+        self._cancel(stale, stats)
+        stats.dropped_stale += len(stale)
+        stats.carried_in = len(self.ready) + len(self.in_flight)
+
+    def _end_step(self, stats: StepStats, accepted: list[Group], rewards: list[float],
+                  samples: list[int], policy_version: int) -> Batch:
+        """The step's batch and stats; without carry-over, what is left is cancelled."""
         if not self.carry:
             self._cancel(self.in_flight, stats)
             self.in_flight = []

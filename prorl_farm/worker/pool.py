@@ -341,6 +341,17 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     cpu_farm = cgroups.farm_cpu_id(settings.redis_url, settings.node)
     if settings.tenant_cpu:  # the node's pools in a CPU group of their own (docs/sharing.md)
         cgroups.join_farm_cpu(cpu_farm)
+    try:
+        _app.worker_main(_celery_argv(stage, settings) + list(extra_argv or []))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    raise SystemExit(_ended(stage, code, cpu_farm))
+
+
+def _celery_argv(stage: str, settings: Settings) -> list[str]:
+    """`celery worker`'s arguments for the stage's pool on this node."""
+    pool = settings.pool(stage)
     argv = [
         "worker", "-Q", queue_for(stage, settings.node), "-P", pool.pool,
         "-c", str(pool.concurrency + settings.reserve_slots(stage)),
@@ -350,12 +361,12 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
     ]
     # With task events (for Flower) the worker also sends its heartbeat events, without which
     # monitors know no workers and count no active tasks; without events neither is sent.
-    argv += ["-E"] if settings.task_events else ["--without-heartbeat"]
-    try:
-        _app.worker_main(argv + list(extra_argv or []))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return argv + (["-E"] if settings.task_events else ["--without-heartbeat"])
+
+
+def _ended(stage: str, code: int, cpu_farm) -> int:
+    """After Celery's worker returned: the leave finished, the helpers and CPU groups
+    released; the exit status (1 where the pool stopped without being asked to)."""
     if _leaving is not None:
         _leaving.join(LEAVE_WAIT_S)
     # The node's CPU groups of tenants (sandbox/cgroups.py), if this was its last pool: the
@@ -370,4 +381,4 @@ def worker_main(stage: str, extra_argv: list[str] | None = None) -> None:
         log.critical("the %s pool stopped without being asked to; exiting with status 1",
                      stage)
         code = 1
-    raise SystemExit(code)
+    return code

@@ -138,12 +138,30 @@ class StageRunner:
         return str(cgroups.tenant_cpu(tenant, self._weights.get(tenant, 1.0),
                                       self._cpu_farm) or "")
 
-    def _run_claimed(self, stage: str, raw: dict, token: str) -> StageResult:
+    def _context(self, stage: str, raw: dict, token: str) -> JobContext:
         ctx = build_context(raw, stage, token, self.settings.node,
                             self.settings.pool(stage).timeout_s)
         ctx.backends, ctx.sandboxes, ctx.settings = self.backends, self.sandboxes, self.settings
         ctx.tenant = self.store.tenant_of(ctx.batch_id) or "default"
         ctx.cpu_group = self._cpu_group(ctx.tenant)
+        return ctx
+
+    def _output(self, stage: str, handler: AgentHandler, name: str, ctx: JobContext):
+        """What the handler's stage makes of the job: RUN in reference mode from the
+        instance's own reference; RUN sees only the visible fields; INIT takes a warm
+        sandbox where one is ready."""
+        if stage == "run" and ctx.mode == "reference":
+            return handler.reference(ctx)  # no policy: nothing to hide from
+        if stage == "run":
+            ctx.instance = handler.visible_instance(ctx.instance)
+        output = None
+        if stage == "init" and self.warm is not None and handler.warmable and \
+                ctx.mode == "policy":
+            output = self.warm.take(name, ctx)  # a warm sandbox, or None
+        return getattr(handler, stage)(ctx) if output is None else output
+
+    def _run_claimed(self, stage: str, raw: dict, token: str) -> StageResult:
+        ctx = self._context(stage, raw, token)
         handler: AgentHandler | None = None
         result = StageResult(StageOutcome.FAILED, "error")
         self.liveness.track(ctx)
@@ -153,17 +171,7 @@ class StageRunner:
             if ctx.instance is None:
                 raise InvalidInstance("the job's instance is no longer stored (expired)")
             handler = self.registry.get(raw["handler"])
-            if stage == "run" and ctx.mode == "reference":
-                output = handler.reference(ctx)  # no policy: nothing to hide from
-            else:
-                if stage == "run":
-                    ctx.instance = handler.visible_instance(ctx.instance)
-                output = None
-                if stage == "init" and self.warm is not None and handler.warmable and \
-                        ctx.mode == "policy":
-                    output = self.warm.take(raw["handler"], ctx)  # a warm sandbox, or None
-                if output is None:
-                    output = getattr(handler, stage)(ctx)
+            output = self._output(stage, handler, raw["handler"], ctx)
             ctx.check()
             result = self._through_outage(lambda: self._complete(ctx, output), ctx)
         except JobAborted:
