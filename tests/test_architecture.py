@@ -147,7 +147,6 @@ LONG_FUNCTIONS = {
     "prorl_farm/graders/swe_runner.py:evidence_plugin": 82,
     "prorl_farm/dev/answer_corpus.py:dresses": 77,
     "prorl_farm/graders/swe_runner.py:sympy_evidence": 75,
-    "prorl_farm/worker/reaper.py:Reaper._sweep": 75,
     "prorl_farm/graders/swe_runner.py:django_evidence": 74,
     "prorl_farm/jobs/store.py:JobStore.create_jobs": 74,
     "prorl_farm/graders/values.py:encode": 72,

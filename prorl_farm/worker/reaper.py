@@ -223,17 +223,7 @@ class Reaper:
         def gone(holder: str | None) -> bool:
             return present is not None and bool(holder) and holder not in present
 
-        # Oldest heartbeats first: the ones stale by either test come before the rest.
-        stale = r.zrangebyscore(keys.ACTIVE, "-inf", f"({quick}", start=0, num=BATCH,
-                                withscores=True)
-        rows = store.job_fields([job_id for job_id, _ in stale], "token", "holder")
-        for (job_id, beat), (token, holder) in zip(stale, rows):
-            if gone(holder):
-                self._reap(counts, job_id, "active", quick, token, "",
-                           "its worker process is gone")
-            elif beat < cutoff:
-                self._reap(counts, job_id, "active", cutoff, token, "",
-                           "its worker stopped heartbeating")
+        self._reap_stale_active(counts, quick, cutoff, gone)
         live = store.live_pools(self.settings.heartbeat_stale_s)
         if present is not None:  # a pool with no process left is dead now, not in 30 s
             fresh = max(self.settings.presence_grace_s, 2 * pool_beat_s(self.settings))
@@ -243,40 +233,61 @@ class Reaper:
         if present is not None:
             self._withdraw_gone(queues | {"init"}, present)
         for queue in queues:
-            if queue == "init":
-                continue  # global: any node's INIT pool takes it
-            stage, _, node = queue.partition(".")
-            if f"{stage}:{node}" in live:
-                continue
-            left = r.hget(keys.LEFT, queue)
-            if left is not None:
-                until = float(left) + self.settings.heartbeat_stale_s
-                self._hand_back_left(counts, queue, until)
-                if until < cutoff:  # nothing can arrive in time for the mark any more
-                    self._forget_left(queue, left)
-            # A queued job lost nothing with its pool: it waits the stale time for the pool to
-            # come back (a container's restart policy, `up`'s supervisor, take seconds)
-            # before a move spends one of its requeues.
-            waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({cutoff}", start=0,
-                                      num=BATCH)
-            # Jobs in the queue's pens never reached the list: their place is an order, not
-            # a time. They go once both the pool's last beat (if it ever beat: a node's run
-            # pool may start after its INIT pool has handed it jobs) and their own arrival
-            # on the queue are older than the stale time.
-            last = r.zscore(keys.POOLS, f"{stage}:{node}")
-            if last is None or last < cutoff:
-                penned = store.waiting_in_pens(queue, limit=BATCH)
-                came = store.job_fields(penned, f"t_{stage}_queued")
-                waiting += [job_id for job_id, (at,) in zip(penned, came)
-                            if at is None or float(at) < cutoff]
-            for job_id, token in zip(waiting, store.tokens(waiting)):
-                self._reap(counts, job_id, "queued", cutoff, token, queue,
-                           f"no live {stage} pool on node {node}")
+            if queue != "init":  # global: any node's INIT pool takes it
+                self._reap_dead_node_queue(counts, queue, live, cutoff)
         reserved = reserved_messages(r)
         self._reap_orphans(counts, [m for m in reserved if m.at < quick], cutoff, quick,
                            gone)
         self._reap_lost(counts, queues, {m.token for m in reserved}, cutoff)
         return counts
+
+    def _reap_stale_active(self, counts: dict, quick: float, cutoff: float, gone) -> None:
+        """Running or held jobs whose holder is gone (a heartbeat older than ``quick`` from a
+        process no longer present) or stopped heartbeating (older than ``cutoff``)."""
+        # Oldest heartbeats first: the ones stale by either test come before the rest.
+        stale = self.store.r.zrangebyscore(keys.ACTIVE, "-inf", f"({quick}", start=0,
+                                           num=BATCH, withscores=True)
+        rows = self.store.job_fields([job_id for job_id, _ in stale], "token", "holder")
+        for (job_id, beat), (token, holder) in zip(stale, rows):
+            if gone(holder):
+                self._reap(counts, job_id, "active", quick, token, "",
+                           "its worker process is gone")
+            elif beat < cutoff:
+                self._reap(counts, job_id, "active", cutoff, token, "",
+                           "its worker stopped heartbeating")
+
+    def _reap_dead_node_queue(self, counts: dict, queue: str, live: dict,
+                              cutoff: float) -> None:
+        """The jobs waiting on a node's queue whose pool is not live: handed back where the
+        pools left the node, else moved once they waited the stale time."""
+        store, r = self.store, self.store.r
+        stage, _, node = queue.partition(".")
+        if f"{stage}:{node}" in live:
+            return
+        left = r.hget(keys.LEFT, queue)
+        if left is not None:
+            until = float(left) + self.settings.heartbeat_stale_s
+            self._hand_back_left(counts, queue, until)
+            if until < cutoff:  # nothing can arrive in time for the mark any more
+                self._forget_left(queue, left)
+        # A queued job lost nothing with its pool: it waits the stale time for the pool to
+        # come back (a container's restart policy, `up`'s supervisor, take seconds)
+        # before a move spends one of its requeues.
+        waiting = r.zrangebyscore(keys.queued(queue), "-inf", f"({cutoff}", start=0,
+                                  num=BATCH)
+        # Jobs in the queue's pens never reached the list: their place is an order, not
+        # a time. They go once both the pool's last beat (if it ever beat: a node's run
+        # pool may start after its INIT pool has handed it jobs) and their own arrival
+        # on the queue are older than the stale time.
+        last = r.zscore(keys.POOLS, f"{stage}:{node}")
+        if last is None or last < cutoff:
+            penned = store.waiting_in_pens(queue, limit=BATCH)
+            came = store.job_fields(penned, f"t_{stage}_queued")
+            waiting += [job_id for job_id, (at,) in zip(penned, came)
+                        if at is None or float(at) < cutoff]
+        for job_id, token in zip(waiting, store.tokens(waiting)):
+            self._reap(counts, job_id, "queued", cutoff, token, queue,
+                       f"no live {stage} pool on node {node}")
 
     def _hand_back_left(self, counts: dict, queue: str, until: float) -> None:
         """A queue whose pools left their node (lua/leave_sweep.lua's mark) and none came
