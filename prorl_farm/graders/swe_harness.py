@@ -79,14 +79,7 @@ def main():
     # The tree under test and the grader's files: ``repo/`` and ``grader/``, or where the
     # command line says (a SWE-bench environment has its checkout at the workspace itself).
     repo = os.path.abspath(sys.argv[1] if len(sys.argv) > 2 else "repo")
-    grader = os.path.abspath(sys.argv[2] if len(sys.argv) > 2 else "grader")
-    kept = {}
-    for name in ("spec.json", "test.patch", "model.patch", "swe_runner.py"):
-        path = os.path.join(grader, name)
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                kept[name] = f.read()
-    shutil.rmtree(grader, ignore_errors=True)  # nothing of the grader left on disk
+    kept = read_grader(os.path.abspath(sys.argv[2] if len(sys.argv) > 2 else "grader"))
     spec = json.loads(kept["spec.json"])
 
     def verdict(**fields):
@@ -96,80 +89,11 @@ def main():
 
     jail = Jail(shm_mb=int(spec.get("shm_mb", 64)), enabled=spec.get("jail", True),  # noqa: F821 - from jail.py
                 noexec_binds=spec.get("noexec", False), disk_mb=spec.get("disk_mb"))
-    in_repo = [(repo, True)]
     kind = spec.get("kind", "pytest")
-    # The files the grading pytest reads as configuration: from its own source, not a list
-    # (pytest 9 reads pytest.toml and .pytest.toml too). Probed before anything of the
-    # candidate's is in the tree. (Django's and sympy's runners read no such file: theirs
-    # are in the spec's protected paths.)
-    names = ("import json, inspect, re, pytest, _pytest.config.findpaths as f; "
-             "print(json.dumps(sorted(set(re.findall(r'[\"\\']([\\w.-]+\\.(?:toml|ini|cfg))"
-             "[\"\\']', inspect.getsource(f))))))")
-    configs = []
-    if kind == "pytest":
-        try:
-            probe = jail.retrying(lambda: jail.run([sys.executable, "-I", "-c", names],
-                                                   in_repo, repo))
-        except JailError as e:  # noqa: F821 - from jail.py
-            verdict(error=str(e))
-        if probe.returncode != 0:
-            verdict(error=f"pytest is not importable by {sys.executable} in the sandbox: "
-                          f"{probe.stderr[-1000:]}")
-        try:
-            configs = json.loads(probe.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            configs = []
+    configs = pytest_configs(jail, repo, verdict) if kind == "pytest" else []
     spec["protected_names"] = sorted(set(spec.get("protected_names", [])) | set(configs))
-
-    def apply(patch):
-        out = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1", "-"], cwd=repo,
-                             capture_output=True, input=patch)
-        return out.returncode == 0, (out.stdout + out.stderr).decode(errors="replace")[-2000:]
-
-    # What the protected files must hold when the tests start: as at the base (a reference
-    # patch: read here before it is applied; a policy's tree: as the farm sent it). Without
-    # setup commands nothing but the reference patch writes before the tests: only the
-    # paths it touches are read and put back (the farm wrote a policy's tree with its
-    # protected files restored), not every file of a tree of thousands.
-    setup = spec.get("setup", [])
-    touched = None
-    if "model.patch" in kept:
-        if not setup:
-            touched = touched_by(kept["model.patch"], repo)
-        before = protected_files(repo, spec, touched)
-        ok, why = apply(kept["model.patch"])
-        if not ok:
-            verdict(applied=False, why=why)
-    else:
-        before = {path: text.encode("latin-1") for path, text in
-                  spec.get("protected_base", {}).items()}
-        if not setup:
-            touched = []
-    for command in setup:
-        try:
-            out = jail.retrying(lambda c=command: jail.run(
-                ["bash", "--noprofile", "--norc", "-c", c], in_repo, repo))
-        except JailError as e:  # noqa: F821 - from jail.py
-            verdict(error=str(e))
-        if out.returncode != 0:
-            verdict(error=f"setup command failed ({out.returncode}): {command}\n"
-                          f"{(out.stdout + out.stderr)[-2000:]}")
-    # After the last command that could write (the setup's build runs the candidate's
-    # setup.py): every protected file back as it was, any new one gone.
-    discarded = restore(repo, spec, before, touched) if ("model.patch" in kept or
-                                                "protected_base" in spec) else []
-    ok, why = apply(kept["test.patch"])
-    if not ok:
-        verdict(error=f"the test patch does not apply: {why}")
-    # The code the run trusts, by content: the base's (the farm hashed it), and the test
-    # files as this process just wrote them.
-    if "trusted" in spec:
-        for path in spec.get("test_files", []):
-            full = os.path.join(repo, path)
-            if path.endswith(".py") and os.path.isfile(full) and not os.path.islink(full):
-                with open(full, "rb") as f:
-                    spec["trusted"][path] = hashlib.sha256(f.read()).hexdigest()
-
+    discarded = prepare_tree(jail, repo, spec, kept, verdict)
+    trust_test_files(repo, spec)
     wanted = list(dict.fromkeys(spec["tests"]))
     key = secrets.token_hex(24)
     deadline = started + max(5.0, float(spec.get("timeout_s", 900)) - 5.0)
@@ -193,6 +117,102 @@ def main():
     verdict(outcomes=outcomes, suspicious=suspicious, jail=jail.name, exit_code=code,
             timed_out=late, disk_full=filled, output=output, discarded=discarded,
             unwitnessed=unwitnessed[:20])
+
+
+def read_grader(grader):
+    """The grader's files, read into memory; the directory removed (nothing of the grader
+    left on disk)."""
+    kept = {}
+    for name in ("spec.json", "test.patch", "model.patch", "swe_runner.py"):
+        path = os.path.join(grader, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                kept[name] = f.read()
+    shutil.rmtree(grader, ignore_errors=True)
+    return kept
+
+
+def pytest_configs(jail, repo, verdict):
+    """The files the grading pytest reads as configuration: from its own source, not a list
+    (pytest 9 reads pytest.toml and .pytest.toml too). Probed before anything of the
+    candidate's is in the tree. (Django's and sympy's runners read no such file: theirs
+    are in the spec's protected paths.)"""
+    names = ("import json, inspect, re, pytest, _pytest.config.findpaths as f; "
+             "print(json.dumps(sorted(set(re.findall(r'[\"\\']([\\w.-]+\\.(?:toml|ini|cfg))"
+             "[\"\\']', inspect.getsource(f))))))")
+    try:
+        probe = jail.retrying(lambda: jail.run([sys.executable, "-I", "-c", names],
+                                               [(repo, True)], repo))
+    except JailError as e:  # noqa: F821 - from jail.py
+        verdict(error=str(e))
+    if probe.returncode != 0:
+        verdict(error=f"pytest is not importable by {sys.executable} in the sandbox: "
+                      f"{probe.stderr[-1000:]}")
+    try:
+        return json.loads(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return []
+
+
+def apply_patch(repo, patch):
+    out = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1", "-"], cwd=repo,
+                         capture_output=True, input=patch)
+    return out.returncode == 0, (out.stdout + out.stderr).decode(errors="replace")[-2000:]
+
+
+def prepare_tree(jail, repo, spec, kept, verdict):
+    """The tree as its tests must find it: the reference patch applied (if one came), the
+    setup commands run in the jail, every protected file put back, the test patch applied.
+    Returns the protected paths whose changes were undone.
+
+    What the protected files must hold when the tests start: as at the base (a reference
+    patch: read here before it is applied; a policy's tree: as the farm sent it). Without
+    setup commands nothing but the reference patch writes before the tests: only the
+    paths it touches are read and put back (the farm wrote a policy's tree with its
+    protected files restored), not every file of a tree of thousands."""
+    setup = spec.get("setup", [])
+    touched = None
+    if "model.patch" in kept:
+        if not setup:
+            touched = touched_by(kept["model.patch"], repo)
+        before = protected_files(repo, spec, touched)
+        ok, why = apply_patch(repo, kept["model.patch"])
+        if not ok:
+            verdict(applied=False, why=why)
+    else:
+        before = {path: text.encode("latin-1") for path, text in
+                  spec.get("protected_base", {}).items()}
+        if not setup:
+            touched = []
+    for command in setup:
+        try:
+            out = jail.retrying(lambda c=command: jail.run(
+                ["bash", "--noprofile", "--norc", "-c", c], [(repo, True)], repo))
+        except JailError as e:  # noqa: F821 - from jail.py
+            verdict(error=str(e))
+        if out.returncode != 0:
+            verdict(error=f"setup command failed ({out.returncode}): {command}\n"
+                          f"{(out.stdout + out.stderr)[-2000:]}")
+    # After the last command that could write (the setup's build runs the candidate's
+    # setup.py): every protected file back as it was, any new one gone.
+    discarded = restore(repo, spec, before, touched) if ("model.patch" in kept or
+                                                "protected_base" in spec) else []
+    ok, why = apply_patch(repo, kept["test.patch"])
+    if not ok:
+        verdict(error=f"the test patch does not apply: {why}")
+    return discarded
+
+
+def trust_test_files(repo, spec):
+    """The code the run trusts, by content: the base's (the farm hashed it), and the test
+    files as this process just wrote them."""
+    if "trusted" not in spec:
+        return
+    for path in spec.get("test_files", []):
+        full = os.path.join(repo, path)
+        if path.endswith(".py") and os.path.isfile(full) and not os.path.islink(full):
+            with open(full, "rb") as f:
+                spec["trusted"][path] = hashlib.sha256(f.read()).hexdigest()
 
 
 def is_protected(path, spec):
