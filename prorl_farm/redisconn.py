@@ -201,8 +201,12 @@ def client(url: str, *, failover_s: float = 0.0, blocking: bool = False,
         pool = pool_class(target.service, sentinel, db=target.db, username=target.username,
                           password=target.password, connection_class=SentinelConnection,
                           **kwargs)
-    return redis.Redis(connection_pool=pool,
-                       single_connection_client=single_connection_client)
+    out = redis.Redis(connection_pool=pool, single_connection_client=single_connection_client)
+    # The pool is this client's own: its close() closes the pool's sockets too (as
+    # Redis.from_url's does). redis-py leaves a pool it was given open, to the garbage
+    # collector, which then closes the sockets wherever it runs (a ResourceWarning there).
+    out.auto_close_connection_pool = True
+    return out
 
 
 def celery_broker(url: str) -> tuple[str, dict]:
