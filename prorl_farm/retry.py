@@ -21,18 +21,18 @@ def backoff_s(attempt: int, base_s: float, cap_s: float = math.inf) -> float:
     return min(cap_s, base_s * 2 ** max(0, attempt - 1))
 
 
-def with_retries(once: Callable[[bool], T], retries: int, base_s: float,
+def with_retries(once: Callable[[], T], retries: int, base_s: float,
                  cap_s: float = math.inf, *, retryable: Callable[[BaseException], bool],
                  on_retry: Callable[[int, BaseException], None] | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> T:
-    """``once(last)``, tried up to ``retries`` + 1 times (``last``: this is the final try).
+    """``once()``, tried up to ``retries`` + 1 times.
     An exception ``retryable`` accepts is followed by a pause (:func:`backoff_s`) and another
     try, unless the try was the last; any other exception, and the last try's, propagate.
     ``on_retry(attempt, exception)`` is told of each retried failure (attempt: 1, 2...)."""
     for attempt in range(1, retries + 2):
         last = attempt == retries + 1
         try:
-            return once(last)
+            return once()
         except BaseException as e:
             if last or not retryable(e):
                 raise

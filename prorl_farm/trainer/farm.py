@@ -124,7 +124,7 @@ class FarmClient:
             out.retry_ok = retry_ok
             return out
 
-        def once(last: bool):
+        def once():
             try:
                 resp = self.http.request(method, self.base_url + path,
                                          timeout=timeout_s or self.timeout_s,

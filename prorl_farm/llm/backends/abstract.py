@@ -100,7 +100,7 @@ class LLMClient(ABC):
             log.info("%s%s attempt %d failed: %s", self.url, path, attempt, e)
 
         try:
-            return with_retries(lambda last: self._post_once(path, body, abort_hook),
+            return with_retries(lambda: self._post_once(path, body, abort_hook),
                                 self.retries, self.retry_backoff_s,
                                 retryable=lambda e: isinstance(e, BackendError), on_retry=said)
         except BackendError as e:
