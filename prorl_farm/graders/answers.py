@@ -41,8 +41,8 @@ import time
 from collections.abc import Callable
 
 from prorl_farm.graders import answer_forms as forms
+from prorl_farm.graders.ending import end_process
 from prorl_farm.sandbox import cgroups
-from prorl_farm.sandbox.process import kill_group
 
 GRADE_TIMEOUT_S = 10.0  # per answer, the helper's CPU seconds (PRORL_GRADE_TIMEOUT_S)
 GRADE_WALL_FACTOR = 30.0  # wall-clock backstop: this many times the CPU bound
@@ -388,13 +388,7 @@ class Helper:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        kill_group(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+        end_process(self.proc)
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -171,6 +171,7 @@ def _reaped(pid, end):
 
 # include: jail.py
 # include: values.py
+# include: ending.py
 
 
 # The size check: reads a length-prefixed text, answers ``o`` + the bytes its JSON value would
@@ -261,16 +262,7 @@ class Literals:
 
     def close(self):
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            self.proc.wait()
-            for f in (self.proc.stdin, self.proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            end_process(self.proc)  # noqa: F821 - included
             self.proc = None
 
 
@@ -309,12 +301,7 @@ def run_jailed(jail, argv, view, data, bound, time_s, wall_s, memory_mb, confine
         if jail.filled(proc):
             why = "disk limit"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        proc.stdout.close()
+        end_process(proc)  # noqa: F821 - included
         jail.check(proc, killed=why is not None)
     return out, why, proc.returncode
 

@@ -27,17 +27,12 @@ from prorl_farm.toolserver.protocol import (
     GATEWAY_SOCKET,
     INSIDE_GATEWAY_DIR,
     INSIDE_HARNESSES,
-    INSIDE_RUN,
-    INSIDE_WORKSPACE,
-    IP_ENV,
-    SANDBOX_ENV,
 )
 
 __all__ = ["GATEWAY_PORT", "GATEWAY_SOCKET", "INSIDE_GATEWAY_DIR", "INSIDE_HARNESSES",
-           "INSIDE_RUN", "INSIDE_WORKSPACE", "IP_ENV", "SANDBOX_ENV", "DISK_SCRATCH", "Limits",
-           "Runtime", "disk_scratch",
-           "Sandbox", "SandboxError", "SandboxSpec", "chown_tree", "gateway_dir", "gateway_env",
-           "gateway_relay", "kill_group", "pid_alive", "processes_of", "reap"]
+           "DISK_SCRATCH", "Limits", "Runtime", "disk_scratch", "Sandbox", "SandboxError",
+           "SandboxSpec", "chown_tree", "gateway_dir", "gateway_env", "gateway_relay",
+           "kill_group", "pid_alive", "processes_of", "reap"]
 
 
 def chown_tree(path: Path, uid: int, gid: int) -> None:

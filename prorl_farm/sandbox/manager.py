@@ -20,7 +20,6 @@ from prorl_farm.errors import JobAborted, StageTimeout
 from prorl_farm.lua import Scripts
 from prorl_farm.sandbox import cgroups
 from prorl_farm.sandbox.abstract import (
-    INSIDE_WORKSPACE,
     Sandbox,
     SandboxError,
     SandboxSpec,
@@ -33,7 +32,7 @@ from prorl_farm.sandbox.interpreter import sandbox_python, usable_by
 from prorl_farm.sandbox.runtimes import GATEWAY_RUNTIMES, RuntimeOptions, make_runtime
 from prorl_farm.sandbox.runtimes.bwrap import SYSTEM
 from prorl_farm.states import TERMINAL_STATES, JobState
-from prorl_farm.toolserver.protocol import INSIDE_FARM, INSIDE_HARNESSES
+from prorl_farm.toolserver.protocol import INSIDE_FARM, INSIDE_HARNESSES, INSIDE_WORKSPACE
 
 log = logging.getLogger(__name__)
 

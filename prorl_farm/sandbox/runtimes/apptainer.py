@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prorl_farm.sandbox.abstract import INSIDE_RUN, INSIDE_WORKSPACE, SandboxSpec
+from prorl_farm.sandbox.abstract import SandboxSpec
 from prorl_farm.sandbox.interpreter import python_binds
 from prorl_farm.sandbox.runtimes.image import ImageRuntime, inside_env, inside_server
+from prorl_farm.toolserver.protocol import INSIDE_RUN, INSIDE_WORKSPACE
 
 
 def apptainer_argv(binary: str, spec: SandboxSpec, sandbox_id: str, workspace: Path,

@@ -31,12 +31,6 @@ from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
     DISK_SCRATCH,
-    INSIDE_GATEWAY_DIR,
-    INSIDE_HARNESSES,
-    INSIDE_RUN,
-    INSIDE_WORKSPACE,
-    IP_ENV,
-    SANDBOX_ENV,
     Runtime,
     Sandbox,
     SandboxError,
@@ -47,6 +41,14 @@ from prorl_farm.sandbox.abstract import (
     gateway_relay,
 )
 from prorl_farm.sandbox.interpreter import SandboxPython, sandbox_python, server_argv
+from prorl_farm.toolserver.protocol import (
+    INSIDE_GATEWAY_DIR,
+    INSIDE_HARNESSES,
+    INSIDE_RUN,
+    INSIDE_WORKSPACE,
+    IP_ENV,
+    SANDBOX_ENV,
+)
 
 # The identity of every process inside (mapped to the host uid the sandbox runs as).
 INSIDE_UID = 1000

@@ -36,10 +36,6 @@ from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
     DISK_SCRATCH,
-    INSIDE_GATEWAY_DIR,
-    INSIDE_HARNESSES,
-    INSIDE_RUN,
-    INSIDE_WORKSPACE,
     Limits,
     Sandbox,
     SandboxSpec,
@@ -49,6 +45,12 @@ from prorl_farm.sandbox.abstract import (
 )
 from prorl_farm.sandbox.interpreter import python_binds, sandbox_python
 from prorl_farm.sandbox.runtimes.image import ImageRuntime, inside_env, inside_server
+from prorl_farm.toolserver.protocol import (
+    INSIDE_GATEWAY_DIR,
+    INSIDE_HARNESSES,
+    INSIDE_RUN,
+    INSIDE_WORKSPACE,
+)
 
 NOBODY = (65534, 65534)
 READY = "ready.fifo"  # in the run directory

@@ -7,10 +7,6 @@ import os
 from pathlib import Path
 
 from prorl_farm.sandbox.abstract import (
-    INSIDE_RUN,
-    INSIDE_WORKSPACE,
-    IP_ENV,
-    SANDBOX_ENV,
     Runtime,
     Sandbox,
     SandboxError,
@@ -19,6 +15,7 @@ from prorl_farm.sandbox.abstract import (
     gateway_relay,
 )
 from prorl_farm.sandbox.interpreter import sandbox_python, server_argv
+from prorl_farm.toolserver.protocol import INSIDE_RUN, INSIDE_WORKSPACE, IP_ENV, SANDBOX_ENV
 
 
 def inside_env(spec: SandboxSpec, sandbox_id: str, ip: str) -> dict[str, str]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from prorl_farm.sandbox.abstract import IP_ENV, SANDBOX_ENV, Runtime, Sandbox, SandboxSpec
+from prorl_farm.sandbox.abstract import Runtime, Sandbox, SandboxSpec
 from prorl_farm.sandbox.interpreter import server_argv
+from prorl_farm.toolserver.protocol import IP_ENV, SANDBOX_ENV
 
 
 class LocalRuntime(Runtime):
