@@ -320,7 +320,7 @@ def run(url: str, n: int, seconds: float, jobs: int, why: bool = False) -> dict:
     a_calls_s = {c: v / seconds for c, v in a["calls"].items()}
     for node in nodes:
         node.close()
-    store.r.connection_pool.disconnect()
+    store.r.close()
     return {
         "nodes": n, "setup_s": setup_s, "rate": rate,
         "a_cpu_ms_s": per_s_a * 1e3, "job_cpu_ms": job_cpu * 1e3, "total_cpu_s_s": total,

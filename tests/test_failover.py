@@ -71,7 +71,7 @@ def test_sigkill_of_the_redis_primary_mid_batch_fails_over_to_its_replica_losing
         if pools is not None:
             pools.stop()
         if app is not None:
-            app.extensions["prorl"].store.r.connection_pool.disconnect()
+            app.extensions["prorl"].store.r.close()
         for p in members.values():
             p.kill()
             p.wait()

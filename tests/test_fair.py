@@ -24,7 +24,7 @@ from prorl_farm.worker.kombu import message_args
 def fair(settings, r):
     store = JobStore.from_settings(dataclasses.replace(settings, fair_aging_s=60.0))
     yield store, StageMessages(create_celery_app(settings))
-    store.r.connection_pool.disconnect()
+    store.r.close()
 
 
 def _register(store, queue="init", shared=2, reserve=2, weights=None):
@@ -167,7 +167,7 @@ def test_priority_goes_first_within_a_tenant_and_aging_stops_starvation(fair, r)
     store.finish(holder.job_id, JobState.DONE, token=holder.token)
     assert _on_list(r) == [old[0].job_id]
     assert newer
-    aged.r.connection_pool.disconnect()
+    aged.r.close()
 
 
 def test_every_way_out_gives_the_slot_back_and_leaves_nothing(fair, r):

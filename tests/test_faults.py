@@ -49,7 +49,7 @@ def faulty(tmp_path, tokenizer):
         pools.stop()
         for b in backends:
             b.kill()
-        app.extensions["prorl"].store.r.connection_pool.disconnect()
+        app.extensions["prorl"].store.r.close()
         server.stop()
 
 
@@ -171,6 +171,6 @@ def test_a_wedged_pool_is_killed_by_its_watchdog_and_its_jobs_recovered(tmp_path
     finally:
         pools.stop()
         r.close()
-        app.extensions["prorl"].store.r.connection_pool.disconnect()  # as `faulty` does
+        app.extensions["prorl"].store.r.close()  # as `faulty` does
         server.stop()
 

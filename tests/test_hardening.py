@@ -148,7 +148,7 @@ def test_a_pool_survives_or_fails_loudly_across_a_redis_restart(tmp_path):
         c = app.test_client()
         for _ in range(2):
             _restart_round(server, pools, c)
-        app.extensions["prorl"].store.r.connection_pool.disconnect()
+        app.extensions["prorl"].store.r.close()
     finally:
         pools.stop()
         server.stop()

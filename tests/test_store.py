@@ -23,7 +23,7 @@ def _close_stores():
     """Every store a test makes is closed with it (its pool's sockets with it)."""
     yield
     while _STORES:
-        _STORES.pop().r.connection_pool.disconnect()
+        _STORES.pop().r.close()
 
 
 def make(settings, r, n=1, **kw):

@@ -198,7 +198,7 @@ def own_farm(tmp_path, **settings):
         yield pools, app.test_client()
     finally:
         pools.stop()
-        app.extensions["prorl"].store.r.connection_pool.disconnect()
+        app.extensions["prorl"].store.r.close()
         server.stop()
 
 
