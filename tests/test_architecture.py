@@ -139,7 +139,6 @@ LONG_FUNCTIONS = {
     "prorl_farm/graders/swe_runner.py:namespace_guard": 275,
     "prorl_farm/graders/swe_runner.py:instrument_asserts": 199,
     "prorl_farm/graders/swe_runner.py:identity": 158,
-    "prorl_farm/swebench/envs.py:EnvBuilder._build": 116,
     "prorl_farm/graders/swe_runner.py:trust": 112,
     "prorl_farm/graders/swe_runner.py:equality_probe": 111,
     "prorl_farm/graders/swe_harness.py:run_tests": 107,

@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import redis
@@ -432,3 +433,43 @@ def test_sympy_and_django_candidates_that_forge_their_runners_log_earn_nothing(b
         {"instance": row, "log": verdicts.log_text(job["result"]["eval"]["output"], 1)}
         for row, job in forged])
     assert [t["resolved"] for t in theirs] == [True] * len(forged), theirs
+
+
+def test_an_environment_built_anew_is_the_one_the_cache_holds(tmp_path):
+    """The environments are cached by what they are built from, so a run with a warm cache
+    never builds one: this build from nothing (pytest 8.0, both layers, its lock) keeps
+    the builder's code honest. Same files, same contents, same manifest."""
+    import hashlib
+
+    from prorl_farm.config import Settings
+    from prorl_farm.swebench import instance
+
+    row = next(r for r in ROWS if r["instance_id"] == "pytest-dev__pytest-11143")
+    spec = instance.swebench_spec(row)
+    ENV_DIR.mkdir(parents=True, exist_ok=True)
+    (ENV_DIR / ".cache").mkdir(exist_ok=True)
+    fresh = tmp_path / "envs"
+    fresh.mkdir()
+    (fresh / ".cache").symlink_to(ENV_DIR / ".cache")  # the downloads, not the builds
+
+    def files(env) -> dict[str, str]:
+        out = {}
+        for path in sorted(Path(env.path).rglob("*")):
+            rel = str(path.relative_to(env.path))
+            if path.is_symlink():
+                out[rel] = "-> " + os.readlink(path)
+            elif path.is_file() and rel != "env.json" and not rel.endswith(
+                    ("uv_cache.json", ".pyc", "/RECORD")):  # times, bytecode, their hashes
+                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        return out
+
+    built = []
+    for root in (ENV_DIR, fresh):
+        settings = Settings(swe_env_dir=str(root))
+        built.append(instance.prepare(row, spec, settings, repo_roots()).env)
+    cached, anew = built
+    assert cached.path != anew.path and Path(anew.path).is_relative_to(fresh)
+    read = [json.loads(Path(env.path, "env.json").read_text()) for env in (cached, anew)]
+    assert [{k: v for k, v in m.items() if k != "built_s"} for m in read[:1]] == \
+        [{k: v for k, v in m.items() if k != "built_s"} for m in read[1:]]
+    assert files(anew) == files(cached)

@@ -46,7 +46,10 @@ from prorl_farm.swebench.repos import _Locked
 HERE = Path(__file__).resolve().parent
 SPECS_FILE = HERE / "specs.json"
 LOCKS_DIR = HERE / "locks"
-BUILDER_VERSION = 1
+# Part of every environment's cache key: raised whenever what a build makes (its files or its
+# manifest) changes, so no environment an older builder made is taken for a newer one's.
+# 2: the manifest says where the lock came from (lock_source).
+BUILDER_VERSION = 2
 INSIDE_SRC = "/workspace"
 BUILD_DIR = "/tmp/prorl-build"
 CACHE_DIR = "/tmp/prorl-cache"
@@ -313,6 +316,102 @@ def _bwrap_argv(python_dir: Path, prefix: str, src: Path, build: Path, cache: Pa
     return argv
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """What one layer's install steps are made from."""
+    spec: EnvSpec
+    files: dict[str, bytes]  # the tree the layer installs from
+    build: Path  # the build directory (BUILD_DIR inside)
+    python: str  # the interpreter's path inside
+    short: str  # its version, major.minor
+    uv: str | None  # uv's path inside (None: pip alone)
+    first: bool  # the interpreter and the packages (else the repository over them)
+    install: bool  # the repository is installed in this layer
+
+
+def _resolving_steps(layer: _Layer, resolve: bool) -> list[tuple[str, str]]:
+    """An unpinned layer's steps (no lock, or ``resolve``: making one): the spec's packages
+    resolved from the registry, the repository, and the record of what was installed (and,
+    for a lock, the build backend's versions)."""
+    spec, build, uv = layer.spec, layer.build, layer.uv
+    steps = []
+    if layer.first:
+        steps.append(("pip", "python -m ensurepip --default-pip"))
+        if spec.pip_packages:
+            (build / "pip.txt").write_text("\n".join(spec.pip_packages) + "\n")
+            steps.append(("the spec's pip packages",
+                          f"python -m pip install -r {BUILD_DIR}/pip.txt"))
+        if spec.packages == "requirements.txt":
+            paths = load_specs()["requirements_paths"].get(spec.repo, ["requirements.txt"])
+            (build / "reqs.txt").write_text(requirements_from_tree(layer.files, paths))
+            steps.append(("the repository's requirements",
+                          f"python -m pip install -r {BUILD_DIR}/reqs.txt"))
+        elif spec.packages and not spec.packages.endswith((".yml", ".yaml")):
+            steps.append(("the spec's packages", f"python -m pip install {spec.packages}"))
+        elif spec.packages:
+            raise EnvError(f"{spec.name}: a conda environment file is not supported")
+    if layer.install and spec.install:
+        steps.append(("the repository", spec.install))
+    # What was installed, kept in the manifest (an unpinned build's only record).
+    steps.append(("the record of what was installed", f"python -m pip freeze --all "
+                  f"--exclude-editable > {BUILD_DIR}/lock.out"))
+    if resolve and uv:  # the build backend's versions (a locked build constrains them)
+        (build / "build.in").write_text("\n".join(build_requires(layer.files)) + "\n")
+        steps.append(("the build backend's lock",
+                      f"{uv} pip compile --quiet --no-header --python-version "
+                      f"{layer.short} {BUILD_DIR}/build.in -o {BUILD_DIR}/build.out"))
+    return steps
+
+
+def _build_env(spec: EnvSpec, prefix: str) -> dict[str, str]:
+    """The environment the install steps run in: the host's proxy and index settings, the
+    interpreter first on PATH, caches in the shared cache, the spec's own variables."""
+    env = {k: v for k, v in os.environ.items() if PASS_ENV.match(k)}
+    env.update({"PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
+                "LANG": "C.UTF-8", "XDG_CACHE_HOME": CACHE_DIR,
+                "UV_CACHE_DIR": f"{CACHE_DIR}/uv", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+                "PIP_ROOT_USER_ACTION": "ignore",
+                # A shallow tree has no history for setuptools-scm to read a version from.
+                "SETUPTOOLS_SCM_PRETEND_VERSION": f"{spec.version}.0", **dict(spec.env)})
+    return env
+
+
+def _run_steps(spec: EnvSpec, argv: list[str], steps: list[tuple[str, str]],
+               log: Callable[[str], None]) -> None:
+    """Each step's command in the build sandbox ``argv``; the first that fails ends the
+    build with its output's tail."""
+    for what, command in steps:
+        t0 = time.monotonic()
+        out = subprocess.run([*argv, "bash", "-c", command], capture_output=True,
+                             text=True, stdin=subprocess.DEVNULL, timeout=1800)
+        if out.returncode != 0:
+            raise EnvError(f"{spec.name}: installing {what} failed ({out.returncode}): "
+                           f"{command}\n{(out.stdout + out.stderr)[-3000:]}")
+        log(f"{spec.name}: {what} in {time.monotonic() - t0:.1f}s")
+
+
+def _write_tree(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def _keep_overlay(src: Path, files: dict[str, bytes], overlay: Path) -> list[str]:
+    """The files the install wrote into the tree (not the tree's own, no bytecode), copied
+    to ``overlay``: laid over the graded tree, as the image's tree holds them."""
+    kept = []
+    for path in sorted(src.rglob("*")):
+        rel = str(path.relative_to(src))
+        if (path.is_file() and not path.is_symlink() and rel not in files
+                and "__pycache__" not in path.parts and not rel.endswith(".pyc")):
+            target = overlay / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+            kept.append(rel)
+    return kept
+
+
 
 
 EDITABLE = re.compile(r"^(?:python -m )?pip install (?:-e|--editable) ['\"]?([^'\" ]+)['\"]?$")
@@ -418,93 +517,26 @@ class EnvBuilder:
         for d in (src, build, cache):
             d.mkdir(parents=True, exist_ok=True)
         if install:
-            for rel, data in files.items():
-                path = src / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(data)
-        steps: list[tuple[str, str]] = []
+            _write_tree(src, files)
         uv_host = uv_binary()
-        uv = UV_INSIDE if uv_host else None
-        if lock is not None:
-            if over is None:
-                (build / "lock.txt").write_text(lock)
-                if uv:
-                    steps.append(("packages from the lock", f"{uv} pip install --quiet "
-                                  f"--python {python} --no-deps --link-mode copy "
-                                  f"--compile-bytecode -r {BUILD_DIR}/lock.txt"))
-                else:
-                    steps.append(("packages from the lock", f"{python} -m pip install -q "
-                                  f"--no-deps -r {BUILD_DIR}/lock.txt"))
-            if install and spec.install:
-                (build / "build.txt").write_text(spec.build_lock(self.lock_dirs) or "")
-                steps.append(("the repository", self._install_locked(spec, python, uv)))
-        else:
-            if over is None:
-                log(f"{spec.name}: no lock, resolving from the registry (unpinned)")
-                steps.append(("pip", "python -m ensurepip --default-pip"))
-                if spec.pip_packages:
-                    (build / "pip.txt").write_text("\n".join(spec.pip_packages) + "\n")
-                    steps.append(("the spec's pip packages",
-                                  f"python -m pip install -r {BUILD_DIR}/pip.txt"))
-                if spec.packages == "requirements.txt":
-                    paths = load_specs()["requirements_paths"].get(spec.repo,
-                                                                   ["requirements.txt"])
-                    reqs = requirements_from_tree(files, paths)
-                    (build / "reqs.txt").write_text(reqs)
-                    steps.append(("the repository's requirements",
-                                  f"python -m pip install -r {BUILD_DIR}/reqs.txt"))
-                elif spec.packages and not spec.packages.endswith((".yml", ".yaml")):
-                    steps.append(("the spec's packages", f"python -m pip install "
-                                  f"{spec.packages}"))
-                elif spec.packages:
-                    raise EnvError(f"{spec.name}: a conda environment file is not supported")
-            if install and spec.install:
-                steps.append(("the repository", spec.install))
-            # What was installed, kept in the manifest (an unpinned build's only record).
-            steps.append(("the record of what was installed", f"python -m pip freeze --all "
-                          f"--exclude-editable > {BUILD_DIR}/lock.out"))
-            if resolve:
-                if uv:  # the build backend's versions (a locked build constrains them)
-                    (build / "build.in").write_text("\n".join(build_requires(files)) + "\n")
-                    steps.append(("the build backend's lock",
-                                  f"{uv} pip compile --quiet --no-header --python-version "
-                                  f"{short} {BUILD_DIR}/build.in -o {BUILD_DIR}/build.out"))
-        env = {k: v for k, v in os.environ.items() if PASS_ENV.match(k)}
-        env.update({"PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
-                    "LANG": "C.UTF-8", "XDG_CACHE_HOME": CACHE_DIR,
-                    "UV_CACHE_DIR": f"{CACHE_DIR}/uv", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-                    "PIP_ROOT_USER_ACTION": "ignore",
-                    # A shallow tree has no history for setuptools-scm to read a version from.
-                    "SETUPTOOLS_SCM_PRETEND_VERSION": f"{spec.version}.0", **dict(spec.env)})
-        argv = _bwrap_argv(tmp / "python", prefix, src, build, cache, env, uv_host)
-        for what, command in steps:
-            t0 = time.monotonic()
-            out = subprocess.run([*argv, "bash", "-c", command], capture_output=True,
-                                 text=True, stdin=subprocess.DEVNULL, timeout=1800)
-            if out.returncode != 0:
-                raise EnvError(f"{spec.name}: installing {what} failed ({out.returncode}): "
-                               f"{command}\n{(out.stdout + out.stderr)[-3000:]}")
-            log(f"{spec.name}: {what} in {time.monotonic() - t0:.1f}s")
-        overlay = tmp / "overlay"
-        kept = []
-        for path in sorted(src.rglob("*")):
-            rel = str(path.relative_to(src))
-            if (path.is_file() and not path.is_symlink() and rel not in files
-                    and "__pycache__" not in path.parts and not rel.endswith(".pyc")):
-                target = overlay / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, target)
-                kept.append(rel)
+        layer = _Layer(spec, files, build, python, short, UV_INSIDE if uv_host else None,
+                       first=over is None, install=install)
+        if lock is None and over is None:
+            log(f"{spec.name}: no lock, resolving from the registry (unpinned)")
+        steps = (self._locked_steps(layer, lock) if lock is not None
+                 else _resolving_steps(layer, resolve))
+        _run_steps(spec, _bwrap_argv(tmp / "python", prefix, src, build, cache,
+                                     _build_env(spec, prefix), uv_host), steps, log)
+        kept = _keep_overlay(src, files, tmp / "overlay")
         shutil.rmtree(src)
-        plugins = self._plugins(tmp / "python" / "bin" / f"python{short}")
         manifest = {"repo": spec.repo, "version": spec.version, "spec": spec.as_dict(),
                     "python": python, "prefix": prefix, "python_version": version,
                     "commit": commit, "locked": lock is not None,
                     "lock_source": None if lock_file is None else (
                         "package" if lock_file.parent == LOCKS_DIR else str(lock_file)),
                     "overlay": kept,
-                    "plugins": plugins, "env": dict(spec.env),
-                    "built_s": round(time.monotonic() - started, 1)}
+                    "plugins": self._plugins(tmp / "python" / "bin" / f"python{short}"),
+                    "env": dict(spec.env), "built_s": round(time.monotonic() - started, 1)}
         if lock is None and (build / "lock.out").exists():
             manifest["resolved"] = (build / "lock.out").read_text()
             if (build / "build.out").exists():
@@ -512,6 +544,26 @@ class EnvBuilder:
         shutil.rmtree(build)
         log(f"{spec.name}: ready in {manifest['built_s']}s")
         return manifest
+
+    def _locked_steps(self, layer: _Layer, lock: str) -> list[tuple[str, str]]:
+        """A locked layer's steps: the packages at the lock's pins, no dependency
+        resolution (the first layer); the repository with its build backend at the lock's
+        versions (the second)."""
+        spec, python, uv, build = layer.spec, layer.python, layer.uv, layer.build
+        steps = []
+        if layer.first:
+            (build / "lock.txt").write_text(lock)
+            if uv:
+                steps.append(("packages from the lock", f"{uv} pip install --quiet "
+                              f"--python {python} --no-deps --link-mode copy "
+                              f"--compile-bytecode -r {BUILD_DIR}/lock.txt"))
+            else:
+                steps.append(("packages from the lock", f"{python} -m pip install -q "
+                              f"--no-deps -r {BUILD_DIR}/lock.txt"))
+        if layer.install and spec.install:
+            (build / "build.txt").write_text(spec.build_lock(self.lock_dirs) or "")
+            steps.append(("the repository", self._install_locked(spec, python, uv)))
+        return steps
 
     @staticmethod
     def _plugins(python: Path) -> list[str]:
