@@ -141,7 +141,6 @@ LONG_FUNCTIONS = {
     "prorl_farm/graders/swe_runner.py:identity": 158,
     "prorl_farm/graders/swe_runner.py:trust": 112,
     "prorl_farm/graders/swe_runner.py:equality_probe": 111,
-    "prorl_farm/graders/swe_harness.py:run_tests": 107,
     "prorl_farm/graders/swe_runner.py:evidence_plugin": 82,
     "prorl_farm/dev/answer_corpus.py:dresses": 77,
     "prorl_farm/graders/swe_runner.py:sympy_evidence": 75,

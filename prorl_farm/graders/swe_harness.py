@@ -339,23 +339,54 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     """Run the child (``runner``: its source); returns (its records, why it is suspicious or
     None, its exit code or None, the tail of its output, whether it ran out of time,
     pytest's own report, and what it wrote if it was stopped for the disk limit)."""
-    files = spec.get("files") or [f for f in dict.fromkeys(t.split("::")[0] for t in wanted)
-                                  if os.path.isfile(os.path.join(repo, f))]
+    kind = spec.get("kind", "pytest")
     r, w = os.pipe()
     # The run's output: read from a pipe, its last ``log_bytes`` kept in memory. Never a
     # file: what the tests print is theirs to size, and a file would count in the
     # workspace's bound, which the candidate's own writes use.
     log_r, log_w = os.pipe()
-    keep = int(spec.get("log_bytes", OUTPUT_TAIL))
-    kind = spec.get("kind", "pytest")
-    request = {"key": key, "fd": w, "repo": repo, "tests": wanted, "files": files,
-               "kind": kind, "runner_args": spec.get("runner_args", []),
-               "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
-               "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
-               "plugins": spec.get("plugins", []),
-               "defs": definitions(repo, spec) if kind == "pytest" else {},
-               "pytest_args": with_summary(spec.get("pytest_args", ["-q"])),
-               "trusted": spec.get("trusted")}
+    request = runner_request(repo, spec, wanted, key, w, kind)
+    child = start_runner(jail, repo, runner, request, log_w)
+    os.close(w)
+    os.close(log_w)
+    evidence, log = Evidence(key), RunLog(int(spec.get("log_bytes", OUTPUT_TAIL)), kind)
+    late = collect(r, log_r, evidence, log, deadline)
+    try:  # the runner ends itself after its last record; past the deadline we end it
+        child.wait(timeout=0 if late else 5)
+        killed = False
+    except subprocess.TimeoutExpired:
+        killed = True
+    try:
+        os.killpg(child.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
+    filled = jail.filled(child)
+    jail.check(child, killed=killed)
+    report = log.finish()
+    done = next((rec for rec in evidence.records if rec.get("kind") == "done"), None)
+    return (evidence.records, evidence.suspicious, done["exit_code"] if done else None,
+            log.output(), late, report, filled)
+
+
+def runner_request(repo, spec, wanted, key, fd, kind):
+    """What the runner is told (one JSON line on its stdin): the tests, the files they are
+    in, the evidence pipe ``fd`` and its ``key``, and the grader's rules for the run."""
+    files = spec.get("files") or [f for f in dict.fromkeys(t.split("::")[0] for t in wanted)
+                                  if os.path.isfile(os.path.join(repo, f))]
+    return {"key": key, "fd": fd, "repo": repo, "tests": wanted, "files": files,
+            "kind": kind, "runner_args": spec.get("runner_args", []),
+            "changed": spec.get("changed", []), "test_files": spec.get("test_files", []),
+            "every_test": spec.get("every_test", False), "guard": spec.get("guard", True),
+            "plugins": spec.get("plugins", []),
+            "defs": definitions(repo, spec) if kind == "pytest" else {},
+            "pytest_args": with_summary(spec.get("pytest_args", ["-q"])),
+            "trusted": spec.get("trusted")}
+
+
+def start_runner(jail, repo, runner, request, log_w):
+    """The runner in the jail, its request written: it keeps the evidence pipe
+    (``request["fd"]``), and its output goes to ``log_w``."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
     # The runner's code under a name of its own, which no other code may compile under.
@@ -366,17 +397,18 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
     boot = ("import builtins, sys; exec(compile(sys.argv[1], sys.argv[2], 'exec'), "
             "{'__builtins__': dict(vars(builtins)), '__name__': '__prorl_runner__'})")
     child = jail.popen([sys.executable, "-I", "-c", boot, runner, name], [(repo, True)], repo,
-                       pass_fds=(w,), stdin=subprocess.PIPE, stdout=log_w, stderr=log_w,
-                       close_fds=True, env=env, start_new_session=True)
-    os.close(w)
-    os.close(log_w)
+                       pass_fds=(request["fd"],), stdin=subprocess.PIPE, stdout=log_w,
+                       stderr=log_w, close_fds=True, env=env, start_new_session=True)
     child.stdin.write((json.dumps(request) + "\n").encode())
     child.stdin.close()
-    records, suspicious, buffer, late = [], None, b"", False
-    tail = bytearray()
-    report, partial = {}, b""  # pytest's own word on each test, from the run's output
-    prefix = (key + " ").encode()
-    evidence_open, log_open, drain_until = True, True, None
+    return child
+
+
+def collect(r, log_r, evidence, log, deadline):
+    """Reads the evidence pipe ``r`` and the run's output ``log_r`` until the runner closes
+    the former (then what it printed last, for up to 2 s more) or the deadline comes;
+    closes both. True: the deadline came with the evidence pipe still open."""
+    evidence_open, log_open, drain_until, late = True, True, None, False
     while evidence_open or log_open:
         now = time.monotonic()
         left = deadline - now
@@ -391,57 +423,78 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
         ready, _, _ = select.select([f for f, o in ((r, evidence_open), (log_r, log_open))
                                      if o], [], [], min(left, 1.0))
         if log_r in ready:
-            chunk = os.read(log_r, 65536)
-            if chunk:
-                tail += chunk
-                if len(tail) > 2 * keep:
-                    del tail[:len(tail) - keep]
-                partial = read_report(partial + chunk, report, kind)
-            else:
-                log_open = False
-        if r not in ready:
-            continue
-        chunk = os.read(r, 65536)
-        if not chunk:
-            evidence_open = False
-            continue
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        if len(buffer) > MAX_RECORD:
-            lines, buffer = [*lines, buffer], b""
-        for line in lines:
-            if not line.startswith(prefix):
-                suspicious = suspicious or "a record on the evidence pipe without the key"
-                continue
-            try:
-                record = json.loads(line[len(prefix):])
-            except ValueError:
-                suspicious = suspicious or "a malformed record"
-                continue
-            if record.get("kind") == "suspicious":
-                suspicious = suspicious or (f"{record.get('event')}: {record.get('detail')}"
-                                            + (f" (from {record['where']})"
-                                               if record.get("where") else ""))
-            records.append(record)
+            log_open = log.feed(os.read(log_r, 65536))
+        if r in ready:
+            evidence_open = evidence.feed(os.read(r, 65536))
     os.close(r)
     os.close(log_r)
-    try:  # the runner ends itself after its last record; past the deadline we end it
-        child.wait(timeout=0 if late else 5)
-        killed = False
-    except subprocess.TimeoutExpired:
-        killed = True
-    try:
-        os.killpg(child.pid, 9)
-    except (ProcessLookupError, PermissionError):
-        pass
-    child.wait()
-    filled = jail.filled(child)
-    jail.check(child, killed=killed)
-    output = bytes(tail[-keep:]).decode("utf-8", errors="replace")
-    read_report(partial + b"\n", report, kind)
-    done = next((rec for rec in records if rec.get("kind") == "done"), None)
-    return (records, suspicious, done["exit_code"] if done else None, output, late, report,
-            filled)
+    return late
+
+
+class Evidence:
+    """The runner's records, read from the evidence pipe: a line each, behind the run's key.
+    A line without the key, a malformed one or a ``suspicious`` record makes the run
+    suspicious (the first reason is kept)."""
+
+    def __init__(self, key):
+        self.prefix = (key + " ").encode()
+        self.records, self.suspicious, self.buffer = [], None, b""
+
+    def feed(self, chunk):
+        """Takes what the pipe gave; False: it is closed."""
+        if not chunk:
+            return False
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        if len(self.buffer) > MAX_RECORD:
+            lines, self.buffer = [*lines, self.buffer], b""
+        for line in lines:
+            self.line(line)
+        return True
+
+    def line(self, line):
+        if not line.startswith(self.prefix):
+            self.suspect("a record on the evidence pipe without the key")
+            return
+        try:
+            record = json.loads(line[len(self.prefix):])
+        except ValueError:
+            self.suspect("a malformed record")
+            return
+        if record.get("kind") == "suspicious":
+            self.suspect(f"{record.get('event')}: {record.get('detail')}"
+                         + (f" (from {record['where']})" if record.get("where") else ""))
+        self.records.append(record)
+
+    def suspect(self, why):
+        self.suspicious = self.suspicious or why
+
+
+class RunLog:
+    """The run's output: its last ``keep`` bytes, and pytest's own word on each test read
+    from it as it comes."""
+
+    def __init__(self, keep, kind):
+        self.keep, self.kind = keep, kind
+        self.tail, self.report, self.partial = bytearray(), {}, b""
+
+    def feed(self, chunk):
+        """Takes what the pipe gave; False: it is closed."""
+        if not chunk:
+            return False
+        self.tail += chunk
+        if len(self.tail) > 2 * self.keep:
+            del self.tail[:len(self.tail) - self.keep]
+        self.partial = read_report(self.partial + chunk, self.report, self.kind)
+        return True
+
+    def finish(self):
+        """The report, with the output's last line read too."""
+        read_report(self.partial + b"\n", self.report, self.kind)
+        return self.report
+
+    def output(self):
+        return bytes(self.tail[-self.keep:]).decode("utf-8", errors="replace")
 
 
 def with_summary(args):
