@@ -361,6 +361,44 @@ def test_a_bad_row_is_refused_alone_naming_the_field_and_nothing_is_enqueued(gym
     assert _jobs(farm) == before
 
 
+_CALL = {"type": "function_call", "name": "search", "arguments": "{\"q\": \"x\"}",
+         "call_id": "c1"}
+
+
+@pytest.mark.parametrize("items, taken", [
+    ("a question", True),
+    ([{"role": "user", "content": "q"}], True),
+    ([{"type": "message", "role": "developer", "content": [{"type": "input_text",
+                                                            "text": "be brief"}]},
+      {"role": "user", "content": "q"}], True),
+    # A conversation so far (citation_if, iheval): its calls, their outputs, its reasoning.
+    ([{"role": "user", "content": "q"}, {"type": "reasoning", "summary": []}, _CALL,
+      {"type": "function_call_output", "call_id": "c1", "output": [{"type": "output_text",
+                                                                   "text": "found"}]},
+      {"type": "function_call_output", "call_id": "c1", "output": {"hits": 2}},
+      {"role": "assistant", "content": [{"type": "output_text", "text": "so"}]},
+      {"role": "user", "content": "and?"}], True),
+    ([], False),
+    ([{"role": "tool", "content": "q"}], False),
+    ([{"role": "user"}], False),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], False),
+    ([{"type": "function_call", "arguments": "{}"}], False),  # no name
+    ([{"type": "web_search_call", "id": "w"}], False),
+    (["a string item"], False),
+])
+def test_the_published_row_schema_takes_a_row_exactly_when_the_farm_does(items, taken):
+    """The ``gym`` task's row schema (published in the OpenAPI document) and the farm's
+    own reading of a row's input agree: neither refuses what the other takes."""
+    import jsonschema_rs
+
+    from prorl_farm.handlers.gym import ROW_SCHEMA, GymInstance
+
+    row = {"responses_create_params": {"input": items}}
+    refused = GymInstance().validate({"server": "http://127.0.0.1:8000/", "row": row})
+    assert jsonschema_rs.Draft4Validator(ROW_SCHEMA).is_valid(row) is taken
+    assert (not refused) is taken, refused
+
+
 def test_an_unreachable_resources_server_is_named_so_never_a_zero(gym_farm):
     """A ``gym`` row whose resources server cannot be reached: the job fails at INIT (its
     /seed_session) as EnvironmentUnreachable, and the row comes back as Gym's failure record

@@ -179,8 +179,9 @@ def messages_of(params: dict) -> list[dict]:
                                                                        (*loc, i, "content"))})
         else:
             raise RowError([((*loc, i), "the farm takes messages (role user, system, "
-                                        "developer or assistant), function_call and "
-                                        "function_call_output items as a row's input")])
+                                        "developer or assistant), function_call, "
+                                        "function_call_output and reasoning items as a "
+                                        "row's input")])
     return out
 
 

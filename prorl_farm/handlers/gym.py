@@ -66,17 +66,29 @@ LOOPBACK_URL = (rf"^https?://(localhost|127\.{_OCTET}\.{_OCTET}\.{_OCTET}|\[::1\
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"type": "string", "enum": ["input_text", "output_text", "text"]},
     "text": {"type": "string"}}}
+# The items of a row's input that rows.messages_of takes: messages, and a conversation's
+# function calls, their outputs (any value) and reasoning (left out).
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "type": {"type": "string", "enum": ["message"]},
+    "role": {"type": "string", "enum": sorted(ROLES)},
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}
+_FUNCTION_CALL = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"type": "string", "enum": ["function_call"]}, "name": {"type": "string"}}}
+
+
+def _item_of(kind: str) -> dict:
+    return {"type": "object", "required": ["type"],
+            "properties": {"type": {"type": "string", "enum": [kind]}}}
+
+
 # What the row must hold (rows.messages_of, rows.tool_errors), published with the instance
 # schema. Tool names must also differ from each other, which JSON Schema cannot say.
 ROW_SCHEMA = {"type": "object", "required": ["responses_create_params"], "properties": {
     "responses_create_params": {"type": "object", "required": ["input"],
                                 "properties": {
         "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role", "content"], "properties": {
-                "type": {"type": "string", "enum": ["message"]},
-                "role": {"type": "string", "enum": sorted(ROLES)},
-                "content": {"oneOf": [{"type": "string"},
-                                      {"type": "array", "items": _TEXT_PART}]}}}}]},
+            "anyOf": [_MESSAGE, _FUNCTION_CALL, _item_of("function_call_output"),
+                      _item_of("reasoning")]}}]},
         "instructions": {"type": "string"},
         "tools": {"type": "array", "uniqueItems": True, "items": {
             "type": "object", "required": ["type", "name"], "properties": {
