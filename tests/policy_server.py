@@ -19,6 +19,8 @@ import time
 from collections import Counter, defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prorl_farm.dev.devserver import send_body
+
 
 def scripted_tokens(prompt: list[int], n: int) -> list[int]:
     return [10 + (len(prompt) + i) % 50 for i in range(n)]
@@ -146,12 +148,7 @@ class _Handler(BaseHTTPRequestHandler):
         super().handle_one_request()
 
     def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_body(self, status, json.dumps(body).encode())
 
     def do_GET(self):
         if self.path == "/health" and not self.owner.fail:

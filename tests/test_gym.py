@@ -238,6 +238,8 @@ class _Verifier:
     def __init__(self):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+        from prorl_farm.dev.devserver import send_body
+
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
@@ -249,11 +251,7 @@ class _Verifier:
                     if self.path == "/masked/verify" else \
                     (200, b'{"reward": 1.0}') if self.path == "/ok/verify" else \
                     (500, b'{"detail": "the judge is down"}')
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_body(self, status, body)
 
         import threading
 

@@ -469,15 +469,13 @@ def test_a_farm_that_is_not_ready_is_false_whatever_its_probe_says():
     document) while Redis restarts: ready() is False, never an exception."""
     import http.server
 
+    from prorl_farm.dev.devserver import send_body
+
     class NotReady(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             body = json.dumps({"ready": False, "redis": False,
                                "error": "Error 111 connecting to 127.0.0.1:6379."}).encode()
-            self.send_response(503)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_body(self, 503, body)
 
         def log_message(self, *args):
             pass

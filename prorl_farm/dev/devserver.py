@@ -416,6 +416,16 @@ def _number(body: dict, name: str, default, cast=float):
     return cast(value)
 
 
+
+def send_body(handler: BaseHTTPRequestHandler, status: int, data: bytes,
+              content_type: str = "application/json") -> None:
+    """A whole response with its length (the connection stays open for the next request)."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
 class DevHandler(BaseHTTPRequestHandler):
     server_version = "prorl-dev-model/1"
     protocol_version = "HTTP/1.1"
@@ -433,12 +443,7 @@ class DevHandler(BaseHTTPRequestHandler):
     # -- plumbing -------------------------------------------------------------------------
 
     def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_body(self, status, json.dumps(body).encode())
 
     def _error(self, status: int, message: str) -> None:
         kind = "BadRequestError" if status == 400 else "NotFoundError"
@@ -531,12 +536,7 @@ class DevHandler(BaseHTTPRequestHandler):
     def _flush(self) -> None:
         """SGLang's /flush_cache: 200 with a plain-text message."""
         self.model.cache_resets += 1
-        data = b"Cache flushed.\n"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_body(self, 200, b"Cache flushed.\n", "text/plain")
 
     # -- vLLM -----------------------------------------------------------------------------
 
