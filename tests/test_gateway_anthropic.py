@@ -14,7 +14,7 @@ import pytest
 
 from tests.farm import sampled_ids
 from tests.policy_server import PolicyServer, text_planner
-from tests.test_gateway_openai import CALL, _job, gateway  # noqa: F401 - fixture
+from tests.test_gateway_openai import CALL, _closed, _job, gateway  # noqa: F401 - fixture
 
 TOOLS = [{"name": "bash", "description": "run a command",
           "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
@@ -61,10 +61,7 @@ def test_tool_use_round_trips_through_the_anthropic_sdk(gateway, tiny_model):  #
     finally:
         sdk.close()
         policy.kill()
-    out = gateway.close_job(key).result()
-    assert out["capture"]["calls"] == 3 and out["capture"]["merged"] == 2
-    (seg,) = out["segments"]
-    assert sampled_ids(seg) == [t for g in returned for t in g.token_ids]
+    _closed(gateway, key, returned, calls=3, merged=2)
 
 
 def _raw(server, key: str, path: str, body: dict) -> tuple[int, dict, dict]:

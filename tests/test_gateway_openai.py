@@ -40,6 +40,16 @@ def gateway():
 CLIENTS: list[VLLMClient] = []
 
 
+def _closed(gateway, key: str, returned: list, calls: int, merged: int) -> tuple[dict, dict]:
+    """The job's capture, closed: ``calls`` model calls, ``merged`` of them merged into its
+    one segment, whose sampled ids are exactly those the backend returned."""
+    out = gateway.close_job(key).result()
+    assert out["capture"]["calls"] == calls and out["capture"]["merged"] == merged
+    (seg,) = out["segments"]
+    assert sampled_ids(seg) == [t for g in returned for t in g.token_ids]
+    return out, seg
+
+
 def _job(tiny_model, backend_url: str, returned: list, sampling: dict) -> JobGateway:
     client = VLLMClient(backend_url, "tiny")
     CLIENTS.append(client)
@@ -118,10 +128,7 @@ def test_tool_calls_round_trip_through_the_sdk_and_merge_into_one_segment(gatewa
     finally:
         sdk.close()
         policy.kill()
-    out = gateway.close_job(key).result()
-    assert out["capture"]["calls"] == 3 and out["capture"]["merged"] == 2
-    (seg,) = out["segments"]
-    assert sampled_ids(seg) == [t for g in returned for t in g.token_ids]
+    _closed(gateway, key, returned, calls=3, merged=2)
 
 
 def test_a_free_conversation_with_the_tiny_model_is_captured_token_exact(gateway, tiny_model,
