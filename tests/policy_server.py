@@ -17,9 +17,9 @@ import socket
 import threading
 import time
 from collections import Counter, defaultdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
-from prorl_farm.dev.devserver import send_body
+from prorl_farm.dev.devserver import ModelHTTPServer, send_body
 
 
 def scripted_tokens(prompt: list[int], n: int) -> list[int]:
@@ -78,9 +78,7 @@ class PolicyServer:
 
     def start(self) -> None:
         handler = type("Handler", (_Handler,), {"owner": self})
-        server_cls = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 1024})
-        self.httpd = server_cls(("127.0.0.1", self._port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = ModelHTTPServer(("127.0.0.1", self._port), handler)
         self._port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()

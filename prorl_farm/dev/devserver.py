@@ -33,6 +33,7 @@ import logging
 import secrets
 import select
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -655,13 +656,22 @@ class DevHandler(BaseHTTPRequestHandler):
                 "output_ids": s.token_ids, "meta_info": meta}
 
 
+class ModelHTTPServer(ThreadingHTTPServer):
+    """An inference server's HTTP side: a listen backlog like real servers' (farms open many
+    connections at once), a thread per connection, and a client that went away mid-answer
+    (a cancelled job) taken as the everyday thing it is, not printed as a traceback."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 def make_server(model: DevModel, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
     handler = type("BoundDevHandler", (DevHandler,), {"model": model})
-    # A listen backlog like real inference servers': farms open many connections at once.
-    server_cls = type("DevServer", (ThreadingHTTPServer,), {"request_queue_size": 1024})
-    server = server_cls((host, port), handler)
-    server.daemon_threads = True
-    return server
+    return ModelHTTPServer((host, port), handler)
 
 
 def serve(model_dir: str, host: str, port: int, name: str | None = None,
