@@ -145,7 +145,6 @@ LONG_FUNCTIONS = {
     "prorl_farm/dev/answer_corpus.py:dresses": 77,
     "prorl_farm/graders/swe_runner.py:sympy_evidence": 75,
     "prorl_farm/graders/swe_runner.py:django_evidence": 74,
-    "prorl_farm/jobs/store.py:JobStore.create_jobs": 74,
     "prorl_farm/graders/values.py:encode": 72,
     "prorl_farm/graders/call_server.py:main": 70,
     "prorl_farm/sandbox/manager.py:SandboxManager.start": 70,

@@ -161,43 +161,60 @@ class JobStore:
         times the aging time (lua/lib/fair.lua)."""
         now = self.server_time()
         deadline_at = f"{now + deadline_s:.6f}" if deadline_s else ""
-        jobs: list[NewJob] = []
         pipe = self.r.pipeline(transaction=True)
         # Until its jobs finish (finish() extends it), an instance lives twice the result TTL.
         instance_ttl = 2 * self._ttl + int(deadline_s or 0)
         sampling_id = new_id()
         pipe.set(keys.sampling(sampling_id), json.dumps(sampling), ex=instance_ttl)
-        rows: list = []
-        for index, instance in enumerate(instances):
-            instance_id = new_id()
-            pipe.set(keys.instance(instance_id), json.dumps(instance), ex=instance_ttl)
-            for sample in range(n):
-                job = NewJob(new_id(), new_id())
-                jobs.append(job)
-                message = (messages.payload("init", "init", job.job_id, job.token)
-                           if messages is not None else "")
-                rows += [job.job_id, job.token, instance_id, index, sample, message]
+        jobs, rows = self._job_rows(pipe, instances, n, messages, instance_ttl)
         for i in range(0, len(rows), 6 * CREATE_CHUNK):  # bounded script calls, one MULTI
             self.lua("create_jobs", client=pipe, batch=batch_id, handler=handler,
                      sampling_id=sampling_id, deadline_at=deadline_at, mode=mode,
                      created_at=f"{now:.6f}", tenant=tenant,
                      prio_s=f"{priority * self.settings.fair_aging_s:.6f}", first=i // 6,
                      jobs=rows[i:i + 6 * CREATE_CHUNK])
-        ids = [j.job_id for j in jobs]
+        self._count_in(pipe, batch_id, handler, tenant, priority, now,
+                       [j.job_id for j in jobs], idempotency)
+        pipe.execute()
+        self.replicated()  # the 202 promises jobs a failover cannot take back
+        return jobs
+
+    @staticmethod
+    def _job_rows(pipe, instances: Sequence[dict], n: int, messages: StageMessages | None,
+                  ttl: int) -> tuple[list[NewJob], list]:
+        """Each instance stored once (on ``pipe``), and the rows of its ``n`` jobs for the
+        create script: id, token, instance, index, sample, INIT message."""
+        jobs: list[NewJob] = []
+        rows: list = []
+        for index, instance in enumerate(instances):
+            instance_id = new_id()
+            pipe.set(keys.instance(instance_id), json.dumps(instance), ex=ttl)
+            for sample in range(n):
+                job = NewJob(new_id(), new_id())
+                jobs.append(job)
+                message = (messages.payload("init", "init", job.job_id, job.token)
+                           if messages is not None else "")
+                rows += [job.job_id, job.token, instance_id, index, sample, message]
+        return jobs, rows
+
+    def _count_in(self, pipe, batch_id: str, handler: str, tenant: str, priority: int,
+                  now: float, ids: list[str], idempotency: tuple[str, str] | None) -> None:
+        """The batch's record, its tenant's and the farm's counts of the new jobs ``ids``,
+        and the idempotency key's record, on ``pipe``."""
         pipe.hsetnx(keys.batch(batch_id), "created_at", f"{now:.6f}")
         pipe.hsetnx(keys.batch(batch_id), "handler", handler)
         pipe.hsetnx(keys.batch(batch_id), "tenant", tenant)
         pipe.hset(keys.batch(batch_id), "priority", priority)
-        pipe.hincrby(keys.tenant(tenant), JobState.QUEUED.value, len(jobs))
+        pipe.hincrby(keys.tenant(tenant), JobState.QUEUED.value, len(ids))
         pipe.sadd(keys.TENANTS, tenant)
-        pipe.hincrby(keys.batch(batch_id), "total", len(jobs))
-        counters.incr(pipe, keys.batch_counts(batch_id), {STATE_SLOT["queued"]: len(jobs)})
+        pipe.hincrby(keys.batch(batch_id), "total", len(ids))
+        counters.incr(pipe, keys.batch_counts(batch_id), {STATE_SLOT["queued"]: len(ids)})
         # Jobs not yet ended: the batch's keys expire after the last one ends (lua/lib/jobs.lua).
-        pipe.hincrby(keys.batch(batch_id), "left", len(jobs))
+        pipe.hincrby(keys.batch(batch_id), "left", len(ids))
         for k in (keys.batch(batch_id), keys.batch_counts(batch_id),
                   keys.batch_stream(batch_id), keys.batch_jobs(batch_id)):
             pipe.persist(k)
-        pipe.hincrby(keys.STATE_COUNTS, JobState.QUEUED.value, len(jobs))
+        pipe.hincrby(keys.STATE_COUNTS, JobState.QUEUED.value, len(ids))
         pipe.rpush(keys.batch_jobs(batch_id), *ids)
         pipe.zadd(keys.BATCHES, {batch_id: now}, nx=True)
         pipe.sadd(keys.QUEUES, "init")
@@ -205,9 +222,6 @@ class JobStore:
             key, digest = idempotency
             pipe.set(keys.idempotency(key), json.dumps(
                 {"digest": digest, "batch_id": batch_id, "job_ids": ids}), ex=self._ttl)
-        pipe.execute()
-        self.replicated()  # the 202 promises jobs a failover cannot take back
-        return jobs
 
     def reserve_idempotency(self, key: str, digest: str, wait_s: float = 10.0) -> dict | None:
         """Reserve ``key`` for a submission with body ``digest``: None if it is ours now;
