@@ -147,7 +147,6 @@ LONG_FUNCTIONS = {
     "prorl_farm/graders/swe_runner.py:django_evidence": 74,
     "prorl_farm/graders/values.py:encode": 72,
     "prorl_farm/graders/call_server.py:main": 70,
-    "prorl_farm/sandbox/manager.py:SandboxManager.start": 70,
     "prorl_farm/graders/swe_runner.py:runner_state": 65,
     "prorl_farm/graders/values.py:decode": 65,
     "prorl_farm/graders/swe_runner.py:audit_hook.hook": 64,

@@ -204,42 +204,7 @@ class SandboxManager:
         cgroup = None
         workspace, run_dir = base / "workspace", base / "run"
         try:
-            workspace.mkdir(parents=True)
-            run_dir.mkdir()
-            for scratch in disk_scratch(workspace).values():  # /tmp and /var/tmp, on disk
-                scratch.mkdir()
-                os.chmod(scratch, 0o1777)
-            if spec.gateway:
-                if not self.runtime.serves_gateway:
-                    raise SandboxError(f"the model gateway is not served to "
-                                       f"{self.runtime.name} sandboxes (only to "
-                                       f"{', '.join(GATEWAY_RUNTIMES)})")
-                gw = gateway_dir(workspace)
-                gw.mkdir()
-                os.chmod(gw, 0o777)  # the RUN pool puts its socket here
-            node = {k: v for k, v in (("scratch_bytes", self.scratch_bytes),
-                                      ("workspace_bytes", self.workspace_bytes),
-                                      ("cpu_group", getattr(ctx, "cpu_group", "") or None))
-                    if v is not None}
-            if node:
-                spec = dataclasses.replace(spec, limits=dataclasses.replace(spec.limits,
-                                                                            **node))
-            if spec.ro_paths:
-                spec = dataclasses.replace(spec, ro_paths=check_ro_paths(
-                    spec.ro_paths, self.mount_roots + self.trusted_roots))
-            for rel, text in spec.workspace_files.items():
-                target = (workspace / rel).resolve()
-                if not str(target).startswith(str(workspace.resolve()) + os.sep):
-                    raise SandboxError(f"workspace file {rel!r} escapes the workspace")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if isinstance(text, bytes):
-                    target.write_bytes(text)
-                else:
-                    target.write_text(text)
-            if self.run_as is not None:
-                chown_tree(workspace, *self.run_as)
-                for scratch in disk_scratch(workspace).values():
-                    os.chown(scratch, *self.run_as)
+            spec = self._prepare(spec, workspace, run_dir, ctx)
             cgroup = cgroups.create(sandbox_id, spec.limits.processes)
             sandbox = self.runtime.start(spec, sandbox_id, workspace, run_dir / "tools.sock",
                                          slot_ip(slot), cgroup)
@@ -262,6 +227,47 @@ class SandboxManager:
                 self.stop(sandbox)
                 raise
         return sandbox
+
+    def _prepare(self, spec: SandboxSpec, workspace: Path, run_dir: Path, ctx) -> SandboxSpec:
+        """The sandbox's directories (workspace, its scratch on disk, the tool server's run
+        directory, the gateway's where it has one) and files, owned by the user it runs as;
+        the spec with this node's bounds and CPU group, its read-only paths checked."""
+        workspace.mkdir(parents=True)
+        run_dir.mkdir()
+        for scratch in disk_scratch(workspace).values():  # /tmp and /var/tmp, on disk
+            scratch.mkdir()
+            os.chmod(scratch, 0o1777)
+        if spec.gateway:
+            if not self.runtime.serves_gateway:
+                raise SandboxError(f"the model gateway is not served to "
+                                   f"{self.runtime.name} sandboxes (only to "
+                                   f"{', '.join(GATEWAY_RUNTIMES)})")
+            gw = gateway_dir(workspace)
+            gw.mkdir()
+            os.chmod(gw, 0o777)  # the RUN pool puts its socket here
+        node = {k: v for k, v in (("scratch_bytes", self.scratch_bytes),
+                                  ("workspace_bytes", self.workspace_bytes),
+                                  ("cpu_group", getattr(ctx, "cpu_group", "") or None))
+                if v is not None}
+        if node:
+            spec = dataclasses.replace(spec, limits=dataclasses.replace(spec.limits, **node))
+        if spec.ro_paths:
+            spec = dataclasses.replace(spec, ro_paths=check_ro_paths(
+                spec.ro_paths, self.mount_roots + self.trusted_roots))
+        for rel, text in spec.workspace_files.items():
+            target = (workspace / rel).resolve()
+            if not str(target).startswith(str(workspace.resolve()) + os.sep):
+                raise SandboxError(f"workspace file {rel!r} escapes the workspace")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(text, bytes):
+                target.write_bytes(text)
+            else:
+                target.write_text(text)
+        if self.run_as is not None:
+            chown_tree(workspace, *self.run_as)
+            for scratch in disk_scratch(workspace).values():
+                os.chown(scratch, *self.run_as)
+        return spec
 
     def adopt(self, sandbox: Sandbox | dict, job_id: str, requeues: int = 0) -> Sandbox | None:
         """A sandbox started for a warm handle (``meta.job_id`` "warm-...") becomes
