@@ -150,7 +150,6 @@ LONG_FUNCTIONS = {
     "prorl_farm/graders/swe_runner.py:runner_state": 65,
     "prorl_farm/graders/values.py:decode": 65,
     "prorl_farm/graders/swe_runner.py:audit_hook.hook": 64,
-    "prorl_farm/toolserver/bash.py:BashSession._run": 64,
 }
 
 

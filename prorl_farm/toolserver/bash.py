@@ -180,28 +180,16 @@ class BashSession:
                 self._kill_foreground()
                 stage, stage_at = 2, now
             elif stage == 2 and now - stage_at > 3.0:
-                text, truncated = out.text()
-                if not restart:
-                    raise ToolRejected(f"bash does not answer: {text[-500:]!r}")
-                self.close()
-                self.start()
-                return {"output": text, "exit_code": -1, "timed_out": True,
-                        "truncated": truncated, "output_bytes": out.total,
-                        "timeout_reason": reason, "session_restarted": True}
+                return self._restarted(out, restart, "bash does not answer", timed_out=True,
+                                       timeout_reason=reason)
             ready, _, _ = select.select([fd], [], [], 0.1)
             if not ready:
                 continue
             try:
                 chunk = os.read(fd, 1 << 16)
             except OSError:  # the shell died (e.g. `exit`)
-                text, truncated = out.text()
-                if not restart:
-                    raise ToolRejected(f"bash died at start: {text[-500:]!r}") from None
-                self.close()
-                self.start()
-                return {"output": text, "exit_code": -1, "timed_out": timed_out,
-                        "truncated": truncated, "output_bytes": out.total,
-                        "session_restarted": True}
+                return self._restarted(out, restart, "bash died at start",
+                                       timed_out=timed_out)
             last = time.monotonic()
             scan_from = max(0, len(out.buf) - 64)
             out.add(chunk)
@@ -214,6 +202,17 @@ class BashSession:
                 if timed_out:
                     result["timeout_reason"] = reason
                 return result
+
+    def _restarted(self, out: _Output, restart: bool, why: str, **fields) -> dict:
+        """The answer of a command whose shell is gone or does not answer: what it printed,
+        and a new shell (``restart``; else ToolRejected: the session's first command)."""
+        text, truncated = out.text()
+        if not restart:
+            raise ToolRejected(f"{why}: {text[-500:]!r}") from None
+        self.close()
+        self.start()
+        return {"output": text, "exit_code": -1, "truncated": truncated,
+                "output_bytes": out.total, **fields, "session_restarted": True}
 
     def _kill_foreground(self) -> None:
         """SIGKILL the terminal's foreground process group, unless it is the shell."""
