@@ -2,7 +2,7 @@
 
 A test that passes alone and fails on a loaded machine is a bug (a wait for time where a
 wait for a condition belongs, a race): this finds it before CI does. Each round runs the
-selection (the fault, liveness, leave, Slurm and compose tests by default) in one pytest
+selection (the fault, liveness, leave, Slurm, compose and sandbox tests by default) in one pytest
 process while ``--hog`` busy processes take every core, then the tally: each test's
 passes and failures over the rounds, the first line of each failure, the time per round.
 
@@ -30,9 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / ".prorl" / "soak"
 # What `make soak` runs by default: the tests of recovery (kill -9 of pools, of Redis and
 # of a Sentinel service's primary, the watchdog), of liveness and leaving (SIGTERM with
-# re-queue, dead nodes' queues), of the Slurm deployment and of the compose deployment.
+# re-queue, dead nodes' queues), of the Slurm deployment and of the compose deployment, and
+# the sandboxes' (caps, isolation, nothing left behind).
 DEFAULT = ["tests/test_faults.py", "tests/test_failover.py", "tests/test_liveness.py",
-           "tests/test_slurm.py", "tests/test_compose.py", "tests/test_fair.py"]
+           "tests/test_slurm.py", "tests/test_compose.py", "tests/test_fair.py",
+           "tests/test_sandbox.py"]
 
 
 def _hog(stop) -> None:
