@@ -417,7 +417,6 @@ def _number(body: dict, name: str, default, cast=float):
     return cast(value)
 
 
-
 def send_body(handler: BaseHTTPRequestHandler, status: int, data: bytes,
               content_type: str = "application/json") -> None:
     """A whole response with its length (the connection stays open for the next request)."""
@@ -426,6 +425,7 @@ def send_body(handler: BaseHTTPRequestHandler, status: int, data: bytes,
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+
 
 class DevHandler(BaseHTTPRequestHandler):
     server_version = "prorl-dev-model/1"

@@ -767,11 +767,7 @@ class Program:
         return Remote(self, kind[1], "class" if kind[0] == "class" else "function", name)
 
     def close(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        end_process(self.proc)  # noqa: F821 - included
         self.results.close()
         if not self.checked:
             self.jail.check(self.proc, killed=True)

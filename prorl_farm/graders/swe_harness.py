@@ -67,6 +67,7 @@ report_state = {}  # Django's log: the test the last `` ... `` line began
 
 
 # include: jail.py
+# include: ending.py
 
 
 def main():
@@ -356,11 +357,7 @@ def run_tests(jail, repo, runner, spec, wanted, key, deadline):
         killed = False
     except subprocess.TimeoutExpired:
         killed = True
-    try:
-        os.killpg(child.pid, 9)
-    except (ProcessLookupError, PermissionError):
-        pass
-    child.wait()
+    end_process(child)  # noqa: F821 - from ending.py
     filled = jail.filled(child)
     jail.check(child, killed=killed)
     report = log.finish()
