@@ -40,14 +40,13 @@ def gateway():
 CLIENTS: list[VLLMClient] = []
 
 
-def _closed(gateway, key: str, returned: list, calls: int, merged: int) -> tuple[dict, dict]:
+def _closed(gateway, key: str, returned: list, calls: int, merged: int) -> None:
     """The job's capture, closed: ``calls`` model calls, ``merged`` of them merged into its
     one segment, whose sampled ids are exactly those the backend returned."""
     out = gateway.close_job(key).result()
     assert out["capture"]["calls"] == calls and out["capture"]["merged"] == merged
     (seg,) = out["segments"]
     assert sampled_ids(seg) == [t for g in returned for t in g.token_ids]
-    return out, seg
 
 
 def _job(tiny_model, backend_url: str, returned: list, sampling: dict) -> JobGateway:
