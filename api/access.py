@@ -40,7 +40,14 @@ from prorl_farm import keys
 from prorl_farm.access import token_ok
 from prorl_farm.config import Settings
 from prorl_farm.errors import NotFound
-from prorl_farm.tenants import DEFAULT, Tenant, any_key, tenant_of_token
+from prorl_farm.tenants import (
+    DEFAULT,
+    Tenant,
+    any_key,
+    batch_tenant,
+    resolve_batch,
+    tenant_of_token,
+)
 
 OPEN, KEY, OWNER, BACKEND, OPERATOR = "open", "key", "owner", "backend", "operator"
 
@@ -88,12 +95,14 @@ def may_see(tenant: str | None) -> bool:
     return visible is None or (tenant or DEFAULT) in visible
 
 
-def batch_visible(store, batch_id: str) -> bool:
-    """Whether the batch is stored and the caller may see it."""
-    tenant = store.tenant_of(batch_id)
-    if tenant is None and not store.r.exists(keys.batch(batch_id)):
-        return False
-    return may_see(tenant)
+def own_batch(given: str) -> str | None:
+    """The stored id of the batch the caller names ``given`` (a bare id: in its own
+    tenant's space; ``<tenant>:<id>``: as the farm answered it), or None where that space is
+    not the caller's to see. Nothing is read: a batch's tenant is in its id
+    (tenants.scoped_batch), so no other tenant's write can make a batch the caller's, and
+    another tenant's id is refused as an unknown one is, before any read."""
+    stored = resolve_batch(given, g.get("prorl_tenant") or DEFAULT)
+    return stored if may_see(batch_tenant(stored)) else None
 
 
 def _unauthorized():
@@ -155,28 +164,40 @@ def _admit(store, backends):
     if rule is None:
         return error_response(500, "no_access_rule", f"route {request.endpoint!r} has "
                               "no access rule (api/access.py): refused")
-    if rule == OPEN or g.prorl_operator:
+    if rule == OPEN:
         return None
-    if g.prorl_tenant is None:
+    if g.prorl_tenant is None and not g.prorl_operator:
         return _unauthorized()
-    if rule == OPERATOR:
+    if rule == OPERATOR and not g.prorl_operator:
         raise ApiError(403, "operator_only", "this route is the farm operator's: it "
                        "needs PRORL_API_TOKEN, not a tenant's key")
     # Another tenant's batch, job or backend is answered here exactly as one that does
     # not exist: the same 404, before the route runs (nothing done, nothing told).
     args = request.view_args or {}
+    if "batch_id" in args:  # the route gets the stored id, in the caller's space
+        args["batch_id"] = _stored_batch(store, args["batch_id"])
+    if g.prorl_operator:
+        return None
     if rule == BACKEND:
         tenant = backends.tenant_of(args["backend_id"])
         if tenant is None or not may_see(tenant):
             raise NotFound(f"backend {args['backend_id']!r} not found")
-    if rule == OWNER:
-        if "batch_id" in args and not batch_visible(store, args["batch_id"]):
-            raise NotFound(f"batch {args['batch_id']!r} not found")
-        if "job_id" in args:
-            batch_id = store.r.hget(keys.job(args["job_id"]), "batch_id")
-            if batch_id is None or not batch_visible(store, batch_id):
-                raise NotFound(f"job {args['job_id']!r} not found")
+    if rule == OWNER and "job_id" in args:
+        batch_id = store.r.hget(keys.job(args["job_id"]), "batch_id")
+        if batch_id is None or not may_see(batch_tenant(batch_id)):
+            raise NotFound(f"job {args['job_id']!r} not found")
     return None
+
+
+def _stored_batch(store, given: str) -> str:
+    """The stored id of the batch ``given`` names for the caller, or the 404 an unknown id
+    gets: the same answer, in the same time (one read either way), for another tenant's
+    id as for a free one, naming the id as the caller wrote it."""
+    stored = own_batch(given)
+    found = store.r.exists(keys.batch(stored or resolve_batch(given, DEFAULT)))
+    if stored is None or not found:
+        raise NotFound(f"batch {given!r} not found")
+    return stored
 
 
 def _slowed(store, resp, limit: int):

@@ -16,14 +16,26 @@ from api.schemas import (
     RegisterQuerySchema,
 )
 from api.services import json_body, services
-from prorl_farm import redisconn
-from prorl_farm.access import backend_url_refusal
+from prorl_farm.access import OWN_PORT, backend_url_refusal, engine_endpoints
 from prorl_farm.llm import weights
-from prorl_farm.llm.registry import BackendSpec, context_length, probe, tokenizer_error
+from prorl_farm.llm.registry import (
+    BackendSpec,
+    context_length,
+    not_an_engine,
+    probe,
+    tokenizer_error,
+)
 from prorl_farm.tenants import DEFAULT
 
 bp = Blueprint("backends", __name__)
 log = logging.getLogger(__name__)
+
+
+# What a tenant is told of a URL the farm will not use, whatever the reason (nothing
+# listens, something that is no inference server, one of the farm's own ports): the host's
+# listeners are not a tenant's to map.
+NOT_AN_ENGINE = "no inference server this farm may use answers at this URL"
+NO_TOKENIZER = "no tokenizer loads from this path"
 
 
 @bp.post("/v1/backends")
@@ -32,39 +44,66 @@ def register():
     the path named, if not), probe the backend's health route, then register it: healthy
     and in the heap if it answered, else ``healthy: false`` with the error (it joins the
     heap once a later probe succeeds). With ``?probe=strict`` an unhealthy backend is
-    refused (422, nothing stored)."""
+    refused (422, nothing stored). A tenant's key registers only a URL that answers as an
+    inference server now (422 with one message for every other case), and only an engine
+    no other tenant's backend reaches (409); nothing is sent that changes the engine (its
+    weights' version label) until the registration is accepted."""
     query = RegisterQuerySchema().load(request.args.to_dict())
     body = BackendRegisterSchema().load(json_body())
     svc = services()
     spec = BackendSpec(**{**body, "tenant": _owner(svc, body.pop("tenant", None))})
-    refusal = backend_url_refusal(spec.url, svc.allow_list,
-                                  redisconn.endpoints(svc.settings.redis_url))
+    operator = bool(g.get("prorl_operator", True))
+    refusal = backend_url_refusal(spec.url, svc.allow_list, svc.settings.farm_listeners())
+    if refusal == OWN_PORT and not operator:
+        raise ApiError(422, "not_an_engine", f"url: {NOT_AN_ENGINE}", {"url": [NOT_AN_ENGINE]})
     if refusal:
         raise ApiError(403, "backend_not_allowed", f"url: {refusal}", {"url": [refusal]})
     why = tokenizer_error(spec.tokenizer)
     if why:  # every job pinned to it would fail: refused, nothing stored
+        why = why if operator else NO_TOKENIZER
         raise ApiError(400, "invalid_tokenizer", f"tokenizer: {why}", {"tokenizer": [why]})
-    error = probe(spec.url)
+    error = probe(spec.url) if operator else not_an_engine(spec.url)
+    if error and not operator:
+        raise ApiError(422, "not_an_engine", f"url: {NOT_AN_ENGINE}", {"url": [NOT_AN_ENGINE]})
     if error and query["probe"] == "strict":
         raise ApiError(422, "backend_unhealthy", f"url: {error}", {"url": [error]})
-    if not spec.max_model_len and not error:
-        spec = dataclasses.replace(spec, max_model_len=context_length(spec.url, spec.model) or 0)
+    return _claimed_registration(svc, spec, error), 201
+
+
+def _claimed_registration(svc, spec: BackendSpec, error: str | None) -> dict:
+    """Register ``spec`` once its engine is claimed for its tenant (409 where another
+    tenant's backend reaches it), then label the engine's weights."""
+    endpoints = engine_endpoints(spec.url)
+    if not svc.backends.claim(spec.tenant, endpoints):
+        raise ApiError(409, "engine_taken", f"url: {ENGINE_TAKEN}", {"url": [ENGINE_TAKEN]})
+    try:
+        if not spec.max_model_len and not error:
+            spec = dataclasses.replace(spec, max_model_len=context_length(spec.url, spec.model)
+                                       or 0)
+        backend_id = svc.backends.register(spec, probe_error=error, endpoints=endpoints)
+    except BaseException:
+        svc.backends.let_go(spec.tenant, endpoints)
+        raise
     if not error:
         _label(spec.kind, spec.url, spec.policy_version)
-    backend_id = services().backends.register(spec, probe_error=error)
-    return services().backends.get(backend_id), 201
+    return svc.backends.get(backend_id)
+
+
+ENGINE_TAKEN = ("the engine at this URL is registered by another owner's backend: an "
+                "engine serves one tenant")
 
 
 def _owner(svc, asked: str | None) -> str:
     """The tenant a registration is for: the key's own, or the one it names where the key
-    may act for it (the operator's: any configured tenant)."""
+    may act for it (the operator's: any configured tenant). A tenant's key is told the same
+    of a tenant that does not exist as of one it may not use."""
     me = g.get("prorl_tenant") or DEFAULT
     name = asked or me
-    if name not in svc.tenants:
-        raise validation_error({"tenant": [f"unknown tenant {name!r}"]}, "unknown_tenant")
     if not may_see(name):
         raise ApiError(403, "forbidden", f"this key registers backends for tenant {me!r} "
-                       f"and may not for {name!r}", {"tenant": [f"not {me!r}'s to use"]})
+                       "and those it may use only", {"tenant": [f"not {me!r}'s to use"]})
+    if name not in svc.tenants:
+        raise validation_error({"tenant": [f"unknown tenant {name!r}"]}, "unknown_tenant")
     return name
 
 
@@ -148,12 +187,14 @@ def sync_weights(backend_id: str):
 
 @bp.post("/v1/weights")
 def sync_all_weights():
-    """:func:`sync_weights` for every backend the key may see (or those of ``model``), one
+    """:func:`sync_weights` for every backend of the key's own tenant (the operator's: every
+    backend; or those of ``model``), one
     after another, so the others keep serving while each one loads. Answers each backend's
     record; 409 if any failed its check."""
     body = BackendWeightsSchema().load(json_body())
     probe = _probe(body)
-    targets = [b["id"] for b in services().backends.list() if may_see(b["tenant"])
+    me = None if g.get("prorl_operator", True) else g.get("prorl_tenant")
+    targets = [b["id"] for b in services().backends.list() if (me is None or b["tenant"] == me)
                and (not body.get("model") or b["model"] == body["model"])]
     if not targets:
         raise ApiError(404, "not_found", "no backend is registered" +

@@ -12,7 +12,7 @@ import time
 
 from flask import Blueprint, Response, request
 
-from api.access import batch_visible, sees
+from api.access import own_batch, sees
 from api.errors import ApiError
 from api.schemas import BatchListQuerySchema, ManyResultsQuerySchema, ResultsQuerySchema
 from api.services import json_body, services
@@ -75,11 +75,12 @@ def many_results():
     until any incomplete one has a result. A batch not stored comes back ``found: false``."""
     svc = services()
     q = ManyResultsQuerySchema().load(json_body())
-    # Another tenant's batch is answered as one not stored: found false, never read.
-    mine = q["cursors"] if sees() is None else {
-        b: c for b, c in q["cursors"].items() if batch_visible(svc.store, b)}
-    pages = {**dict.fromkeys(q["cursors"]),
-             **svc.store.many_batch_results(mine, q["limit"], q["wait"])}
+    # Each id in the caller's space; another tenant's is answered as one not stored:
+    # found false, never read.
+    stored = {b: own_batch(b) for b in q["cursors"]}
+    mine = {s: q["cursors"][b] for b, s in stored.items() if s is not None}
+    read = svc.store.many_batch_results(mine, q["limit"], q["wait"])
+    pages = {b: None if s is None else read.get(s) for b, s in stored.items()}
     metas = {b: ({"found": True, **_meta(p["cursor"], p["summary"])} if p is not None
                  else {"found": False}) for b, p in pages.items()}
     if _binary():

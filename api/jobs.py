@@ -20,7 +20,7 @@ from prorl_farm.jobs.cancel import cancel_jobs
 from prorl_farm.jobs.model import render_job
 from prorl_farm.jobs.store import new_id
 from prorl_farm.llm.backends.abstract import explicit_sampling
-from prorl_farm.tenants import DEFAULT, Tenant, over_quota, usage
+from prorl_farm.tenants import DEFAULT, Tenant, over_quota, scoped_batch, usage
 
 bp = Blueprint("jobs", __name__)
 # What a submit over its tenant's quota is told to wait before it tries again.
@@ -108,19 +108,18 @@ def _replay(record: dict, digest: str) -> tuple[dict, int]:
 
 def _tenant(svc, asked: str | None) -> Tenant:
     """The tenant a submit is for: the one it names, if the caller's key may act for it;
-    else the key's own."""
-    me = g.get("prorl_tenant", DEFAULT)
+    else the key's own. A tenant's key is told the same for a tenant that does not exist
+    as for one it may not use: which other tenants exist is not its to learn."""
+    me = g.get("prorl_tenant") or DEFAULT
     name = asked or me
+    if not g.get("prorl_operator", True) and name != me and \
+            name not in svc.tenants[me].may_use:
+        yours = sorted({me, *svc.tenants[me].may_use})
+        raise ApiError(403, "forbidden", f"this key submits for the tenants {yours} only",
+                       {"tenant": [f"one of {yours}"]})
     tenant = svc.tenants.get(name)
     if tenant is None:
-        raise validation_error({"tenant": [f"unknown tenant {name!r}; this farm's: "
-                                           f"{sorted(svc.tenants)}"]}, "unknown_tenant")
-    if name != me and not g.get("prorl_operator", True) and \
-            name not in svc.tenants[me].may_use:
-        raise ApiError(403, "forbidden", f"this key submits for tenant {me!r} and may not "
-                       f"submit for {name!r}", {"tenant": [
-                           f"{me!r} may submit for itself and "
-                           f"{sorted(svc.tenants[me].may_use)}"]})
+        raise validation_error({"tenant": [f"unknown tenant {name!r}"]}, "unknown_tenant")
     return tenant
 
 
@@ -171,14 +170,10 @@ def submit():
         if record is not None:
             return _replay(record, digest)
         idempotency = (key, digest)
-    batch_id = req["batch_id"] or new_id()
+    # The batch lives in its tenant's space (tenants.scoped_batch): no other tenant's id
+    # can be it, so nothing of another tenant is read, and none can take or probe it.
+    batch_id = scoped_batch(tenant.name, req["batch_id"] or new_id())
     try:
-        owner = svc.store.tenant_of(batch_id) if req["batch_id"] else None
-        if owner is not None and owner != tenant.name:
-            raise ApiError(409, "batch_of_another_tenant", f"batch id {batch_id!r} is "
-                           f"taken by another tenant's batch: choose another",
-                           {"batch_id": [f"taken by another tenant's batch, not "
-                                         f"{tenant.name!r}'s"]})
         # One transaction: the jobs, their INIT messages and the idempotency record land
         # together or not at all (jobs/messages.py).
         with _admitted(svc, tenant, len(req["instances"]) * req["n"]):

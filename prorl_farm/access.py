@@ -12,6 +12,7 @@ import hmac
 import ipaddress
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from prorl_farm.errors import ConfigError
@@ -78,11 +79,81 @@ def _url_port(parts) -> int:
     return port or (443 if parts.scheme == "https" else 80)
 
 
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+# Why a URL of one of the farm's own listeners is refused (no more is said of it).
+OWN_PORT = "one of the farm's own ports (its API, Gym server, Flower or Redis)"
+
+
+def local_addresses() -> frozenset[Address]:
+    """This host's own addresses, every interface's (Linux: the kernel's LOCAL routes and
+    IPv6 addresses), and what its name resolves to: an engine on any of them (or on
+    loopback, or 0.0.0.0) is one listener, whichever of them a URL writes."""
+    found: set[Address] = set()
+    try:
+        lines = Path("/proc/net/fib_trie").read_text().splitlines()
+        for prev, line in zip(lines, lines[1:]):
+            if "/32 host LOCAL" in line:
+                found.add(ipaddress.ip_address(prev.split()[-1]))
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            raw = line.split()[0]
+            found.add(ipaddress.ip_address(":".join(raw[i:i + 4] for i in range(0, 32, 4))))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        found |= {ipaddress.ip_address(a) for a in
+                  socket.gethostbyname_ex(socket.gethostname())[2]}
+    except OSError:
+        pass
+    return frozenset(found)
+
+
+def _identity(address: Address, local: frozenset[Address]) -> str:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    if address.is_loopback or address.is_unspecified or address in local:
+        return "local"
+    return str(address)
+
+
+def _endpoints(host: str, port: int, local: frozenset[Address]) -> set[str]:
+    if not host:
+        return set()
+    try:
+        return {f"{_identity(a, local)}:{port}" for a in _addresses(host.lower(), port)}
+    except (OSError, ValueError):
+        return set()
+
+
+def engine_endpoints(url: str) -> list[str]:
+    """Where ``url`` reaches, normalised: ``<address>:<port>`` for each address its host
+    resolves to, ``local:<port>`` for this host (loopback, 0.0.0.0, its own addresses),
+    whatever scheme, case, name or spelling the URL uses. Two URLs that share one of these
+    reach one listener. [] where the host does not resolve."""
+    parts = urlsplit(url)
+    try:
+        port = _url_port(parts)
+    except ValueError:
+        return []
+    return sorted(_endpoints(parts.hostname or "", port, local_addresses()))
+
+
+def is_own_port(url: str, own: list[tuple[str, int]]) -> bool:
+    """Whether ``url`` reaches one of the farm's own listeners ``own`` (host, port): its
+    API, Gym server, Flower, Redis servers and sentinels. Decided by address, not by what
+    answers there."""
+    local = local_addresses()
+    mine = {e for host, port in own for e in _endpoints(host, port, local)}
+    return bool(mine & set(engine_endpoints(url)))
+
+
 def backend_url_refusal(url: str, allow: AllowList,
-                        redis_endpoints: list[tuple[str, int]]) -> str | None:
-    """Why ``url`` may not be registered as a backend, or None if it may.
-    ``redis_endpoints``: the farm's Redis as the farm reaches it (its server, or a Sentinel
-    service's sentinels: redisconn.endpoints), never a backend.
+                        own: list[tuple[str, int]]) -> str | None:
+    """Why ``url`` may not be registered as a backend, or None if it may. ``own``: the
+    farm's own listeners (its API, Gym server and Flower, every Redis server and sentinel:
+    :func:`farm_listeners`), never a backend whatever answers there.
 
     A host name is allowed if it is named in the list, or if every address it resolves to
     lies in an allowed network (so a name cannot smuggle in an address the list refuses).
@@ -101,13 +172,8 @@ def backend_url_refusal(url: str, allow: AllowList,
         if host in allow.hosts:
             return None  # named by the operator; registered unhealthy until it resolves
         return f"host {host!r} does not resolve ({e})"
-    for redis_host, redis_port in redis_endpoints:
-        try:
-            redis_addresses = _addresses(redis_host, redis_port)
-        except OSError:
-            redis_addresses = set()
-        if redis_port == port and addresses & redis_addresses:
-            return "that is the farm's own Redis"
+    if is_own_port(url, own):
+        return OWN_PORT
     if host in allow.hosts:
         return None
     outside = sorted(str(a) for a in addresses

@@ -342,6 +342,15 @@ class Settings:
             return 0
         return math.ceil(self.pool(stage).concurrency * self.fair_reserve)
 
+    def farm_listeners(self) -> list[tuple[str, int]]:
+        """The farm's own listeners, never a backend: its API, Flower, Gym server, and
+        every Redis server and sentinel (redisconn.all_endpoints)."""
+        from prorl_farm import redisconn
+
+        ports = [self.api_port, self.flower_port, self.gym_port]
+        return [(self.api_host, p) for p in ports if p] + \
+            redisconn.all_endpoints(self.redis_url)
+
     def pool(self, stage: str) -> PoolSettings:
         if stage not in STAGES:
             raise ConfigError(f"unknown stage {stage!r}; expected one of {STAGES}")

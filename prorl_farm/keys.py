@@ -248,6 +248,12 @@ def backend_heap(tenant: str | None) -> str:
     return BACKEND_HEAP if not tenant or tenant == "default" else f"{BACKEND_HEAP}:{tenant}"
 
 
+# Hash: an engine's normalised endpoint ("<address>:<port>", "local:<port>":
+# access.engine_endpoints) -> the tenant whose backends reach it (lua/engine_claim.lua): an
+# engine is one tenant's, whatever URL another writes for it.
+ENGINES = f"{PREFIX}backends:engines"
+# Hash: endpoint -> how many registered backends reach it (the last one gone frees it).
+ENGINE_REFS = f"{PREFIX}backends:engine-refs"
 # Hash: backend -> in-flight jobs (every backend, in the heap or not).
 BACKEND_INFLIGHT = f"{PREFIX}backends:inflight"
 # Hash: job -> the backend it is pinned to (sticky routing; cleared when the job ends).
@@ -317,8 +323,9 @@ KOMBU_UNACKED_INDEX = "unacked_index"
 
 _LUA_CONSTANTS = ("QUEUES", "ACTIVE", "DEADLINES", "POOLS", "BATCHES",
                   "BACKENDS", "BACKEND_HEAP", "BACKEND_INFLIGHT", "BACKEND_ASSIGN",
-                  "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "STATE_COUNTS", "FAILURE_KINDS",
-                  "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN", "HISTORY_WAITS_SEEN", "LEFT")
+                  "BACKEND_AUDIT", "BACKEND_SERVICE_REF", "ENGINES", "ENGINE_REFS",
+                  "STATE_COUNTS", "FAILURE_KINDS", "REAPER_ACTIONS", "WEIGHTS", "FAIR_GIVEN",
+                  "HISTORY_WAITS_SEEN", "LEFT")
 _LUA_FUNCTIONS = ("job", "instance", "sampling", "batch", "batch_counts", "batch_jobs",
                   "batch_stream", "queued", "backend", "histogram", "history", "tenant",
                   "pen", "pen_messages", "pen_flows", "held", "slots", "moved")

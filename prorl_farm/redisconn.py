@@ -137,6 +137,35 @@ def endpoints(url: str | None) -> list[tuple[str, int]]:
     return [(parts.hostname or "127.0.0.1", parts.port or 6379)]
 
 
+def all_endpoints(url: str | None) -> list[tuple[str, int]]:
+    """Every (host, port) the farm's Redis listens at: :func:`endpoints`, and for a
+    Sentinel service also its primary and replicas as the sentinels know them now (a
+    backend registration refuses each: prorl_farm/access.py)."""
+    out = endpoints(url)
+    if not url or not parse(url).ha:
+        return out
+    target = parse(url)
+    for host, port in target.sentinels:
+        client = redis.Redis(host=host, port=port, password=target.sentinel_password,
+                             socket_timeout=SENTINEL_TIMEOUT_S, decode_responses=True,
+                             socket_connect_timeout=SENTINEL_TIMEOUT_S)
+        try:
+            primary = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME",
+                                             target.service)
+            replicas = client.execute_command("SENTINEL", "REPLICAS", target.service)
+        except redis.RedisError:
+            continue
+        finally:
+            client.close()
+        if primary:
+            out.append((primary[0], int(primary[1])))
+        for row in replicas or []:
+            fields = dict(zip(row[::2], row[1::2])) if isinstance(row, list) else row
+            if fields.get("ip") and fields.get("port"):
+                out.append((fields["ip"], int(fields["port"])))
+    return sorted(set(out))
+
+
 def retry(failover_s: float) -> Retry:
     """Retries that span ``failover_s``: backoff from 50 ms doubling to BACKOFF_CAP_S."""
     tries, waited, wait = 0, 0.0, 0.05

@@ -117,6 +117,33 @@ def parse_tenants(raw: str) -> dict[str, Tenant]:
     return out
 
 
+# A batch id lives in its tenant's space: the id a farm stores (its keys, its jobs'
+# ``batch_id``, what the API answers) is ``<tenant>:<id>``, the default tenant's the bare
+# id. A client's id (api/schemas.ID_RE) holds no ``:``, so no tenant's id can be another's:
+# A's and B's same client id are two batches, and a batch's tenant is read from its id
+# itself, never from a record another write could change.
+SCOPE = ":"
+
+
+def scoped_batch(tenant: str, given: str) -> str:
+    """The stored id of the batch ``given`` (a client's id) of ``tenant``."""
+    return given if tenant == DEFAULT else f"{tenant}{SCOPE}{given}"
+
+
+def batch_tenant(batch_id: str) -> str:
+    """The tenant of a stored batch id (its space)."""
+    tenant, sep, _ = batch_id.partition(SCOPE)
+    return tenant if sep else DEFAULT
+
+
+def resolve_batch(given: str, own: str) -> str:
+    """The stored id a caller whose own tenant is ``own`` means by ``given``: a stored id
+    as the farm answered it (``<tenant>:<id>``) is itself; a bare id is in the caller's own
+    space. (Whether the caller may see that tenant is the caller's check.)"""
+    tenant, sep, rest = given.partition(SCOPE)
+    return scoped_batch(tenant, rest) if sep else scoped_batch(own, given)
+
+
 def any_key(api_token: str, tenants: dict[str, Tenant]) -> bool:
     """Whether a farm has keys (the operator's or a tenant's): then every call but the
     probes needs one (api/access.py)."""

@@ -68,6 +68,7 @@ class PolicyServer:
         self.prompts: dict[str, list[list[int]]] = defaultdict(list)  # job -> prompts
         self.fail = False  # answer 500
         self.requests: list[tuple[str, int]] = []  # (job, prompt length)
+        self.posts: list[str] = []  # the path of every POST, in order (any route)
         self.in_flight = 0
         self.dead = False
         self.connections: set = set()  # open client sockets (kept alive between requests)
@@ -151,12 +152,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health" and not self.owner.fail:
             self._send(200, {"ok": True})
+        elif self.path == "/v1/models" and not self.owner.fail:  # as vLLM lists its model
+            self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
         else:
             self._send(503 if self.path == "/health" else 404, {"error": "no"})
 
     def do_POST(self):
         owner = self.owner
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with owner._lock:
+            owner.posts.append(self.path)
         if self.path not in ("/inference/v1/generate", "/v1/completions", "/generate"):
             self._send(404, {"error": f"no route {self.path}"})
             return

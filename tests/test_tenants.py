@@ -97,7 +97,7 @@ def test_a_batch_belongs_to_its_keys_tenant_or_one_it_may_use(farm):
 @pytest.mark.parametrize("key, tenant, status, code", [
     (KEY_B, "team-a-eval", 403, "forbidden"),  # not B's to use
     (KEY_A, "team-b", 403, "forbidden"),
-    (KEY_A, "nobody", 400, "unknown_tenant"),
+    (KEY_A, "nobody", 403, "forbidden"),  # as for one that exists: no oracle
     (None, None, 401, "unauthorized"),
     ("not-a-key-0123456789", None, 401, "unauthorized"),
 ])
@@ -114,16 +114,24 @@ def test_a_submit_for_a_tenant_the_key_may_not_use_is_refused_and_enqueues_nothi
     assert r.hgetall(keys.STATE_COUNTS) == before and r.llen("init") == 0
 
 
-def test_a_batch_of_one_tenant_takes_no_jobs_of_another(farm, r):
+def test_the_same_client_batch_id_is_two_batches_one_per_tenant(farm, r):
+    """A batch id lives in its tenant's space: B's submit into A's id makes B's own batch,
+    takes nothing of A's, and each reads its own by the bare id."""
     _, client = farm
     first = _submit(client, KEY_A, batch_id="shared-step-1")
-    assert first.status_code == 202
-    resp = _submit(client, KEY_B, batch_id="shared-step-1")
-    assert resp.status_code == 409, resp.get_json()
-    assert "batch_id" in resp.get_json()["error"]["details"]
-    assert "team-a" not in resp.get_json()["error"]["message"]  # nor whose it is
-    assert client.get("/v1/batches/shared-step-1",
-                      headers=_auth(KEY_A)).get_json()["total"] == 1
+    assert first.status_code == 202 and first.get_json()["batch_id"] == "team-a:shared-step-1"
+    resp = _submit(client, KEY_B, batch_id="shared-step-1", n=2)
+    assert resp.status_code == 202 and resp.get_json()["batch_id"] == "team-b:shared-step-1"
+    for key, tenant, total in ((KEY_A, "team-a", 1), (KEY_B, "team-b", 2)):
+        for name in ("shared-step-1", f"{tenant}:shared-step-1"):
+            got = client.get(f"/v1/batches/{name}", headers=_auth(key)).get_json()
+            assert (got["tenant"], got["total"]) == (tenant, total)
+    assert client.get("/v1/batches/team-a:shared-step-1",
+                      headers=_auth(KEY_B)).status_code == 404
+    assert client.post("/v1/batches/shared-step-1/cancel",
+                       headers=_auth(KEY_B)).get_json()["cancelled"] == 2
+    assert client.get("/v1/batches/shared-step-1", headers=_auth(KEY_A)
+                      ).get_json()["counts"]["queued"] == 1
 
 
 def test_over_quota_is_a_429_that_enqueues_nothing_until_there_is_room(farm, r):

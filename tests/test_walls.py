@@ -15,6 +15,7 @@ import pytest
 from prorl_farm.config import load_settings
 from prorl_farm.llm.registry import BackendRegistry, BackendSpec
 from tests.farm import farm_env
+from tests.policy_server import PolicyServer
 
 OPERATOR = "operator-key-0123456789"
 KEY_A, KEY_B = "team-a-key-0123456789", "team-b-key-0123456789"
@@ -288,14 +289,15 @@ def test_a_tenants_jobs_go_to_its_own_backends_only(walls, r):
     assert [registry.acquire(j) for j in b_job] == [None] * 3  # only A has one
     assert registry.acquire(ids["job_id"]) == ids["backend_id"]
     # B registers its own, with its own key (not A's name: 403; the operator may).
-    spec = {"url": "http://127.0.0.1:9", "kind": "vllm", "model": "m", "tokenizer": tokenizer,
+    engine = PolicyServer()
+    spec = {"url": engine.url, "kind": "vllm", "model": "m", "tokenizer": tokenizer,
             "capacity": 64}
     assert client.post("/v1/backends", headers=_auth(KEY_B),
                        json={**spec, "tenant": "team-a"}).status_code == 403
     mine = client.post("/v1/backends", headers=_auth(KEY_B), json=spec)
+    engine.kill()
     assert mine.status_code == 201 and mine.get_json()["tenant"] == "team-b"
     b_backend = mine.get_json()["id"]
-    registry.mark_healthy(b_backend)  # its server is not up here; as if a probe saw it
     assert {registry.acquire(j) for j in b_job} == {b_backend}
     # A's backend is the least loaded by far, and still takes none of B's.
     assert registry.get(ids["backend_id"])["in_flight"] == 1
@@ -307,6 +309,7 @@ def test_a_tenants_jobs_go_to_its_own_backends_only(walls, r):
                     .get_json()["backends"]] for key in (KEY_A, KEY_B, OPERATOR)}
     assert listed == {KEY_A: [ids["backend_id"]], KEY_B: [b_backend],
                       OPERATOR: sorted([ids["backend_id"], b_backend])}
-    # The operator registers for a tenant by naming it.
-    ops = client.post("/v1/backends", headers=_auth(OPERATOR), json={**spec, "tenant": "team-a"})
+    # The operator registers for a tenant by naming it (an engine of A's: B's is B's).
+    ops = client.post("/v1/backends", headers=_auth(OPERATOR), json={
+        **spec, "url": "http://127.0.0.1:9", "tenant": "team-a"})
     assert ops.status_code == 201 and ops.get_json()["tenant"] == "team-a"

@@ -32,7 +32,6 @@ import math
 import requests
 from marshmallow import ValidationError, fields, validate, validates_schema
 
-from prorl_farm import redisconn
 from prorl_farm.agent.loop import AgentLimits, run_episode
 from prorl_farm.agent.parsers import get_parser
 from prorl_farm.agent.tools import truncate
@@ -175,7 +174,7 @@ class GymHandler(AgentHandler):
         from prorl_farm.access import backend_url_refusal, parse_allow_list
 
         why = backend_url_refusal(instance["server"], parse_allow_list(settings.backend_allow),
-                                  redisconn.endpoints(settings.redis_url))
+                                  settings.farm_listeners())
         return {"server": [why]} if why else {}
 
     def visible_instance(self, instance: dict) -> dict:

@@ -28,6 +28,7 @@ from prorl_farm.states import (
     JobState,
     Reap,
 )
+from prorl_farm.tenants import batch_tenant
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,6 @@ class JobStore:
         # Instance and sampling records by id, newest last (see RECORDS_KEPT).
         self._records: OrderedDict[str, str] = OrderedDict()
         self._records_lock = threading.Lock()
-        self._tenants: dict[str, str] = {}  # batch -> tenant (tenant_of)
         self._replicated = bool(settings.redis_url) and redisconn.parse(settings.redis_url).ha
 
     @classmethod
@@ -416,7 +416,7 @@ class JobStore:
                 meta, counts = rows[2 * i], rows[2 * i + 1]
                 if not meta:
                     gone.append(batch_id)  # expired: drop it from the index
-                elif tenants is None or meta.get("tenant", "default") in tenants:
+                elif tenants is None or batch_tenant(batch_id) in tenants:
                     out.append(self._summary(batch_id, meta, counts))
             if gone:
                 self.r.zrem(keys.BATCHES, *gone)
@@ -437,7 +437,7 @@ class JobStore:
             "complete": terminal == int(meta.get("total", 0)),
             "created_at": float(meta.get("created_at", 0)),
             "handler": meta.get("handler"),
-            "tenant": meta.get("tenant", "default"),
+            "tenant": batch_tenant(batch_id),
             "priority": int(meta.get("priority", 0)),
         }
 
@@ -490,24 +490,12 @@ class JobStore:
 
     # -- the trajectory store's accounting -----------------------------------------------
 
-    def tenant_of(self, batch_id: str) -> str | None:
-        """The tenant a batch belongs to (never changes: kept once read)."""
-        tenant = self._tenants.get(batch_id)
-        if tenant is None:
-            tenant = self.r.hget(keys.batch(batch_id), "tenant")
-            if tenant is not None:
-                if len(self._tenants) >= 4096:
-                    self._tenants.clear()
-                self._tenants[batch_id] = tenant
-        return tenant
-
     def note_payload(self, batch_id: str, nbytes: int) -> None:
         """A payload of ``nbytes`` was written for the batch (and counts for its tenant)."""
-        tenant = self.tenant_of(batch_id)
+        tenant = batch_tenant(batch_id)  # in its id: no record read can say otherwise
         pipe = self.r.pipeline(transaction=False)
-        if tenant:
-            pipe.hincrby(keys.tenant(tenant), "store_bytes", nbytes)
-            pipe.hsetnx(keys.PAYLOAD_TENANTS, batch_id, tenant)
+        pipe.hincrby(keys.tenant(tenant), "store_bytes", nbytes)
+        pipe.hsetnx(keys.PAYLOAD_TENANTS, batch_id, tenant)
         pipe.hincrby(keys.PAYLOAD_STATS, "bytes", nbytes)
         pipe.hincrby(keys.PAYLOAD_STATS, "files", 1)
         pipe.zadd(keys.PAYLOAD_BATCHES, {batch_id: self.server_time()}, nx=True)

@@ -44,12 +44,27 @@ def _float(raw: dict, name: str) -> float | None:
     return float(raw[name]) if raw.get(name) else None
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A probe reads the URL it was given and no other: a redirect is an answer of its own
+    (an error), never followed to wherever it points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _get(url: str, timeout_s: float):
+    return _OPENER.open(url, timeout=timeout_s)
+
+
 def probe(url: str, timeout_s: float = 2.0, slow_ok: bool = False) -> str | None:
     """GET the backend's health route: None if it answers 200, else what went wrong.
     ``slow_ok``: no answer within ``timeout_s`` is not a failure (an engine busy serving
     may answer its health route late; a refused connection or an error status is one)."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + HEALTH_PATH, timeout=timeout_s) as resp:
+        with _get(url.rstrip("/") + HEALTH_PATH, timeout_s) as resp:
             if resp.status == 200:
                 return None
             return f"{HEALTH_PATH} answered {resp.status}"
@@ -66,14 +81,34 @@ def context_length(url: str, model: str, timeout_s: float = 2.0) -> int | None:
     """The context length the engine serves ``model`` with: ``max_model_len`` of its entry
     in ``GET /v1/models`` (vLLM's and SGLang's), or None where it does not say."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout_s) as resp:
-            doc = json.loads(resp.read())
+        with _get(url.rstrip("/") + "/v1/models", timeout_s) as resp:
+            doc = json.loads(resp.read(1 << 20))
         rows = [m for m in doc.get("data") or [] if isinstance(m, dict)]
         row = next((m for m in rows if m.get("id") == model), rows[0] if rows else {})
         value = row.get("max_model_len")
         return int(value) if isinstance(value, int) and value > 0 else None
     except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
         return None
+
+
+def not_an_engine(url: str, timeout_s: float = 2.0) -> str | None:
+    """Why ``url`` does not answer as an inference server, or None where it does: its
+    health route answers 200 and ``GET /v1/models`` a JSON list of models (``{"data":
+    [{"id": ...}, ...]}``, as vLLM and SGLang answer). What a tenant's registration asks
+    of a URL before anything is stored or sent that would change the engine."""
+    error = probe(url, timeout_s)
+    if error:
+        return error
+    try:
+        with _get(url.rstrip("/") + "/v1/models", timeout_s) as resp:
+            doc = json.loads(resp.read(1 << 20))
+        rows = doc.get("data")
+        if isinstance(rows, list) and rows and all(
+                isinstance(m, dict) and isinstance(m.get("id"), str) for m in rows):
+            return None
+        return "/v1/models answered no list of models"
+    except (urllib.error.URLError, OSError, ValueError, AttributeError) as e:
+        return f"/v1/models: {getattr(e, 'reason', None) or e}"
 
 
 # Files one of which a tokenizer directory holds (transformers' fast and slow formats).
@@ -153,12 +188,28 @@ class BackendRegistry:
 
     # -- registration ---------------------------------------------------------------------
 
-    def register(self, spec: BackendSpec, probe_error: str | None = "") -> str:
+    def claim(self, tenant: str, endpoints: list[str]) -> bool:
+        """Claim the engine ``endpoints`` (access.engine_endpoints) for ``tenant``'s next
+        backend, all or none: False where one is another tenant's (lua/engine_claim.lua).
+        :meth:`register` with these endpoints holds the claim until it is unregistered."""
+        return bool(self.lua("engine_claim", mode="claim", tenant=tenant,
+                             endpoints=endpoints)) if endpoints else True
+
+    def let_go(self, tenant: str, endpoints: list[str]) -> None:
+        """Give back a claim :meth:`claim` made (a registration that did not happen)."""
+        if endpoints:
+            self.lua("engine_claim", mode="release", tenant=tenant, endpoints=endpoints)
+
+    def register(self, spec: BackendSpec, probe_error: str | None = "",
+                 endpoints: list[str] | None = None) -> str:
         """Register a backend. ``probe_error``: what probing it at registration found (None
         or "" = healthy; see :func:`probe`); an unhealthy backend stays out of the heap
-        until the reaper's background probe finds it healthy."""
+        until the reaper's background probe finds it healthy. ``endpoints``: the engine
+        endpoints its URL reaches, claimed for its tenant (:meth:`claim`), given back when it
+        is unregistered."""
         backend_id = uuid.uuid4().hex[:12]
         fields = asdict(spec)
+        fields["engine"] = " ".join(endpoints or [])
         fields["logprobs_mode"] = spec.logprobs_mode or DEFAULT_LOGPROBS_MODE[spec.kind]
         fields.update(id=backend_id, healthy=0 if probe_error else 1, drained=0,
                       registered_at=f"{time.time():.3f}", jobs_total=0, requests_total=0,
@@ -178,13 +229,15 @@ class BackendRegistry:
     def unregister(self, backend_id: str) -> None:
         """Remove a backend; jobs pinned to it fail over at their next turn."""
         self._require(backend_id)
-        tenant = self.r.hget(keys.backend(backend_id), "tenant")
+        tenant, engine = self.r.hmget(keys.backend(backend_id), "tenant", "engine")
         pipe = self.r.pipeline(transaction=True)
         pipe.zrem(keys.backend_heap(tenant), backend_id)
         pipe.delete(keys.backend(backend_id))
         pipe.srem(keys.BACKENDS, backend_id)
         pipe.hdel(keys.BACKEND_INFLIGHT, backend_id)
-        pipe.execute()
+        deleted = pipe.execute()[1]
+        if deleted:  # this call removed it: its engines' claim goes with it (once)
+            self.let_go(tenant or "default", (engine or "").split())
 
     def _update(self, backend_id: str, **fields) -> bool:
         """Set fields and re-place the backend in (or out of) the heap; False if unknown.

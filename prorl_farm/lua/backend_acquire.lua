@@ -16,11 +16,13 @@ if ARGV[4] and ARGV[4] ~= '' then
 end
 -- A job that ended (cancelled, failed, done) never takes a slot: its terminal transition
 -- already released it, and a stage that has not noticed yet must not pin it again.
-local jf = redis.call('HMGET', K.job(job), 'state', 'batch_id')
+local jf = redis.call('HMGET', K.job(job), 'state', 'tenant')
 local state = jf[1]
 if state and TERMINAL[state] then return {} end
--- Its tenant's backends only: another tenant's server never sees its prompts.
-local heap = tenant_heap(jf[2] and redis.call('HGET', K.batch(jf[2]), 'tenant'))
+-- Its tenant's backends only: another tenant's server never sees its prompts. The tenant
+-- is the job's own field, written with the job and never changed (a batch's record is
+-- read by nothing that routes).
+local heap = tenant_heap(jf[2])
 local function pinned(b, how)
   local out = {b, how}
   for _, v in ipairs(redis.call('HMGET', K.backend(b), unpack(BACKEND_FIELDS))) do

@@ -4,7 +4,8 @@
 -- KEYS: slots, started, nodes, job, tenants
 --   slots: the node's slot hash (slot -> sandbox); started: the per-node counter hash;
 --   nodes: the set of nodes that started any; job: the job's hash, or '' (none); tenants:
---   the node's sandbox -> tenant hash (the job's batch's tenant counts the sandbox live).
+--   the node's sandbox -> tenant hash (the job's own tenant field counts the sandbox
+--   live).
 -- ARGV: cap, sandbox, hint, node
 --   cap: the node's slot count; hint: the slot to try first.
 -- returns: the slot | -1 (all taken)
@@ -18,8 +19,7 @@ for i = 0, cap - 1 do
     redis.call('SADD', KEYS[3], ARGV[4])
     if KEYS[4] ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then
       redis.call('HSET', KEYS[4], 'sandboxes', 1)
-      local batch = redis.call('HGET', KEYS[4], 'batch_id')
-      local tenant = batch and redis.call('HGET', K.batch(batch), 'tenant')
+      local tenant = redis.call('HGET', KEYS[4], 'tenant')
       if tenant then
         redis.call('HSET', KEYS[5], id, tenant)
         redis.call('HINCRBY', K.tenant(tenant), 'sandboxes', 1)

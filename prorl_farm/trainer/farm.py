@@ -258,8 +258,9 @@ class FarmClient:
                                 timeout_s=self.timeout_s + wait_s, binary=True)
         out = {b: ({**m, "results": []} if m.get("found") else m)
                for b, m in meta["batches"].items()}
-        for job in jobs:
-            out[job["batch_id"]]["results"].append(job)
+        for job in jobs:  # a job names its batch as stored: "<tenant>:<id>" (docs/api.md)
+            stored = job["batch_id"]
+            out[stored if stored in out else stored.partition(":")[2]]["results"].append(job)
         return out
 
     def iter_results(self, batch_id: str, expected: int | None = None, wait_s: float = 10.0,

@@ -42,7 +42,7 @@ from prorl_farm.jobs.payloads import (
 from prorl_farm.jobs.store import JobStore
 from prorl_farm.sandbox import cgroups
 from prorl_farm.states import NEXT_STAGE, Claim, FailureKind, JobState, StageOutcome
-from prorl_farm.tenants import parse_tenants
+from prorl_farm.tenants import batch_tenant, parse_tenants
 from prorl_farm.worker.liveness import Liveness
 from prorl_farm.worker.logs import job_log_context
 
@@ -142,7 +142,7 @@ class StageRunner:
         ctx = build_context(raw, stage, token, self.settings.node,
                             self.settings.pool(stage).timeout_s)
         ctx.backends, ctx.sandboxes, ctx.settings = self.backends, self.sandboxes, self.settings
-        ctx.tenant = self.store.tenant_of(ctx.batch_id) or "default"
+        ctx.tenant = batch_tenant(ctx.batch_id)
         ctx.cpu_group = self._cpu_group(ctx.tenant)
         return ctx
 
