@@ -27,7 +27,10 @@ An endpoint without a rule is refused (500): a new route cannot be open by omiss
 
 A client whose calls keep failing for want of a key or of a visible id (401 and 404) is
 answered 429 once it has had ``PRORL_API_DENIALS_PER_MIN`` of them within a minute (per
-address), so that ids and keys cannot be tried cheaply; ids carry 128 random bits anyway.
+key; per address for a caller without a known key), so that ids and keys cannot be tried
+cheaply, and one tenant's refusals never use up another's limit; ids carry 128 random bits
+anyway. A batch id lives in its tenant's space (tenants.scoped_batch): another tenant's id
+is refused as a free one is, with one read either way.
 """
 
 from __future__ import annotations
@@ -201,13 +204,14 @@ def _stored_batch(store, given: str) -> str:
 
 
 def _slowed(store, resp, limit: int):
-    """``resp`` (a 401 or 404), or a 429 once this address has had more than ``limit`` of
-    them within the minute (PRORL_API_DENIALS_PER_MIN): guessing keys and ids is slowed."""
+    """``resp`` (a 401 or 404), or a 429 once this caller has had more than ``limit`` of
+    them within the minute (PRORL_API_DENIALS_PER_MIN): guessing keys and ids is slowed.
+    A caller is its key (a tenant's, the operator's) or, without a known key, its address:
+    one tenant's denials never spend another's limit."""
     from api.errors import error_response
 
-    client = request.remote_addr or "?"
     window = int(time.time() // DENIAL_WINDOW_S)
-    key = f"{keys.PREFIX}denials:{client}:{window}"
+    key = f"{keys.PREFIX}denials:{_caller()}:{window}"
     try:
         pipe = store.r.pipeline(transaction=False)
         pipe.incr(key)
@@ -217,10 +221,19 @@ def _slowed(store, resp, limit: int):
         return resp
     if n <= limit:
         return resp
-    slow, status = error_response(429, "too_many_denials", f"{n} calls from this "
-                                  f"address were refused (401/404) within a minute "
-                                  f"(at most {limit}: PRORL_API_DENIALS_PER_MIN); try "
-                                  f"again later")
+    slow, status = error_response(429, "too_many_denials", f"{n} of your calls were "
+                                  f"refused (401/404) within a minute (at most {limit}: "
+                                  f"PRORL_API_DENIALS_PER_MIN); try again later")
     slow.status_code = status
     slow.headers["Retry-After"] = str(DENIAL_WINDOW_S - int(time.time()) % DENIAL_WINDOW_S)
     return slow
+
+
+def _caller() -> str:
+    """Whose denials a refusal counts to: ``operator``, ``tenant:<name>``, or
+    ``addr:<address>`` for a caller with no key the farm knows."""
+    if g.get("prorl_operator"):
+        return "operator"
+    if g.get("prorl_tenant"):
+        return f"tenant:{g.prorl_tenant}"
+    return f"addr:{request.remote_addr or '?'}"

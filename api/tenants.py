@@ -20,8 +20,13 @@ def list_tenants():
     svc = services()
     rows = [row for row in tenant_rows(svc.store.r, svc.tenants) if may_see(row["tenant"])]
     shares = fair.shares(svc.store.r, {n: t.weight for n, t in svc.tenants.items()})
-    if sees() is not None:
-        shares = [{**q, "tenants": [t for t in q["tenants"] if may_see(t["tenant"])]}
+    if sees() is not None:  # the queue's slots, and the key's own rows: no figure that
+        # counts another tenant's work (the queue's total held, a share of it, a share due
+        # among the tenants present)
+        shares = [{"queue": q["queue"], "stage": q["stage"], "shared": q["shared"],
+                   "reserve": q["reserve"], "tenants": [
+                       {k: t[k] for k in ("tenant", "weight", "held", "waiting")}
+                       for t in q["tenants"] if may_see(t["tenant"])]}
                   for q in shares]
     return {"tenants": rows, "fair_share": shares,
             "you": g.get("prorl_tenant") or DEFAULT,

@@ -185,9 +185,11 @@ def test_lists_and_many_results_hold_only_what_the_key_may_see(walls):
     assert "team-a" not in json.dumps(tenants["fair_share"])
 
 
-def test_a_flood_of_refusals_is_slowed(redis_server, r):
-    """Past PRORL_API_DENIALS_PER_MIN refusals (401, 404) within a minute, an address is
-    answered 429 with Retry-After, whatever it asks; its allowed calls are not counted."""
+def test_a_flood_of_refusals_is_slowed_per_key(redis_server, r):
+    """Past PRORL_API_DENIALS_PER_MIN refusals (401, 404) within a minute, a caller is
+    answered 429 with Retry-After instead; its allowed calls are not counted. A
+    caller is its key (an address without one): B's flood of refusals, and a keyless one
+    from the same address, leave A's limit whole."""
     from api import create_app
 
     app = create_app(load_settings(farm_env(redis_server.url, api_token=OPERATOR,
@@ -197,11 +199,16 @@ def test_a_flood_of_refusals_is_slowed(redis_server, r):
     try:
         for _ in range(10):
             assert client.get("/v1/handlers", headers=_auth(KEY_A)).status_code == 200
-        codes = [client.get(f"/v1/batches/{i:032x}", headers=_auth(KEY_A)).status_code
-                 for i in range(5)]
-        assert codes == [404] * 5
-        slowed = client.get("/v1/batches", headers={})
+        codes = [client.get(f"/v1/batches/{i:032x}", headers=_auth(KEY_B)).status_code
+                 for i in range(8)]
+        assert codes == [404] * 5 + [429] * 3
+        slowed = client.get(f"/v1/batches/{9:032x}", headers=_auth(KEY_B))
         assert slowed.status_code == 429 and int(slowed.headers["Retry-After"]) > 0
+        assert [client.get("/v1/batches").status_code for _ in range(7)] == \
+            [401] * 5 + [429] * 2
+        # A, from the same address, has its own limit: its unknown id is a 404.
+        assert client.get(f"/v1/batches/{0:032x}", headers=_auth(KEY_A)).status_code == 404
+        assert client.get("/v1/batches", headers=_auth(KEY_A)).status_code == 200
     finally:
         app.extensions["prorl"].close()
 
