@@ -98,6 +98,7 @@ def _cmd_gym(args) -> int:
     import signal
 
     from prorl_farm.gym.server import serve
+    from prorl_farm.tenants import parse_tenants
     from prorl_farm.worker import logs
 
     s = load_settings()
@@ -114,7 +115,7 @@ def _cmd_gym(args) -> int:
             loop.add_signal_handler(sig, task.cancel)
         await serve(args.host or s.api_host, port, args.farm or s.url, s.api_token,
                     resources_server=args.resources_server or s.gym_resources_server,
-                    grader=args.grader or s.gym_grader)
+                    grader=args.grader or s.gym_grader, tenants=parse_tenants(s.tenants))
 
     try:
         asyncio.run(main())

@@ -283,3 +283,76 @@ def test_a_tenant_sees_no_figure_of_anothers_share(farm, r):
     assert set(init["tenants"][0]) == {"tenant", "weight", "held", "waiting"}
     full = client.get("/v1/tenants", headers=_auth(OPERATOR)).get_json()
     assert [q for q in full["fair_share"] if q["queue"] == "init"][0]["held"] == 10
+
+
+# -- doors ------------------------------------------------------------------------------
+
+
+def test_the_gym_server_asks_every_caller_for_its_key_and_runs_as_its_tenant(farm, r):
+    """The Gym agent server holds no key: with none, a caller gets 401 and nothing runs;
+    with B's, B's row runs as B (its space, its quota: 429 once B is full); agent sessions
+    are each caller's own. It never submits with the operator's key."""
+    import asyncio
+
+    from tornado.httpclient import AsyncHTTPClient
+    from tornado.httpserver import HTTPServer
+    from tornado.simple_httpclient import HTTPTimeoutError
+    from werkzeug.serving import make_server
+
+    from prorl_farm.gym.server import make_app
+    from prorl_farm.tenants import parse_tenants
+
+    api = make_server("127.0.0.1", 0, farm, threaded=True)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    row = json.dumps({"responses_create_params": {"input": "2+2?", "max_output_tokens": 8},
+                      "expected_answer": "4", "prorl_grader": "math"})
+
+    async def attempt() -> dict:
+        port = free_port()
+        server = HTTPServer(make_app(f"http://127.0.0.1:{api.server_port}",
+                                     api_token=OPERATOR,
+                                     tenants=parse_tenants(json.dumps(TENANTS))))
+        server.listen(port, "127.0.0.1")
+        http = AsyncHTTPClient()
+
+        async def call(path, key, body, timeout=30.0):
+            try:
+                resp = await http.fetch(f"http://127.0.0.1:{port}{path}", method="POST",
+                                        body=body, headers=_auth(key), raise_error=False,
+                                        request_timeout=timeout)
+            except HTTPTimeoutError:
+                return 599, b""
+            return resp.code, resp.body
+
+        out = {}
+        try:
+            out["none"] = [(await call(p, None, row))[0] for p in
+                           ("/run", "/aggregate_metrics", "/v1/agent_sessions")]
+            out["bad"] = (await call("/run", "not-a-key-0123456789", row))[0]
+            # B's row: submitted as B (the client gives up; the row is then cancelled).
+            out["b"] = (await call("/run", KEY_B, row, timeout=1.0))[0]
+            while int(r.hget(keys.tenant("team-b"), "queued") or 0):  # cancelled as the
+                await asyncio.sleep(0.05)  # client left
+            for _ in range(5):  # B fills its quota of 5 queued
+                assert _submit(farm.test_client(), KEY_B).status_code == 202
+            out["b_full"] = await call("/run", KEY_B, row)
+            sid = json.dumps({"agent_session_id": "s-1"})
+            out["sessions"] = [(await call("/v1/agent_sessions/close", KEY_A, sid))[0],
+                               (await call("/v1/agent_sessions", KEY_B, sid))[0]]
+        finally:
+            server.stop()
+        return out
+
+    try:
+        out = asyncio.run(attempt())
+    finally:
+        api.shutdown()
+        api.server_close()
+    assert out["none"] == [401, 401, 401] and out["bad"] == 401
+    assert out["b"] == 599  # the client's own timeout: the row was running
+    code, body = out["b_full"]
+    assert code == 429 and b"team-b" in body, body
+    assert out["sessions"] == [200, 200]  # A's closed s-1 is not B's s-1
+    batches = farm.test_client().get("/v1/batches", headers=_auth(OPERATOR)).get_json()
+    gym = [b for b in batches["batches"] if "gym-" in b["batch_id"]]
+    assert [b["tenant"] for b in gym] == ["team-b"] and gym[0]["total"] == 1

@@ -21,6 +21,12 @@ fields named as FastAPI's 422 ``detail`` would), and nothing is enqueued for it:
 row among many fails alone. A failed job comes back 200, masked or as a failure record
 (rows.run_answer). Only a body that is not JSON is a 400, and a farm that cannot be reached
 a 502 (Gym's "the rollout did not run").
+
+Keys: on a farm with keys every route but the probes needs one (a tenant's or the
+operator's, ``Authorization: Bearer``), and a caller's rows go to the API with its own key,
+as its tenant, under its quotas and fair share; the server holds no key of its own, and
+each caller's batches, polls and agent sessions are its own. A refusal of the caller (401,
+403, 429 over a quota) is answered with the API's status.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from prorl_farm.gym.rows import (
     to_submission,
 )
 from prorl_farm.retry import backoff_s
+from prorl_farm.tenants import any_key, tenant_of_token
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +101,25 @@ def _instance_locs(details, sub: Submission) -> list[tuple[tuple, str]]:
         [x for k, v in details.items() if k in sub.fields for x in _locs(v, sub.fields[k])]
 
 
-class Farm:
-    """The farm's API, from the event loop: coalesced submits, one shared results poll."""
+class FarmRefused(FarmError, RuntimeError):
+    """The farm's API refused the caller (401, 403: its key; 429: its quota): the row is
+    answered with that status, as the API said it."""
 
-    def __init__(self, url: str, token: str = ""):
+    def __init__(self, status: int, detail: str, retry_after: str | None = None):
+        super().__init__(detail)
+        self.status, self.detail, self.retry_after = status, detail, retry_after
+
+
+class Farm:
+    """The farm's API as one caller reaches it, from the event loop: coalesced submits, one
+    results poll. Each caller (its ``Authorization``) has its own: its rows are submitted
+    with its key, into its own batches, under its quotas and fair share."""
+
+    def __init__(self, url: str, authorization: str = ""):
         self.url = url.rstrip("/")
         self.headers = {"Content-Type": "application/json"}
-        if token:
-            self.headers["Authorization"] = f"Bearer {token}"
+        if authorization:
+            self.headers["Authorization"] = authorization
         self.http = AsyncHTTPClient(max_clients=MAX_POLLS + 32)
         self._groups: dict[str, list[tuple[Submission, asyncio.Future]]] = {}
         self._waiting: dict[str, dict[str, asyncio.Future]] = {}  # batch -> job -> future
@@ -166,6 +184,11 @@ class Farm:
                 if rest and bad:
                     await self._submit(rest)
                     return
+            if e.code in (401, 403, 429):  # the caller's key or quota: said as the API said
+                self._fail(group, FarmRefused(e.code, err.get("message") or str(e),
+                                              e.response.headers.get("Retry-After")
+                                              if e.response is not None else None))
+                return
             if e.code in (400, 404, 409, 413, 422):
                 row_error = RowError(_request_locs(err))
                 for _, future in group:
@@ -271,6 +294,38 @@ class Farm:
             log.warning("gym: cancelling job %s failed: %s", job_id, e)
 
 
+class Callers:
+    """Who calls the Gym server, and each caller's :class:`Farm`. On a farm with keys
+    (``PRORL_API_TOKEN``, ``PRORL_TENANTS``) every route but the probes needs one of them;
+    a caller's rows go to the API with the caller's own key, never with another's (the
+    server holds no key of its own). On a farm without keys every caller is the one
+    (loopback) operator."""
+
+    def __init__(self, farm_url: str, api_token: str = "", tenants: dict | None = None):
+        self.farm_url = farm_url
+        self.api_token, self.tenants = api_token, tenants or {}
+        self.keyed = any_key(api_token, self.tenants)
+        self._farms: dict[str, Farm] = {}
+
+    def who(self, authorization: str | None) -> str | None:
+        """``operator``, ``tenant:<name>``, or None (no key the farm knows)."""
+        if not self.keyed:
+            return "operator"
+        if self.api_token and token_ok(authorization, self.api_token):
+            return "operator"
+        scheme, _, given = (authorization or "").partition(" ")
+        tenant = tenant_of_token(self.tenants, given.strip()) \
+            if scheme.lower() == "bearer" else None
+        return f"tenant:{tenant.name}" if tenant else None
+
+    def farm(self, caller: str, authorization: str | None) -> Farm:
+        farm = self._farms.get(caller)
+        if farm is None:
+            farm = self._farms[caller] = Farm(
+                self.farm_url, (authorization or "") if self.keyed else "")
+        return farm
+
+
 def _error(e: HTTPClientError) -> dict:
     try:
         return json.loads(e.response.body)["error"]
@@ -294,21 +349,23 @@ def _request_locs(err: dict) -> list[tuple[tuple, str]]:
 class _Base(RequestHandler):
     farm: Farm
 
-    def initialize(self, farm: Farm, sessions: dict, resources_server: dict | None = None,
-                   grader: str | None = None, guard: str = ""):
-        self.farm, self.sessions = farm, sessions
+    def initialize(self, callers: Callers, sessions: dict,
+                   resources_server: dict | None = None, grader: str | None = None):
+        self.callers, self.sessions = callers, sessions
         self.resources_server = resources_server or {}
         self.grader = grader
-        self.guard = guard
 
     def prepare(self):
-        # Off loopback, the server is not an open door to the farm with its key: a caller
-        # shows the same key (the probes excepted).
-        if self.guard and not isinstance(self, HealthHandler) and not token_ok(
-                self.request.headers.get("Authorization"), self.guard):
+        # On a farm with keys, every caller shows one (the probes excepted); what it runs
+        # runs with that key, as its tenant.
+        header = self.request.headers.get("Authorization")
+        self.caller = self.callers.who(header)
+        if self.caller is None and not isinstance(self, HealthHandler):
             self.set_header("WWW-Authenticate", 'Bearer realm="prorl-farm-gym"')
-            raise HTTPError(401, "this server needs 'Authorization: Bearer <the key it "
-                            "submits with>'")
+            raise HTTPError(401, "this server needs 'Authorization: Bearer <your farm "
+                            "key>' (a tenant's, or the operator's)")
+        if self.caller is not None:
+            self.farm = self.callers.farm(self.caller, header)
 
     def _json(self):
         try:
@@ -338,6 +395,10 @@ class RunHandler(_Base):
             batch, job_id, ended = await self.farm.submit(sub)
         except RowError as e:
             return self.refuse(row, e)
+        except FarmRefused as e:
+            if e.retry_after:
+                self.set_header("Retry-After", e.retry_after)
+            return self.reply(e.status, {"detail": e.detail})
         except FarmUnavailable as e:
             return self.reply(502, {"detail": str(e)})
         self._job, self._ended = (batch, job_id), ended
@@ -406,11 +467,12 @@ class SessionHandler(_Base):
 
     async def post(self, close: str | None = None):
         body = self._json()
-        sid = body.get("agent_session_id") if isinstance(body, dict) else None
-        if not isinstance(sid, str) or not sid:
+        given = body.get("agent_session_id") if isinstance(body, dict) else None
+        if not isinstance(given, str) or not given:
             return self.reply(422, {"detail": [{"type": "value_error",
                                                 "loc": ["body", "agent_session_id"],
                                                 "msg": "a non-empty string"}]})
+        sid = (self.caller, given)  # each caller's session ids are its own
         now = time.monotonic()
         for old in [k for k, (_, closed) in self.sessions.items()
                     if closed and now - closed > SESSION_KEEP_S]:
@@ -418,13 +480,13 @@ class SessionHandler(_Base):
         if close:
             episode = self.sessions.get(sid, (body.get("episode_id"), None))[0]
             self.sessions[sid] = (episode, now)
-            return self.reply(200, {"agent_session_id": sid, "agent_observations": None,
+            return self.reply(200, {"agent_session_id": given, "agent_observations": None,
                                     "resources_cookies": None})
         known = self.sessions.get(sid)
         if known is not None and known[1] is not None:
-            return self.reply(409, {"detail": f"agent session {sid} was closed"})
+            return self.reply(409, {"detail": f"agent session {given} was closed"})
         self.sessions[sid] = (body.get("episode_id"), None)
-        self.reply(200, {"agent_session_id": sid})
+        self.reply(200, {"agent_session_id": given})
 
 
 class HealthHandler(_Base):
@@ -432,13 +494,14 @@ class HealthHandler(_Base):
         self.reply(200, {"status": "ok"})
 
 
-def make_app(farm_url: str, token: str = "", resources_server: str = "",
-             guard: bool = False, grader: str = "") -> Application:
-    """``guard``: callers must show ``token`` (a server off loopback); ``resources_server``
-    and ``grader``: where rows naming no farm task go (rows.to_submission)."""
-    shared = {"farm": Farm(farm_url, token), "sessions": {},
+def make_app(farm_url: str, resources_server: str = "", grader: str = "",
+             api_token: str = "", tenants: dict | None = None) -> Application:
+    """``api_token`` and ``tenants``: the farm's keys (its settings), which callers must
+    show where there are any (:class:`Callers`); ``resources_server`` and ``grader``: where
+    rows naming no farm task go (rows.to_submission)."""
+    shared = {"callers": Callers(farm_url, api_token, tenants), "sessions": {},
               "resources_server": parse_servers(resources_server),
-              "grader": grader or None, "guard": token if guard else ""}
+              "grader": grader or None}
     return Application([
         (r"/run", RunHandler, shared),
         (r"/aggregate_metrics", AggregateHandler, shared),
@@ -448,23 +511,24 @@ def make_app(farm_url: str, token: str = "", resources_server: str = "",
     ], max_body_size=64 << 20)
 
 
-async def serve(host: str, port: int, farm_url: str, token: str = "",
-                ready=None, resources_server: str = "", grader: str = "") -> None:
+async def serve(host: str, port: int, farm_url: str, api_token: str = "",
+                ready=None, resources_server: str = "", grader: str = "",
+                tenants: dict | None = None) -> None:
     """Serve until cancelled. ``resources_server``: the Gym resources servers that rows
     naming no farm task run on (``URL`` or ``NAME=URL``, comma-separated: rows.py);
-    ``grader``: the farm grader of rows graded by ``expected_answer`` alone. Off loopback it
-    needs ``token`` and asks its callers for it."""
+    ``grader``: the farm grader of rows graded by ``expected_answer`` alone. ``api_token``
+    and ``tenants``: the farm's keys, which its callers show (the server submits with the
+    caller's key, never one of its own). Off loopback, only on a farm with keys."""
     try:
         parse_servers(resources_server)
     except ValueError as e:
         raise ConfigError(f"--resources-server {e}") from None
-    exposed = not is_loopback(host)
-    if exposed and not token:
+    if not is_loopback(host) and not any_key(api_token, tenants or {}):
         raise ConfigError(f"the Gym server on {host} (not loopback) would submit to the farm "
-                          "for anyone: give it a key (PRORL_API_TOKEN), which its callers "
-                          "then show, or bind it to loopback")
-    server = HTTPServer(make_app(farm_url, token, resources_server, guard=exposed,
-                                 grader=grader),
+                          "for anyone: run the farm with keys (PRORL_API_TOKEN, "
+                          "PRORL_TENANTS), which its callers then show, or bind it to "
+                          "loopback")
+    server = HTTPServer(make_app(farm_url, resources_server, grader, api_token, tenants),
                         max_body_size=64 << 20, idle_connection_timeout=3600)
     server.listen(port, host, backlog=1024)
     log.info("gym agent server on http://%s:%d, the farm at %s%s", host, port, farm_url,
