@@ -82,11 +82,14 @@ def _cmd_api(args) -> int:
               "and run everything: set PRORL_API_TOKEN (or tenants' keys, PRORL_TENANTS), or "
               "bind it to loopback (`prorl-farm up` makes a key up)", file=sys.stderr)
         return 2
-    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "gthread",
-            "--workers", str(s.api_workers), "--threads", str(s.api_threads),
-            "--bind", f"{s.api_host}:{s.api_port}",
-            # gthread workers heartbeat on their own; long-polls may hold a thread for max_wait_s.
-            "--timeout", str(int(s.max_wait_s) + 30), "--graceful-timeout", "5",
+    # Each worker process: one event loop that reads requests whole, then PRORL_API_THREADS
+    # threads that run them (api/server.py: a slow client holds no thread).
+    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "api.server.Worker",
+            "--workers", str(s.api_workers), "--bind", f"{s.api_host}:{s.api_port}",
+            # the loop heartbeats every second; long-polls run on the threads, not on it.
+            "--timeout", "30", "--graceful-timeout", "5", "--backlog", "4096",
+            # (its control socket is one path per user: two farms on a host would share it)
+            "--no-control-socket",
             "api.wsgi:app"]
     os.execv(sys.executable, argv)
     return 0  # not reached

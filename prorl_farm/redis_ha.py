@@ -18,6 +18,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -51,7 +52,7 @@ class RedisHA:
     """The five processes' layout under ``data``; the caller starts and stops them."""
 
     def __init__(self, data: Path, appendfsync: str = "everysec", down_after_ms: int = 5000,
-                 failover_timeout_ms: int = 60_000):
+                 failover_timeout_ms: int = 60_000, password: str | None = None):
         if not shutil.which("redis-server"):
             raise ConfigError("redis-server not found: install it (apt-get install "
                               "redis-server) or set PRORL_REDIS_URL")
@@ -64,13 +65,35 @@ class RedisHA:
             self.ports = {name: free_port() for name in SERVERS + SENTINELS}
             layout.write_text(json.dumps(self.ports) + "\n")
         self.appendfsync = appendfsync
+        # Every server and sentinel asks for it (in their config files, 0600, never on a
+        # command line): the farm's Redis is the farm's alone on a shared host.
+        self.password = password
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{self.ports[s]}" for s in SENTINELS)
-        return f"{SENTINEL_SCHEME}://{hosts}/{SERVICE}/0"
+        if not self.password:
+            return f"{SENTINEL_SCHEME}://{hosts}/{SERVICE}/0"
+        secret = quote(self.password, safe="")
+        return f"{SENTINEL_SCHEME}://:{secret}@{hosts}/{SERVICE}/0?sentinel_password={secret}"
+
+    def _sentinel(self, name: str) -> redis.Redis:
+        return redis.Redis(port=self.ports[name], socket_timeout=1, socket_connect_timeout=1,
+                           password=self.password, decode_responses=True)
+
+    def _auth_lines(self, conf: Path, sentinel: bool) -> None:
+        """The password's lines in ``conf`` (added to a file an earlier run wrote without
+        them), and the file 0600."""
+        if self.password:
+            text = conf.read_text()
+            if f"requirepass {self.password}" not in text:
+                lines = [f"requirepass {self.password}"]
+                lines.append(f"sentinel auth-pass {SERVICE} {self.password}" if sentinel
+                             else f"masterauth {self.password}")
+                conf.write_text(text.rstrip("\n") + "\n" + "\n".join(lines) + "\n")
+        conf.chmod(0o600)
 
     def members(self) -> list[Member]:
         """The processes to start, servers first; config files written where missing (a
@@ -90,6 +113,7 @@ class RedisHA:
                 if name != SERVERS[0]:
                     lines.append(f"replicaof 127.0.0.1 {self.ports[SERVERS[0]]}")
                 conf.write_text("\n".join(lines) + "\n")
+            self._auth_lines(conf, sentinel=False)
             out.append(Member(f"redis-{name}", ["redis-server", str(conf)],
                               self.data / f"{name}.log"))
         sentinel = (["redis-sentinel"] if shutil.which("redis-sentinel")
@@ -111,6 +135,7 @@ class RedisHA:
                       for r in SERVERS[1:]),
                     *(f"sentinel known-sentinel {SERVICE} 127.0.0.1 {self.ports[o]} "
                       f"{self._sentinel_id(o)}" for o in SENTINELS if o != name)]) + "\n")
+            self._auth_lines(conf, sentinel=True)
             argv = sentinel + [str(conf)] + (["--sentinel"] if sentinel[0] == "redis-server"
                                               else [])
             out.append(Member(f"sentinel-{name}", argv, self.data / f"{name}.log"))
@@ -123,7 +148,7 @@ class RedisHA:
         """The name of the server the sentinels' majority names as primary, or None."""
         votes: dict[int, int] = {}
         for s in SENTINELS:
-            c = redis.Redis(port=self.ports[s], socket_timeout=1, socket_connect_timeout=1)
+            c = self._sentinel(s)
             try:
                 addr = c.sentinel_get_master_addr_by_name(SERVICE)
                 if addr:
@@ -145,7 +170,7 @@ class RedisHA:
             return False
         try:
             for s in SENTINELS:
-                c = redis.Redis(port=self.ports[s], socket_timeout=1, decode_responses=True)
+                c = self._sentinel(s)
                 try:
                     master = c.sentinel_master(SERVICE)
                     replicas = c.sentinel_slaves(SERVICE)

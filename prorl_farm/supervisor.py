@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -93,13 +94,14 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     env: dict = field(default_factory=dict)
+    umask: int = -1  # the child's file mode mask (-1: the supervisor's own)
 
     def start(self, base_env: dict) -> None:
         logf = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - owned by the child
         try:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env={**base_env, **self.env}, preexec_fn=_die_with_parent,
+                env={**base_env, **self.env}, preexec_fn=_die_with_parent, umask=self.umask,
             )
         finally:
             logf.close()
@@ -176,6 +178,23 @@ def reap(children: list[Child]) -> None:
                 log.error("%s (pid %d) did not exit after SIGKILL", child.name, child.proc.pid)
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (0600) from the first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
+def _private_dir(path: Path) -> None:
+    """``path`` as a directory of its owner's only (0700), the files an earlier run left in
+    it (append-only files, config files) 0600."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    for entry in path.rglob("*"):
+        entry.chmod(0o700 if entry.is_dir() else 0o600)
+
+
 class PrivateRedis:
     """The farm's own Redis under `up` (no PRORL_REDIS_URL): one redis-server, or with
     PRORL_REDIS_HA a primary, a replica and three sentinels, its data under the home."""
@@ -193,19 +212,24 @@ class PrivateRedis:
             raise SystemExit("redis-server not found: install it (apt-get install redis-server) "
                              "or set PRORL_REDIS_URL")
         data = self.home / "redis"
-        data.mkdir(parents=True, exist_ok=True)
+        _private_dir(data)
         port = free_port()
         # Append-only file, fsync every second (or every write: PRORL_REDIS_APPENDFSYNC):
         # finished results (kept result_ttl_s), queued jobs and the dashboard's history
-        # survive a restart of `up`. The port changes; the data does not.
-        self.children = [Child("redis", [
-            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-            "--appendonly", "yes", "--appendfsync", self.settings.redis_appendfsync,
-            "--save", "",
-            "--hash-max-listpack-value", str(keys.HASH_MAX_LISTPACK_VALUE), "--daemonize", "no",
-        ], self.logs / "redis.log", restart=False)]
+        # survive a restart of `up`. The port changes; the data does not. The farm's alone:
+        # a password (made once, kept 0600 under the home) in a config file no command line
+        # shows, its files 0600 in a 0700 directory (docs/security.md).
+        password = self._password()
+        conf = data / "redis.conf"
+        _write_private(conf, "\n".join([
+            f"port {port}", "bind 127.0.0.1", f"dir {data}", "appendonly yes",
+            f"appendfsync {self.settings.redis_appendfsync}", 'save ""',
+            f"hash-max-listpack-value {keys.HASH_MAX_LISTPACK_VALUE}", "daemonize no",
+            f"requirepass {password}"]) + "\n")
+        self.children = [Child("redis", ["redis-server", str(conf)], self.logs / "redis.log",
+                               restart=False, umask=0o077)]
         self.children[0].start(dict(os.environ))
-        url = f"redis://127.0.0.1:{port}/0"
+        url = f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0"
         try:
             wait_for_redis(url, timeout_s=60)  # loading a large append-only file takes a while
         except redis.exceptions.ConnectionError:
@@ -213,11 +237,25 @@ class PrivateRedis:
                                + log_tail(self.logs / "redis.log")) from None
         return url
 
+    def _password(self) -> str:
+        """The private Redis's password: made up once, kept in ``<home>/redis-password``
+        (0600), the same for every `up` (the HA trio's config files hold it)."""
+        path = self.home / "redis-password"
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            secret = secrets.token_urlsafe(32)
+            _write_private(path, secret + "\n")
+            return secret
+
     def _start_ha(self) -> str:
         """A primary, a replica and three sentinels (redis_ha.py), restarted when one exits
         (a primary that comes back rejoins as a replica): the farm follows a failover."""
-        ha = self.ha = RedisHA(self.home / "redis-ha", appendfsync=self.settings.redis_appendfsync)
-        self.children = [Child(m.name, m.argv, m.log, restart=True) for m in ha.members()]
+        _private_dir(self.home / "redis-ha")
+        ha = self.ha = RedisHA(self.home / "redis-ha", appendfsync=self.settings.redis_appendfsync,
+                               password=self._password())
+        self.children = [Child(m.name, m.argv, m.log, restart=True, umask=0o077)
+                         for m in ha.members()]
         for child in self.children:
             child.start(dict(os.environ))
         try:
@@ -332,7 +370,7 @@ class Supervisor:
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, *args]
 
-    def _plan(self, redis_url: str) -> None:
+    def _plan(self) -> None:
         s = self.settings
         cli = self._python("-m", "prorl_farm.cli")
         self.children = []
@@ -355,8 +393,9 @@ class Supervisor:
                       else {"FLOWER_UNAUTHENTICATED_API": "1"})
         self.children.append(Child(
             "flower",
-            self._python("-m", "celery", "-A", "prorl_farm.celery_app",
-                         "--broker", redisconn.celery_broker(redis_url)[0], "flower",
+            # Its broker is the app's (PRORL_REDIS_URL, in its environment): no password on
+            # a command line.
+            self._python("-m", "celery", "-A", "prorl_farm.celery_app", "flower",
                          f"--port={s.flower_port}", f"--address={s.api_host}"),
             self.logs / "flower.log", env=flower_env, after_ready=True))
         if self.model:
@@ -441,7 +480,7 @@ class Supervisor:
             if self.settings.api_token:
                 env["PRORL_API_TOKEN"] = self.settings.api_token
                 self._write_secret("api-token", self.settings.api_token)
-            self._plan(url)
+            self._plan()
             for child in self.children:
                 if not child.after_ready:
                     child.start(env)
@@ -460,11 +499,7 @@ class Supervisor:
             self.stop()
 
     def _write_secret(self, name: str, value: str) -> None:
-        path = self.home / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(value + "\n")
-        os.chmod(path, 0o600)
+        _write_private(self.home / name, value + "\n")
 
     def _announce(self, url: str) -> None:
         s = self.settings

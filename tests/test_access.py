@@ -139,12 +139,12 @@ def test_off_loopback_up_makes_up_a_token_and_puts_flower_behind_basic_auth():
 
     env = farm_env("redis://127.0.0.1:1")
     local = Supervisor(load_settings(env))
-    local._plan("redis://127.0.0.1:1")
+    local._plan()
     flower = next(c for c in local.children if c.name == "flower")
     assert local.settings.api_token == "" and flower.env == {"FLOWER_UNAUTHENTICATED_API": "1"}
 
     exposed = Supervisor(load_settings(env, api_host="0.0.0.0"))
-    exposed._plan("redis://127.0.0.1:1")
+    exposed._plan()
     flower = next(c for c in exposed.children if c.name == "flower")
     assert len(exposed.settings.api_token) >= 24
     assert "FLOWER_UNAUTHENTICATED_API" not in flower.env
@@ -157,7 +157,7 @@ def test_off_loopback_up_makes_up_a_token_and_puts_flower_behind_basic_auth():
     # tenant's tasks) is behind it.
     tenants = Supervisor(load_settings(
         env, tenants='{"a": {"token": "team-a-key-0123456789"}}'))
-    tenants._plan("redis://127.0.0.1:1")
+    tenants._plan()
     flower = next(c for c in tenants.children if c.name == "flower")
     assert flower.env == {"FLOWER_BASIC_AUTH": f"operator:{tenants.settings.api_token}"}
 
@@ -176,10 +176,11 @@ def test_flower_off_loopback_refuses_without_the_password(redis_server, tmp_path
     port = free_port()
     sup = Supervisor(load_settings(farm_env(redis_server.url), api_host="0.0.0.0",
                                    flower_port=port))
-    sup._plan(redis_server.url)
+    sup._plan()
     flower = next(c for c in sup.children if c.name == "flower")
     log = open(tmp_path / "flower.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(flower.argv, env={**os.environ, **flower.env}, stdout=log,
+    proc = subprocess.Popen(flower.argv, env={**os.environ, **farm_env(redis_server.url),
+                                             **flower.env}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"

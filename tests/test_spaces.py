@@ -356,3 +356,83 @@ def test_the_gym_server_asks_every_caller_for_its_key_and_runs_as_its_tenant(far
     batches = farm.test_client().get("/v1/batches", headers=_auth(OPERATOR)).get_json()
     gym = [b for b in batches["batches"] if "gym-" in b["batch_id"]]
     assert [b["tenant"] for b in gym] == ["team-b"] and gym[0]["total"] == 1
+
+
+# -- threads ----------------------------------------------------------------------------
+
+
+def test_one_tenants_long_polls_and_half_sent_requests_hold_no_thread_another_needs(
+        redis_server, tmp_path):
+    """The API as `up` runs it (gunicorn, its processes and threads): B holds 200
+    long-polls on its own batch and 200 connections that sent half their headers (or half a
+    body); A's submits and reads are all served while every one of B's is still open, and
+    B's long-polls past its bound were answered 429 at once."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import requests
+
+    from tests.farm import ROOT, stop_process, wait_until
+
+    port = free_port()
+    env = {**os.environ, **farm_env(redis_server.url, api_token=OPERATOR,
+                                    tenants=json.dumps(TENANTS)),
+           "PRORL_API_PORT": str(port), "PRORL_MAX_WAIT_S": "120"}
+    log = open(tmp_path / "api.log", "wb")  # noqa: SIM115
+    api = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "api"], env=env, cwd=ROOT,
+                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    held: list[socket.socket] = []
+    try:
+        def up() -> bool:
+            try:
+                return requests.get(base + "/healthz", timeout=2).ok
+            except requests.ConnectionError:
+                return False
+
+        wait_until(up, 60, 0.1, "the API")
+        b_batch = requests.post(base + "/v1/jobs", headers=_auth(KEY_B), json={
+            "handler": "synthetic", "instances": [{"run_s": 0}]}, timeout=30).json()["batch_id"]
+        polls = []
+        for i in range(400):
+            s = socket.create_connection(("127.0.0.1", port))
+            if i % 2 == 0:  # a long-poll on its own batch, whole
+                s.sendall(f"GET /v1/batches/{b_batch}/results?wait=100 HTTP/1.1\r\n"
+                          f"Host: x\r\nAuthorization: Bearer {KEY_B}\r\n\r\n".encode())
+                polls.append(s)
+            elif i % 4 == 1:  # half its headers
+                s.sendall(f"GET /v1/batches HTTP/1.1\r\nAuthorization: Bearer {KEY_B}\r\n"
+                          .encode())
+            else:  # its headers, and half of its body
+                s.sendall(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                          f"{KEY_B}\r\nContent-Type: application/json\r\nContent-Length: "
+                          f"1000\r\n\r\n{{\"handler\":".encode())
+            held.append(s)
+        a = requests.Session()
+        for _ in range(30):
+            sub = a.post(base + "/v1/jobs", headers=_auth(KEY_A), timeout=30, json={
+                "handler": "synthetic", "instances": [{"run_s": 0}]})
+            assert sub.status_code == 202, sub.text
+            assert a.get(f"{base}/v1/batches/{sub.json()['batch_id']}", headers=_auth(KEY_A),
+                         timeout=30).status_code == 200
+            assert a.get(base + "/healthz", timeout=30).status_code == 200
+        # Every connection of B's is still open (nothing was closed to make room), and
+        # its long-polls past its bound were told 429; those within it still wait.
+        answered = waiting = 0
+        for s in polls:
+            s.settimeout(0.2)
+            try:
+                head = s.recv(4096)
+            except TimeoutError:
+                waiting += 1
+                continue
+            assert head.startswith(b"HTTP/1.1 429"), head[:200]
+            answered += 1
+        assert waiting >= 1 and answered >= 150, (waiting, answered)
+    finally:
+        for s in held:
+            s.close()
+        stop_process(api)
+        log.close()

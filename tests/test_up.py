@@ -103,7 +103,9 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         wait_until(flower_up, 60, 0.25, "Flower")
         names = " ".join(_cmd(p) for p in _descendants(proc.pid))
         # (redis-server names itself by its address.)
-        ha = RedisHA(tmp_path / "farm" / "redis-ha")
+        ha = RedisHA(tmp_path / "farm" / "redis-ha",
+                     password=(tmp_path / "farm" / "redis-password").read_text().strip())
+        _every_redis_asks_for_the_password(ha)
         for part in (*(f"redis-server 127.0.0.1:{port}" for port in ha.ports.values()),
                      "[sentinel]", "gunicorn", "worker init", "worker run", "worker eval",
                      "flower"):
@@ -266,7 +268,7 @@ def _stop(proc: subprocess.Popen) -> str:
     return out
 
 
-def _private_redis_config(up: subprocess.Popen, name: str) -> str:
+def _private_redis_config(up: subprocess.Popen, name: str, home: Path) -> str:
     """A setting of the redis-server that `up` started (found among its children)."""
     import redis
 
@@ -274,8 +276,53 @@ def _private_redis_config(up: subprocess.Popen, name: str) -> str:
         if child.name().startswith("redis-server"):
             port = next(c.laddr.port for c in child.net_connections("tcp")
                         if c.status == psutil.CONN_LISTEN)
-            return redis.Redis(port=port, decode_responses=True).config_get(name)[name]
+            password = (home / "redis-password").read_text().strip()
+            client = redis.Redis(port=port, password=password, decode_responses=True)
+            try:
+                return client.config_get(name)[name]
+            finally:
+                client.close()
     raise AssertionError("no redis-server under `up`")
+
+
+def _every_redis_asks_for_the_password(ha: RedisHA) -> None:
+    """The HA trio: each data server and each sentinel refuses a client without the
+    password; their config files are their owner's only."""
+    import redis
+
+    for name, port in ha.ports.items():
+        stranger = redis.Redis(port=port)
+        try:
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                stranger.ping()
+        finally:
+            stranger.close()
+        assert (ha.data / f"{name}.conf").stat().st_mode & 0o777 == 0o600
+
+
+def _redis_is_the_farms_alone(up: subprocess.Popen, home: Path) -> None:
+    """Any other local process: no command line under `up` shows the private Redis's
+    password, a client without it is refused, and its files are its owner's only."""
+    import redis
+
+    password = (home / "redis-password").read_text().strip()
+    assert (home / "redis-password").stat().st_mode & 0o777 == 0o600
+    for child in psutil.Process(up.pid).children(recursive=True):
+        assert password not in _cmd(child), _cmd(child)
+        if child.name().startswith("redis-server"):
+            port = next(c.laddr.port for c in child.net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN)
+    stranger = redis.Redis(port=port)
+    try:
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            stranger.get("prorl:batches")
+    finally:
+        stranger.close()
+    data = home / "redis"
+    assert data.stat().st_mode & 0o777 == 0o700
+    files = [p for p in data.rglob("*") if p.is_file()]
+    assert files and all(p.stat().st_mode & 0o777 == 0o600 for p in files), \
+        [(p.name, oct(p.stat().st_mode)) for p in files]
 
 
 def test_up_keeps_results_and_queued_jobs_across_a_restart(tmp_path):
@@ -296,7 +343,8 @@ def test_up_keeps_results_and_queued_jobs_across_a_restart(tmp_path):
     proc = _up(env)
     try:
         wait_until(farm.ready, 60, 0.25, "readyz")
-        assert _private_redis_config(proc, "appendfsync") == "always"
+        assert _private_redis_config(proc, "appendfsync", tmp_path / "farm") == "always"
+        _redis_is_the_farms_alone(proc, tmp_path / "farm")
         done = farm.submit("synthetic", [{"run_s": 0, "reward": 1.0}], n=3)
         assert len(list(farm.iter_results(done["batch_id"], timeout_s=60))) == 3
         before = farm.history(window_s=3600)
