@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 # listeners are not a tenant's to map.
 NOT_AN_ENGINE = "no inference server this farm may use answers at this URL"
 NO_TOKENIZER = "no tokenizer loads from this path"
+# A tenant's URL on the farm's own host, where the operator has not allowed that: said of
+# every such URL alike, whatever listens there.
+ON_THIS_HOST = ("a tenant's backend on this host (loopback, its own addresses) is refused "
+                "unless the operator allows it (PRORL_TENANT_LOOPBACK=1)")
 
 
 @bp.post("/v1/backends")
@@ -53,6 +57,10 @@ def register():
     svc = services()
     spec = BackendSpec(**{**body, "tenant": _owner(svc, body.pop("tenant", None))})
     operator = bool(g.get("prorl_operator", True))
+    if not operator and not svc.settings.tenant_loopback and any(
+            e.startswith("local:") for e in engine_endpoints(spec.url)):
+        raise ApiError(403, "backend_not_allowed", f"url: {ON_THIS_HOST}",
+                       {"url": [ON_THIS_HOST]})
     refusal = backend_url_refusal(spec.url, svc.allow_list, svc.settings.farm_listeners())
     if refusal == OWN_PORT and not operator:
         raise ApiError(422, "not_an_engine", f"url: {NOT_AN_ENGINE}", {"url": [NOT_AN_ENGINE]})

@@ -275,6 +275,9 @@ class Settings:
         "", "hosts and CIDRs (besides loopback) whose URLs may be registered as LLM backends "
         "or named as Gym resources servers (`gym` jobs)",
         shown="loopback only")
+    tenant_loopback: bool = setting(
+        False, "tenants' keys may register LLM backends on this host (loopback, its own "
+        "addresses); the operator's key always may (docs/security.md)")
     tenants: str = setting(
         "", "tenants, their API keys, weights and quotas: a JSON object or @FILE "
         "(docs/sharing.md)", shown="one, `default`")

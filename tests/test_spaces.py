@@ -34,7 +34,8 @@ def farm(redis_server, r):
     from api import create_app
 
     app = create_app(load_settings(farm_env(redis_server.url, api_token=OPERATOR,
-                                            tenants=json.dumps(TENANTS))))
+                                            tenants=json.dumps(TENANTS),
+                                            tenant_loopback="1")))
     yield app
     app.extensions["prorl"].close()
 
@@ -241,6 +242,31 @@ def test_registration_maps_nothing_of_the_host(farm, redis_server, tokenizer):
     finally:
         other.shutdown()
         other.server_close()
+
+
+def test_without_the_operators_leave_a_tenant_registers_nothing_on_the_farms_host(
+        redis_server, r, tokenizer):
+    """By default (PRORL_TENANT_LOOPBACK unset) a tenant's key registers no URL on the
+    farm's own host: one 403 for a live engine, a dead port and the farm's Redis alike;
+    the operator's key registers a loopback engine."""
+    from api import create_app
+
+    app = create_app(load_settings(farm_env(redis_server.url, api_token=OPERATOR,
+                                            tenants=json.dumps(TENANTS))))
+    engine = PolicyServer()
+    try:
+        client = app.test_client()
+        redis_port = redis_server.url.rsplit(":", 1)[1].split("/")[0]
+        said = {(got.status_code, json.dumps(got.get_json())) for got in (
+            _register(client, KEY_B, url, tokenizer) for url in (
+                engine.url, f"http://127.0.0.1:{free_port()}", f"http://localhost:{redis_port}"))}
+        assert len(said) == 1 and next(iter(said))[0] == 403, said
+        assert "PRORL_TENANT_LOOPBACK" in next(iter(said))[1]
+        assert engine.posts == []
+        assert _register(client, OPERATOR, engine.url, tokenizer).status_code == 201
+    finally:
+        engine.kill()
+        app.extensions["prorl"].close()
 
 
 def test_the_farm_refuses_its_own_ports_to_the_operator_too(farm, redis_server, tokenizer):

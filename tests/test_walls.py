@@ -66,7 +66,7 @@ def walls(redis_server, r, tokenizer):
     from api import create_app
 
     settings = load_settings(farm_env(redis_server.url, api_token=OPERATOR,
-                                      tenants=json.dumps(TENANTS)))
+                                      tenants=json.dumps(TENANTS), tenant_loopback="1"))
     app = create_app(settings)
     client = app.test_client()
     sub = client.post("/v1/jobs", headers=_auth(KEY_A), json={
