@@ -95,6 +95,14 @@ def _cmd_api(args) -> int:
     return 0  # not reached
 
 
+def _read_key(path: str | None) -> str:
+    """The key in ``path`` (a file, so that no command line shows it), or ""."""
+    if not path:
+        return ""
+    with open(path) as f:
+        return f.read().strip()
+
+
 def _cmd_gym(args) -> int:
     """The NeMo Gym agent server (gym/server.py), in the foreground until SIGTERM."""
     import asyncio
@@ -118,7 +126,8 @@ def _cmd_gym(args) -> int:
             loop.add_signal_handler(sig, task.cancel)
         await serve(args.host or s.api_host, port, args.farm or s.url, s.api_token,
                     resources_server=args.resources_server or s.gym_resources_server,
-                    grader=args.grader or s.gym_grader, tenants=parse_tenants(s.tenants))
+                    grader=args.grader or s.gym_grader, tenants=parse_tenants(s.tenants),
+                    own_key=_read_key(args.key_file))
 
     try:
         asyncio.run(main())
@@ -409,8 +418,12 @@ def _server_commands(sub) -> None:
                        "through the farm's API (docs/trainers.md)")
     g.add_argument("--host", help="listen address (default: PRORL_API_HOST)")
     g.add_argument("--port", type=int, help="port (default: PRORL_GYM_PORT)")
-    g.add_argument("--farm", help="the farm's API (default: PRORL_URL); PRORL_API_TOKEN is "
-                   "sent where set")
+    g.add_argument("--farm", help="the farm's API (default: PRORL_URL); each caller's own "
+                   "key is sent, never the server's")
+    g.add_argument("--key-file", metavar="FILE",
+                   help="a tenant's own server, for collectors that send no key: rows that "
+                   "come without one run with the tenant key in FILE (loopback only; a "
+                   "caller that sends a key must send that one)")
     g.add_argument("--resources-server", metavar="[NAME=]URL[,...]",
                    help="Gym resources servers: rows naming no farm task run on them as "
                    "`gym` jobs, on NAME's when the row's agent_ref.name is NAME, else on the "

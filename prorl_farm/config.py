@@ -126,7 +126,9 @@ class Settings:
     api_host: str = setting("127.0.0.1", "the API's listen address")
     api_port: int = setting(8000, "the API's port", lo=1, hi=65535)
     api_workers: int = setting(2, "gunicorn worker processes of the API", lo=1, hi=256)
-    api_threads: int = setting(16, "threads per API worker process", lo=1, hi=4096)
+    api_threads: int = setting(
+        16, "threads per API worker process (that run requests read whole; a tenant's key "
+        "holds at most half, a quarter in long-polls)", lo=1, hi=4096)
     flower_port: int = setting(5555, "Flower's port under `prorl-farm up`", lo=1, hi=65535)
     gym_port: int = setting(
         8010, "the NeMo Gym agent server's port (`prorl-farm gym`; `up` starts it on the "

@@ -384,6 +384,31 @@ def test_the_gym_server_asks_every_caller_for_its_key_and_runs_as_its_tenant(far
     assert [b["tenant"] for b in gym] == ["team-b"] and gym[0]["total"] == 1
 
 
+def test_a_tenants_own_gym_server_runs_keyless_rows_as_that_tenant_only():
+    """For a collector that sends no key, a tenant runs its own Gym server with its own key
+    (``--key-file``): a row without a key is that tenant's, a row with another key is
+    refused; never with the operator's key, never off loopback."""
+    import asyncio
+
+    from prorl_farm.errors import ConfigError
+    from prorl_farm.gym.server import Callers, serve
+    from prorl_farm.tenants import parse_tenants
+
+    tenants = parse_tenants(json.dumps(TENANTS))
+    own = Callers("http://127.0.0.1:9", OPERATOR, tenants, own_key=KEY_A)
+    assert own.who(None) == "tenant:team-a"
+    assert own.who(f"Bearer {KEY_A}") == "tenant:team-a"
+    assert own.who(f"Bearer {KEY_B}") is None and own.who(f"Bearer {OPERATOR}") is None
+    assert own.farm("tenant:team-a", None).headers["Authorization"] == f"Bearer {KEY_A}"
+    with pytest.raises(ConfigError, match="operator"):
+        Callers("http://127.0.0.1:9", OPERATOR, tenants, own_key=OPERATOR)
+    with pytest.raises(ConfigError, match="loopback"):
+        asyncio.run(serve("0.0.0.0", free_port(), "http://127.0.0.1:9", OPERATOR,
+                          tenants=tenants, own_key=KEY_A))
+    shared = Callers("http://127.0.0.1:9", OPERATOR, tenants)
+    assert shared.who(None) is None and shared.who(f"Bearer {KEY_B}") == "tenant:team-b"
+
+
 # -- threads ----------------------------------------------------------------------------
 
 

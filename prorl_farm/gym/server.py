@@ -301,14 +301,26 @@ class Callers:
     server holds no key of its own). On a farm without keys every caller is the one
     (loopback) operator."""
 
-    def __init__(self, farm_url: str, api_token: str = "", tenants: dict | None = None):
+    def __init__(self, farm_url: str, api_token: str = "", tenants: dict | None = None,
+                 own_key: str = ""):
         self.farm_url = farm_url
         self.api_token, self.tenants = api_token, tenants or {}
         self.keyed = any_key(api_token, self.tenants)
         self._farms: dict[str, Farm] = {}
+        # A tenant's own server (``--key-file``): a caller without a key is that tenant.
+        self.own = f"Bearer {own_key}" if own_key else ""
+        if own_key and (tenant_of_token(self.tenants, own_key) is None or (
+                api_token and token_ok(self.own, api_token))):
+            raise ConfigError("--key-file: not the key of one of this farm's tenants (the "
+                              "operator's key is never a Gym server's)")
 
     def who(self, authorization: str | None) -> str | None:
         """``operator``, ``tenant:<name>``, or None (no key the farm knows)."""
+        if self.own:
+            if authorization is None:
+                authorization = self.own
+            elif not token_ok(authorization, self.own.partition(" ")[2]):
+                return None
         if not self.keyed:
             return "operator"
         if self.api_token and token_ok(authorization, self.api_token):
@@ -319,6 +331,7 @@ class Callers:
         return f"tenant:{tenant.name}" if tenant else None
 
     def farm(self, caller: str, authorization: str | None) -> Farm:
+        authorization = authorization or self.own
         farm = self._farms.get(caller)
         if farm is None:
             farm = self._farms[caller] = Farm(
@@ -495,11 +508,13 @@ class HealthHandler(_Base):
 
 
 def make_app(farm_url: str, resources_server: str = "", grader: str = "",
-             api_token: str = "", tenants: dict | None = None) -> Application:
+             api_token: str = "", tenants: dict | None = None, own_key: str = ""
+             ) -> Application:
     """``api_token`` and ``tenants``: the farm's keys (its settings), which callers must
-    show where there are any (:class:`Callers`); ``resources_server`` and ``grader``: where
-    rows naming no farm task go (rows.to_submission)."""
-    shared = {"callers": Callers(farm_url, api_token, tenants), "sessions": {},
+    show where there are any (:class:`Callers`; ``own_key``: a tenant's own server's);
+    ``resources_server`` and ``grader``: where rows naming no farm task go
+    (rows.to_submission)."""
+    shared = {"callers": Callers(farm_url, api_token, tenants, own_key), "sessions": {},
               "resources_server": parse_servers(resources_server),
               "grader": grader or None}
     return Application([
@@ -513,12 +528,13 @@ def make_app(farm_url: str, resources_server: str = "", grader: str = "",
 
 async def serve(host: str, port: int, farm_url: str, api_token: str = "",
                 ready=None, resources_server: str = "", grader: str = "",
-                tenants: dict | None = None) -> None:
+                tenants: dict | None = None, own_key: str = "") -> None:
     """Serve until cancelled. ``resources_server``: the Gym resources servers that rows
     naming no farm task run on (``URL`` or ``NAME=URL``, comma-separated: rows.py);
     ``grader``: the farm grader of rows graded by ``expected_answer`` alone. ``api_token``
     and ``tenants``: the farm's keys, which its callers show (the server submits with the
-    caller's key, never one of its own). Off loopback, only on a farm with keys."""
+    caller's key, never one of its own). Off loopback, only on a farm with keys.
+    ``own_key``: a tenant's own server, for collectors that send no key (loopback only)."""
     try:
         parse_servers(resources_server)
     except ValueError as e:
@@ -528,7 +544,11 @@ async def serve(host: str, port: int, farm_url: str, api_token: str = "",
                           "for anyone: run the farm with keys (PRORL_API_TOKEN, "
                           "PRORL_TENANTS), which its callers then show, or bind it to "
                           "loopback")
-    server = HTTPServer(make_app(farm_url, resources_server, grader, api_token, tenants),
+    if own_key and not is_loopback(host):
+        raise ConfigError(f"--key-file: a tenant's own Gym server runs rows without a key "
+                          f"as that tenant: bind it to loopback, not {host}")
+    server = HTTPServer(make_app(farm_url, resources_server, grader, api_token, tenants,
+                                 own_key),
                         max_body_size=64 << 20, idle_connection_timeout=3600)
     server.listen(port, host, backlog=1024)
     log.info("gym agent server on http://%s:%d, the farm at %s%s", host, port, farm_url,
