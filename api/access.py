@@ -40,7 +40,6 @@ import time
 from flask import Flask, g, request
 
 from prorl_farm import keys
-from prorl_farm.access import token_ok
 from prorl_farm.config import Settings
 from prorl_farm.errors import NotFound
 from prorl_farm.tenants import (
@@ -48,8 +47,8 @@ from prorl_farm.tenants import (
     Tenant,
     any_key,
     batch_tenant,
+    identify,
     resolve_batch,
-    tenant_of_token,
 )
 
 OPEN, KEY, OWNER, BACKEND, OPERATOR = "open", "key", "owner", "backend", "operator"
@@ -142,12 +141,11 @@ def _identify(settings: Settings, tenants: dict[str, Tenant], keyed: bool) -> No
     g.prorl_tenant, g.prorl_operator, g.prorl_sees = DEFAULT, not keyed, None
     if not keyed:
         return
-    header = request.headers.get("Authorization")
-    if settings.api_token and token_ok(header, settings.api_token):
+    operator, tenant = identify(request.headers.get("Authorization"), settings.api_token,
+                                tenants)
+    if operator:
         g.prorl_operator = True
         return
-    scheme, _, given = (header or "").partition(" ")
-    tenant = tenant_of_token(tenants, given.strip()) if scheme.lower() == "bearer" else None
     if tenant is None:
         g.prorl_tenant = None
         g.prorl_sees = frozenset()

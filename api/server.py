@@ -25,9 +25,8 @@ from tornado import httputil
 from tornado.ioloop import IOLoop, PeriodicCallback
 from tornado.wsgi import WSGIContainer
 
-from prorl_farm.access import token_ok
 from prorl_farm.config import Settings, load_settings
-from prorl_farm.tenants import any_key, parse_tenants, tenant_of_token
+from prorl_farm.tenants import any_key, identify, parse_tenants
 
 # Seconds a connection may take to send a request's headers (and stay idle between kept
 # alive requests), and to send its body.
@@ -73,12 +72,10 @@ class Bounds:
         """Whom ``request``'s hold counts to; None: not bounded."""
         if not self.keyed:
             return None
-        header = request.headers.get("Authorization")
-        if self.api_token and token_ok(header, self.api_token):
+        operator, tenant = identify(request.headers.get("Authorization"), self.api_token,
+                                    self.tenants)
+        if operator:
             return None
-        scheme, _, given = (header or "").partition(" ")
-        tenant = tenant_of_token(self.tenants, given.strip()) \
-            if scheme.lower() == "bearer" else None
         return f"tenant:{tenant.name}" if tenant else f"addr:{request.remote_ip}"
 
     def refusal(self, who: str, polls: bool) -> str | None:

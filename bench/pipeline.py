@@ -27,6 +27,7 @@ from pathlib import Path
 import redis
 from common import ROOT, machine, pct, private_redis, report  # noqa: E402
 
+from prorl_farm.cli import api_argv  # noqa: E402
 from prorl_farm.config import load_settings  # noqa: E402
 
 STAGE_S = {"init": 0.5, "run": 2.0, "eval": 0.5}
@@ -87,16 +88,15 @@ def start_farm(procs, url, pools, tmp, events: bool = True) -> None:
 
 
 def start_farm_api(procs, url, pools, tmp) -> str:
-    """The pools (events off) and the API under gunicorn (2 workers x 16 threads) on a free
+    """The pools (events off) and the API as deployed (2 workers x 16 threads) on a free
     port; returns the API's base URL once /readyz passes."""
     from prorl_farm.supervisor import free_port
     from prorl_farm.trainer import FarmClient
 
     start_farm(procs, url, pools, tmp, events=False)
     port = free_port()
-    procs.start([sys.executable, "-m", "gunicorn", "--worker-class", "gthread",
-                 "--workers", "2", "--threads", "16", "--bind", f"127.0.0.1:{port}",
-                 "api.wsgi:app"], farm_env(url, pools, events=False), tmp / "api.log")
+    env = farm_env(url, pools, events=False)
+    procs.start(api_argv(load_settings(env), "127.0.0.1", port), env, tmp / "api.log")
     base = f"http://127.0.0.1:{port}"
     wait_for(FarmClient(base).ready, 30, "api")
     return base

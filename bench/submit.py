@@ -2,9 +2,9 @@
 
   python bench/submit.py [--reps 8] [--record]
 
-A private Redis, the API under gunicorn (as `prorl-farm up` runs it: 2 workers x 16
-threads), no pools (nothing consumes the messages: the queue is emptied between requests).
-Each request goes through ``FarmClient.submit`` (JSON over HTTP, an idempotency key, the
+A private Redis, the API as `prorl-farm up` runs it (gunicorn, 2 workers, each an event
+loop and 16 threads), no pools (nothing consumes the messages: the queue is emptied between
+requests). Each request goes through ``FarmClient.submit`` (JSON over HTTP, an idempotency key, the
 API's validation, the job store's one transaction with the INIT messages). Sizes: 500
 distinct instances (n=1), 128 x n=16 (2,048 jobs) and 512 x n=16 (8,192 jobs), from one
 submitter and from four at once. The baseline, measured in the same run, is the floor the
@@ -19,7 +19,6 @@ import base64
 import datetime
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -30,6 +29,8 @@ import requests
 from common import machine, pct, private_redis, report  # noqa: E402
 from pipeline import Processes, farm_env, wait_for  # noqa: E402
 
+from prorl_farm.cli import api_argv  # noqa: E402
+from prorl_farm.config import load_settings  # noqa: E402
 from prorl_farm.supervisor import free_port  # noqa: E402
 from prorl_farm.trainer import FarmClient  # noqa: E402
 
@@ -112,9 +113,8 @@ def main() -> None:
         procs = Processes()
         port = free_port()
         try:
-            procs.start([sys.executable, "-m", "gunicorn", "--worker-class", "gthread",
-                         "--workers", "2", "--threads", "16", "--bind", f"127.0.0.1:{port}",
-                         "api.wsgi:app"], farm_env(url, {}, events=False), Path(d) / "api.log")
+            procs.start(api_argv(load_settings(farm_env(url, {}, events=False)), "127.0.0.1", port),
+                        farm_env(url, {}, events=False), Path(d) / "api.log")
             base = f"http://127.0.0.1:{port}"
             wait_for(lambda: _up(base), 30, "api")  # /readyz would want pools too
             r = redis.Redis.from_url(url)
@@ -129,10 +129,10 @@ def main() -> None:
         finally:
             procs.stop()
     lines = [f"\n## Submission ({datetime.date.today()}, {machine()})\n",
-             "`FarmClient.submit` to the API under gunicorn (2 workers x 16 threads), no "
-             f"pools; {2 * args.reps} requests per submitter. Floor: the same number of job "
-             "hashes, queue entries and ~1 KB messages written with one Redis pipeline "
-             "(MULTI/EXEC) in process, measured in the same run.\n",
+             "`FarmClient.submit` to the API as `prorl-farm api` serves it (2 workers x 16 "
+             f"threads), no pools; {2 * args.reps} requests per submitter. Floor: the same "
+             "number of job hashes, queue entries and ~1 KB messages written with one Redis "
+             "pipeline (MULTI/EXEC) in process, measured in the same run.\n",
              "| jobs (instances x n) | floor (ms) | 1 submitter p50 / p99 (ms) | p50 / floor "
              "| 4 submitters p50 / p99 (ms) | 4 / 1 (p50) |", "|---|---|---|---|---|---|"]
     for (count, n), jobs, floor, one, four in rows:

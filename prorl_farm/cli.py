@@ -69,6 +69,20 @@ def _cmd_worker(args) -> int:
     return 0
 
 
+def api_argv(s, host: str | None = None, port: int | None = None) -> list[str]:
+    """How the API is served (``prorl-farm api``, and every test and benchmark that runs it
+    as deployed): gunicorn's processes, each one event loop that reads requests whole, then
+    PRORL_API_THREADS threads that run them (api/server.py: a slow client holds no
+    thread)."""
+    return [sys.executable, "-m", "gunicorn", "--worker-class", "api.server.Worker",
+            "--workers", str(s.api_workers),
+            "--bind", f"{host or s.api_host}:{port or s.api_port}",
+            # the loop heartbeats every second; long-polls run on the threads, not on it.
+            "--timeout", "30", "--graceful-timeout", "5", "--backlog", "4096",
+            # (its control socket is one path per user: two farms on a host would share it)
+            "--no-control-socket", "api.wsgi:app"]
+
+
 def _cmd_api(args) -> int:
     s = load_settings()
     if not s.redis_url:
@@ -82,15 +96,7 @@ def _cmd_api(args) -> int:
               "and run everything: set PRORL_API_TOKEN (or tenants' keys, PRORL_TENANTS), or "
               "bind it to loopback (`prorl-farm up` makes a key up)", file=sys.stderr)
         return 2
-    # Each worker process: one event loop that reads requests whole, then PRORL_API_THREADS
-    # threads that run them (api/server.py: a slow client holds no thread).
-    argv = [sys.executable, "-m", "gunicorn", "--worker-class", "api.server.Worker",
-            "--workers", str(s.api_workers), "--bind", f"{s.api_host}:{s.api_port}",
-            # the loop heartbeats every second; long-polls run on the threads, not on it.
-            "--timeout", "30", "--graceful-timeout", "5", "--backlog", "4096",
-            # (its control socket is one path per user: two farms on a host would share it)
-            "--no-control-socket",
-            "api.wsgi:app"]
+    argv = api_argv(s)
     os.execv(sys.executable, argv)
     return 0  # not reached
 

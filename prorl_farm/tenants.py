@@ -160,6 +160,20 @@ def tenant_of_token(tenants: dict[str, Tenant], token: str) -> Tenant | None:
     return found
 
 
+def identify(authorization: str | None, api_token: str, tenants: dict[str, Tenant]
+             ) -> tuple[bool, Tenant | None]:
+    """Who an ``Authorization`` header says the caller is: (True, None) for the operator's
+    key, (False, tenant) for a tenant's, (False, None) for no key the farm knows. (A farm
+    without keys is the caller's to read as the operator: :func:`any_key`.)"""
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False, None
+    given = given.strip()
+    if api_token and hmac.compare_digest(given.encode(), api_token.encode()):
+        return True, None
+    return False, tenant_of_token(tenants, given)
+
+
 def usage(r, names) -> dict[str, dict]:
     """Each tenant's usage now: jobs per state (queued, in flight: init, run, eval; and
     ended), its live sandboxes and its bytes in the trajectory store."""

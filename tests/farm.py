@@ -446,10 +446,12 @@ def scripted_farm(redis_url: str, log_dir: Path, tokenizer: str, plans: dict, ta
 
 def gunicorn_api(env: dict, port: int, log_path) -> subprocess.Popen:
     """The API under gunicorn, as deployed (its own process group)."""
+    from prorl_farm.cli import api_argv
+    from prorl_farm.config import load_settings
+
     log = open(log_path, "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "--worker-class", "gthread", "--workers", "2",
-         "--threads", "8", "--bind", f"127.0.0.1:{port}", "api.wsgi:app"],
+        api_argv(load_settings({**env, "PRORL_API_THREADS": "8"}), "127.0.0.1", port),
         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     return proc

@@ -55,7 +55,7 @@ from prorl_farm.gym.rows import (
     to_submission,
 )
 from prorl_farm.retry import backoff_s
-from prorl_farm.tenants import any_key, tenant_of_token
+from prorl_farm.tenants import any_key, identify
 
 log = logging.getLogger(__name__)
 
@@ -309,8 +309,7 @@ class Callers:
         self._farms: dict[str, Farm] = {}
         # A tenant's own server (``--key-file``): a caller without a key is that tenant.
         self.own = f"Bearer {own_key}" if own_key else ""
-        if own_key and (tenant_of_token(self.tenants, own_key) is None or (
-                api_token and token_ok(self.own, api_token))):
+        if own_key and identify(self.own, api_token, self.tenants)[1] is None:
             raise ConfigError("--key-file: not the key of one of this farm's tenants (the "
                               "operator's key is never a Gym server's)")
 
@@ -323,11 +322,9 @@ class Callers:
                 return None
         if not self.keyed:
             return "operator"
-        if self.api_token and token_ok(authorization, self.api_token):
+        operator, tenant = identify(authorization, self.api_token, self.tenants)
+        if operator:
             return "operator"
-        scheme, _, given = (authorization or "").partition(" ")
-        tenant = tenant_of_token(self.tenants, given.strip()) \
-            if scheme.lower() == "bearer" else None
         return f"tenant:{tenant.name}" if tenant else None
 
     def farm(self, caller: str, authorization: str | None) -> Farm:
