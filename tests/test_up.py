@@ -106,6 +106,7 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         ha = RedisHA(tmp_path / "farm" / "redis-ha",
                      password=(tmp_path / "farm" / "redis-password").read_text().strip())
         _every_redis_asks_for_the_password(ha)
+        _every_redis_is_refused_as_a_backend(ha)
         for part in (*(f"redis-server 127.0.0.1:{port}" for port in ha.ports.values()),
                      "[sentinel]", "gunicorn", "worker init", "worker run", "worker eval",
                      "flower"):
@@ -298,6 +299,19 @@ def _every_redis_asks_for_the_password(ha: RedisHA) -> None:
         finally:
             stranger.close()
         assert (ha.data / f"{name}.conf").stat().st_mode & 0o777 == 0o600
+
+
+def _every_redis_is_refused_as_a_backend(ha: RedisHA) -> None:
+    """Both data servers of the HA trio (as the sentinels name them) and its sentinels are
+    the farm's own ports: no backend may be registered at any of them."""
+    from prorl_farm.access import OWN_PORT, backend_url_refusal, parse_allow_list
+    from prorl_farm.config import load_settings
+
+    listeners = load_settings({"PRORL_REDIS_URL": ha.url}).farm_listeners()
+    for port in ha.ports.values():
+        assert ("127.0.0.1", port) in listeners, (port, listeners)
+        assert backend_url_refusal(f"http://localhost:{port}", parse_allow_list(""),
+                                   listeners) == OWN_PORT
 
 
 def _redis_is_the_farms_alone(up: subprocess.Popen, home: Path) -> None:
