@@ -79,26 +79,16 @@ def register():
 
 
 def _claimed_registration(svc, spec: BackendSpec, error: str | None) -> dict:
-    """Register ``spec`` once its engine is claimed for its tenant (409 where another
-    tenant's backend reaches it), then label the engine's weights."""
-    endpoints = engine_endpoints(spec.url)
-    if not svc.backends.claim(spec.tenant, endpoints):
-        raise ApiError(409, "engine_taken", f"url: {ENGINE_TAKEN}", {"url": [ENGINE_TAKEN]})
-    try:
-        if not spec.max_model_len and not error:
-            spec = dataclasses.replace(spec, max_model_len=context_length(spec.url, spec.model)
-                                       or 0)
-        backend_id = svc.backends.register(spec, probe_error=error, endpoints=endpoints)
-    except BaseException:
-        svc.backends.let_go(spec.tenant, endpoints)
-        raise
+    """Register ``spec`` (its engine claimed for its tenant: 409 ``engine_taken`` where
+    another tenant's backend reaches it, nothing stored or sent), then label the engine's
+    weights."""
+    if not spec.max_model_len and not error:
+        spec = dataclasses.replace(spec, max_model_len=context_length(spec.url, spec.model)
+                                   or 0)
+    backend_id = svc.backends.register(spec, probe_error=error)
     if not error:
         _label(spec.kind, spec.url, spec.policy_version)
     return svc.backends.get(backend_id)
-
-
-ENGINE_TAKEN = ("the engine at this URL is registered by another owner's backend: an "
-                "engine serves one tenant")
 
 
 def _owner(svc, asked: str | None) -> str:

@@ -167,6 +167,13 @@ def test_an_engine_is_one_tenants_under_every_spelling_of_its_url(farm, r, token
             text = got.get_data(as_text=True)
             assert "team-a" not in text and a_backend not in text and port not in text
         assert engine.posts == posts  # nothing sent while it was refused
+        # The registry itself holds the claim (what `up --model` registers through, too).
+        from prorl_farm.errors import Conflict
+        from prorl_farm.llm.registry import BackendSpec
+
+        with pytest.raises(Conflict):
+            BackendRegistry(r).register(BackendSpec(f"http://localhost:{port}", "vllm", "m",
+                                                    tokenizer, tenant="team-b"))
         # B's farm-wide weight sync reaches B's backends only (none here): 404, nothing sent.
         assert client.post("/v1/weights", headers=_auth(KEY_B), json={
             "path": "/nonexistent", "policy_version": 999}).status_code == 404

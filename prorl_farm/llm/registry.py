@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from prorl_farm import keys
+from prorl_farm.access import engine_endpoints
 from prorl_farm.errors import Conflict, NotFound
 from prorl_farm.lua import Scripts
 
@@ -180,6 +181,12 @@ class Backend:
     max_model_len: int = 0  # the engine's context length (0: unknown)
 
 
+# What a registration of another tenant's engine is told (naming neither the tenant nor
+# its backend).
+ENGINE_TAKEN = ("the engine at this URL is registered by another owner's backend: an "
+                "engine serves one tenant")
+
+
 class BackendRegistry:
     def __init__(self, client: redis.Redis, audit: bool = False):
         self.r = client
@@ -188,25 +195,34 @@ class BackendRegistry:
 
     # -- registration ---------------------------------------------------------------------
 
-    def claim(self, tenant: str, endpoints: list[str]) -> bool:
-        """Claim the engine ``endpoints`` (access.engine_endpoints) for ``tenant``'s next
-        backend, all or none: False where one is another tenant's (lua/engine_claim.lua).
-        :meth:`register` with these endpoints holds the claim until it is unregistered."""
+    def _claim(self, tenant: str, endpoints: list[str]) -> bool:
+        """Claim the engine ``endpoints`` for ``tenant``'s backend, all or none: False where
+        one is another tenant's (lua/engine_claim.lua)."""
         return bool(self.lua("engine_claim", mode="claim", tenant=tenant,
                              endpoints=endpoints)) if endpoints else True
 
-    def let_go(self, tenant: str, endpoints: list[str]) -> None:
-        """Give back a claim :meth:`claim` made (a registration that did not happen)."""
+    def _let_go(self, tenant: str, endpoints: list[str]) -> None:
         if endpoints:
             self.lua("engine_claim", mode="release", tenant=tenant, endpoints=endpoints)
 
-    def register(self, spec: BackendSpec, probe_error: str | None = "",
-                 endpoints: list[str] | None = None) -> str:
-        """Register a backend. ``probe_error``: what probing it at registration found (None
-        or "" = healthy; see :func:`probe`); an unhealthy backend stays out of the heap
-        until the reaper's background probe finds it healthy. ``endpoints``: the engine
-        endpoints its URL reaches, claimed for its tenant (:meth:`claim`), given back when it
-        is unregistered."""
+    def register(self, spec: BackendSpec, probe_error: str | None = "") -> str:
+        """Register a backend, once the engine its URL reaches (access.engine_endpoints,
+        however the URL spells it) is claimed for its tenant: Conflict ``engine_taken``
+        where another tenant's backend reaches it, nothing stored (an engine serves one
+        tenant; the claim goes with its last backend). ``probe_error``: what probing it at
+        registration found (None or "" = healthy; see :func:`probe`); an unhealthy backend
+        stays out of the heap until the reaper's background probe finds it healthy."""
+        endpoints = engine_endpoints(spec.url)
+        if not self._claim(spec.tenant, endpoints):
+            raise Conflict("engine_taken", ENGINE_TAKEN)
+        try:
+            return self._register(spec, probe_error, endpoints)
+        except BaseException:
+            self._let_go(spec.tenant, endpoints)
+            raise
+
+    def _register(self, spec: BackendSpec, probe_error: str | None, endpoints: list[str]
+                  ) -> str:
         backend_id = uuid.uuid4().hex[:12]
         fields = asdict(spec)
         fields["engine"] = " ".join(endpoints or [])
@@ -237,7 +253,7 @@ class BackendRegistry:
         pipe.hdel(keys.BACKEND_INFLIGHT, backend_id)
         deleted = pipe.execute()[1]
         if deleted:  # this call removed it: its engines' claim goes with it (once)
-            self.let_go(tenant or "default", (engine or "").split())
+            self._let_go(tenant or "default", (engine or "").split())
 
     def _update(self, backend_id: str, **fields) -> bool:
         """Set fields and re-place the backend in (or out of) the heap; False if unknown.
