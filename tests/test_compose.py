@@ -212,7 +212,10 @@ def test_compose_up_serves_recovers_and_goes_down(compose, docker_engine, tmp_pa
     # A NeMo Gym row through the gym service's /run: a farm job, answered in Gym's shape.
     row = {"responses_create_params": {"input": "x"},
            "prorl": {"handler": "synthetic", "instance": {"reward": 0.5}}}
-    out = requests.post(f"http://127.0.0.1:{c.ports['gym']}/run", json=row, timeout=120)
+    gym = f"http://127.0.0.1:{c.ports['gym']}/run"
+    assert requests.post(gym, json=row, timeout=30).status_code == 401  # it holds no key
+    out = requests.post(gym, json=row, timeout=120,
+                        headers={"Authorization": f"Bearer {TOKEN}"})
     assert out.status_code == 200 and out.json()["reward"] == 0.5, out.text
     assert farm.job(out.json()["prorl_job_id"])["state"] == "done"
     for sub in (synthetic, shell, math):

@@ -282,7 +282,9 @@ def test_a_tenants_sandboxes_and_graders_take_cpu_by_its_weight(redis_server, r,
                                                 farm)
             where = "/" + str(groups[tenant].relative_to(cgroups._CPU_BASE))
             # The sandbox's own view of its cgroups is a namespace's: looked at from here.
-            run_s, check_s = f"60{seq}", f"70{seq}"
+            # Durations no other test's process sleeps (the suite runs side by side).
+            unique = int(tag, 16) % 1_000_000
+            run_s, check_s = f"60{seq}.{unique:06d}", f"70{seq}.{unique:06d}"
             shell = {"commands": [f"sleep {run_s}"], "check": f"sleep {check_s}; true"}
             math = {"problem": "2 + 2?", "answer": "4", "tools": []}
             subs = []

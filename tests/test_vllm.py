@@ -54,9 +54,17 @@ def _chats(k: int, system: str = "Be brief.") -> list[dict]:
              "continue_on_length": True} for i in range(k)]
 
 
+# How far a sampled token's logprob may lie from the teacher-forced one. vLLM's CPU kernels
+# sum in an order that depends on the batch its scheduler formed (other sequences beside
+# it, more of them under the suite's load): 1.3e-4 was seen under load, below 1e-4 alone.
+# What these tests guard against is far above it: a stale cached prefix or other weights
+# (the checkpoints here are perturbed by 0.2-0.3) differ by more than 1e-2.
+EXACT_TOLERANCE = 5e-4
+
+
 def _assert_exact(job: dict, weights) -> float:
-    """Teacher forcing the trajectory with ``weights`` gives back its recorded logprobs;
-    returns the largest difference."""
+    """Teacher forcing the trajectory with ``weights`` gives back its recorded logprobs
+    (within the engine's batch noise, EXACT_TOLERANCE); returns the largest difference."""
     t = job["result"]
     ids, mask, lps = t["response_ids"], t["response_mask"], t["response_logprobs"]
     forced = teacher_forced_logprobs(weights, t["prompt_ids"] + ids)[len(t["prompt_ids"]):]
@@ -64,7 +72,8 @@ def _assert_exact(job: dict, weights) -> float:
     assert sampled
     assert all(lps[i] == 0.0 for i, m in enumerate(mask) if not m)
     worst = max(abs(forced[i] - lps[i]) for i in sampled)
-    assert worst < 1e-4, f"job {job['id']}: logprobs differ from {weights} by {worst}"
+    assert worst < EXACT_TOLERANCE, \
+        f"job {job['id']}: logprobs differ from {weights} by {worst}"
     return worst
 
 
