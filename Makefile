@@ -191,6 +191,7 @@ bench: bootstrap vllm
 	$(PY) bench/load.py
 	$(PY) bench/scaling.py
 	$(PY) bench/submit.py
+	$(PY) bench/tenant_threads.py
 	$(PY) bench/recovery.py
 	$(PY) bench/grading.py
 	$(PY) bench/engines.py
