@@ -68,7 +68,7 @@ def measure(handler, pool: WarmPool, manager, settings, instance: dict, jobs: in
         handler.init(ctx(f"cold-{i}"))
         cold.append(time.perf_counter() - t0)
         manager.stop_for_job(f"cold-{i}")
-    key = init_key("swe", instance)
+    key = init_key("default", "swe", instance)
     for _ in range(jobs):  # the READY stage, ahead of the jobs (not timed)
         pool._launch(key, "swe", instance)
     t_end = time.monotonic() + 600

@@ -134,6 +134,28 @@ def test_a_write_to_a_batch_record_moves_no_job_to_another_tenants_engine(farm, 
     assert registry.get(b_engine)["in_flight"] == 0
 
 
+def test_warm_sandboxes_are_built_and_taken_per_tenant(farm, r):
+    """A warm sandbox is one tenant's: the same instance waiting for A and for B is two INIT
+    keys, so B's job never takes a sandbox built for A's (a warm hit would tell B that A
+    runs the instance it does)."""
+    from prorl_farm.worker.warm import WarmPool, init_key
+
+    shell = {"commands": ["true"], "check": "true"}
+    client = farm.test_client()
+    for key, n in ((KEY_A, 3), (KEY_B, 2)):
+        assert client.post("/v1/jobs", headers=_auth(key), json={
+            "handler": "shell", "instances": [shell], "n": n}).status_code == 202
+    svc = farm.extensions["prorl"]
+    pool = WarmPool(svc.store, svc.settings, svc.registry, sandboxes=None)
+    try:
+        wanted = pool.demand()
+    finally:
+        pool._builders.shutdown()
+    instance = svc.registry.get("shell").validate_instance(shell)
+    assert {k: n for k, (_, _, n) in wanted.items()} == {
+        init_key("team-a", "shell", instance): 3, init_key("team-b", "shell", instance): 2}
+
+
 # -- engines ----------------------------------------------------------------------------
 
 

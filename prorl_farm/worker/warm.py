@@ -37,9 +37,11 @@ log = logging.getLogger(__name__)
 FILL_EVERY_S = 0.5
 
 
-def init_key(handler: str, instance: dict) -> str:
-    """The INIT key of a job: what its INIT makes depends on its handler and instance only."""
-    raw = json.dumps([handler, instance], sort_keys=True, separators=(",", ":"))
+def init_key(tenant: str, handler: str, instance: dict) -> str:
+    """The INIT key of a job: what its INIT makes depends on its handler and instance only;
+    its tenant's, too, so that a tenant's jobs take only sandboxes built for its own (one
+    tenant's warm hit would tell another that the same instance waits in its queue)."""
+    raw = json.dumps([tenant, handler, instance], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
@@ -66,7 +68,7 @@ class WarmPool:
     def take(self, handler_name: str, ctx: JobContext) -> dict | None:
         """A ready sandbox of the job's INIT key, adopted by the job: its INIT state; None
         (a miss) if none is ready."""
-        key = init_key(handler_name, ctx.instance)
+        key = init_key(ctx.tenant, handler_name, ctx.instance)
         got = self.store.lua("warm_take", ready=keys.warm_ready(self.node, key),
                              records=keys.warm(self.node), stats=keys.WARM_STATS,
                              node=self.node, now=time.time())
@@ -110,22 +112,23 @@ class WarmPool:
             waiting = self.r.zrange(keys.queued("init"), 0, scan - 1)
         if not waiting:
             return {}
-        rows = self.store.job_fields(waiting[:scan], "handler", "instance_id", "mode")
-        by_instance: Counter[tuple[str, str]] = Counter()
-        for handler, instance_id, mode in rows:
+        rows = self.store.job_fields(waiting[:scan], "handler", "instance_id", "mode",
+                                     "tenant")
+        by_instance: Counter[tuple[str, str, str]] = Counter()
+        for handler, instance_id, mode, tenant in rows:
             if handler and instance_id and (mode or "policy") == "policy" and \
                     self._warmable(handler):
-                by_instance[(handler, instance_id)] += 1
+                by_instance[(tenant or "default", handler, instance_id)] += 1
         if not by_instance:
             return {}
-        ids = sorted({i for _, i in by_instance})
+        ids = sorted({i for _, _, i in by_instance})
         texts = dict(zip(ids, self.r.mget([keys.instance(i) for i in ids])))
         out: dict[str, tuple[str, dict, int]] = {}
-        for (handler, instance_id), n in by_instance.items():
+        for (tenant, handler, instance_id), n in by_instance.items():
             if texts.get(instance_id) is None:
                 continue
             instance = json.loads(texts[instance_id])
-            key = init_key(handler, instance)
+            key = init_key(tenant, handler, instance)
             prev = out.get(key)
             out[key] = (handler, instance, n + (prev[2] if prev else 0))
         return out
