@@ -188,7 +188,7 @@ def test_flower_off_loopback_refuses_without_the_password(redis_server, tmp_path
         def up() -> bool:
             try:
                 return requests.get(base + "/healthcheck", timeout=2).ok
-            except requests.ConnectionError:
+            except requests.RequestException:  # refused, or slow while it starts
                 return False
 
         wait_until(up, 30, 0.2, "flower")

@@ -7,6 +7,7 @@ Redis and real HTTP servers (the engines are scripted policy servers)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler
@@ -441,14 +442,11 @@ def test_a_tenants_own_gym_server_runs_keyless_rows_as_that_tenant_only():
 # -- threads ----------------------------------------------------------------------------
 
 
-def test_one_tenants_long_polls_and_half_sent_requests_hold_no_thread_another_needs(
-        redis_server, tmp_path):
-    """The API as `up` runs it (gunicorn, its processes and threads): B holds 200
-    long-polls on its own batch and 200 connections that sent half their headers (or half a
-    body); A's submits and reads are all served while every one of B's is still open, and
-    B's long-polls past its bound were answered 429 at once."""
+@contextlib.contextmanager
+def _deployed_api(redis_server, tmp_path):
+    """The API as `up` runs it (gunicorn, its processes and threads) with the two tenants;
+    yields (base URL, port)."""
     import os
-    import socket
     import subprocess
     import sys
 
@@ -464,61 +462,96 @@ def test_one_tenants_long_polls_and_half_sent_requests_hold_no_thread_another_ne
     api = subprocess.Popen([sys.executable, "-m", "prorl_farm.cli", "api"], env=env, cwd=ROOT,
                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    held: list[socket.socket] = []
     try:
         def up() -> bool:
-            try:
+            try:  # (gunicorn listens before its workers have booted: a slow answer)
                 return requests.get(base + "/healthz", timeout=2).ok
-            except requests.ConnectionError:
+            except requests.RequestException:
                 return False
 
         wait_until(up, 60, 0.1, "the API")
-        b_batch = requests.post(base + "/v1/jobs", headers=_auth(KEY_B), json={
-            "handler": "synthetic", "instances": [{"run_s": 0}]}, timeout=30).json()["batch_id"]
-        polls = []
-        for i in range(400):
-            s = socket.create_connection(("127.0.0.1", port))
-            if i % 2 == 0:  # a long-poll on its own batch, whole
-                s.sendall(f"GET /v1/batches/{b_batch}/results?wait=100 HTTP/1.1\r\n"
-                          f"Host: x\r\nAuthorization: Bearer {KEY_B}\r\n\r\n".encode())
-                polls.append(s)
-            elif i % 4 == 1:  # half its headers
-                s.sendall(f"GET /v1/batches HTTP/1.1\r\nAuthorization: Bearer {KEY_B}\r\n"
-                          .encode())
-            else:  # its headers, and half of its body
-                s.sendall(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-                          f"{KEY_B}\r\nContent-Type: application/json\r\nContent-Length: "
-                          f"1000\r\n\r\n{{\"handler\":".encode())
-            held.append(s)
-        a = requests.Session()
-        for _ in range(30):
-            sub = a.post(base + "/v1/jobs", headers=_auth(KEY_A), timeout=30, json={
-                "handler": "synthetic", "instances": [{"run_s": 0}]})
-            assert sub.status_code == 202, sub.text
-            assert a.get(f"{base}/v1/batches/{sub.json()['batch_id']}", headers=_auth(KEY_A),
-                         timeout=30).status_code == 200
-            assert a.get(base + "/healthz", timeout=30).status_code == 200
-        # Every connection of B's is still open (nothing was closed to make room), and
-        # its long-polls past its bound (a quarter of each process's 16 threads: 4 in each
-        # of the 2) were told 429; those within it still wait.
-        answers: dict[socket.socket, bytes] = {}
-
-        def told() -> int:
-            for s in polls:
-                if s not in answers:
-                    s.setblocking(False)
-                    try:
-                        answers[s] = s.recv(4096)
-                    except BlockingIOError:
-                        pass
-            return len(answers)
-
-        wait_until(lambda: told() >= len(polls) - 8, 60, 0.1, "B's long-polls past its bound")
-        assert all(head.startswith(b"HTTP/1.1 429") for head in answers.values()), \
-            {head[:100] for head in answers.values()}
-        assert 4 <= len(polls) - len(answers) <= 8, len(answers)
+        yield base, port
     finally:
-        for s in held:
-            s.close()
         stop_process(api)
         log.close()
+
+
+def test_one_tenants_long_polls_and_half_sent_requests_hold_no_thread_another_needs(
+        redis_server, tmp_path):
+    """The API as `up` runs it (gunicorn, its processes and threads): B holds 200
+    long-polls on its own batch and 200 connections that sent half their headers (or half a
+    body); A's submits and reads are all served while every one of B's is still open, and
+    B's long-polls past its bound were answered 429 at once."""
+    import socket
+
+    import requests
+
+    from tests.farm import wait_until
+
+    held: list[socket.socket] = []
+    with _deployed_api(redis_server, tmp_path) as (base, port):
+        try:
+            b_batch = requests.post(base + "/v1/jobs", headers=_auth(KEY_B), json={
+                "handler": "synthetic", "instances": [{"run_s": 0}]}, timeout=30).json()["batch_id"]
+            polls = []
+            for i in range(400):
+                s = socket.create_connection(("127.0.0.1", port))
+                if i % 2 == 0:  # a long-poll on its own batch, whole
+                    s.sendall(f"GET /v1/batches/{b_batch}/results?wait=100 HTTP/1.1\r\n"
+                              f"Host: x\r\nAuthorization: Bearer {KEY_B}\r\n\r\n".encode())
+                    polls.append(s)
+                elif i % 4 == 1:  # half its headers
+                    s.sendall(f"GET /v1/batches HTTP/1.1\r\nAuthorization: Bearer {KEY_B}\r\n"
+                              .encode())
+                else:  # its headers, and half of its body
+                    s.sendall(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                              f"{KEY_B}\r\nContent-Type: application/json\r\nContent-Length: "
+                              f"1000\r\n\r\n{{\"handler\":".encode())
+                held.append(s)
+            a = requests.Session()
+            for _ in range(30):
+                sub = a.post(base + "/v1/jobs", headers=_auth(KEY_A), timeout=30, json={
+                    "handler": "synthetic", "instances": [{"run_s": 0}]})
+                assert sub.status_code == 202, sub.text
+                assert a.get(f"{base}/v1/batches/{sub.json()['batch_id']}", headers=_auth(KEY_A),
+                             timeout=30).status_code == 200
+                assert a.get(base + "/healthz", timeout=30).status_code == 200
+            # Every connection of B's is still open (nothing was closed to make room), and
+            # its long-polls past its bound (a quarter of each process's 16 threads: 4 in each
+            # of the 2) were told 429; those within it still wait.
+            answers: dict[socket.socket, bytes] = {}
+
+            def told() -> int:
+                for s in polls:
+                    if s not in answers:
+                        s.setblocking(False)
+                        try:
+                            answers[s] = s.recv(4096)
+                        except BlockingIOError:
+                            pass
+                return len(answers)
+
+            wait_until(lambda: told() >= len(polls) - 8, 60, 0.1, "B's long-polls past its bound")
+            assert all(head.startswith(b"HTTP/1.1 429") for head in answers.values()), \
+                {head[:100] for head in answers.values()}
+            assert 4 <= len(polls) - len(answers) <= 8, len(answers)
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_a_client_past_its_keys_bound_is_served_in_turn(redis_server, tmp_path):
+    """FarmClient takes the API's 429 for a key past its share of the threads as the
+    request not taken, and asks again: 16 long-polls of B at once (its bound: 8) are all
+    answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prorl_farm.trainer import FarmClient
+
+    with _deployed_api(redis_server, tmp_path) as (base, _):
+        farm = FarmClient(base, token=KEY_B, backoff_s=0.2)
+        batch = farm.submit("synthetic", [{"run_s": 0}])["batch_id"]
+        with ThreadPoolExecutor(16) as ex:
+            pages = list(ex.map(lambda _: FarmClient(base, token=KEY_B, backoff_s=0.2)
+                                .results(batch, wait_s=1.0), range(16)))
+    assert len(pages) == 16

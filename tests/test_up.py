@@ -97,7 +97,7 @@ def test_up_serves_jobs_restarts_pools_and_stops_clean(tmp_path):
         def flower_up() -> bool:  # Flower starts once the farm is ready
             try:
                 return requests.get(f"http://127.0.0.1:{flower_port}/", timeout=10).ok
-            except requests.ConnectionError:
+            except requests.RequestException:  # refused, or slow while it starts
                 return False
 
         wait_until(flower_up, 60, 0.25, "Flower")

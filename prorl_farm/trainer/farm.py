@@ -139,7 +139,10 @@ class FarmClient:
             if resp.status_code >= 400:
                 with resp:
                     error = _error(resp.status_code, resp)
-                    error.retry_ok = resp.status_code == 503  # the request was not taken
+                    # The request was not taken: the farm is not there (503), or this
+                    # key's share of the API's threads is in use (429 too_many_requests).
+                    error.retry_ok = resp.status_code == 503 or \
+                        error.code == "too_many_requests"
                     raise error
             if not binary:
                 return resp.json()
