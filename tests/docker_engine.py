@@ -63,6 +63,33 @@ def why_no_engine() -> str | None:
     return None
 
 
+def _stop_orphans(data: Path) -> None:
+    """Stop every ``dockerd`` serving ``data`` (one a killed run left running: its open
+    database would keep this run's engine from starting), SIGKILL after 30 s."""
+    def serving() -> list[int]:
+        out = []
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"dockerd") and b"--data-root" in argv and \
+                    argv[argv.index(b"--data-root") + 1:][:1] == [str(data).encode()]:
+                out.append(int(entry.name))
+        return out
+
+    pids = serving()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        try:
+            wait_until(lambda: not serving(), 30, 0.2, "a killed run's dockerd to stop")
+            return
+        except Exception:  # noqa: BLE001 - it did not stop: SIGKILL
+            continue
+
+
 class DockerEngine:
     """``dockerd`` with its socket, exec root and pid file in ``home``; its data root is the
     kept one (:func:`cache_dir`) where this run can lock it, else ``home/data``."""
@@ -72,6 +99,8 @@ class DockerEngine:
         self.home.mkdir(parents=True, exist_ok=True)
         self.cache, self._lock = self._take_cache()
         data = self.cache / "data" if self.cache else home / "data"
+        if self.cache:  # the lock is ours: a dockerd still on the data root is a killed run's
+            _stop_orphans(data)
         self.socket = home / "docker.sock"
         self.env = {**os.environ, "DOCKER_HOST": f"unix://{self.socket}"}
         self.log = home / "dockerd.log"
