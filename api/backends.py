@@ -75,13 +75,13 @@ def register():
         raise ApiError(422, "not_an_engine", f"url: {NOT_AN_ENGINE}", {"url": [NOT_AN_ENGINE]})
     if error and query["probe"] == "strict":
         raise ApiError(422, "backend_unhealthy", f"url: {error}", {"url": [error]})
-    return _claimed_registration(svc, spec, error), 201
+    return _stored_and_labelled(svc, spec, error), 201
 
 
-def _claimed_registration(svc, spec: BackendSpec, error: str | None) -> dict:
-    """Register ``spec`` (its engine claimed for its tenant: 409 ``engine_taken`` where
-    another tenant's backend reaches it, nothing stored or sent), then label the engine's
-    weights."""
+def _stored_and_labelled(svc, spec: BackendSpec, error: str | None) -> dict:
+    """Register ``spec`` (the registry claims its engine for its tenant: 409
+    ``engine_taken`` where another tenant's backend reaches it, nothing stored or sent),
+    then label the engine's weights."""
     if not spec.max_model_len and not error:
         spec = dataclasses.replace(spec, max_model_len=context_length(spec.url, spec.model)
                                    or 0)

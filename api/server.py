@@ -134,6 +134,9 @@ class Worker(TornadoWorker):
     (``PRORL_API_THREADS``) behind an HTTP server with read deadlines and the body limit."""
 
     def run(self):
+        # TornadoWorker.run, but for the server it makes: gunicorn's builds a bare
+        # WSGIContainer (the app on the event loop) and an HTTPServer with no limits, and
+        # offers no hook to change either.
         settings = load_settings()
         self.ioloop = IOLoop.current()
         self.alive, self.server_alive = True, False

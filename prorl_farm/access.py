@@ -8,9 +8,11 @@ and never the farm's own Redis.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -84,10 +86,21 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 OWN_PORT = "one of the farm's own ports (its API, Gym server, Flower or Redis)"
 
 
+# Seconds a reading of this host's addresses is used for (the check of every `gym`
+# instance's server and every backend registration reads them).
+LOCAL_ADDRESSES_S = 10.0
+
+
 def local_addresses() -> frozenset[Address]:
     """This host's own addresses, every interface's (Linux: the kernel's LOCAL routes and
     IPv6 addresses), and what its name resolves to: an engine on any of them (or on
-    loopback, or 0.0.0.0) is one listener, whichever of them a URL writes."""
+    loopback, or 0.0.0.0) is one listener, whichever of them a URL writes. Read again
+    every LOCAL_ADDRESSES_S."""
+    return _local_addresses(int(time.monotonic() // LOCAL_ADDRESSES_S))
+
+
+@functools.lru_cache(maxsize=2)
+def _local_addresses(_period: int) -> frozenset[Address]:
     found: set[Address] = set()
     try:
         lines = Path("/proc/net/fib_trie").read_text().splitlines()

@@ -85,10 +85,11 @@ class RedisHA:
 
     def _auth_lines(self, conf: Path, sentinel: bool) -> None:
         """The password's lines in ``conf`` (added to a file an earlier run wrote without
-        them), and the file 0600."""
+        them; one Redis or Sentinel rewrote keeps them in its own quoting), and the file
+        0600."""
         if self.password:
             text = conf.read_text()
-            if f"requirepass {self.password}" not in text:
+            if not any(line.split()[:1] == ["requirepass"] for line in text.splitlines()):
                 lines = [f"requirepass {self.password}"]
                 lines.append(f"sentinel auth-pass {SERVICE} {self.password}" if sentinel
                              else f"masterauth {self.password}")

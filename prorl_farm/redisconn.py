@@ -21,6 +21,8 @@ which redis-py turns into a connection error, retried the same way.
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -137,13 +139,23 @@ def endpoints(url: str | None) -> list[tuple[str, int]]:
     return [(parts.hostname or "127.0.0.1", parts.port or 6379)]
 
 
+# Seconds the sentinels' answer of a service's servers is used for (the check of every `gym`
+# instance's server and every backend registration reads it).
+SERVERS_KNOWN_S = 10.0
+
+
 def all_endpoints(url: str | None) -> list[tuple[str, int]]:
     """Every (host, port) the farm's Redis listens at: :func:`endpoints`, and for a
-    Sentinel service also its primary and replicas as the sentinels know them now (a
-    backend registration refuses each: prorl_farm/access.py)."""
-    out = endpoints(url)
+    Sentinel service also its primary and replicas as the sentinels know them (asked again
+    every SERVERS_KNOWN_S; a backend registration refuses each: prorl_farm/access.py)."""
     if not url or not parse(url).ha:
-        return out
+        return endpoints(url)
+    return list(_sentinel_service_endpoints(url, int(time.monotonic() // SERVERS_KNOWN_S)))
+
+
+@functools.lru_cache(maxsize=4)
+def _sentinel_service_endpoints(url: str, _period: int) -> tuple[tuple[str, int], ...]:
+    out = endpoints(url)
     target = parse(url)
     for host, port in target.sentinels:
         client = redis.Redis(host=host, port=port, password=target.sentinel_password,
@@ -163,7 +175,7 @@ def all_endpoints(url: str | None) -> list[tuple[str, int]]:
             fields = dict(zip(row[::2], row[1::2])) if isinstance(row, list) else row
             if fields.get("ip") and fields.get("port"):
                 out.append((fields["ip"], int(fields["port"])))
-    return sorted(set(out))
+    return tuple(sorted(set(out)))
 
 
 def retry(failover_s: float) -> Retry:

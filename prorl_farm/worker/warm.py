@@ -38,9 +38,10 @@ FILL_EVERY_S = 0.5
 
 
 def init_key(tenant: str, handler: str, instance: dict) -> str:
-    """The INIT key of a job: what its INIT makes depends on its handler and instance only;
-    its tenant's, too, so that a tenant's jobs take only sandboxes built for its own (one
-    tenant's warm hit would tell another that the same instance waits in its queue)."""
+    """The INIT key of a job: what its INIT makes depends on its handler and instance only,
+    and the key holds its tenant too, so that a tenant's jobs take only sandboxes built for
+    its own (one tenant's warm hit would tell another that the same instance waits in its
+    queue)."""
     raw = json.dumps([tenant, handler, instance], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
